@@ -1,0 +1,32 @@
+"""accept_head: SpecDec++ acceptance heads for adaptive, lossless speculative decoding with Hugging Face models."""
+
+from .bundle import SpecDecOutput, SpecDecPP
+from .calibration import Calibration
+from .decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate, verify
+from .head import AcceptanceHead, from_official_state_dict
+from .pairs import ModelSpec, check_same_tokenizer, load_model, load_tokenizer
+from .policies import FixedK, HeadThreshold, RoundState, StopPolicy
+from .sampling import SamplingConfig
+
+__all__ = [
+    "AcceptanceHead",
+    "Calibration",
+    "DecodeStats",
+    "FixedK",
+    "GenerationResult",
+    "HeadThreshold",
+    "ModelSpec",
+    "RoundState",
+    "SamplingConfig",
+    "SpecDecOutput",
+    "SpecDecPP",
+    "StopPolicy",
+    "autoregressive_generate",
+    "check_same_tokenizer",
+    "from_official_state_dict",
+    "load_model",
+    "load_tokenizer",
+    "speculative_generate",
+    "verify",
+]
+__version__ = "0.1.0"

@@ -28,3 +28,43 @@ def crop_cache(cache, length: int) -> None:
     if length == current:
         return
     cache.crop(length - current if _NEGATIVE_CROP else length)
+
+
+GQA_EAGER = "accept_head_gqa_eager"
+"""Name of an attention implementation registered with transformers' public ``AttentionInterface``."""
+
+
+def _gqa_eager_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, **kwargs):
+    """Eager attention that groups query heads onto their key/value head instead of copying K/V (``repeat_kv``).
+
+    query (B, H, Q, D), key/value (B, KV, S, D), additive or boolean mask (B, 1, Q, S). On CPU, batched decoding
+    with left padding spends most of its time in ``repeat_kv`` copies and in SDPA's flash kernel for Q = 1; this
+    computes the same attention with two batched matmuls. Returns (B, Q, H, D) like transformers' eager attention.
+    """
+    import torch
+
+    batch, heads, q_len, dim = query.shape
+    kv_heads, s_len = key.shape[1], key.shape[2]
+    rep = heads // kv_heads
+    q = query.reshape(batch, kv_heads, rep * q_len, dim)  # head h = kv * rep + r, as repeat_kv orders them
+    scores = torch.matmul(q, key.transpose(2, 3)).mul_(scaling).view(batch, kv_heads, rep, q_len, s_len)
+    if attention_mask is not None:
+        mask = attention_mask[:, :, None, :, :s_len]
+        if mask.dtype == torch.bool:
+            scores = scores.masked_fill(~mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + mask
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    out = torch.matmul(weights.view(batch, kv_heads, rep * q_len, s_len), value)
+    out = out.view(batch, heads, q_len, dim).transpose(1, 2).contiguous()
+    return out, None
+
+
+def register_gqa_eager() -> str:
+    """Register the grouped eager attention (idempotent) and return its name for ``attn_implementation=``."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import eager_mask
+
+    AttentionInterface.register(GQA_EAGER, _gqa_eager_attention)
+    AttentionMaskInterface.register(GQA_EAGER, eager_mask)
+    return GQA_EAGER

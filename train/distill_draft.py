@@ -127,10 +127,212 @@ def generate(cfg: DistillConfig) -> None:
             print(f"[generate] {path.name}: {n_tokens} tokens in {seconds:.1f}s ({n_tokens / seconds:.0f} tok/s)", flush=True)
 
 
+def _load_shards(work: Path, kind: str) -> list[dict]:
+    return [torch.load(p, weights_only=True) for p in sorted((work / "shards").glob(f"{kind}-*.pt"))]
+
+
+def _examples(shards: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """(prompt_ids, response_ids, topk_ids, topk_logprobs) per response, empty responses dropped."""
+    out = []
+    for shard in shards:
+        for p, r, ti, tl in zip(shard["prompt_ids"], shard["response_ids"], shard["topk_ids"], shard["topk_logprobs"]):
+            if len(r):
+                out.append((p.long(), r.long(), ti.long(), tl.float()))
+    return out
+
+
+def build_draft(target_config, arch: DraftArchitecture, target_embedding: torch.Tensor | None = None):
+    """A Llama draft with the target's vocabulary and special tokens; embeddings from an SVD projection of the
+    target's (E_draft = E_target V_d, the best rank-d approximation seen through the draft's width)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=target_config.vocab_size,
+        hidden_size=arch.hidden_size,
+        intermediate_size=arch.intermediate_size,
+        num_hidden_layers=arch.num_layers,
+        num_attention_heads=arch.num_heads,
+        num_key_value_heads=arch.num_heads,
+        head_dim=arch.hidden_size // arch.num_heads,
+        max_position_embeddings=target_config.max_position_embeddings,
+        rms_norm_eps=target_config.rms_norm_eps,
+        rope_parameters=getattr(target_config, "rope_parameters", None),
+        tie_word_embeddings=True,
+        bos_token_id=target_config.bos_token_id,
+        eos_token_id=target_config.eos_token_id,
+        pad_token_id=target_config.pad_token_id,
+    )
+    draft = LlamaForCausalLM(config)
+    if target_embedding is not None:
+        emb = target_embedding.float()
+        _, _, v = torch.linalg.svd(emb[: min(len(emb), 16384)], full_matrices=False)
+        with torch.no_grad():
+            draft.get_input_embeddings().weight.copy_(emb @ v[: arch.hidden_size].T)
+    return draft
+
+
+def _batches(examples, batch_tokens: int, generator: torch.Generator):
+    order = torch.randperm(len(examples), generator=generator).tolist()
+    batch, n = [], 0
+    for i in order:
+        batch.append(examples[i])
+        n += len(examples[i][1])
+        if n >= batch_tokens:
+            yield batch
+            batch, n = [], 0
+    if batch:
+        yield batch
+
+
+def distill_loss(draft, batch, pad_token_id: int) -> tuple[torch.Tensor, int]:
+    """Cross-entropy of the draft against the target's distribution at every response position.
+
+    The target's top-k probabilities are matched directly; the remaining mass 1 − Σ top-k goes to the token the
+    target actually sampled (an unbiased one-sample estimate of the tail), so the loss estimates E_p[−log q].
+    """
+    seqs = [torch.cat([p, r]) for p, r, _, _ in batch]
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(seqs), width), dtype=torch.long)
+    for row, s in enumerate(seqs):
+        ids[row, : len(s)] = s
+        mask[row, : len(s)] = 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
+    rows, cols = [], []
+    for row, (p, r, _, _) in enumerate(batch):
+        rows.append(torch.full((len(r),), row))
+        cols.append(torch.arange(len(p) - 1, len(p) + len(r) - 1))
+    h = hidden[torch.cat(rows), torch.cat(cols)]  # (N, d): states predicting each response token
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logits = draft.lm_head(h)
+    logq = logits.float().log_softmax(-1)
+    topk_ids = torch.cat([b[2] for b in batch])
+    topk_p = torch.cat([b[3] for b in batch]).exp()
+    sampled = torch.cat([b[1] for b in batch])
+    tail = (1 - topk_p.sum(-1)).clamp(min=0)
+    loss = -(topk_p * logq.gather(1, topk_ids)).sum(-1) - tail * logq.gather(1, sampled[:, None]).squeeze(1)
+    return loss.mean(), len(sampled)
+
+
+@torch.inference_mode()
+def acceptance_metrics(draft, target_probs: list[torch.Tensor], examples) -> dict:
+    """Mean Σ_x min(p, q) (expected acceptance at temperature 1) and greedy agreement over response positions."""
+    overlap, agree, n = 0.0, 0, 0
+    for probs, (p_ids, r_ids, _, _) in zip(target_probs, examples):
+        seq = torch.cat([p_ids, r_ids])[None]
+        logits = draft(input_ids=seq).logits[0, len(p_ids) - 1 : len(p_ids) + len(r_ids) - 1].float()
+        q = logits.softmax(-1)
+        p = probs.float()
+        overlap += float(torch.minimum(p, q).sum())
+        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        n += len(r_ids)
+    return {"expected_accept": overlap / n, "greedy_agreement": agree / n, "positions": n}
+
+
+@torch.inference_mode()
+def target_distributions(target, examples) -> list[torch.Tensor]:
+    """Exact target distributions (bf16, (R, V) each) at every response position of the eval examples."""
+    out = []
+    for p_ids, r_ids, _, _ in examples:
+        seq = torch.cat([p_ids, r_ids])[None]
+        logits = target(input_ids=seq).logits[0, len(p_ids) - 1 : len(p_ids) + len(r_ids) - 1]
+        out.append(logits.float().softmax(-1).to(torch.bfloat16))
+    return out
+
+
+def fit(cfg: DistillConfig) -> None:
+    """Stage 2: train the draft on the shards present (re-listed every pass, so it can run beside ``generate``)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    work = _work(cfg)
+    target = load_model(cfg.target)
+    tokenizer = load_tokenizer(cfg.target)
+    eval_examples = _examples(_load_shards(work, "eval"))
+    if not eval_examples:
+        raise FileNotFoundError(f"No eval shards under {work / 'shards'}: run the generate stage first.")
+    target_probs = target_distributions(target, eval_examples)
+    generator = torch.Generator().manual_seed(cfg.seed)
+    torch.manual_seed(cfg.seed)
+    draft = build_draft(target.config, cfg.architecture, target.get_input_embeddings().weight.detach())
+    del target
+    draft.train()
+    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    total_steps = max(1, cfg.train_tokens // cfg.batch_tokens)
+    schedule = torch.optim.lr_scheduler.LambdaLR(
+        optimizer,
+        lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
+        * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))),
+    )
+    ckpt_path = work / "fit_state.pt"
+    state = {"step": 0, "tokens": 0, "next_eval": 0, "curve": []}
+    if ckpt_path.exists():
+        saved = torch.load(ckpt_path, weights_only=True)
+        draft.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        schedule.load_state_dict(saved["schedule"])
+        generator.set_state(saved["generator"])
+        state = saved["state"]
+        print(f"[fit] resumed at step {state['step']} ({state['tokens']} tokens)", flush=True)
+    curve_path = work / "learning_curve.jsonl"
+    start = time.perf_counter()
+    while state["tokens"] < cfg.train_tokens:
+        examples = _examples(_load_shards(work, "train"))
+        pool = sum(len(e[1]) for e in examples)
+        for batch in _batches(examples, cfg.batch_tokens, generator):
+            if state["tokens"] >= state["next_eval"]:
+                draft.eval()
+                metrics = acceptance_metrics(draft, target_probs, eval_examples)
+                draft.train()
+                row = {"train_tokens": state["tokens"], "distinct_tokens": pool, "step": state["step"], **metrics}
+                state["curve"].append(row)
+                with curve_path.open("a") as f:
+                    f.write(json.dumps(row) + "\n")
+                print(f"[fit] eval {row}", flush=True)
+                state["next_eval"] += cfg.eval_every_tokens
+            loss, n = distill_loss(draft, batch, tokenizer.pad_token_id)
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
+            optimizer.step()
+            schedule.step()
+            state["step"] += 1
+            state["tokens"] += n
+            if state["step"] % 20 == 0:
+                rate = state["tokens"] / max(time.perf_counter() - start, 1e-9)
+                print(f"[fit] step {state['step']} tokens {state['tokens']} loss {loss.item():.3f} "
+                      f"pool {pool} ({rate:.0f} tok/s since start)", flush=True)
+            if state["step"] % 100 == 0:
+                _save_atomic(
+                    {"model": draft.state_dict(), "optimizer": optimizer.state_dict(),
+                     "schedule": schedule.state_dict(), "generator": generator.get_state(), "state": state},
+                    ckpt_path,
+                )
+            if state["tokens"] >= cfg.train_tokens:
+                break
+    draft.eval()
+    metrics = acceptance_metrics(draft, target_probs, eval_examples)
+    row = {"train_tokens": state["tokens"], "distinct_tokens": pool, "step": state["step"], **metrics}
+    with curve_path.open("a") as f:
+        f.write(json.dumps(row) + "\n")
+    print(f"[fit] final {row}", flush=True)
+    out = Path(cfg.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    draft.to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "distill_meta.json").write_text(json.dumps(
+        {"config": _jsonable(cfg), "final": row, "curve": state["curve"] + [row]}, indent=2, sort_keys=True) + "\n")
+    print(f"[fit] saved {out}", flush=True)
+
+
+def _jsonable(cfg: DistillConfig) -> dict:
+    return json.loads(json.dumps(asdict(cfg), default=str))
+
+
 def main() -> None:
     from jsonargparse import CLI
 
-    CLI({"generate": generate}, as_positional=False)
+    CLI({"generate": generate, "fit": fit}, as_positional=False)
 
 
 if __name__ == "__main__":

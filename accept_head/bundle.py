@@ -1,0 +1,318 @@
+"""``SpecDecPP``: a target, a draft, a trained acceptance head and its threshold, saved and loaded as one folder.
+
+Layout (``save_pretrained`` / ``from_pretrained`` are exact inverses)::
+
+    bundle/
+      config.json        # sorted keys, format_version, target/draft specs, head config, threshold, min/max
+                         # candidates, sampling temperature the head was trained for, calibration, cost model,
+                         # provenance
+      head.safetensors   # the head's weights
+      README.md          # model card (optional, written by training)
+
+Relative model paths in ``config.json`` are resolved against the bundle folder, so a bundle can be moved together
+with its draft.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from .calibration import Calibration
+from .decoding import DecodeStats, speculative_generate
+from .head import HEAD_WEIGHTS, AcceptanceHead
+from .pairs import ModelSpec, check_same_tokenizer, load_model, load_tokenizer
+from .policies import HeadThreshold
+from .prompts import chat_prompt_ids
+
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+KNOWN_KEYS = {
+    "format_version",
+    "target",
+    "draft",
+    "head",
+    "threshold",
+    "min_candidates",
+    "max_candidates",
+    "temperature",
+    "calibration",
+    "cost_model",
+    "provenance",
+}
+
+
+@dataclass
+class SpecDecOutput:
+    """What :meth:`SpecDecPP.generate` returns."""
+
+    text: str | None
+    """The generated continuation, decoded (None when no tokenizer is known)."""
+    sequences: torch.Tensor
+    """(1, prompt_len + new_tokens) LongTensor."""
+    new_token_ids: list[int]
+    stats: DecodeStats
+
+
+def _spec_to_config(spec: ModelSpec | None, folder: Path) -> dict | None:
+    if spec is None:
+        return None
+    out = spec.to_dict()
+    path = Path(spec.path)
+    if path.is_absolute() and path.exists():
+        try:  # keep paths inside (or next to) the bundle relative, so the folder can move
+            out["path"] = str(path.relative_to(folder.resolve()))
+        except ValueError:
+            pass
+    return out
+
+
+def _spec_from_config(raw: dict | None, folder: Path) -> ModelSpec | None:
+    if raw is None:
+        return None
+    spec = ModelSpec(**raw)
+    if not spec.path.startswith(("package:", "hf:")) and not Path(spec.path).is_absolute():
+        candidate = folder / spec.path
+        if candidate.exists():
+            spec.path = str(candidate.resolve())
+    return spec
+
+
+class SpecDecPP:
+    """Adaptive, lossless speculative decoding with a trained acceptance head (SpecDec++).
+
+    Build it from loaded models (``SpecDecPP(target=..., draft=..., head=..., threshold=0.7)``) or from a bundle
+    folder (``SpecDecPP.from_pretrained("checkpoints/smollm2-135m-specdecpp")``).
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        draft: torch.nn.Module,
+        head: AcceptanceHead,
+        threshold: float,
+        tokenizer=None,
+        min_candidates: int = 2,
+        max_candidates: int = 20,
+        temperature: float = 1.0,
+        calibration: Calibration | None = None,
+        cost_model: dict | None = None,
+        provenance: dict | None = None,
+        target_spec: ModelSpec | None = None,
+        draft_spec: ModelSpec | None = None,
+    ) -> None:
+        if head.hidden_size != draft.config.hidden_size:
+            raise ValueError(
+                f"head hidden_size={head.hidden_size} != draft hidden_size={draft.config.hidden_size}: "
+                "the head must be trained on this draft's hidden states."
+            )
+        if target.config.vocab_size != draft.config.vocab_size:
+            raise ValueError(
+                f"target vocab_size={target.config.vocab_size} != draft vocab_size={draft.config.vocab_size}."
+            )
+        # Validates threshold and candidate bounds with the same messages as the policy.
+        HeadThreshold(head, threshold, min_candidates, max_candidates)
+        self.target, self.draft, self.head, self.tokenizer = target, draft, head.eval(), tokenizer
+        self.threshold = float(threshold)
+        self.min_candidates, self.max_candidates = min_candidates, max_candidates
+        self.temperature = temperature
+        self.calibration = calibration
+        self.cost_model = cost_model
+        self.provenance = provenance or {}
+        self.target_spec, self.draft_spec = target_spec, draft_spec
+
+    def policy(self, threshold: float | None = None) -> HeadThreshold:
+        """The stop policy this bundle decodes with (``threshold`` overrides the stored h*)."""
+        return HeadThreshold(
+            self.head,
+            self.threshold if threshold is None else threshold,
+            self.min_candidates,
+            self.max_candidates,
+            calibration=self.calibration,
+        )
+
+    def encode(self, prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:
+        """Token ids for a string (chat template applied when the tokenizer has one), chat messages, or ids."""
+        if isinstance(prompt, torch.Tensor):
+            return prompt.reshape(-1).tolist() if prompt.ndim <= 1 or prompt.shape[0] == 1 else self._batch_error()
+        if isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict)):
+            if self.tokenizer is None:
+                raise ValueError("This SpecDecPP has no tokenizer: pass token ids or build it with tokenizer=...")
+            if isinstance(prompt, str):
+                return chat_prompt_ids(self.tokenizer, prompt)
+            ids = self.tokenizer.apply_chat_template(
+                list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            return list(ids)
+        if isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Sequence):
+            self._batch_error()
+        return [int(t) for t in prompt]
+
+    @staticmethod
+    def _batch_error():
+        raise NotImplementedError("SpecDecPP.generate handles one prompt at a time (batch size 1).")
+
+    def generate(
+        self,
+        prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor,
+        max_new_tokens: int = 128,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        threshold: float | None = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> SpecDecOutput:
+        """Generate a continuation of ``prompt`` (a string, chat messages, or token ids).
+
+        ``temperature`` defaults to the one the head was trained for; ``temperature=0`` is greedy.
+        """
+        ids = self.encode(prompt)
+        if generator is None:
+            generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**63)
+        eos = None
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            eos = self.tokenizer.eos_token_id
+        elif getattr(self.target, "generation_config", None) is not None:
+            eos = self.target.generation_config.eos_token_id
+        result = speculative_generate(
+            self.target,
+            self.draft,
+            torch.tensor([ids]),
+            self.policy(threshold),
+            max_new_tokens=max_new_tokens,
+            temperature=self.temperature if temperature is None else temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos,
+            generator=generator,
+        )
+        new = result.sequences[0, len(ids) :].tolist()
+        text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None
+        return SpecDecOutput(text=text, sequences=result.sequences, new_token_ids=new, stats=result.stats)
+
+    # ---- persistence -------------------------------------------------------------------------------------------
+
+    def to_config(self, folder: Path) -> dict:
+        return {
+            "format_version": FORMAT_VERSION,
+            "target": _spec_to_config(self.target_spec, folder),
+            "draft": _spec_to_config(self.draft_spec, folder),
+            "head": self.head.config,
+            "threshold": self.threshold,
+            "min_candidates": self.min_candidates,
+            "max_candidates": self.max_candidates,
+            "temperature": self.temperature,
+            "calibration": self.calibration.to_dict() if self.calibration is not None else None,
+            "cost_model": self.cost_model,
+            "provenance": self.provenance,
+        }
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write ``config.json`` and ``head.safetensors`` (models are referenced by their specs, not copied)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        config = self.to_config(folder)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.head.state_dict().items()}
+        tmp_weights, tmp_config = folder / (HEAD_WEIGHTS + ".tmp"), folder / (CONFIG_NAME + ".tmp")
+        save_file(state, str(tmp_weights), metadata={"format": "pt"})
+        tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tmp_weights.replace(folder / HEAD_WEIGHTS)
+        tmp_config.replace(folder / CONFIG_NAME)
+
+    @staticmethod
+    def read_config(folder: str | Path) -> dict:
+        """Read and validate a bundle's ``config.json`` (unknown keys warn, unknown versions raise)."""
+        folder = Path(folder)
+        path = folder / CONFIG_NAME
+        if not folder.is_dir():
+            raise FileNotFoundError(f"Bundle folder {folder} does not exist.")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: {folder} is not a SpecDecPP bundle.")
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); re-export the bundle.") from err
+        if not isinstance(config, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}.")
+        version = config.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"{path} has format_version={version!r}; this version of accept_head reads format_version="
+                f"{FORMAT_VERSION}. Upgrade accept_head or re-export the bundle."
+            )
+        unknown = sorted(set(config) - KNOWN_KEYS)
+        if unknown:
+            warnings.warn(f"{path}: ignoring unknown keys {unknown}", stacklevel=2)
+        for key in ("head", "threshold"):
+            if key not in config:
+                raise ValueError(f"{path} lacks the required key {key!r}.")
+        return config
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        folder: str | Path,
+        target: torch.nn.Module | None = None,
+        draft: torch.nn.Module | None = None,
+        tokenizer: Any = None,
+        device: str | None = None,
+        dtype: str | None = None,
+    ) -> SpecDecPP:
+        """Load a bundle. Models are loaded from the stored specs unless passed in (``device``/``dtype`` override
+        the specs)."""
+        folder = Path(folder)
+        config = cls.read_config(folder)
+        weights = folder / HEAD_WEIGHTS
+        if not weights.is_file():
+            raise FileNotFoundError(f"{weights} is missing: the bundle has no head weights.")
+        head_cfg = config["head"]
+        head = AcceptanceHead(int(head_cfg["hidden_size"]), int(head_cfg["depth"]))
+        try:
+            state = load_file(str(weights))
+        except Exception as err:
+            raise ValueError(f"{weights} is not a readable safetensors file ({err}); re-export the bundle.") from err
+        head.load_state_dict(state)
+        target_spec = _spec_from_config(config.get("target"), folder)
+        draft_spec = _spec_from_config(config.get("draft"), folder)
+        for spec in (target_spec, draft_spec):
+            if spec is not None:
+                spec.device = device or spec.device
+                spec.dtype = dtype or spec.dtype
+        if target is None:
+            if target_spec is None:
+                raise ValueError(f"{folder / CONFIG_NAME} names no target model; pass target=... explicitly.")
+            target = load_model(target_spec)
+        if draft is None:
+            if draft_spec is None:
+                raise ValueError(f"{folder / CONFIG_NAME} names no draft model; pass draft=... explicitly.")
+            draft = load_model(draft_spec)
+        if tokenizer is None and target_spec is not None:
+            tokenizer = load_tokenizer(target_spec)
+            if draft_spec is not None:
+                check_same_tokenizer(tokenizer, load_tokenizer(draft_spec), target_spec.path, draft_spec.path)
+        head = head.to(next(draft.parameters()).device)
+        calibration = Calibration.from_dict(config["calibration"]) if config.get("calibration") else None
+        return cls(
+            target=target,
+            draft=draft,
+            head=head,
+            threshold=config["threshold"],
+            tokenizer=tokenizer,
+            min_candidates=config.get("min_candidates", 2),
+            max_candidates=config.get("max_candidates", 20),
+            temperature=config.get("temperature", 1.0),
+            calibration=calibration,
+            cost_model=copy.deepcopy(config.get("cost_model")),
+            provenance=config.get("provenance") or {},
+            target_spec=target_spec,
+            draft_spec=draft_spec,
+        )
