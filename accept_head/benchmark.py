@@ -1,0 +1,105 @@
+"""Run decoders over prompt sets and aggregate their statistics — shared by the threshold sweep and ``eval``."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .cost_model import CostModel
+from .decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate
+from .policies import StopPolicy
+
+
+@dataclass
+class PolicyResult:
+    """Aggregate of one policy over a prompt set (sums over prompts, then ratios)."""
+
+    name: str
+    generated: int
+    target_calls: int
+    draft_calls: int
+    discarded: int
+    rounds: int
+    seconds: float
+    verification_rate: float
+    discard_rate: float
+    mean_accepted: float
+    mean_proposed: float
+    tokens_per_second: float
+    modeled_tokens_per_second: float | None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def aggregate(name: str, stats: Sequence[DecodeStats], cost_model: CostModel | None = None) -> PolicyResult:
+    generated = sum(s.generated for s in stats)
+    target_calls = sum(s.target_calls for s in stats)
+    draft_calls = sum(s.draft_calls for s in stats)
+    discarded = sum(s.discarded for s in stats)
+    proposed = [k for s in stats for k in s.proposed]
+    accepted = [a for s in stats for a in s.accepted]
+    seconds = sum(s.total_time for s in stats)
+    if cost_model is None:
+        modeled = None
+    elif proposed:
+        modeled = cost_model.modeled_tokens_per_second(generated, draft_calls, proposed)
+    else:  # autoregressive: one target call per token, no draft
+        modeled = generated / (target_calls * cost_model.t_target(0)) if target_calls else 0.0
+    return PolicyResult(
+        name=name,
+        generated=generated,
+        target_calls=target_calls,
+        draft_calls=draft_calls,
+        discarded=discarded,
+        rounds=len(proposed),
+        seconds=seconds,
+        verification_rate=target_calls / max(generated, 1),
+        discard_rate=discarded / max(generated, 1),
+        mean_accepted=sum(accepted) / max(len(accepted), 1),
+        mean_proposed=sum(proposed) / max(len(proposed), 1),
+        tokens_per_second=generated / seconds if seconds > 0 else 0.0,
+        modeled_tokens_per_second=modeled,
+    )
+
+
+Decoder = Callable[[torch.Tensor, torch.Generator], GenerationResult]
+
+
+def speculative_decoder(
+    target, draft, policy: StopPolicy, max_new_tokens: int, eos_token_id, temperature: float = 1.0, **sampling
+) -> Decoder:
+    def run(ids: torch.Tensor, generator: torch.Generator) -> GenerationResult:
+        return speculative_generate(
+            target,
+            draft,
+            ids,
+            policy,
+            max_new_tokens,
+            temperature,
+            eos_token_id=eos_token_id,
+            generator=generator,
+            **sampling,
+        )
+
+    return run
+
+
+def autoregressive_decoder(target, max_new_tokens: int, eos_token_id, temperature: float = 1.0, **sampling) -> Decoder:
+    def run(ids: torch.Tensor, generator: torch.Generator) -> GenerationResult:
+        return autoregressive_generate(
+            target, ids, max_new_tokens, temperature, eos_token_id=eos_token_id, generator=generator, **sampling
+        )
+
+    return run
+
+
+def run_prompts(decoder: Decoder, prompts: Sequence[Sequence[int]], seed: int = 0) -> list[DecodeStats]:
+    """Decode every prompt (batch size 1) with a per-prompt seeded generator; return each prompt's stats."""
+    out = []
+    for i, ids in enumerate(prompts):
+        generator = torch.Generator().manual_seed(seed * 1_000_003 + i)
+        out.append(decoder(torch.tensor([list(ids)]), generator).stats)
+    return out

@@ -1,0 +1,146 @@
+"""The cost model of speculative decoding (SpecDec++ §2, eq. 2.1–2.3) and its measurement on this machine.
+
+Total time T = t_draft · N_draft + Σ_rounds t_target(K_r). With a constant t_target this is eq. 2.3 per generated
+token: latency = t_draft + t_draft · N_discarded/N + (t_target − t_draft) · N_target/N. Where verifying K
+candidates costs more than one token (CPU fp32, large batches) t_target grows with K: t_target(K) = a + b·K.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ._hf_compat import crop_cache
+
+
+@dataclass
+class CostModel:
+    """Seconds per draft step (head included) and per target call verifying K candidates: a + b·K."""
+
+    t_draft: float
+    t_target_a: float
+    t_target_b: float = 0.0
+    r2: float | None = None
+    """R² of the linear fit of t_target(K), when measured."""
+    measured: dict = field(default_factory=dict)
+    """Raw medians/min/max per K, when measured."""
+
+    def __post_init__(self) -> None:
+        if self.t_draft < 0 or self.t_target_a <= 0:
+            raise ValueError(
+                f"cost model needs t_draft >= 0 and t_target_a > 0, got {self.t_draft}, {self.t_target_a}."
+            )
+
+    def t_target(self, k: int | float) -> float:
+        return self.t_target_a + self.t_target_b * k
+
+    def modeled_time(self, draft_calls: int, proposed: Sequence[int]) -> float:
+        """Eq. 2.1 with t_target(K): seconds the counted passes cost under this model."""
+        return self.t_draft * draft_calls + sum(self.t_target(k) for k in proposed)
+
+    def modeled_tokens_per_second(self, generated: int, draft_calls: int, proposed: Sequence[int]) -> float:
+        seconds = self.modeled_time(draft_calls, proposed)
+        return generated / seconds if seconds > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> CostModel:
+        return cls(**raw)
+
+
+def latency_per_token(t_draft: float, t_target: float, verification_rate: float, discard_rate: float) -> float:
+    """Eq. 2.3: t_draft + t_draft · N_discarded/N + (t_target − t_draft) · N_target/N (seconds per token)."""
+    return t_draft + t_draft * discard_rate + (t_target - t_draft) * verification_rate
+
+
+def fit_linear(ks: Sequence[float], times: Sequence[float]) -> tuple[float, float, float]:
+    """Least-squares fit times ≈ a + b·k; returns (a, b, R²)."""
+    x = torch.tensor(ks, dtype=torch.float64)
+    y = torch.tensor(times, dtype=torch.float64)
+    design = torch.stack([torch.ones_like(x), x], dim=1)
+    coef = torch.linalg.lstsq(design, y[:, None]).solution[:, 0]
+    pred = design @ coef
+    ss_res = float(((y - pred) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    return float(coef[0]), float(coef[1]), r2
+
+
+def _timed(fn, repeats: int, warmup: int) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - start)
+    return out
+
+
+@torch.inference_mode()
+def measure_costs(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    head: torch.nn.Module | None = None,
+    ks: Sequence[int] = tuple(range(1, 21)),
+    context: int = 128,
+    repeats: int = 15,
+    warmup: int = 3,
+    seed: int = 0,
+) -> CostModel:
+    """Measure t_draft (one cached draft step, plus the head when given) and t_target(K) for each K on this machine.
+
+    Each timing is a median over ``repeats`` after ``warmup`` runs, on a cache holding ``context`` tokens that is
+    cropped back after every call, exactly as the decoder does.
+    """
+    device = next(target.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    vocab = target.config.vocab_size
+    prefix = torch.randint(0, vocab, (1, context), generator=gen).to(device)
+    one = prefix[:, :1]
+
+    draft_cache = DynamicCache()
+    draft(input_ids=prefix, past_key_values=draft_cache, use_cache=True, logits_to_keep=1)
+    captured = {}
+    hook = draft.get_output_embeddings().register_forward_pre_hook(lambda m, a: captured.__setitem__("h", a[0]))
+
+    def draft_step():
+        draft(input_ids=one, past_key_values=draft_cache, use_cache=True, logits_to_keep=1)
+        crop_cache(draft_cache, context)
+
+    def head_step():
+        head.accept_prob(captured["h"][0, -1][None, :])
+
+    try:
+        draft_times = _timed(draft_step, repeats, warmup)
+        head_times = _timed(head_step, repeats, warmup) if head is not None else [0.0]
+    finally:
+        hook.remove()
+    target_cache = DynamicCache()
+    target(input_ids=prefix, past_key_values=target_cache, use_cache=True, logits_to_keep=1)
+    measured: dict = {"draft": _summary(draft_times), "head": _summary(head_times), "target": {}}
+    medians = []
+    for k in ks:
+        ids = torch.randint(0, vocab, (1, k + 1), generator=gen).to(device)
+
+        def target_step(ids=ids):
+            target(input_ids=ids, past_key_values=target_cache, use_cache=True)
+            crop_cache(target_cache, context)
+
+        times = _timed(target_step, repeats, warmup)
+        measured["target"][int(k)] = _summary(times)
+        medians.append(statistics.median(times))
+    a, b, r2 = fit_linear(list(ks), medians)
+    t_draft = statistics.median(draft_times) + statistics.median(head_times)
+    return CostModel(t_draft=t_draft, t_target_a=max(a, 1e-9), t_target_b=b, r2=r2, measured=measured)
+
+
+def _summary(times: Sequence[float]) -> dict:
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times)}
