@@ -289,6 +289,7 @@ def fit(cfg: DistillConfig) -> None:
                 with curve_path.open("a") as f:
                     f.write(json.dumps(row) + "\n")
                 print(f"[fit] eval {row}", flush=True)
+                _save_draft(draft, tokenizer, work / "latest_draft", row)
                 state["next_eval"] += cfg.eval_every_tokens
             loss, n = distill_loss(draft, batch, tokenizer.pad_token_id)
             optimizer.zero_grad(set_to_none=True)
@@ -323,6 +324,15 @@ def fit(cfg: DistillConfig) -> None:
     (out / "distill_meta.json").write_text(json.dumps(
         {"config": _jsonable(cfg), "final": row, "curve": state["curve"] + [row]}, indent=2, sort_keys=True) + "\n")
     print(f"[fit] saved {out}", flush=True)
+
+
+def _save_draft(draft, tokenizer, folder: Path, row: dict) -> None:
+    """Save a bf16 copy of the draft being trained (the training copy stays fp32)."""
+    import copy
+
+    copy.deepcopy(draft).to(torch.bfloat16).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    (folder / "eval.json").write_text(json.dumps(row, indent=2) + "\n")
 
 
 def _jsonable(cfg: DistillConfig) -> dict:
