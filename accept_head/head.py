@@ -55,6 +55,17 @@ class AcceptanceHead(nn.Module):
         """sigmoid(logits): the predicted acceptance probability, (..., hidden_size) → (...)."""
         return torch.sigmoid(self.forward(hidden))
 
+    def accept_prob_one(self, hidden: torch.Tensor) -> float:
+        """Fast path for decoding: one hidden state (hidden_size,) → its acceptance probability as a float.
+
+        Same maths as :meth:`accept_prob`, written with matrix-vector kernels because the decoder calls it once per
+        drafted token and Python/kernel-launch overhead, not arithmetic, dominates at this size.
+        """
+        x = hidden.reshape(-1).to(self.out.weight.dtype)
+        for block in self.blocks:
+            x = x + nn.functional.silu(torch.addmv(block.linear.bias, block.linear.weight, x))
+        return float(torch.sigmoid(torch.dot(self.out.weight[0], x) + self.out.bias[0]))
+
     @property
     def config(self) -> dict:
         return {"hidden_size": self.hidden_size, "depth": self.depth}

@@ -114,9 +114,9 @@ class HeadThreshold(StopPolicy):
         self.max_candidates = max_candidates
         self.calibration = calibration
 
-    @torch.inference_mode()
     def score(self, hidden: torch.Tensor) -> float:
-        prob = float(self.head.accept_prob(hidden.reshape(-1)[None, :])[0])
+        with torch.inference_mode():
+            prob = self.head.accept_prob_one(hidden)
         if self.calibration is not None:
             prob = float(self.calibration(prob))
         return prob
