@@ -124,7 +124,10 @@ def generate(cfg: DistillConfig) -> None:
                 },
                 path,
             )
-            print(f"[generate] {path.name}: {n_tokens} tokens in {seconds:.1f}s ({n_tokens / seconds:.0f} tok/s)", flush=True)
+            print(
+                f"[generate] {path.name}: {n_tokens} tokens in {seconds:.1f}s ({n_tokens / seconds:.0f} tok/s)",
+                flush=True,
+            )
 
 
 def _load_shards(work: Path, kind: str) -> list[dict]:
@@ -261,8 +264,10 @@ def fit(cfg: DistillConfig) -> None:
     total_steps = max(1, cfg.train_tokens // cfg.batch_tokens)
     schedule = torch.optim.lr_scheduler.LambdaLR(
         optimizer,
-        lambda s: min(1.0, (s + 1) / cfg.warmup_steps)
-        * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps))),
+        lambda s: (
+            min(1.0, (s + 1) / cfg.warmup_steps)
+            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
+        ),
     )
     ckpt_path = work / "fit_state.pt"
     state = {"step": 0, "tokens": 0, "next_eval": 0, "curve": []}
@@ -301,12 +306,20 @@ def fit(cfg: DistillConfig) -> None:
             state["tokens"] += n
             if state["step"] % 20 == 0:
                 rate = state["tokens"] / max(time.perf_counter() - start, 1e-9)
-                print(f"[fit] step {state['step']} tokens {state['tokens']} loss {loss.item():.3f} "
-                      f"pool {pool} ({rate:.0f} tok/s since start)", flush=True)
+                print(
+                    f"[fit] step {state['step']} tokens {state['tokens']} loss {loss.item():.3f} "
+                    f"pool {pool} ({rate:.0f} tok/s since start)",
+                    flush=True,
+                )
             if state["step"] % 100 == 0:
                 _save_atomic(
-                    {"model": draft.state_dict(), "optimizer": optimizer.state_dict(),
-                     "schedule": schedule.state_dict(), "generator": generator.get_state(), "state": state},
+                    {
+                        "model": draft.state_dict(),
+                        "optimizer": optimizer.state_dict(),
+                        "schedule": schedule.state_dict(),
+                        "generator": generator.get_state(),
+                        "state": state,
+                    },
                     ckpt_path,
                 )
             if state["tokens"] >= cfg.train_tokens:
@@ -321,8 +334,10 @@ def fit(cfg: DistillConfig) -> None:
     out.mkdir(parents=True, exist_ok=True)
     draft.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    (out / "distill_meta.json").write_text(json.dumps(
-        {"config": _jsonable(cfg), "final": row, "curve": state["curve"] + [row]}, indent=2, sort_keys=True) + "\n")
+    (out / "distill_meta.json").write_text(
+        json.dumps({"config": _jsonable(cfg), "final": row, "curve": state["curve"] + [row]}, indent=2, sort_keys=True)
+        + "\n"
+    )
     print(f"[fit] saved {out}", flush=True)
 
 
@@ -339,10 +354,80 @@ def _jsonable(cfg: DistillConfig) -> dict:
     return json.loads(json.dumps(asdict(cfg), default=str))
 
 
+def _step_times(model, context: torch.Tensor, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` single-token forwards on a KV cache holding ``context`` (cropped back each time)."""
+    from transformers import DynamicCache
+
+    from accept_head._hf_compat import crop_cache
+
+    cache = DynamicCache()
+    model(input_ids=context, past_key_values=cache, use_cache=True, logits_to_keep=1)
+    one = context[:, -1:]
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        model(input_ids=one, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        times.append(time.perf_counter() - start)
+        crop_cache(cache, context.shape[1])
+    return times
+
+
+@torch.inference_mode()
+def evaluate(cfg: DistillConfig, draft_dir: str | None = None, rounds: int = 7, steps: int = 30) -> dict:
+    """Stage 3: acceptance metrics per eval source (exact target distributions), size on disk, and the single-token
+    forward time of draft vs target (same dtype, interleaved rounds, medians). Writes ``eval.json`` in the draft
+    folder and returns it."""
+    import statistics
+
+    from transformers import AutoModelForCausalLM
+
+    work = _work(cfg)
+    folder = Path(draft_dir or cfg.output_dir)
+    target = load_model(cfg.target)
+    draft = AutoModelForCausalLM.from_pretrained(folder, dtype=cfg.target.torch_dtype).eval()
+    shards = _load_shards(work, "eval")
+    groups: dict[str, list] = {}
+    for shard in shards:
+        for pid, p, r, ti, tl in zip(
+            shard["prompt_id"], shard["prompt_ids"], shard["response_ids"], shard["topk_ids"], shard["topk_logprobs"]
+        ):
+            if len(r):
+                source = "humaneval" if pid.startswith("humaneval") else "instructions (eval split)"
+                groups.setdefault(source, []).append((p.long(), r.long(), ti.long(), tl.float()))
+    result: dict = {"acceptance": {}}
+    for name, examples in groups.items():
+        probs = target_distributions(target, examples)
+        result["acceptance"][name] = acceptance_metrics(draft, probs, examples)
+    all_examples = [e for ex in groups.values() for e in ex]
+    n = sum(len(e[1]) for e in all_examples)
+    result["acceptance"]["all"] = {
+        key: sum(result["acceptance"][g][key] * result["acceptance"][g]["positions"] for g in groups) / n
+        for key in ("expected_accept", "greedy_agreement")
+    } | {"positions": n}
+    result["size_mb"] = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6
+    context = torch.randint(0, target.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+    target_t, draft_t = [], []
+    for _ in range(rounds):  # interleave so machine noise hits both models alike
+        target_t += _step_times(target, context, steps)
+        draft_t += _step_times(draft, context, steps)
+    t_med, d_med = statistics.median(target_t), statistics.median(draft_t)
+    result["timing"] = {
+        "dtype": cfg.target.dtype,
+        "threads": torch.get_num_threads(),
+        "target_ms_median": t_med * 1e3,
+        "draft_ms_median": d_med * 1e3,
+        "ratio_target_over_draft": t_med / d_med,
+        "samples_each": len(target_t),
+    }
+    (folder / "eval.json").write_text(json.dumps(result, indent=2, sort_keys=True) + "\n")
+    print(json.dumps(result, indent=2, sort_keys=True), flush=True)
+    return result
+
+
 def main() -> None:
     from jsonargparse import CLI
 
-    CLI({"generate": generate, "fit": fit}, as_positional=False)
+    CLI({"generate": generate, "fit": fit, "evaluate": evaluate}, as_positional=False)
 
 
 if __name__ == "__main__":
