@@ -95,10 +95,103 @@ def make_llama(
 
 
 def make_pair(root: str | Path, *, target_seed: int = 0, draft_seed: int = 1) -> tuple[Path, Path]:
-    """Save a tiny target (3 layers) and draft (1 layer) with a shared tokenizer under ``root``; return their folders."""
+    """Save a tiny target (3 layers) and draft (1 layer) sharing a tokenizer under ``root``; return their folders."""
     root = Path(root)
     tokenizer = make_tokenizer()
     target, draft = root / "target", root / "draft"
     make_llama(target, tokenizer=tokenizer, seed=target_seed, num_layers=3)
     make_llama(draft, tokenizer=tokenizer, seed=draft_seed, num_layers=1, hidden_size=16)
     return target, draft
+
+
+def perturbed_copy(model: torch.nn.Module, relative_noise: float = 0.3, seed: int = 0) -> torch.nn.Module:
+    """A copy of ``model`` with Gaussian noise of ``relative_noise`` × each weight tensor's std added to it.
+
+    As a draft for ``model`` it proposes the target's token often but not always, so decoding exercises both the
+    accept and the reject path.
+    """
+    import copy
+
+    noisy = copy.deepcopy(model)
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for param in noisy.parameters():
+            scale = float(param.std()) if param.numel() > 1 else 0.0
+            param.add_(torch.randn(param.shape, generator=generator) * relative_noise * scale)
+    return noisy
+
+
+class TableLM(torch.nn.Module):
+    """A stub causal LM with fixed logits: the logits after input token ``t`` at position ``i`` are ``table[i, t]``.
+
+    It behaves like an HF model where the decoders need it to: ``.config`` (vocab_size, hidden_size,
+    max_position_embeddings), ``get_output_embeddings()`` returning the ``nn.Linear`` whose input is the final hidden
+    state, and ``forward(input_ids, past_key_values, use_cache, logits_to_keep)`` that appends one position per input
+    token to a real ``DynamicCache``. The cached "keys" hold the token ids, so :meth:`cached_tokens` shows exactly
+    what a cache contains after the decoder's crops.
+
+    The hidden state at (i, t) is the one-hot vector of index ``i * V + t`` (hidden size ``P * V``) and the output
+    layer's weight is the table, so the logits are exact copies of table entries and a depth-0 acceptance head can
+    assign any probability to any (position, token).
+
+    Counters: ``calls`` (forward passes) and ``fed`` (the number of input tokens of each pass).
+    """
+
+    def __init__(self, table: torch.Tensor) -> None:
+        from types import SimpleNamespace
+
+        super().__init__()
+        positions, vocab, vocab_out = table.shape
+        assert vocab == vocab_out, "table must be (positions, V, V)"
+        self.config = SimpleNamespace(
+            vocab_size=vocab, hidden_size=positions * vocab, max_position_embeddings=positions
+        )
+        self.lm_head = torch.nn.Linear(positions * vocab, vocab, bias=False)
+        with torch.no_grad():
+            self.lm_head.weight.copy_(table.reshape(positions * vocab, vocab).T)
+        self.calls = 0
+        self.fed: list[int] = []
+        self.last_cache = None
+
+    @classmethod
+    def bigram(cls, logits: torch.Tensor, positions: int) -> TableLM:
+        """Position-independent logits: ``logits`` is (V, V), row t = the logits after token t."""
+        return cls(logits[None].expand(positions, -1, -1).clone())
+
+    @classmethod
+    def scripted(cls, tokens_at: list[int], vocab_size: int) -> TableLM:
+        """A model that puts all its probability on ``tokens_at[i]`` at sequence index i, whatever came before.
+
+        Other tokens get logit −1e4, whose softmax is exactly 0 in fp32, so sampled decoding is as certain as greedy
+        decoding and the acceptance test's outcome is known in advance.
+        """
+        table = torch.full((len(tokens_at), vocab_size, vocab_size), -1e4)
+        for index in range(1, len(tokens_at)):  # the logits at position index - 1 predict the token at index
+            table[index - 1, :, tokens_at[index]] = 0.0
+        return cls(table)
+
+    def get_output_embeddings(self) -> torch.nn.Linear:
+        return self.lm_head
+
+    def forward(self, input_ids: torch.Tensor, past_key_values=None, use_cache: bool = True, logits_to_keep: int = 0):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        length = input_ids.shape[1]
+        start = 0 if past_key_values is None else past_key_values.get_seq_length()
+        positions = torch.arange(start, start + length)
+        if int(positions[-1]) >= self.config.max_position_embeddings:
+            raise IndexError(f"position {int(positions[-1])} is outside the table")
+        self.calls += 1
+        self.fed.append(length)
+        hidden = torch.nn.functional.one_hot(positions * self.config.vocab_size + input_ids, self.config.hidden_size)
+        if past_key_values is not None and use_cache:
+            tokens = input_ids.float()[:, None, :, None]  # keys/values (B, heads=1, T, head_dim=1) hold the token ids
+            past_key_values.update(tokens, tokens, 0)
+            self.last_cache = past_key_values
+        if logits_to_keep:
+            hidden = hidden[:, -logits_to_keep:]
+        return CausalLMOutputWithPast(logits=self.lm_head(hidden.float()), past_key_values=past_key_values)
+
+    def cached_tokens(self) -> list[int]:
+        """Token ids held by the last cache this model wrote to, in position order."""
+        return self.last_cache.layers[0].keys[0, 0, :, 0].long().tolist()
