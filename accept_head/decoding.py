@@ -230,6 +230,13 @@ def speculative_generate(
             f"The acceptance head expects hidden size {head.hidden_size} but the draft's is "
             f"{draft.config.hidden_size}; train a head for this draft."
         )
+    if policy.requires_greedy and not sampling.greedy:
+        raise ValueError(
+            f"{policy.describe()} is only defined for greedy decoding but temperature={temperature}; "
+            "pass temperature=0 or pick another policy."
+        )
+    # A one-hot q carries no confidence: greedy confidence/entropy rules read the draft's untempered softmax.
+    untempered_features = sampling.greedy and (policy.uses_confidence or policy.uses_entropy)
     device = next(target.parameters()).device
     budget = _check_lengths(ids.shape[1], max_new_tokens, target, draft)
     eos = _eos_set(eos_token_id)
@@ -266,9 +273,10 @@ def speculative_generate(
                 q_rows.append(q)
                 state.n += 1
                 state.position += 1
-                state.token_probs.append(float(q[y]))
+                features = logits[-1].float().softmax(-1) if untempered_features else q
+                state.token_probs.append(float(features[y]))
                 if policy.uses_entropy:
-                    state.entropies.append(float(-(q * q.clamp_min(1e-30).log()).sum()))
+                    state.entropies.append(float(-(features * features.clamp_min(1e-30).log()).sum()))
                 if state.n >= limit or policy.should_stop(state):
                     break
                 logits = _forward(draft, torch.tensor([[y]], device=device), draft_cache, last_only=True)

@@ -32,9 +32,11 @@ class RoundState:
     position: int = 0
     """Absolute index (in the full sequence) the next candidate would take."""
     token_probs: list[float] = field(default_factory=list)
-    """q_i(y_i): the draft's probability of each candidate it proposed (after the sampling transform)."""
+    """q_i(y_i): the draft's probability of each candidate it proposed (after the sampling transform). Under greedy
+    decoding q_i is one-hot, so for policies with ``uses_confidence`` it is the draft's untempered softmax instead."""
     entropies: list[float] = field(default_factory=list)
-    """Entropy (nats) of the draft's distribution q_i each candidate was drawn from (only if ``uses_entropy``)."""
+    """Entropy (nats) of the draft's distribution q_i each candidate was drawn from (only if ``uses_entropy``; under
+    greedy decoding the entropy of the untempered softmax)."""
     accept_probs: list[float] = field(default_factory=list)
     """Predicted acceptance probability of candidates 1..n-1 (only for policies with ``uses_hidden``)."""
 
@@ -45,6 +47,10 @@ class StopPolicy:
     max_candidates: int = 20
     uses_hidden: bool = False
     uses_entropy: bool = False
+    uses_confidence: bool = False
+    """Reads ``token_probs`` as a confidence (the decoder then takes it from the untempered softmax when greedy)."""
+    requires_greedy: bool = False
+    """Only valid for greedy decoding (the decoder raises otherwise)."""
 
     def should_stop(self, state: RoundState) -> bool:
         raise NotImplementedError
