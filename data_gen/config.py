@@ -1,0 +1,133 @@
+"""The ``python -m data_gen`` configuration: one dataclass whose fields are the CLI flags and the YAML keys."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
+
+from accept_head.labels import LABEL_MODES
+from accept_head.pairs import ModelSpec
+from accept_head.prompts import PromptSource
+from accept_head.sampling import SamplingConfig
+
+RUN_ONLY_KEYS = ("output_dir", "overwrite", "merge", "progress", "threads")
+"""Keys that change how a run goes, not what it produces: left out of the fingerprint that guards resumption."""
+
+
+@dataclass
+class DataGenConfig:
+    """Run a target/draft pair on prompt sets and write token-level acceptance labels (SpecDec++ §3.3)."""
+
+    target: ModelSpec
+    """The target model p: writes the responses and gives p_i (path, dtype, device, attn_implementation, ...)."""
+    draft: ModelSpec
+    """The draft model q whose candidates are labelled; must share the target's tokenizer."""
+    prompts: list[PromptSource]
+    """Prompt sources, e.g. [{path: humaneval}, {path: data.jsonl, field: instruction, limit: 500, split: head}]."""
+    output_dir: str
+    """Where the dataset (Arrow, ``save_to_disk``) and its meta.json go; partial work is kept in ``_work/`` inside."""
+    max_new_tokens: int = 256
+    """Longest target response, in tokens (a response ends earlier at EOS)."""
+    temperature: float = 1.0
+    """Sampling temperature of the target's responses and (in sample mode) of the label transform; 0 = greedy."""
+    top_p: float | None = None
+    """Nucleus filter of the sampling transform (None or 1.0: off)."""
+    top_k: int | None = None
+    """Top-k filter of the sampling transform (None or 0: off)."""
+    seed: int = 0
+    """Seeds the prompt shuffle, the target's sampling and the draws Y_i ~ q_i: same config, same dataset."""
+    batch_size: int = 16
+    """Prompts per generation batch; one batch is one unit of resumable work."""
+    label_mode: Literal["sample", "greedy"] = "sample"
+    """sample: Y_i ~ q_i, label min(1, p_i(Y_i)/q_i(Y_i)). greedy: Y_i = argmax q_i, label 1[Y_i = argmax p_i]."""
+    prompt_mode: Literal["chat", "raw"] = "chat"
+    """chat: wrap each prompt in the target tokenizer's chat template (if it has one); raw: tokenize the text as is."""
+    system_prompt: str | None = None
+    """Optional system message placed before the prompt in chat mode."""
+    too_long: Literal["skip", "truncate"] = "skip"
+    """A prompt with more than ``max_prompt_tokens`` tokens (or that leaves no room for ``max_new_tokens`` in the
+    models' context) is skipped, or truncated from the left to fit. Both are counted in meta.json."""
+    max_prompt_tokens: int | None = None
+    """Longest prompt in tokens (None: the models' context length minus ``max_new_tokens``)."""
+    split_seed: int = 0
+    """Seed of the hash split that ``split: distill|head|eval`` on a prompt source selects from."""
+    score_tokens: int = 2048
+    """Response positions per teacher-forced scoring pass; bounds the (rows, positions, vocab) logits in memory."""
+    shard: str | None = None
+    """``i/n``: label only the i-th of n contiguous parts of the prompts (i = 0..n-1), into
+    ``<output_dir>/shards/i-of-n``; join the parts with ``--merge true``."""
+    merge: bool = False
+    """Join the finished shard outputs under ``<output_dir>/shards`` into ``<output_dir>`` (loads no model)."""
+    overwrite: bool = False
+    """Replace an existing output (finished or partial) that was made with a different config."""
+    threads: int | None = None
+    """torch CPU threads (None: torch's default)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+    def validate(self) -> None:
+        """Raise ValueError, naming the flag, for values no run can use."""
+        if not self.prompts:
+            raise ValueError("--prompts is empty: give at least one prompt source, e.g. [{path: humaneval}].")
+        for name in ("max_new_tokens", "batch_size", "score_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"--max_prompt_tokens must be >= 1 (or null), got {self.max_prompt_tokens}.")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"--threads must be >= 1 (or null), got {self.threads}.")
+        if self.label_mode not in LABEL_MODES:
+            raise ValueError(f"--label_mode={self.label_mode!r} must be one of {LABEL_MODES}.")
+        if self.prompt_mode not in ("chat", "raw"):
+            raise ValueError(f"--prompt_mode={self.prompt_mode!r} must be chat or raw.")
+        if self.too_long not in ("skip", "truncate"):
+            raise ValueError(f"--too_long={self.too_long!r} must be skip or truncate.")
+        if self.merge and self.shard is not None:
+            raise ValueError("Can't use both --merge and --shard: run each --shard i/n first, then --merge true alone.")
+        if not self.output_dir:
+            raise ValueError("--output_dir is empty: name the folder the dataset should be written to.")
+        self.shard_index()
+        try:
+            self.sampling()
+        except ValueError as err:
+            raise ValueError(f"Invalid sampling flags (--temperature/--top_k/--top_p): {err}") from err
+
+    def sampling(self) -> SamplingConfig:
+        """The sampling transform of the responses and, in sample mode, of p and q."""
+        return SamplingConfig(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p)
+
+    def shard_index(self) -> tuple[int, int] | None:
+        """``(i, n)`` parsed from ``--shard i/n``, or None for an unsharded run."""
+        if self.shard is None:
+            return None
+        parts = str(self.shard).replace(" ", "").split("/")
+        if len(parts) != 2 or not all(part.isdigit() for part in parts):
+            raise ValueError(f"--shard={self.shard!r} must look like i/n, e.g. 0/4 (shards are numbered 0..n-1).")
+        index, count = int(parts[0]), int(parts[1])
+        if count < 1 or not 0 <= index < count:
+            raise ValueError(f"--shard={self.shard!r}: need n >= 1 and 0 <= i < n (shards are numbered 0..n-1).")
+        return index, count
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as plain JSON types."""
+        return json.loads(json.dumps(asdict(self), default=str))
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What determines the dataset: the config without :data:`RUN_ONLY_KEYS`."""
+        config = self.to_dict()
+        for key in RUN_ONLY_KEYS:
+            config.pop(key, None)
+        return config
+
+
+def config_differences(old: dict[str, Any], new: dict[str, Any], prefix: str = "") -> list[str]:
+    """Dotted keys whose values differ between two fingerprints, as ``key (old → new)`` strings."""
+    out = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        if isinstance(a, dict) and isinstance(b, dict):
+            out.extend(config_differences(a, b, f"{prefix}{key}."))
+        elif a != b:
+            out.append(f"{prefix}{key} ({json.dumps(a)} → {json.dumps(b)})")
+    return out
