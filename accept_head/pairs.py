@@ -192,6 +192,8 @@ def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
         if not Path(spec.adapter).exists():
             raise FileNotFoundError(f"PEFT adapter {spec.adapter} does not exist.")
         model = PeftModel.from_pretrained(model, spec.adapter).merge_and_unload()
+    if "device_map" in spec.extra:  # accelerate already placed the weights (e.g. a 70B target over several GPUs)
+        return model.eval()
     return model.to(spec.device).eval()
 
 
