@@ -424,10 +424,127 @@ def evaluate(cfg: DistillConfig, draft_dir: str | None = None, rounds: int = 7, 
     return result
 
 
+def model_card(cfg: DistillConfig, draft_dir: str | None = None) -> str:
+    """Stage 4: write README.md (model card) and learning_curve.png into the draft folder from the measured
+    ``eval.json``, ``distill_meta.json`` and the learning curve. Every number comes from those files."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    folder = Path(draft_dir or cfg.output_dir)
+    ev = json.loads((folder / "eval.json").read_text())
+    meta = json.loads((folder / "distill_meta.json").read_text())
+    curve = meta["curve"]
+    arch = meta["config"]["architecture"]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    xs = [c["train_tokens"] / 1e6 for c in curve]
+    ax.plot(xs, [c["expected_accept"] for c in curve], marker="o", label="expected acceptance Σ min(p, q)")
+    ax.plot(xs, [c["greedy_agreement"] for c in curve], marker="s", label="greedy agreement")
+    ax.set_xlabel("distillation tokens processed (millions)")
+    ax.set_ylabel("held-out rate")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(folder / "learning_curve.png", dpi=120)
+    plt.close(fig)
+    acc = ev["acceptance"]
+    rows = "\n".join(
+        f"| {name} | {m['positions']} | {m['expected_accept']:.3f} | {m['greedy_agreement']:.3f} |"
+        for name, m in acc.items()
+    )
+    curve_rows = "\n".join(
+        f"| {c['train_tokens']:,} | {c['distinct_tokens']:,} | {c['expected_accept']:.3f} | "
+        f"{c['greedy_agreement']:.3f} |"
+        for c in curve
+    )
+    t = ev["timing"]
+    params = None
+    config_path = folder / "config.json"
+    if config_path.is_file():
+        c = json.loads(config_path.read_text())
+        params = c.get("hidden_size"), c.get("num_hidden_layers"), c.get("intermediate_size")
+    text = f"""---
+library_name: transformers
+license: apache-2.0
+base_model_relation: distillation
+tags: [speculative-decoding, draft-model, smollm2]
+---
+
+# smollm2-135m-draft — a distilled draft for SmolLM2-135M-Instruct
+
+A {arch["num_layers"]}-layer Llama (width {arch["hidden_size"]}, MLP {arch["intermediate_size"]},
+{arch["num_heads"]} heads) with SmolLM2's tokenizer (vocab 49152), distilled from SmolLM2-135M-Instruct's own
+responses so it can serve as the draft model in speculative decoding. Loads with plain transformers:
+
+```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+draft = AutoModelForCausalLM.from_pretrained("checkpoints/smollm2-135m-draft")
+tokenizer = AutoTokenizer.from_pretrained("checkpoints/smollm2-135m-draft")
+```
+
+## Recipe (reproducible: `configs/distill/smollm2-135m-draft.yaml`, seed {meta["config"]["seed"]})
+
+```bash
+python -m train.distill_draft generate --config configs/distill/smollm2-135m-draft.yaml   # target answers prompts
+python -m train.distill_draft fit      --config configs/distill/smollm2-135m-draft.yaml   # train the draft
+python -m train.distill_draft evaluate --config configs/distill/smollm2-135m-draft.yaml   # numbers below
+python -m train.distill_draft model_card --config configs/distill/smollm2-135m-draft.yaml # this card
+```
+
+- Data: the target (bf16, batched sampling at temperature {meta["config"]["temperature"]}, chat template, up to
+  {meta["config"]["max_new_tokens"]} new tokens) answers prompts of the `distill` hash split (`split_of(id, 0)`, 60%)
+  of the `../shared/data` instruction sets (GSM8K train, GPTeacher codegen/toolformer/roleplay, AlpacaEval,
+  self-instruct seeds). Head-training prompts use the disjoint `head` split, evaluation the `eval` split and
+  HumanEval, so no prompt used here is used to train or evaluate heads. For every response token the target's
+  top-{meta["config"]["topk"]} log-probabilities are stored.
+- Loss: cross-entropy against the target's distribution — its top-k probabilities directly, the remaining mass on
+  the token the target sampled (a one-sample estimate of the tail), i.e. an estimate of E_p[−log q].
+- Initialisation: the embedding (tied with the LM head) is the target's embedding projected on its top
+  {arch["hidden_size"]} right singular vectors; everything else random.
+- Optimiser: AdamW (lr {meta["config"]["lr"]}, betas 0.9/0.95, wd 0.01), warmup {meta["config"]["warmup_steps"]} steps,
+  cosine to 10%, {meta["config"]["batch_tokens"]} response tokens per step; trained on
+  {meta["final"]["train_tokens"]:,} tokens over a pool of {meta["final"]["distinct_tokens"]:,} distinct target tokens.
+
+## Measured (command: `python -m train.distill_draft evaluate --config configs/distill/smollm2-135m-draft.yaml`)
+
+Held-out prompts (never used for distillation), target responses sampled at temperature 1; exact target
+distributions from teacher-forcing the target (bf16):
+
+| prompts | positions | expected acceptance Σ min(p, q) | greedy agreement |
+|---|---|---|---|
+{rows}
+
+- Size on disk: {ev["size_mb"]:.1f} MB (bf16 safetensors).
+- Single-token forward with KV cache (context 128, {t["dtype"]}, {t["threads"]} threads, interleaved rounds, median of
+  {t["samples_each"]} each): target {t["target_ms_median"]:.2f} ms, draft {t["draft_ms_median"]:.2f} ms — ratio
+  {t["ratio_target_over_draft"]:.1f}x.
+
+## Learning curve (held-out acceptance vs distillation tokens processed)
+
+![learning curve](learning_curve.png)
+
+| tokens processed | distinct tokens in pool | expected acceptance | greedy agreement |
+|---|---|---|---|
+{curve_rows}
+
+## Limits
+
+Trained on a small CPU budget; acceptance is far below that of a same-family draft. SmolLM2-135M-Instruct is
+Apache-2.0; this draft is derived from its outputs and embeddings and carries the same license.
+"""
+    (folder / "README.md").write_text(text)
+    print(f"[model_card] wrote {folder / 'README.md'} (config: {params})", flush=True)
+    return text
+
+
 def main() -> None:
     from jsonargparse import CLI
 
-    CLI({"generate": generate, "fit": fit, "evaluate": evaluate}, as_positional=False)
+    CLI(
+        {"generate": generate, "fit": fit, "evaluate": evaluate, "model_card": model_card},
+        as_positional=False,
+    )
 
 
 if __name__ == "__main__":
