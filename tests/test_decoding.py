@@ -1,0 +1,326 @@
+"""Decoders: greedy parity with HF ``generate``, exact accept counts on stub models, EOS, token budget, KV caches."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+import torch
+from tiny_models import SPECIAL_TOKENS, TableLM, make_llama, perturbed_copy
+
+from accept_head import (
+    AcceptanceHead,
+    FixedK,
+    HeadThreshold,
+    autoregressive_generate,
+    speculative_generate,
+)
+
+EOS, PAD = SPECIAL_TOKENS.index("<eos>"), SPECIAL_TOKENS.index("<pad>")
+PROMPTS = [[1, 7], [1, 12, 40, 41, 9], [1, 30, 31, 32, 33, 34, 35, 36, 37], [1, 50, 8, 8, 8, 20, 21]]
+MAX_NEW = 24
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny random Llama target and a noisy copy of it as the draft (agrees on some tokens, not all)."""
+    target = make_llama(seed=0)
+    return target, perturbed_copy(target, relative_noise=0.3, seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(pair) -> list[torch.Tensor]:
+    """The target's own greedy ``generate`` output for each prompt."""
+    target, _ = pair
+    return [
+        target.generate(torch.tensor([p]), do_sample=False, max_new_tokens=MAX_NEW, pad_token_id=PAD) for p in PROMPTS
+    ]
+
+
+def random_head(hidden_size: int, seed: int, depth: int = 2) -> AcceptanceHead:
+    torch.manual_seed(seed)
+    return AcceptanceHead(hidden_size, depth).eval()
+
+
+GREEDY_POLICIES = {
+    "FixedK(1)": lambda draft: FixedK(1),
+    "FixedK(3)": lambda draft: FixedK(3),
+    "FixedK(8)": lambda draft: FixedK(8),
+    **{
+        f"HeadThreshold(h={h})": (
+            lambda draft, h=h: HeadThreshold(random_head(draft.config.hidden_size, seed=7), threshold=h)
+        )
+        for h in (0.1, 0.5, 0.9)
+    },
+}
+
+
+@pytest.mark.parametrize("policy_name", list(GREEDY_POLICIES))
+def test_greedy_output_equals_target_generate(pair, reference, policy_name: str) -> None:
+    target, draft = pair
+    accepted = discarded = 0
+    for prompt, expected in zip(PROMPTS, reference):
+        policy = GREEDY_POLICIES[policy_name](draft)
+        result = speculative_generate(
+            target, draft, torch.tensor([prompt]), policy, max_new_tokens=MAX_NEW, temperature=0, eos_token_id=EOS
+        )
+        assert result.sequences.tolist() == expected.tolist(), f"prompt {prompt}"
+        assert result.stats.generated == expected.shape[1] - len(prompt)
+        accepted += sum(result.stats.accepted)
+        discarded += result.stats.discarded
+    # The pair must exercise both paths of the verifier, or equality would prove little.
+    assert accepted > 0 and discarded > 0
+
+
+def test_greedy_autoregressive_equals_target_generate(pair, reference) -> None:
+    target, _ = pair
+    for prompt, expected in zip(PROMPTS, reference):
+        result = autoregressive_generate(target, prompt, max_new_tokens=MAX_NEW, temperature=0, eos_token_id=EOS)
+        assert result.sequences.tolist() == expected.tolist()
+        assert result.stats.target_calls == result.stats.generated == expected.shape[1] - len(prompt)
+
+
+def test_greedy_stops_at_the_same_eos_as_target_generate(pair, reference) -> None:
+    target, draft = pair
+    prompt = PROMPTS[1]
+    eos = int(reference[1][0, len(prompt) + 10])  # a token the target emits mid-way through its answer
+    expected = target.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=MAX_NEW, eos_token_id=eos, pad_token_id=PAD
+    )
+    assert expected.shape[1] < len(prompt) + MAX_NEW and int(expected[0, -1]) == eos
+    for policy in (FixedK(8), HeadThreshold(random_head(draft.config.hidden_size, seed=7), 0.9)):
+        result = speculative_generate(target, draft, [prompt], policy, MAX_NEW, temperature=0, eos_token_id=eos)
+        assert result.sequences.tolist() == expected.tolist()
+
+
+# ---- stub models with fixed logits: exact accept counts -------------------------------------------------------------
+
+VOCAB = 8
+PROMPT = [0, 1, 2, 3]
+TARGET_SCRIPT = PROMPT + [4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7]
+
+
+def scripted_pair(draft_script: list[int]) -> tuple[TableLM, TableLM]:
+    return TableLM.scripted(TARGET_SCRIPT, VOCAB), TableLM.scripted(draft_script, VOCAB)
+
+
+def disagree_at(indices: set[int]) -> list[int]:
+    """The target's script with a different token at the given sequence indices."""
+    return [(t + 1) % VOCAB if i in indices else t for i, t in enumerate(TARGET_SCRIPT)]
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_equal_to_target_is_always_accepted(temperature: float) -> None:
+    target, draft = scripted_pair(TARGET_SCRIPT)
+    result = speculative_generate(target, draft, PROMPT, FixedK(3), max_new_tokens=12, temperature=temperature)
+    stats = result.stats
+    assert result.sequences[0].tolist() == TARGET_SCRIPT[:16]
+    # Each round: 3 accepted candidates + the bonus token from p_{K+1}.
+    assert stats.proposed == [3, 3, 3] and stats.accepted == [3, 3, 3]
+    assert (stats.generated, stats.target_calls, stats.discarded) == (12, 3, 0)
+    assert stats.draft_calls == 9  # the last candidate of a round is fed with the next round's first pass
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_draft_disjoint_from_target_is_never_accepted(temperature: float) -> None:
+    target, draft = scripted_pair(disagree_at(set(range(len(TARGET_SCRIPT)))))
+    result = speculative_generate(target, draft, PROMPT, FixedK(3), max_new_tokens=6, temperature=temperature)
+    stats = result.stats
+    assert result.sequences[0].tolist() == TARGET_SCRIPT[:10]  # every token is the target's correction
+    # The draft is capped by the remaining budget minus the target's own token: 3, 3, 3, 2, 1, 0.
+    assert stats.proposed == [3, 3, 3, 2, 1, 0] and stats.accepted == [0] * 6
+    assert (stats.generated, stats.target_calls, stats.discarded) == (6, 6, 12)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_partial_agreement_accepts_exactly_the_matching_prefix(temperature: float) -> None:
+    # The draft is wrong at sequence indices 6 and 7 (the 3rd and 4th new tokens).
+    target, draft = scripted_pair(disagree_at({6, 7}))
+    result = speculative_generate(target, draft, PROMPT, FixedK(4), max_new_tokens=10, temperature=temperature)
+    stats = result.stats
+    assert result.sequences[0].tolist() == TARGET_SCRIPT[:14]
+    # Round 1 drafts indices 4-7, keeps 4-5, corrects 6. Round 2 drafts 7-10, index 7 is wrong: corrects 7.
+    # Round 3 drafts 8-11, all right, plus the bonus 12. Round 4 has budget for one token: the target's alone.
+    assert stats.proposed == [4, 4, 4, 0]
+    assert stats.accepted == [2, 0, 4, 0]
+    assert (stats.generated, stats.target_calls, stats.discarded) == (10, 4, 6)
+
+
+def constant_head(hidden_size: int, accept_prob: float) -> AcceptanceHead:
+    """A linear probe that predicts ``accept_prob`` for every one-hot hidden state of a :class:`TableLM`."""
+    head = AcceptanceHead(hidden_size, depth=0)
+    with torch.no_grad():
+        head.out.weight.fill_(math.log(accept_prob / (1 - accept_prob)))
+        head.out.bias.zero_()
+    return head
+
+
+@pytest.mark.parametrize(
+    ("threshold", "min_candidates", "max_candidates", "expected_k"),
+    [
+        # 1 − 0.9^6 = 0.469 ≤ 0.5 < 1 − 0.9^7 = 0.522: stop once 7 candidates are scored. Scores arrive one step
+        # late, so the round holds 8 candidates (the 8th unscored).
+        (0.5, 1, 20, 8),
+        (0.05, 1, 20, 2),  # 1 − 0.9 = 0.1 > 0.05 after one score: the minimum a late score allows
+        (0.05, 5, 20, 5),  # min_candidates forces more
+        (0.99, 1, 4, 4),  # max_candidates caps the round
+    ],
+)
+def test_head_threshold_stops_when_rejection_probability_exceeds_threshold(
+    threshold: float, min_candidates: int, max_candidates: int, expected_k: int
+) -> None:
+    script = PROMPT + [4, 5, 6, 7] * 12
+    target, draft = TableLM.scripted(script, VOCAB), TableLM.scripted(script, VOCAB)
+    policy = HeadThreshold(constant_head(draft.config.hidden_size, 0.9), threshold, min_candidates, max_candidates)
+    result = speculative_generate(target, draft, PROMPT, policy, max_new_tokens=3 * (expected_k + 1), temperature=0)
+    assert result.stats.proposed == [expected_k] * 3
+    assert result.sequences[0].tolist() == script[: len(PROMPT) + 3 * (expected_k + 1)]
+
+
+def test_head_scores_each_candidate_from_the_pass_that_consumes_it() -> None:
+    script = PROMPT + [4, 5, 6, 7] * 6
+    target, draft = TableLM.scripted(script, VOCAB), TableLM.scripted(script, VOCAB)
+    head = constant_head(draft.config.hidden_size, 0.99)
+    doubtful = 8  # the head doubts only the candidate at sequence index 8, i.e. the hidden state of input (8, y)
+    with torch.no_grad():
+        head.out.weight[0, doubtful * VOCAB + script[doubtful]] = math.log(0.01 / 0.99)
+    result = speculative_generate(target, draft, PROMPT, HeadThreshold(head, 0.5), max_new_tokens=7, temperature=0)
+    # Candidates sit at indices 4, 5, ...; the score of index 8 arrives with the pass that drafts index 9, so the
+    # round stops holding indices 4-9: six candidates, all accepted, plus the bonus token.
+    assert result.stats.proposed == [6] and result.stats.accepted == [6]
+
+
+# ---- EOS, budget, context ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("eos_token_id", [6, [7, 6]])
+def test_eos_inside_an_accepted_run_ends_generation(eos_token_id: int | list[int]) -> None:
+    target, draft = scripted_pair(TARGET_SCRIPT)  # all accepted; 6 is the 3rd new token
+    result = speculative_generate(target, draft, PROMPT, FixedK(8), max_new_tokens=12, eos_token_id=eos_token_id)
+    assert result.sequences[0].tolist() == PROMPT + [4, 5, 6]
+    stats = result.stats
+    assert (stats.generated, stats.target_calls, stats.proposed, stats.accepted) == (3, 1, [8], [3])
+    assert stats.discarded == 5  # the candidates drafted after EOS
+
+
+def test_autoregressive_stops_at_eos() -> None:
+    target = TableLM.scripted(TARGET_SCRIPT, VOCAB)
+    result = autoregressive_generate(target, PROMPT, max_new_tokens=12, eos_token_id=5)
+    assert result.sequences[0].tolist() == PROMPT + [4, 5]
+    assert result.stats.generated == result.stats.target_calls == 2
+
+
+def random_bigram_pair(seed: int, vocab: int = 8, positions: int = 32) -> tuple[TableLM, TableLM]:
+    generator = torch.Generator().manual_seed(seed)
+    target_logits = 2 * torch.randn(vocab, vocab, generator=generator)
+    draft_logits = target_logits + 1.5 * torch.randn(vocab, vocab, generator=generator)
+    return TableLM.bigram(target_logits, positions), TableLM.bigram(draft_logits, positions)
+
+
+def test_max_new_tokens_is_never_exceeded_and_stats_add_up() -> None:
+    rng = random.Random(0)
+    for seed in range(150):
+        target, draft = random_bigram_pair(seed)
+        prompt = [rng.randrange(8) for _ in range(rng.randint(1, 5))]
+        max_new = rng.randint(0, 20)
+        if rng.random() < 0.5:
+            policy = FixedK(rng.randint(1, 10))
+        else:
+            head = AcceptanceHead(draft.config.hidden_size, depth=1)
+            policy = HeadThreshold(head, rng.uniform(0.05, 0.95), rng.randint(1, 3), rng.randint(3, 12))
+        eos = rng.randrange(8) if rng.random() < 0.3 else None
+        temperature = rng.choice([0.0, 0.7, 1.0])
+        result = speculative_generate(
+            target, draft, prompt, policy, max_new, temperature=temperature, eos_token_id=eos,
+            generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+        new = result.sequences[0, len(prompt) :].tolist()
+        stats = result.stats
+        case = f"seed={seed} policy={policy.describe()} max_new={max_new} eos={eos}"
+        assert result.sequences[0, : len(prompt)].tolist() == prompt, case
+        assert len(new) == stats.generated <= max_new, case
+        if eos is None or eos not in new:
+            assert len(new) == max_new, case
+        else:
+            assert new.index(eos) == len(new) - 1, case
+        assert len(stats.proposed) == len(stats.accepted) == stats.target_calls, case
+        assert all(0 <= a <= k <= policy.max_candidates for a, k in zip(stats.accepted, stats.proposed)), case
+        assert stats.discarded == sum(stats.proposed) - sum(stats.accepted), case
+
+
+def test_generation_is_clipped_to_the_model_context() -> None:
+    target, draft = random_bigram_pair(0, positions=12)
+    for decode in (
+        lambda: speculative_generate(target, draft, [1, 2, 3], FixedK(4), max_new_tokens=50),
+        lambda: autoregressive_generate(target, [1, 2, 3], max_new_tokens=50),
+    ):
+        assert decode().sequences.shape == (1, 12)
+
+
+# ---- KV caches ------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt_len", [1, 6])
+@pytest.mark.parametrize("policy_name", ["FixedK(3)", "HeadThreshold(h=0.5)"])
+def test_kv_caches_are_extended_never_re_encoded(prompt_len: int, policy_name: str) -> None:
+    target, draft = random_bigram_pair(3)
+    policy = GREEDY_POLICIES[policy_name](draft)
+    prompt = list(range(prompt_len))
+    result = speculative_generate(
+        target, draft, prompt, policy, max_new_tokens=20, generator=torch.Generator().manual_seed(0)
+    )
+    sequence, stats = result.sequences[0].tolist(), result.stats
+    assert stats.discarded > 0 and sum(stats.accepted) > 0
+    # The target sees the prompt but its last token once, then per round [last token, y_1..y_K] — nothing else.
+    assert target.fed == ([prompt_len - 1] if prompt_len > 1 else []) + [k + 1 for k in stats.proposed]
+    assert sum(target.fed) == prompt_len - 1 + sum(k + 1 for k in stats.proposed)
+    # After the last crop the target's cache holds exactly the final sequence but its last token.
+    assert target.cached_tokens() == sequence[:-1]
+    # The draft consumes each kept token once; only rejected candidates it had already consumed are fed in vain.
+    assert draft.cached_tokens() == sequence[: len(draft.cached_tokens())]
+    assert sum(draft.fed) <= len(sequence) + stats.discarded
+    assert draft.calls == stats.draft_calls
+
+
+def test_kv_caches_of_hf_models_are_never_re_encoded(pair) -> None:
+    target, draft = pair
+    fed = {"target": [], "draft": []}
+    hooks = [
+        model.register_forward_pre_hook(
+            lambda module, args, kwargs, name=name: fed[name].append(kwargs["input_ids"].shape[1]), with_kwargs=True
+        )
+        for name, model in (("target", target), ("draft", draft))
+    ]
+    try:
+        prompt = PROMPTS[2]
+        result = speculative_generate(target, draft, prompt, FixedK(3), max_new_tokens=MAX_NEW, temperature=0)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    stats = result.stats
+    assert fed["target"] == [len(prompt) - 1] + [k + 1 for k in stats.proposed]
+    assert len(fed["draft"]) == stats.draft_calls
+    assert sum(fed["draft"]) <= result.sequences.shape[1] + stats.discarded
+
+
+def test_stats_report_time_split_and_rates() -> None:
+    target, draft = random_bigram_pair(1)
+    policy = GREEDY_POLICIES["HeadThreshold(h=0.5)"](draft)
+    stats = speculative_generate(target, draft, [1, 2], policy, 16, generator=torch.Generator().manual_seed(0)).stats
+    assert stats.draft_time > 0 and stats.head_time > 0 and stats.target_time > 0
+    assert stats.total_time >= stats.draft_time + stats.target_time
+    assert stats.verification_rate == stats.target_calls / stats.generated
+    assert stats.discard_rate == stats.discarded / stats.generated
+    assert set(stats.to_dict()) >= {"generated", "target_calls", "draft_calls", "discarded", "verification_rate"}
+
+
+def test_same_seed_gives_same_sample_and_different_seeds_differ() -> None:
+    target, draft = random_bigram_pair(2)
+
+    def run(seed: int) -> list[int]:
+        generator = torch.Generator().manual_seed(seed)
+        return speculative_generate(target, draft, [1], FixedK(3), 20, generator=generator).sequences[0].tolist()
+
+    assert run(0) == run(0)
+    assert len({tuple(run(seed)) for seed in range(5)}) > 1
