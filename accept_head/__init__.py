@@ -1,21 +1,29 @@
 """accept_head: SpecDec++ acceptance heads for adaptive, lossless speculative decoding with Hugging Face models."""
 
+from .baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle, roc_threshold
 from .bundle import SpecDecOutput, SpecDecPP
 from .calibration import Calibration
 from .decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate, verify
 from .head import AcceptanceHead, from_official_state_dict
+from .hf_assisted import AssistedSettings, HFAssisted
 from .pairs import ModelSpec, check_same_tokenizer, load_model, load_tokenizer
 from .policies import FixedK, HeadThreshold, RoundState, StopPolicy
 from .sampling import SamplingConfig
 
 __all__ = [
     "AcceptanceHead",
+    "AssistedSettings",
     "Calibration",
+    "ConfidenceThreshold",
     "DecodeStats",
+    "EntropyStop",
     "FixedK",
     "GenerationResult",
+    "HFAssisted",
     "HeadThreshold",
+    "Heuristic",
     "ModelSpec",
+    "Oracle",
     "RoundState",
     "SamplingConfig",
     "SpecDecOutput",
@@ -26,6 +34,7 @@ __all__ = [
     "from_official_state_dict",
     "load_model",
     "load_tokenizer",
+    "roc_threshold",
     "speculative_generate",
     "verify",
 ]
