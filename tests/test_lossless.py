@@ -1,0 +1,171 @@
+"""Losslessness: speculative sampling must reproduce the target's distribution exactly (SpecDec++ §2, Leviathan et
+al. 2023 Thm 1).
+
+Stub models with fixed logits over a vocabulary of 8 make the target's distribution over the first four generated
+tokens exactly computable from the model itself. A χ² goodness-of-fit test compares thousands of seeded samples
+against those exact probabilities — for the first two tokens and for tokens 3-4 (where an adaptive policy decides
+whether a token is a drafted candidate or the target's bonus token). The same check rejects deliberately broken
+verifiers, so a pass means something.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from tiny_models import TableLM
+
+import accept_head.decoding as decoding
+from accept_head import AcceptanceHead, FixedK, HeadThreshold, autoregressive_generate, speculative_generate
+from accept_head.decoding import verify as correct_verify
+from accept_head.sampling import SamplingConfig, probabilities, sample
+
+VOCAB, POSITIONS = 8, 8
+PROMPT = [0, 3, 5]
+NEW_TOKENS = 4
+SAMPLES = 2000
+ALPHA = 1e-3
+"""A correct decoder passes at this level; the seeds are fixed, so the outcome is deterministic."""
+
+SAMPLINGS = {"T=1": SamplingConfig(1.0), "T=0.7,top_p=0.8": SamplingConfig(0.7, top_p=0.8)}
+
+
+def table_pair() -> tuple[TableLM, TableLM]:
+    """A target and a draft whose distributions overlap but differ markedly (both the accept and reject paths run)."""
+    generator = torch.Generator().manual_seed(0)
+    target_logits = 1.5 * torch.randn(POSITIONS, VOCAB, VOCAB, generator=generator)
+    draft_logits = 0.5 * target_logits + torch.randn(POSITIONS, VOCAB, VOCAB, generator=generator)
+    return TableLM(target_logits), TableLM(draft_logits)
+
+
+def varied_head(hidden_size: int) -> AcceptanceHead:
+    """A linear probe whose predicted acceptance differs strongly across (position, token), so K varies by sample."""
+    generator = torch.Generator().manual_seed(1)
+    head = AcceptanceHead(hidden_size, depth=0)
+    with torch.no_grad():
+        head.out.weight.copy_(2 * torch.randn(1, hidden_size, generator=generator))
+        head.out.bias.fill_(1.0)
+    return head
+
+
+@torch.no_grad()
+def exact_distribution(model: torch.nn.Module, prompt: list[int], sampling: SamplingConfig, n: int) -> torch.Tensor:
+    """P(first n generated tokens) under target-only sampling, an (V,)*n float64 tensor, from the model's logits."""
+    joint = torch.ones(())
+    for prefix_len in range(n):
+        steps = torch.zeros(joint.shape + (VOCAB,), dtype=torch.float64)
+        for prefix in itertools.product(range(VOCAB), repeat=prefix_len):
+            logits = model(torch.tensor([prompt + list(prefix)])).logits[0, -1]
+            steps[prefix] = probabilities(logits, sampling).double()
+        joint = joint[..., None] * steps
+    return joint
+
+
+def goodness_of_fit(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """χ² p-value of observed ``counts`` against exact ``probs`` (same shape); 0 if an impossible outcome occurred.
+
+    Cells whose expected count is below 5 are pooled into one, as the χ² approximation requires.
+    """
+    observed, probs = counts.flatten().double(), probs.flatten() / probs.sum()
+    if observed[probs == 0].sum() > 0:
+        return 0.0
+    expected = probs * observed.sum()
+    large = expected >= 5
+    observed = torch.cat([observed[large], observed[~large & (probs > 0)].sum()[None]])
+    expected = torch.cat([expected[large], expected[~large & (probs > 0)].sum()[None]])
+    if expected[-1] == 0:
+        observed, expected = observed[:-1], expected[:-1]
+    return float(chisquare(observed.numpy(), expected.numpy()).pvalue)
+
+
+def sample_tokens(decode, samples: int = SAMPLES) -> tuple[torch.Tensor, list[int]]:
+    """Run ``decode(generator)`` ``samples`` times; return the generated tokens (samples, NEW_TOKENS) and the
+    number of candidates proposed in each first round."""
+    generator = torch.Generator().manual_seed(1234)
+    tokens, first_k = [], []
+    for _ in range(samples):
+        result = decode(generator)
+        tokens.append(result.sequences[0, len(PROMPT) :])
+        first_k.append(result.stats.proposed[0] if result.stats.proposed else 1)
+    return torch.stack(tokens), first_k
+
+
+def pair_counts(tokens: torch.Tensor, first: int) -> torch.Tensor:
+    """(V, V) counts of (token ``first``, token ``first + 1``) over samples."""
+    return torch.bincount(tokens[:, first] * VOCAB + tokens[:, first + 1], minlength=VOCAB * VOCAB).view(VOCAB, VOCAB)
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[TableLM, TableLM]:
+    return table_pair()
+
+
+@pytest.fixture(scope="module")
+def exact(models) -> dict[str, torch.Tensor]:
+    target, _ = models
+    return {name: exact_distribution(target, PROMPT, cfg, NEW_TOKENS) for name, cfg in SAMPLINGS.items()}
+
+
+def assert_matches_target(tokens: torch.Tensor, joint: torch.Tensor) -> None:
+    p_first_two = goodness_of_fit(pair_counts(tokens, 0), joint.sum(dim=(2, 3)))
+    p_next_two = goodness_of_fit(pair_counts(tokens, 2), joint.sum(dim=(0, 1)))
+    assert p_first_two > ALPHA and p_next_two > ALPHA, (p_first_two, p_next_two)
+
+
+POLICIES = {
+    "FixedK(1)": lambda draft: FixedK(1),
+    "FixedK(3)": lambda draft: FixedK(3),
+    "HeadThreshold(h=0.5)": lambda draft: HeadThreshold(varied_head(draft.config.hidden_size), 0.5),
+}
+
+
+@pytest.mark.parametrize("sampling_name", list(SAMPLINGS))
+@pytest.mark.parametrize("policy_name", list(POLICIES))
+def test_speculative_sampling_matches_exact_target_distribution(models, exact, policy_name, sampling_name) -> None:
+    target, draft = models
+    policy, cfg = POLICIES[policy_name](draft), SAMPLINGS[sampling_name]
+    tokens, first_k = sample_tokens(
+        lambda generator: speculative_generate(
+            target, draft, PROMPT, policy, NEW_TOKENS, cfg.temperature, cfg.top_k, cfg.top_p, generator=generator
+        )
+    )
+    assert_matches_target(tokens, exact[sampling_name])
+    if policy_name.startswith("HeadThreshold"):
+        assert len(set(first_k)) > 1  # the head really varies K, so tokens 3-4 mix candidates and bonus tokens
+
+
+def test_autoregressive_sampling_matches_exact_target_distribution(models, exact) -> None:
+    target, _ = models
+    cfg = SAMPLINGS["T=0.7,top_p=0.8"]
+    tokens, _ = sample_tokens(
+        lambda generator: autoregressive_generate(
+            target, PROMPT, NEW_TOKENS, cfg.temperature, top_p=cfg.top_p, generator=generator
+        )
+    )
+    assert_matches_target(tokens, exact["T=0.7,top_p=0.8"])
+
+
+def accept_every_candidate(p, q, candidates, generator):
+    """A broken verifier: keeps all K candidates and samples the bonus token (the output follows the draft)."""
+    k = candidates.shape[0]
+    return k, int(sample(p[k : k + 1], generator)[0])
+
+
+def resample_from_target_on_rejection(p, q, candidates, generator):
+    """A subtly broken verifier: right acceptance test, but it redraws from p instead of Norm[(p − q)+]."""
+    m, _ = correct_verify(p, q, candidates, generator)
+    return m, int(sample(p[m : m + 1], generator)[0])
+
+
+@pytest.mark.parametrize("broken_verify", [accept_every_candidate, resample_from_target_on_rejection])
+def test_goodness_of_fit_check_rejects_a_broken_verifier(models, exact, monkeypatch, broken_verify) -> None:
+    target, draft = models
+    monkeypatch.setattr(decoding, "verify", broken_verify)
+    tokens, _ = sample_tokens(
+        lambda generator: speculative_generate(target, draft, PROMPT, FixedK(3), NEW_TOKENS, generator=generator)
+    )
+    joint = exact["T=1"]
+    p_first_two = goodness_of_fit(pair_counts(tokens, 0), joint.sum(dim=(2, 3)))
+    assert p_first_two < 1e-6
