@@ -1,0 +1,60 @@
+"""The acceptance head's input: the draft's final hidden state e_i (after the final norm, the LM head's input).
+
+Training needs e_i at every position of a teacher-forced sequence. Running the full causal LM would also compute the
+(B, T, V) logits, which for a 49k vocabulary costs more than the rest of a small draft; so the decoder stack
+(``get_decoder()``) is run alone and its ``last_hidden_state`` used. That this state is exactly what the LM head
+reads is checked once per model by :func:`decoder_matches_lm_head_input`; models where it is not (a norm applied in
+the causal-LM wrapper, say) take the slower path that captures the LM head's input with a forward pre-hook.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+@torch.no_grad()
+def lm_head_input(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+    """(B, T, H): the input of ``model.get_output_embeddings()`` at every position, captured by a pre-hook."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(module, args) -> None:
+        captured["hidden"] = args[0]
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(hook)
+    try:
+        model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=0)
+    finally:
+        handle.remove()
+    return captured["hidden"]
+
+
+@torch.no_grad()
+def decoder_matches_lm_head_input(model: torch.nn.Module, atol: float = 1e-5) -> bool:
+    """Whether ``model.get_decoder()``'s ``last_hidden_state`` equals the LM head's input (checked on 8 tokens)."""
+    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if decoder is None or decoder is model:
+        return False
+    device = next(model.parameters()).device
+    ids = torch.arange(8, device=device)[None, :] % model.config.vocab_size
+    via_decoder = decoder(input_ids=ids, use_cache=False).last_hidden_state
+    via_hook = lm_head_input(model, ids)
+    return via_decoder.shape == via_hook.shape and torch.allclose(via_decoder.float(), via_hook.float(), atol=atol)
+
+
+@torch.no_grad()
+def final_hidden_states(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    use_decoder: bool = True,
+) -> torch.Tensor:
+    """The final (post-norm) hidden state at every position: input_ids (B, T) → (B, T, H).
+
+    The state at position t has consumed input token t (it is what produces the next-token logits there), which is
+    the state SpecDec++ scores token t with. ``use_decoder=False`` runs the full model and captures the LM head's
+    input instead (use it when :func:`decoder_matches_lm_head_input` is False).
+    """
+    if use_decoder:
+        decoder = model.get_decoder()
+        return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
+    return lm_head_input(model, input_ids, attention_mask)

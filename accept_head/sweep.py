@@ -1,0 +1,252 @@
+"""The threshold sweep: pick SpecDec++'s h against the cost model, with fixed-K speculative decoding as the baseline.
+
+Thm 3.1 makes a constant threshold on P(some candidate is rejected) the optimal stopping rule, with the best h
+depending on the cost ratio and the pair; it is found by decoding held-out prompts for a grid of h (and of K for the
+fixed-K baseline) and keeping the h with the lowest modeled latency per token (eq. 2.3, or eq. 2.1 with
+t_target(K) = a + b·K). Every policy decodes the same prompts with the same per-prompt seeds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from .benchmark import PolicyResult, aggregate, autoregressive_decoder, run_prompts, speculative_decoder
+from .calibration import Calibration
+from .cost_model import CostModel
+from .head import AcceptanceHead
+from .policies import FixedK, HeadThreshold
+from .sampling import SamplingConfig
+
+THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+FIXED_K = (1, 2, 3, 4, 6, 8, 10, 12)
+FAMILIES = ("autoregressive", "fixed_k", "threshold")
+
+
+def check_thresholds(thresholds: Sequence[float]) -> list[float]:
+    """Validate a grid of thresholds h: each strictly inside (0, 1), since h bounds P(some candidate is rejected)."""
+    out = []
+    for h in thresholds:
+        if not isinstance(h, int | float) or not 0.0 < float(h) < 1.0:
+            raise ValueError(
+                f"sweep threshold h={h!r} is outside (0, 1): h bounds the probability that some candidate is "
+                "rejected, so h <= 0 stops after every token and h >= 1 never stops. Use values like "
+                "--sweep.thresholds=[0.1,0.3,0.5,0.7,0.9]."
+            )
+        out.append(float(h))
+    return out
+
+
+def check_fixed_k(ks: Sequence[int]) -> list[int]:
+    """Validate a grid of fixed candidate counts K >= 1."""
+    for k in ks:
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"fixed-K baseline K={k!r} must be an integer >= 1; e.g. --sweep.fixed_k=[1,2,4,8].")
+    return [int(k) for k in ks]
+
+
+@dataclass
+class SweepRow:
+    """One policy of the sweep and its aggregate over the prompts."""
+
+    family: str
+    """``autoregressive``, ``fixed_k`` or ``threshold``."""
+    param: float | None
+    """K for ``fixed_k``, h for ``threshold``, None for ``autoregressive``."""
+    result: PolicyResult
+
+    @property
+    def label(self) -> str:
+        if self.family == "autoregressive":
+            return "autoregressive"
+        if self.family == "fixed_k":
+            return f"FixedK K={int(self.param)}"
+        return f"SpecDec++ h={self.param:g}"
+
+    def latency(self, by: str = "modeled") -> float:
+        """Seconds per generated token under the cost model (``modeled``) or as measured (``measured``)."""
+        rate = self.result.modeled_tokens_per_second if by == "modeled" else self.result.tokens_per_second
+        return 1.0 / rate if rate else math.inf
+
+    def to_dict(self) -> dict:
+        return {"family": self.family, "param": self.param, "label": self.label, **self.result.to_dict()}
+
+
+@dataclass
+class SweepResult:
+    rows: list[SweepRow]
+    prompts: int
+    max_new_tokens: int
+
+    def family(self, name: str) -> list[SweepRow]:
+        return [row for row in self.rows if row.family == name]
+
+    def best(self, family: str, by: str = "modeled") -> SweepRow:
+        """The row of ``family`` with the lowest latency (``by`` = ``modeled`` or ``measured``)."""
+        if by not in ("modeled", "measured"):
+            raise ValueError(f"by={by!r} must be 'modeled' or 'measured'.")
+        rows = self.family(family)
+        if not rows:
+            raise ValueError(f"The sweep has no {family!r} rows to choose from.")
+        if by == "modeled" and any(row.result.modeled_tokens_per_second is None for row in rows):
+            raise ValueError("The sweep ran without a cost model: choose by='measured' or pass a cost model.")
+        return min(rows, key=lambda row: row.latency(by))
+
+    def to_records(self) -> list[dict]:
+        return [row.to_dict() for row in self.rows]
+
+
+def run_sweep(
+    target: torch.nn.Module,
+    draft: torch.nn.Module,
+    head: AcceptanceHead,
+    prompts: Sequence[Sequence[int]],
+    *,
+    thresholds: Sequence[float] = THRESHOLDS,
+    fixed_k: Sequence[int] = FIXED_K,
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    eos_token_id: int | Sequence[int] | None,
+    cost_model: CostModel | None = None,
+    min_candidates: int = 2,
+    max_candidates: int = 20,
+    calibration: Calibration | None = None,
+    autoregressive: bool = True,
+    seed: int = 0,
+    progress: bool = False,
+) -> SweepResult:
+    """Decode ``prompts`` (token id lists, batch size 1) with every policy and aggregate each one.
+
+    Policies: the target alone (if ``autoregressive``), FixedK for each K in ``fixed_k`` and SpecDec++'s
+    HeadThreshold for each h in ``thresholds`` (with ``calibration`` applied to the head's probabilities).
+    """
+    thresholds, fixed_k = check_thresholds(thresholds), check_fixed_k(fixed_k)
+    if not prompts:
+        raise ValueError("The sweep needs at least one prompt; raise --sweep.prompts or the validation split size.")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
+    sampling_kwargs = {"top_k": sampling.top_k, "top_p": sampling.top_p}
+    plans: list[tuple[str, float | None, object]] = []
+    if autoregressive:
+        plans.append(("autoregressive", None, None))
+    plans += [("fixed_k", k, FixedK(k)) for k in fixed_k]
+    plans += [
+        ("threshold", h, HeadThreshold(head, h, min_candidates, max_candidates, calibration=calibration))
+        for h in thresholds
+    ]
+    head.eval()
+    rows = []
+    iterator = plans
+    if progress:
+        from tqdm.auto import tqdm
+
+        iterator = tqdm(plans, desc=f"threshold sweep ({len(prompts)} prompts)", unit="policy")
+    for family, param, policy in iterator:
+        if policy is None:
+            decoder = autoregressive_decoder(
+                target, max_new_tokens, eos_token_id, sampling.temperature, **sampling_kwargs
+            )
+        else:
+            decoder = speculative_decoder(
+                target, draft, policy, max_new_tokens, eos_token_id, sampling.temperature, **sampling_kwargs
+            )
+        stats = run_prompts(decoder, prompts, seed=seed)
+        row = SweepRow(family, param, aggregate(_name(family, param), stats, cost_model))
+        rows.append(row)
+    return SweepResult(rows=rows, prompts=len(prompts), max_new_tokens=max_new_tokens)
+
+
+def _name(family: str, param: float | None) -> str:
+    return SweepRow(family, param, None).label  # type: ignore[arg-type]
+
+
+# ---- reporting -----------------------------------------------------------------------------------------------------
+
+COLUMNS = ("policy", "tok/s", "modeled tok/s", "speedup", "verif. rate", "discard rate", "accepted/round")
+
+
+def _cells(row: SweepRow, baseline: SweepRow | None) -> list[str]:
+    r = row.result
+    modeled = f"{r.modeled_tokens_per_second:.1f}" if r.modeled_tokens_per_second is not None else "-"
+    speedup = "-"
+    if baseline is not None and baseline.result.tokens_per_second > 0:
+        speedup = f"{r.tokens_per_second / baseline.result.tokens_per_second:.2f}x"
+    accepted = "-" if row.family == "autoregressive" else f"{r.mean_accepted:.2f}/{r.mean_proposed:.2f}"
+    return [
+        row.label,
+        f"{r.tokens_per_second:.1f}",
+        modeled,
+        speedup,
+        f"{r.verification_rate:.3f}",
+        f"{r.discard_rate:.3f}",
+        accepted,
+    ]
+
+
+def format_table(rows: Sequence[SweepRow], baseline: SweepRow | None = None, title: str | None = None) -> str:
+    """A fixed-width text table for terminals (speedup = measured tokens/s relative to ``baseline``)."""
+    body = [list(COLUMNS)] + [_cells(row, baseline) for row in rows]
+    widths = [max(len(line[i]) for line in body) for i in range(len(COLUMNS))]
+    lines = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+        for line in body
+    ]
+    rule = "-" * len(lines[0])
+    out = [rule, lines[0], rule, *lines[1:], rule]
+    if title:
+        out.insert(0, title)
+    return "\n".join(out)
+
+
+def markdown_table(rows: Sequence[SweepRow], baseline: SweepRow | None = None) -> str:
+    """The same table as :func:`format_table` in Markdown (for model cards)."""
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
+    lines += ["| " + " | ".join(_cells(row, baseline)) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def pareto_plot(result: SweepResult, path: str | Path, title: str = "SpecDec++ threshold sweep") -> Path:
+    """Save verification rate N_target/N (x) vs discard rate N_discarded/N (y) for both families as a PNG.
+
+    Lower-left is better on both axes: each point is a trade-off the cost model prices as
+    t_draft·discard + (t_target − t_draft)·verification (eq. 2.3).
+    """
+    from matplotlib.figure import Figure
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig = Figure(figsize=(6.4, 4.8), dpi=120)
+    ax = fig.subplots()
+    for family, marker, color in (("fixed_k", "s", "tab:blue"), ("threshold", "o", "tab:red")):
+        rows = sorted(result.family(family), key=lambda row: row.result.verification_rate)
+        if not rows:
+            continue
+        xs = [row.result.verification_rate for row in rows]
+        ys = [row.result.discard_rate for row in rows]
+        name = "fixed K" if family == "fixed_k" else "SpecDec++ threshold h"
+        ax.plot(xs, ys, marker=marker, color=color, label=name)
+        for row, x, y in zip(rows, xs, ys, strict=True):
+            text = f"K={int(row.param)}" if family == "fixed_k" else f"h={row.param:g}"
+            ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
+    for row in result.family("autoregressive"):
+        ax.scatter(
+            [row.result.verification_rate],
+            [row.result.discard_rate],
+            marker="*",
+            s=120,
+            color="black",
+            label="autoregressive",
+            zorder=3,
+        )
+    ax.set_xlabel("verification rate  N_target / N")
+    ax.set_ylabel("discard rate  N_discarded / N")
+    ax.set_title(f"{title}\n{result.prompts} prompts, up to {result.max_new_tokens} new tokens", fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path)
+    return path

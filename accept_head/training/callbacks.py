@@ -1,0 +1,481 @@
+"""What runs at the end of ``fit``: calibration, cost model, threshold sweep, export — each a switchable callback.
+
+They run in that order in ``on_train_end`` (the model is still on its device), on the global-zero process only, and
+pass their results on through the module's :class:`~accept_head.training.report.FitReport`. Each works without the
+ones before it: the sweep without a cost model picks h* by measured tokens/s, the export without a sweep needs
+``export.threshold``.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import os
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.pytorch import Callback, LightningModule, Trainer
+
+from ..bundle import SpecDecPP
+from ..calibration import CALIBRATION_METHODS, apply_calibration, choose_calibration, fit_calibration
+from ..cost_model import CostModel, measure_costs
+from ..metrics import reliability_diagram
+from ..pairs import ModelSpec
+from ..sweep import FIXED_K, THRESHOLDS, check_fixed_k, check_thresholds, format_table, pareto_plot, run_sweep
+from .data import AcceptanceDataModule
+from .model_card import model_card
+from .report import FitReport
+
+
+def artifact_dir(trainer: Trainer) -> Path:
+    """Where end-of-fit files go: the logger's run folder (``trainer.log_dir``), else the root dir."""
+    folder = Path(trainer.log_dir or trainer.default_root_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+def _log(trainer: Trainer, metrics: dict[str, float]) -> None:
+    for logger in trainer.loggers:
+        logger.log_metrics(metrics, step=trainer.global_step)
+
+
+def _datamodule(trainer: Trainer) -> AcceptanceDataModule:
+    dm = trainer.datamodule
+    if not isinstance(dm, AcceptanceDataModule):
+        raise TypeError(f"The end-of-fit callbacks need an AcceptanceDataModule, got {type(dm).__name__}.")
+    return dm
+
+
+def _check_same_device(target: torch.nn.Module, draft: torch.nn.Module) -> None:
+    t, d = next(target.parameters()).device, next(draft.parameters()).device
+    if t != d:
+        raise ValueError(
+            f"The target runs on {t} but the draft on {d}; speculative decoding needs both on one device. "
+            f"Set --data.target.device={d} (or train on the target's device)."
+        )
+
+
+class EndOfFitStage(Callback):
+    """Base class: runs :meth:`run` once after training, on global rank zero, when ``enabled``."""
+
+    enabled: bool = True
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if not self.enabled:
+            return
+        if trainer.is_global_zero:
+            was_training = pl_module.training
+            pl_module.eval()
+            try:
+                self.run(trainer, pl_module, pl_module.fit_report)
+            finally:
+                pl_module.train(was_training)
+        trainer.strategy.barrier(type(self).__name__)
+
+    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport) -> None:
+        raise NotImplementedError
+
+
+class CalibrateHead(EndOfFitStage):
+    """Fit temperature scaling and isotonic regression on validation predictions; keep the best map (or none)."""
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        methods: list[str] = list(CALIBRATION_METHODS),
+        folds: int = 2,
+        n_bins: int = 15,
+        seed: int = 0,
+    ) -> None:
+        """
+        Args:
+            enabled: Run this stage.
+            methods: Candidate maps: ``temperature`` and/or ``isotonic`` (raw probabilities always compete).
+            folds: Cross-fitting folds by prompt for the before/after scores (the kept map is refit on all data).
+            n_bins: Bins of the ECE and the reliability diagram.
+            seed: Seed of the fold assignment.
+        """
+        for method in methods:
+            if method not in CALIBRATION_METHODS:
+                raise ValueError(
+                    f"calibration.methods has {method!r}; choose from {list(CALIBRATION_METHODS)} "
+                    "(e.g. --calibration.methods=[temperature,isotonic])."
+                )
+        if folds < 1:
+            raise ValueError(f"calibration.folds={folds} must be >= 1.")
+        self.enabled, self.methods, self.folds, self.n_bins, self.seed = enabled, list(methods), folds, n_bins, seed
+
+    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport) -> None:
+        dm = _datamodule(trainer)
+        logits, labels, rows = pl_module.predict_loader(dm.val_dataloader())
+        choice = choose_calibration(logits, labels, rows, self.methods, self.folds, self.seed, self.n_bins)
+        report.calibration, report.calibration_choice = choice.calibration, choice
+        raw = torch.sigmoid(logits.double())
+        curves = {"raw": (raw, labels)}
+        for method in self.methods:  # in-sample maps, for the picture; the legend's ECE is in-sample too
+            curves[method] = (apply_calibration(fit_calibration(method, logits, labels), raw), labels)
+        path = reliability_diagram(
+            curves, str(artifact_dir(trainer) / "reliability.png"), self.n_bins, "Acceptance head reliability (val)"
+        )
+        report.artifacts["reliability"] = path
+        metrics = {f"calibration/{name}_{k}": v for name, s in choice.scores.items() for k, v in s.items()}
+        _log(trainer, metrics)
+        lines = [f"calibration ({choice.evaluation}, {len(labels)} positions): kept {choice.chosen}"]
+        lines += [f"  {name:12s} ECE {s['ece']:.4f}  Brier {s['brier']:.4f}" for name, s in choice.scores.items()]
+        print("\n".join(lines), flush=True)
+
+
+class MeasureCosts(EndOfFitStage):
+    """The cost model of eq. 2.1–2.3: measure t_draft (draft step + head) and t_target(K) = a + b·K here, or take
+    them from the config."""
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        measure: bool = True,
+        t_draft: float | None = None,
+        t_target_a: float | None = None,
+        t_target_b: float = 0.0,
+        ks: list[int] = list(range(1, 21)),
+        context: int = 128,
+        repeats: int = 15,
+        warmup: int = 3,
+        seed: int = 0,
+    ) -> None:
+        """
+        Args:
+            enabled: Run this stage (without it the sweep ranks policies by measured tokens/s).
+            measure: Time the models on this machine; False takes ``t_draft`` / ``t_target_a`` / ``t_target_b``.
+            t_draft: Seconds per draft step including the head (when ``measure`` is False).
+            t_target_a: Seconds per target call, constant part (when ``measure`` is False).
+            t_target_b: Seconds per verified candidate (when ``measure`` is False).
+            ks: Candidate counts K to time the target at.
+            context: Tokens in the KV cache during the timings.
+            repeats: Timed calls per measurement (the median is kept).
+            warmup: Untimed calls before each measurement.
+            seed: Seed of the random token ids fed to the models.
+        """
+        if enabled and not measure and (t_draft is None or t_target_a is None):
+            raise ValueError(
+                "cost_model.measure=false needs cost_model.t_draft and cost_model.t_target_a (seconds); set them or "
+                "use --cost_model.measure=true."
+            )
+        if not ks or any(k < 1 for k in ks):
+            raise ValueError(f"cost_model.ks={ks} must be a non-empty list of K >= 1.")
+        self.enabled, self.measure = enabled, measure
+        self.t_draft, self.t_target_a, self.t_target_b = t_draft, t_target_a, t_target_b
+        self.ks, self.context, self.repeats, self.warmup, self.seed = list(ks), context, repeats, warmup, seed
+
+    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport) -> None:
+        if self.measure:
+            dm = _datamodule(trainer)
+            target = dm.target()
+            _check_same_device(target, pl_module.draft)
+            cost = measure_costs(
+                target, pl_module.draft, pl_module.head, self.ks, self.context, self.repeats, self.warmup, self.seed
+            )
+            report.cost_model_source = f"measured on {next(target.parameters()).device} ({os.cpu_count()} CPUs)"
+        else:
+            cost = CostModel(t_draft=self.t_draft, t_target_a=self.t_target_a, t_target_b=self.t_target_b)
+            report.cost_model_source = "config"
+        report.cost_model = cost
+        _log(
+            trainer,
+            {
+                "cost/t_draft_ms": 1e3 * cost.t_draft,
+                "cost/t_target_a_ms": 1e3 * cost.t_target_a,
+                "cost/t_target_b_ms": 1e3 * cost.t_target_b,
+            }
+            | ({"cost/r2": cost.r2} if cost.r2 is not None else {}),
+        )
+        r2 = f", R² {cost.r2:.3f}" if cost.r2 is not None else ""
+        print(
+            f"cost model ({report.cost_model_source}): t_draft {1e3 * cost.t_draft:.2f} ms, "
+            f"t_target(K) = {1e3 * cost.t_target_a:.2f} + {1e3 * cost.t_target_b:.3f}·K ms{r2}",
+            flush=True,
+        )
+
+
+class ThresholdSweep(EndOfFitStage):
+    """Decode held-out validation prompts with SpecDec++ for every h and with FixedK for every K; pick h*.
+
+    Logs the table (``sweep.csv`` / ``sweep.json`` next to the logs, a W&B table when a WandbLogger is attached),
+    saves the Pareto plot and prints the closing comparison: autoregressive, best fixed K, SpecDec++ at h*.
+    """
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        thresholds: list[float] = list(THRESHOLDS),
+        fixed_k: list[int] = list(FIXED_K),
+        prompts: int = 16,
+        max_new_tokens: int = 128,
+        eval_prompts: int = 0,
+        min_candidates: int = 2,
+        max_candidates: int = 20,
+        select: Literal["modeled", "measured"] = "modeled",
+        seed: int = 0,
+        progress: bool = True,
+    ) -> None:
+        """
+        Args:
+            enabled: Run this stage.
+            thresholds: Grid of h in (0, 1) for SpecDec++ (one value evaluates just that h, as in W&B sweeps).
+            fixed_k: Grid of K for the fixed-K baseline (empty: no baseline).
+            prompts: Validation prompts decoded by every policy (the first ones of the seeded validation order).
+            max_new_tokens: New tokens per prompt.
+            eval_prompts: If > 0, the closing table is measured on this many further validation prompts that the
+                sweep did not see; 0 reuses the sweep's rows.
+            min_candidates: Candidates SpecDec++ always drafts per round (the official evaluation forces 2).
+            max_candidates: Cap on candidates per round (the paper: 20).
+            select: Pick h* (and the best K) by ``modeled`` latency (cost model, eq. 2.3) or ``measured`` tokens/s.
+            seed: Seed of the per-prompt sampling generators (the same for every policy).
+            progress: Show a progress bar.
+        """
+        check_thresholds(thresholds)
+        check_fixed_k(fixed_k)
+        if not thresholds:
+            raise ValueError("sweep.thresholds is empty: give at least one h in (0, 1).")
+        if prompts < 1 or max_new_tokens < 1 or eval_prompts < 0:
+            raise ValueError(
+                f"sweep.prompts={prompts} and sweep.max_new_tokens={max_new_tokens} must be >= 1, "
+                f"sweep.eval_prompts={eval_prompts} >= 0."
+            )
+        self.enabled, self.thresholds, self.fixed_k = enabled, [float(h) for h in thresholds], list(fixed_k)
+        self.prompts, self.max_new_tokens, self.eval_prompts = prompts, max_new_tokens, eval_prompts
+        self.min_candidates, self.max_candidates = min_candidates, max_candidates
+        self.select, self.seed, self.progress = select, seed, progress
+
+    def _run(self, dm: AcceptanceDataModule, pl_module: LightningModule, report: FitReport, prompts, **grid):
+        target = dm.target()
+        _check_same_device(target, pl_module.draft)
+        return run_sweep(
+            target,
+            pl_module.draft,
+            pl_module.head,
+            [ids for _, ids in prompts],
+            max_new_tokens=self.max_new_tokens,
+            sampling=dm.sampling,
+            eos_token_id=dm.eos_token_ids,
+            cost_model=report.cost_model,
+            min_candidates=self.min_candidates,
+            max_candidates=self.max_candidates,
+            calibration=report.calibration,
+            seed=self.seed,
+            progress=self.progress,
+            **grid,
+        )
+
+    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport) -> None:
+        dm = _datamodule(trainer)
+        prompts = dm.val_prompts(self.prompts)
+        if len(prompts) < self.prompts:
+            print(f"sweep: the validation split has only {len(prompts)} prompts (asked for {self.prompts})")
+        by = self.select if report.cost_model is not None else "measured"
+        result = self._run(dm, pl_module, report, prompts, thresholds=self.thresholds, fixed_k=self.fixed_k)
+        best = result.best("threshold", by)
+        report.sweep, report.threshold = result, float(best.param)
+        report.min_candidates, report.max_candidates = self.min_candidates, self.max_candidates
+        report.threshold_selection = (
+            f"lowest {by} latency per token over h in {self.thresholds} on {len(prompts)} held-out validation "
+            f"prompts, up to {self.max_new_tokens} new tokens each"
+        )
+        folder = artifact_dir(trainer)
+        report.artifacts["pareto"] = str(pareto_plot(result, folder / "pareto.png"))
+        report.artifacts["sweep_csv"] = str(_write_sweep(result.to_records(), folder))
+        self._log_table(trainer, result.to_records())
+        baseline = result.family("autoregressive")[0] if result.family("autoregressive") else None
+        print(format_table(result.rows, baseline, title=f"threshold sweep ({len(prompts)} validation prompts)"))
+        print(f"h* = {report.threshold:g} ({by} latency)", flush=True)
+
+        best_k = result.best("fixed_k", by) if result.family("fixed_k") else None
+        if self.eval_prompts:
+            held = dm.val_prompts(self.eval_prompts, offset=len(prompts))
+            closing = self._run(
+                dm,
+                pl_module,
+                report,
+                held,
+                thresholds=[report.threshold],
+                fixed_k=[int(best_k.param)] if best_k is not None else [],
+            )
+            report.closing = closing.rows
+            report.closing_prompts = (
+                f"{len(held)} validation prompts not used for training or for choosing h*/K, "
+                f"up to {self.max_new_tokens} new tokens"
+            )
+        else:
+            report.closing = [row for row in (baseline, best_k, best) if row is not None]
+            report.closing_prompts = (
+                f"the {len(prompts)} validation prompts of the sweep (held out from training; h* and K were chosen "
+                f"on them), up to {self.max_new_tokens} new tokens"
+            )
+        self._log_closing(trainer, report)
+
+    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Print the closing comparison last, after Lightning has closed its progress bar."""
+        report = pl_module.fit_report
+        if self.enabled and trainer.is_global_zero and report.closing:
+            baseline = next((r for r in report.closing if r.family == "autoregressive"), None)
+            title = f"SpecDec++ vs. baselines on {report.closing_prompts}"
+            print("\n" + format_table(report.closing, baseline, title=title), flush=True)
+
+    @staticmethod
+    def _log_table(trainer: Trainer, records: list[dict]) -> None:
+        from lightning.pytorch.loggers import WandbLogger
+
+        columns = list(records[0])
+        for logger in trainer.loggers:
+            if isinstance(logger, WandbLogger):
+                logger.log_table(key="sweep/table", columns=columns, data=[[r[c] for c in columns] for r in records])
+
+    @staticmethod
+    def _log_closing(trainer: Trainer, report: FitReport) -> None:
+        """Scalars for dashboards and W&B sweeps: ``specdecpp/*`` (at h*), ``fixed_k/*`` and ``autoregressive/*``."""
+        metrics: dict[str, float] = {"specdecpp/threshold": float(report.threshold)}
+        names = {"threshold": "specdecpp", "fixed_k": "fixed_k", "autoregressive": "autoregressive"}
+        base = next((r.result for r in report.closing if r.family == "autoregressive"), None)
+        for row in report.closing:
+            prefix, r = names[row.family], row.result
+            metrics[f"{prefix}/tokens_per_second"] = r.tokens_per_second
+            metrics[f"{prefix}/verification_rate"] = r.verification_rate
+            metrics[f"{prefix}/discard_rate"] = r.discard_rate
+            if r.modeled_tokens_per_second is not None:
+                metrics[f"{prefix}/modeled_tokens_per_second"] = r.modeled_tokens_per_second
+            if row.family == "fixed_k":
+                metrics["fixed_k/k"] = float(row.param)
+            if base is not None and base.tokens_per_second > 0 and row.family != "autoregressive":
+                metrics[f"{prefix}/speedup"] = r.tokens_per_second / base.tokens_per_second
+                if r.modeled_tokens_per_second and base.modeled_tokens_per_second:
+                    metrics[f"{prefix}/modeled_speedup"] = r.modeled_tokens_per_second / base.modeled_tokens_per_second
+        _log(trainer, metrics)
+
+
+def _write_sweep(records: list[dict], folder: Path) -> Path:
+    (folder / "sweep.json").write_text(json.dumps(records, indent=1) + "\n")
+    path = folder / "sweep.csv"
+    with path.open("w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(records[0]))
+        writer.writeheader()
+        writer.writerows(records)
+    return path
+
+
+def _portable_spec(spec: ModelSpec, bundle: Path) -> ModelSpec:
+    """A copy of ``spec`` whose local path is relative to the bundle when the model sits next to it (e.g. both under
+    ``checkpoints/``), so the two can move together; other paths become absolute."""
+    spec = copy.deepcopy(spec)
+    if spec.path.startswith(("package:", "hf:")):
+        return spec
+    local = Path(spec.path).expanduser()
+    if not local.exists():
+        return spec  # a hub id
+    local = local.resolve()
+    parent = bundle.resolve().parent
+    spec.path = os.path.relpath(local, bundle.resolve()) if local.is_relative_to(parent) else str(local)
+    return spec
+
+
+class ExportBundle(EndOfFitStage):
+    """Write the ``SpecDecPP`` bundle (head, calibration, h*, cost model, provenance, model card) and check that it
+    loads with ``SpecDecPP.from_pretrained`` and generates."""
+
+    run_config: dict[str, Any] | None = None
+    """The full parsed run configuration, recorded in the bundle's provenance (set by the CLI)."""
+    command: str | None = None
+    """The command line of the run, for the model card (set by the CLI)."""
+
+    def __init__(
+        self,
+        enabled: bool = True,
+        dir: str | None = None,
+        threshold: float | None = None,
+        min_candidates: int = 2,
+        max_candidates: int = 20,
+        verify: bool = True,
+    ) -> None:
+        """
+        Args:
+            enabled: Run this stage.
+            dir: Bundle folder, conventionally ``checkpoints/<name>``.
+            threshold: h when no sweep ran (otherwise the sweep's h* is used).
+            min_candidates: Used when no sweep ran (otherwise the sweep's value).
+            max_candidates: Used when no sweep ran (otherwise the sweep's value).
+            verify: Reload the bundle with ``SpecDecPP.from_pretrained`` (reusing the loaded models) and generate.
+        """
+        if enabled and not dir:
+            raise ValueError("export.dir is not set: name the bundle folder, e.g. --export.dir=checkpoints/<name>.")
+        if threshold is not None:
+            check_thresholds([threshold])
+        self.enabled, self.dir, self.threshold = enabled, dir, threshold
+        self.min_candidates, self.max_candidates, self.verify = min_candidates, max_candidates, verify
+
+    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport) -> None:
+        dm = _datamodule(trainer)
+        threshold = report.threshold if report.threshold is not None else self.threshold
+        if threshold is None:
+            raise ValueError("No threshold to export: enable the sweep (sweep.enabled=true) or set --export.threshold.")
+        folder = Path(self.dir).expanduser()
+        target, tokenizer = dm.target(), dm.tokenizer()
+        head = copy.deepcopy(pl_module.head).float().eval()
+        provenance = self._provenance(trainer, dm, report)
+        bundle = SpecDecPP(
+            target=target,
+            draft=pl_module.draft,
+            head=head,
+            threshold=threshold,
+            tokenizer=tokenizer,
+            min_candidates=report.min_candidates if report.min_candidates is not None else self.min_candidates,
+            max_candidates=report.max_candidates if report.max_candidates is not None else self.max_candidates,
+            temperature=dm.sampling.temperature,
+            calibration=report.calibration,
+            cost_model=report.cost_model.to_dict() if report.cost_model is not None else None,
+            provenance=provenance,
+            target_spec=_portable_spec(dm.target_spec, folder),
+            draft_spec=_portable_spec(dm.draft, folder),
+        )
+        bundle.save_pretrained(folder)
+        (folder / "split.json").write_text(json.dumps(dm.split_record(), indent=1) + "\n")
+        for name in ("reliability", "pareto", "sweep_csv"):
+            if name in report.artifacts and Path(report.artifacts[name]).is_file():
+                shutil.copy2(report.artifacts[name], folder / Path(report.artifacts[name]).name)
+        card = model_card(str(self.dir), bundle, dm, report, provenance, dict(pl_module.hparams), self.command)
+        (folder / "README.md").write_text(card)
+        report.export_dir = str(folder)
+        print(f"exported SpecDec++ bundle to {folder} (h* = {threshold:g})", flush=True)
+        if self.verify:
+            loaded = SpecDecPP.from_pretrained(folder, target=target, draft=pl_module.draft, tokenizer=tokenizer)
+            prompt = dm.val_prompts(1)[0][1]
+            out = loaded.generate(prompt, max_new_tokens=8, seed=0)
+            print(f"bundle check: from_pretrained + generate -> {len(out.new_token_ids)} tokens", flush=True)
+
+    def _provenance(self, trainer: Trainer, dm: AcceptanceDataModule, report: FitReport) -> dict[str, Any]:
+        import accept_head
+
+        split = dm.split_record()
+        return {
+            "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+            "accept_head_version": accept_head.__version__,
+            "command": self.command,
+            "config": self.run_config,
+            "data_meta": dm.meta,
+            "split": {k: v for k, v in split.items() if k not in ("train", "val")} | {"file": "split.json"},
+            "training": {"epochs": trainer.current_epoch, "steps": trainer.global_step},
+            "val_metrics": report.val_metrics,
+            "calibration": None
+            if report.calibration_choice is None
+            else {
+                "chosen": report.calibration_choice.chosen,
+                "scores": report.calibration_choice.scores,
+                "evaluation": report.calibration_choice.evaluation,
+            },
+            "cost_model_source": report.cost_model_source,
+            "sampling": dm.sampling.to_dict(),
+            "threshold_selection": report.threshold_selection,
+            "sweep": report.sweep.to_records() if report.sweep is not None else None,
+            "closing": {"prompts": report.closing_prompts, "rows": [row.to_dict() for row in report.closing]},
+        }

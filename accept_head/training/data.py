@@ -1,0 +1,547 @@
+"""The data side of head training: a ``data_gen`` label dataset, a seeded prompt-level split, token mixing and
+length-bucketed batches, wrapped in a LightningDataModule.
+
+A training example is one prompt x with the target's response X, the draft's samples Y and the soft labels
+ℓ_i = min(1, p_i(Y_i)/q_i(Y_i)) (see :mod:`accept_head.labels`). Each epoch builds Z by token mixing
+(:mod:`accept_head.mixing`) and feeds (x, Z) to the frozen draft; the loss applies where Z_i = Y_i, at the hidden
+state whose input token is Z_i.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator, Sequence, Sized
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningDataModule
+from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
+
+from ..mixing import check_ratio, mix_tokens, mixing_seed
+from ..pairs import ModelSpec, load_model, load_tokenizer, local_folder
+from ..sampling import SamplingConfig
+
+VALIDATION_EPOCH = -1
+"""The mixing 'epoch' of validation examples: fixed, so validation metrics are comparable across epochs."""
+
+
+# ---- rows and the split -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LabelRow:
+    """One prompt of a label dataset; tensors are 1-D LongTensor / FloatTensor."""
+
+    prompt_id: str
+    prompt_ids: torch.Tensor
+    """(P,) prompt tokens (chat template applied by data_gen)."""
+    response_ids: torch.Tensor
+    """(N,) X: the target's response."""
+    draft_ids: torch.Tensor
+    """(N,) Y: Y_i ~ q(·|x, X_<i)."""
+    accept_prob: torch.Tensor
+    """(N,) soft labels min(1, p_i(Y_i)/q_i(Y_i))."""
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids) + len(self.response_ids)
+
+
+def _same_model(a: ModelSpec, b: ModelSpec) -> bool:
+    """Whether two specs name the same weights (dtype and device may differ)."""
+
+    def where(spec: ModelSpec) -> str:
+        if spec.path.startswith(("package:", "hf:")):
+            return spec.path
+        path = Path(spec.path).expanduser()
+        return str(path.resolve()) if path.exists() else spec.path
+
+    return (where(a), a.gguf_file, a.adapter, a.revision) == (where(b), b.gguf_file, b.adapter, b.revision)
+
+
+def check_draft(meta: dict, draft: ModelSpec, path: str | Path) -> None:
+    """Refuse a dataset whose labels were computed for another draft than the configured one."""
+    raw = meta.get("draft")
+    if not isinstance(raw, dict) or "path" not in raw:
+        raise ValueError(f"{path}/meta.json names no draft model; regenerate the dataset with python -m data_gen.")
+    labelled = ModelSpec(**raw)
+    if not _same_model(labelled, draft):
+        raise ValueError(
+            f"The dataset {path} was labelled with draft {labelled.path!r} (gguf_file={labelled.gguf_file!r}, "
+            f"adapter={labelled.adapter!r}) but data.draft is {draft.path!r} (gguf_file={draft.gguf_file!r}, "
+            f"adapter={draft.adapter!r}). Labels depend on the draft: set --data.draft.path={labelled.path} or "
+            f"regenerate the labels with `python -m data_gen ... --draft.path {draft.path}`."
+        )
+
+
+def prompt_split(prompt_ids: Sequence[str], val_fraction: float, val_size: int | None, seed: int) -> dict[str, Any]:
+    """A seeded, disjoint train/validation split of prompt ids (a permutation of the sorted ids).
+
+    Returns a JSON-ready record: ``{"seed", "val_fraction", "val_size", "train": [...], "val": [...]}``; the
+    validation ids keep the permuted order, so "the first n validation prompts" is itself a seeded sample.
+    """
+    ids = sorted(set(prompt_ids))
+    if len(ids) != len(prompt_ids):
+        raise ValueError(f"The dataset holds duplicate prompt_ids ({len(prompt_ids) - len(ids)}); regenerate it.")
+    n_val = val_size if val_size is not None else int(round(val_fraction * len(ids)))
+    if n_val < 1:
+        raise ValueError(
+            f"The validation split is empty: val_fraction={val_fraction}, val_size={val_size} of {len(ids)} prompts. "
+            "Raise --data.val_fraction (or set --data.val_size >= 1) or label more prompts."
+        )
+    if n_val >= len(ids):
+        raise ValueError(
+            f"val_size={n_val} leaves no training prompts out of {len(ids)}; "
+            "lower --data.val_fraction / --data.val_size."
+        )
+    order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed)).tolist()
+    val = [ids[i] for i in order[:n_val]]
+    train = [ids[i] for i in sorted(order[n_val:])]
+    return {"seed": seed, "val_fraction": val_fraction, "val_size": val_size, "train": train, "val": val}
+
+
+# ---- mixing dataset, bucketed batches, collation -------------------------------------------------------------------
+
+
+class MixedTokenDataset(Dataset):
+    """Examples for the head: ``dataset[(row, epoch)]`` mixes row ``row`` for epoch ``epoch``.
+
+    The generator of each (row, epoch) is seeded from (seed, epoch, prompt_id) (:func:`accept_head.mixing.
+    mixing_seed`), so the mixing is resampled every epoch, reproducible per seed, and independent of batch order,
+    workers and processes. Items: ``input_ids`` (L,) = prompt + Z, ``loss_mask`` (L,) True where Z_i = Y_i,
+    ``labels`` (L,) the soft labels there, ``row`` the row index.
+    """
+
+    def __init__(self, rows: Sequence[LabelRow], mix_ratio: float, seed: int) -> None:
+        check_ratio(mix_ratio)
+        self.rows = list(rows)
+        self.mix_ratio = mix_ratio
+        self.seed = seed
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(row) for row in self.rows]
+
+    def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
+        index, epoch = key if isinstance(key, tuple) else (key, 0)
+        row = self.rows[index]
+        generator = torch.Generator().manual_seed(mixing_seed(self.seed, epoch, row.prompt_id))
+        z, from_draft = mix_tokens(row.response_ids, row.draft_ids, self.mix_ratio, generator)
+        prompt_len = len(row.prompt_ids)
+        loss_mask = torch.zeros(len(row), dtype=torch.bool)
+        loss_mask[prompt_len:] = from_draft
+        labels = torch.zeros(len(row), dtype=torch.float32)
+        labels[prompt_len:] = row.accept_prob
+        return {
+            "input_ids": torch.cat([row.prompt_ids, z]),
+            "loss_mask": loss_mask,
+            "labels": labels,
+            "row": torch.tensor(index),
+        }
+
+
+class EpochRandomSampler(RandomSampler):
+    """A random permutation seeded by (seed + epoch): reproducible, different every epoch, resumable mid-run."""
+
+    def __init__(self, data_source: Sized, seed: int = 0) -> None:
+        super().__init__(data_source)
+        self.seed = seed
+        self.epoch = 0
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def __iter__(self) -> Iterator[int]:
+        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        yield from torch.randperm(len(self.data_source), generator=generator).tolist()
+
+
+class BucketBatchSampler(BatchSampler):
+    """Length-bucketed batches: indices from ``sampler`` are taken ``pool`` batches at a time, sorted by length and cut
+    into batches, so a batch pads little; batch order is then shuffled (seeded by seed + epoch) when ``shuffle``.
+
+    Yields lists of ``(row, epoch)`` keys for :class:`MixedTokenDataset`. The epoch is ``fixed_epoch`` when given,
+    else the sampler's ``epoch`` (Lightning calls ``set_epoch`` on it, also on the ``DistributedSampler`` it injects
+    under DDP in place of ``sampler``).
+    """
+
+    def __init__(
+        self,
+        sampler: Sampler[int],
+        batch_size: int,
+        drop_last: bool = False,
+        lengths: Sequence[int] = (),
+        pool: int = 16,
+        shuffle: bool = True,
+        seed: int = 0,
+        fixed_epoch: int | None = None,
+    ) -> None:
+        super().__init__(sampler, batch_size, drop_last)
+        if pool < 1:
+            raise ValueError(f"pool={pool} must be >= 1 (batches per length-sorted bucket).")
+        self.lengths = list(lengths)
+        self.pool, self.shuffle, self.seed, self.fixed_epoch = pool, shuffle, seed, fixed_epoch
+
+    @property
+    def epoch(self) -> int:
+        return self.fixed_epoch if self.fixed_epoch is not None else int(getattr(self.sampler, "epoch", 0))
+
+    def _batches(self) -> list[list[int]]:
+        indices = list(self.sampler)
+        pool_size = self.batch_size * self.pool
+        batches: list[list[int]] = []
+        for start in range(0, len(indices), pool_size):
+            pool = sorted(indices[start : start + pool_size], key=lambda i: self.lengths[i], reverse=True)
+            chunk = [pool[j : j + self.batch_size] for j in range(0, len(pool), self.batch_size)]
+            if self.drop_last and chunk and len(chunk[-1]) < self.batch_size:
+                chunk.pop()
+            batches += chunk
+        return batches
+
+    def __iter__(self) -> Iterator[list[tuple[int, int]]]:
+        epoch = self.epoch
+        batches = self._batches()
+        order = range(len(batches))
+        if self.shuffle:
+            order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+        for b in order:
+            yield [(index, epoch) for index in batches[b]]
+
+    def __len__(self) -> int:
+        n = len(self.sampler)  # type: ignore[arg-type]
+        pool_size = self.batch_size * self.pool
+        full, rest = divmod(n, pool_size)
+        per_pool = self.pool
+        last = rest // self.batch_size if self.drop_last else math.ceil(rest / self.batch_size)
+        return full * per_pool + last
+
+
+def collate(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Right-pad examples into a batch: input_ids / attention_mask / loss_mask / labels (B, L), row (B,)."""
+    width = max(len(item["input_ids"]) for item in items)
+    batch = len(items)
+    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    loss_mask = torch.zeros((batch, width), dtype=torch.bool)
+    labels = torch.zeros((batch, width), dtype=torch.float32)
+    for b, item in enumerate(items):
+        n = len(item["input_ids"])
+        input_ids[b, :n] = item["input_ids"]
+        attention_mask[b, :n] = 1
+        loss_mask[b, :n] = item["loss_mask"]
+        labels[b, :n] = item["labels"]
+    rows = torch.stack([item["row"] for item in items])
+    return {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "loss_mask": loss_mask,
+        "labels": labels,
+        "row": rows,
+    }
+
+
+# ---- data_gen in prepare_data --------------------------------------------------------------------------------------
+
+
+def run_data_gen(config: str | dict, output_dir: str | Path, draft: ModelSpec) -> dict:
+    """Run ``python -m data_gen``'s pipeline into ``output_dir``; return the dataset's meta dict.
+
+    ``config`` is the path of a data_gen YAML file or a mapping of its keys (``draft`` defaults to ``draft``);
+    ``output_dir`` always comes from the data module. A draft other than ``draft`` is refused before any work.
+    """
+    from data_gen.cli import parse_config, run
+
+    if isinstance(config, str):
+        if not Path(config).is_file():
+            raise FileNotFoundError(f"data.data_gen={config!r}: no such data_gen config file.")
+        argv = ["--config", config]
+    else:
+        raw = dict(config)
+        raw.setdefault("draft", draft.to_dict())
+        argv = ["--config", json.dumps(raw)]
+    cfg = parse_config([*argv, "--output_dir", str(output_dir)])
+    if not _same_model(cfg.draft, draft):
+        raise ValueError(
+            f"data.data_gen labels draft {cfg.draft.path!r} but data.draft is {draft.path!r}; "
+            "make them the same model (or drop draft from the data_gen config to inherit data.draft)."
+        )
+    return run(cfg)
+
+
+# ---- the data module -----------------------------------------------------------------------------------------------
+
+
+class AcceptanceDataModule(LightningDataModule):
+    """Training data of the acceptance head from a ``python -m data_gen`` label dataset.
+
+    The prompts are split into train / validation by a seeded permutation (recorded in ``split.json`` next to the
+    logs and in the bundle). Every epoch re-mixes the training responses (token mixing, ratio ``mix_ratio``);
+    validation uses one fixed mixing. Batches group prompts of similar length.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        draft: ModelSpec,
+        target: ModelSpec | None = None,
+        data_gen: str | dict[str, Any] | None = None,
+        mix_ratio: float = 0.15,
+        val_fraction: float = 0.1,
+        val_size: int | None = None,
+        split_seed: int = 0,
+        mix_seed: int = 0,
+        batch_size: int = 32,
+        bucket_pool: int = 16,
+        max_length: int | None = None,
+        num_workers: int = 0,
+        test_path: str | None = None,
+    ) -> None:
+        """
+        Args:
+            path: Folder of the label dataset written by ``python -m data_gen`` (``save_to_disk`` + ``meta.json``).
+            draft: The frozen draft whose hidden states feed the head; must be the draft the labels were made with
+                (dtype and device may differ).
+            target: Overrides the target recorded in the dataset's ``meta.json`` (e.g. another device or dtype);
+                used after training for the cost model, the threshold sweep and the bundle.
+            data_gen: Run data_gen into ``path`` in ``prepare_data`` when the dataset does not exist yet: the path
+                of a data_gen YAML config or a mapping of its keys (``draft`` defaults to ``draft``).
+            mix_ratio: Token mixing ratio r in [0, 1): probability that a position holds the target's token X_i
+                rather than the draft's Y_i (no loss there). The official code uses 0.15.
+            val_fraction: Fraction of prompts held out for validation (ignored when ``val_size`` is set).
+            val_size: Number of prompts held out for validation.
+            split_seed: Seed of the prompt-level train/validation permutation.
+            mix_seed: Seed of the token mixing (combined with the epoch and each prompt's id).
+            batch_size: Prompts per batch.
+            bucket_pool: Batches per length-sorted pool (1 = no bucketing).
+            max_length: Truncate each (prompt + response) to this many tokens (the response's tail is cut);
+                prompts that alone reach it are dropped. None keeps everything.
+            num_workers: DataLoader worker processes.
+            test_path: Another label dataset (same draft) for ``python -m train test``; default: the validation split.
+        """
+        super().__init__()
+        check_ratio(mix_ratio)
+        if val_size is None and not 0.0 < val_fraction < 1.0:
+            raise ValueError(
+                f"val_fraction={val_fraction} must be in (0, 1) (or set --data.val_size): an empty validation split "
+                "leaves nothing to validate, calibrate or sweep on."
+            )
+        if val_size is not None and val_size < 1:
+            raise ValueError(f"val_size={val_size}: the validation split would be empty; set --data.val_size >= 1.")
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size} must be >= 1.")
+        if max_length is not None and max_length < 2:
+            raise ValueError(f"max_length={max_length} must be >= 2 (or null for no truncation).")
+        self.path = str(Path(path).expanduser())
+        self.draft = ModelSpec.coerce(draft)
+        self.target_override = ModelSpec.coerce(target) if target is not None else None
+        self.data_gen = data_gen
+        self.mix_ratio, self.mix_seed = mix_ratio, mix_seed
+        self.val_fraction, self.val_size, self.split_seed = val_fraction, val_size, split_seed
+        self.batch_size, self.bucket_pool, self.max_length = batch_size, bucket_pool, max_length
+        self.num_workers = num_workers
+        self.test_path = str(Path(test_path).expanduser()) if test_path else None
+        self.hidden_size = draft_hidden_size(self.draft)
+        """The draft's hidden size: the head's width (linked to ``model.hidden_size`` by the CLI)."""
+        self.meta: dict = {}
+        self.split: dict = {}
+        self.dropped: dict[str, int] = {}
+        self.train_set: MixedTokenDataset | None = None
+        self.val_set: MixedTokenDataset | None = None
+        self.test_set: MixedTokenDataset | None = None
+        self._target: torch.nn.Module | None = None
+        self._tokenizer: Any = None
+        self.save_hyperparameters()
+
+    # -- Lightning hooks
+
+    def prepare_data(self) -> None:
+        """Run data_gen (rank 0 only) when the dataset is absent and ``data_gen`` is configured."""
+        if self.data_gen is not None and not (Path(self.path) / "meta.json").is_file():
+            run_data_gen(self.data_gen, self.path, self.draft)
+
+    def setup(self, stage: str) -> None:
+        if self.train_set is not None:
+            return
+        rows, self.meta = self._load(self.path)
+        self.split = prompt_split([row.prompt_id for row in rows], self.val_fraction, self.val_size, self.split_seed)
+        val_ids = set(self.split["val"])
+        by_id = {row.prompt_id: row for row in rows}
+        train_rows = [by_id[pid] for pid in self.split["train"]]
+        val_rows = [by_id[pid] for pid in self.split["val"]]
+        if not any(len(row.response_ids) for row in val_rows):
+            raise ValueError(f"The validation split of {self.path} holds no response tokens; raise the split size.")
+        assert not val_ids.intersection(self.split["train"]), "train and validation prompts overlap"
+        self.train_set = MixedTokenDataset(train_rows, self.mix_ratio, self.mix_seed)
+        self.val_set = MixedTokenDataset(val_rows, self.mix_ratio, self.mix_seed)
+        if self.test_path is not None:
+            test_rows, _ = self._load(self.test_path)
+            self.test_set = MixedTokenDataset(test_rows, self.mix_ratio, self.mix_seed)
+        else:
+            self.test_set = self.val_set
+        self._record_split()
+
+    def _load(self, path: str) -> tuple[list[LabelRow], dict]:
+        from ..labels import load_label_dataset
+
+        if not Path(path).exists():
+            hint = (
+                "set --data.data_gen to a data_gen config to create it in prepare_data, or run "
+                f"`python -m data_gen --config <config> --output_dir {path}`"
+            )
+            raise FileNotFoundError(f"data.path={path!r} does not exist: {hint}.")
+        dataset, meta = load_label_dataset(path)
+        check_draft(meta, self.draft, path)
+        columns = dataset.select_columns(["prompt_id", "prompt_ids", "response_ids", "draft_ids", "accept_prob"])
+        rows, dropped = [], {"empty_response": 0, "prompt_too_long": 0, "truncated": 0}
+        for record in columns.to_list():
+            n = len(record["response_ids"])
+            if len(record["draft_ids"]) != n or len(record["accept_prob"]) != n:
+                raise ValueError(
+                    f"{path}: prompt {record['prompt_id']!r} has {n} response tokens but {len(record['draft_ids'])} "
+                    f"draft tokens and {len(record['accept_prob'])} labels; regenerate the dataset."
+                )
+            if n == 0:
+                dropped["empty_response"] += 1
+                continue
+            prompt_len = len(record["prompt_ids"])
+            if self.max_length is not None:
+                if prompt_len >= self.max_length:
+                    dropped["prompt_too_long"] += 1
+                    continue
+                if prompt_len + n > self.max_length:
+                    dropped["truncated"] += 1
+                    n = self.max_length - prompt_len
+            rows.append(
+                LabelRow(
+                    prompt_id=record["prompt_id"],
+                    prompt_ids=torch.tensor(record["prompt_ids"], dtype=torch.long),
+                    response_ids=torch.tensor(record["response_ids"][:n], dtype=torch.long),
+                    draft_ids=torch.tensor(record["draft_ids"][:n], dtype=torch.long),
+                    accept_prob=torch.tensor(record["accept_prob"][:n], dtype=torch.float32),
+                )
+            )
+        if path == self.path:
+            self.dropped = dropped
+        if not rows:
+            raise ValueError(f"{path} holds no prompt with a response to train on ({dropped}).")
+        return rows, meta
+
+    def _record_split(self) -> None:
+        trainer = getattr(self, "_trainer", None)
+        log_dir = trainer.log_dir if trainer is not None else None
+        if log_dir is not None and trainer.is_global_zero:
+            Path(log_dir).mkdir(parents=True, exist_ok=True)
+            (Path(log_dir) / "split.json").write_text(json.dumps(self.split_record(), indent=1) + "\n")
+
+    def split_record(self) -> dict[str, Any]:
+        """The split with its provenance: dataset path, counts, seeds, dropped rows and the prompt ids."""
+        return {
+            "dataset": self.path,
+            "n_train": len(self.split.get("train", [])),
+            "n_val": len(self.split.get("val", [])),
+            "mix_ratio": self.mix_ratio,
+            "mix_seed": self.mix_seed,
+            "dropped": self.dropped,
+            **self.split,
+        }
+
+    def _loader(self, dataset: MixedTokenDataset | None, train: bool) -> DataLoader:
+        if dataset is None:
+            raise RuntimeError("The data module is not set up: call setup() first.")
+        sampler = EpochRandomSampler(dataset, seed=self.mix_seed) if train else SequentialSampler(dataset)
+        batches = BucketBatchSampler(
+            sampler,
+            batch_size=self.batch_size,
+            drop_last=False,
+            lengths=dataset.lengths,
+            pool=self.bucket_pool,
+            shuffle=train,
+            seed=self.mix_seed,
+            fixed_epoch=None if train else VALIDATION_EPOCH,
+        )
+        return DataLoader(
+            dataset,
+            batch_sampler=batches,
+            collate_fn=collate,
+            num_workers=self.num_workers,
+            persistent_workers=False,
+        )
+
+    def train_dataloader(self) -> DataLoader:
+        return self._loader(self.train_set, train=True)
+
+    def val_dataloader(self) -> DataLoader:
+        return self._loader(self.val_set, train=False)
+
+    def test_dataloader(self) -> DataLoader:
+        return self._loader(self.test_set, train=False)
+
+    # -- what the end-of-fit stages need
+
+    @property
+    def target_spec(self) -> ModelSpec:
+        """The target the labels were made with (``meta.json``), or the configured override."""
+        if self.target_override is not None:
+            return self.target_override
+        raw = self.meta.get("target")
+        if not isinstance(raw, dict):
+            raise ValueError(f"{self.path}/meta.json names no target; set --data.target.")
+        return ModelSpec(**raw)
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        """The transform the labels were made under (``label_transform``; greedy labels decode greedily)."""
+        raw = self.meta.get("label_transform") or self.meta.get("sampling")
+        if not isinstance(raw, dict):
+            raise ValueError(f"{self.path}/meta.json records no sampling transform; regenerate the dataset.")
+        return SamplingConfig(**raw)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        ids = (self.meta.get("tokenizer") or {}).get("eos_token_ids")
+        if ids:
+            return [int(i) for i in ids]
+        eos = self.tokenizer().eos_token_id
+        return [] if eos is None else [int(eos)]
+
+    def target(self) -> torch.nn.Module:
+        """The target model, loaded once (for the cost model, the sweep and the bundle)."""
+        if self._target is None:
+            self._target = load_model(self.target_spec)
+        return self._target
+
+    def tokenizer(self):
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(self.target_spec)
+        return self._tokenizer
+
+    def val_prompts(self, count: int, offset: int = 0) -> list[tuple[str, list[int]]]:
+        """``count`` held-out validation prompts ``(prompt_id, token ids)`` starting at ``offset`` (seeded order)."""
+        if self.val_set is None:
+            raise RuntimeError("The data module is not set up: call setup() first.")
+        rows = self.val_set.rows[offset : offset + count]
+        return [(row.prompt_id, row.prompt_ids.tolist()) for row in rows]
+
+    def teardown(self, stage: str) -> None:
+        self._target = None
+
+
+def draft_hidden_size(draft: ModelSpec) -> int:
+    """The hidden size of ``draft`` read from its config (no weights are loaded)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(local_folder(draft), revision=draft.revision)
+    except OSError as err:
+        raise FileNotFoundError(
+            f"data.draft.path={draft.path!r} is neither a model folder nor a reachable hub id ({err}). Train or "
+            "fetch the draft first (the embedded pair's draft: `python -m train.distill_draft`), or point "
+            "--data.draft.path at it."
+        ) from err
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    return int(config.hidden_size)

@@ -1,0 +1,219 @@
+"""The LightningModule that trains an acceptance head on a frozen draft (SpecDec++ §3.3).
+
+Per batch: the frozen draft reads (prompt, Z) — Z the token-mixed response — and its final hidden states at the
+positions holding draft tokens go through the head; the loss is the weighted BCE against the soft labels there
+(:mod:`accept_head.loss`). Only the head is trained and only the head is checkpointed: the draft's weights are
+reloaded from its spec, never copied into Lightning checkpoints.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule
+from torchmetrics.aggregation import CatMetric
+
+from ..features import decoder_matches_lm_head_input, final_hidden_states
+from ..head import AcceptanceHead
+from ..loss import check_weights, weighted_bce
+from ..metrics import acceptance_metrics
+from ..pairs import ModelSpec, load_model
+from .report import FitReport
+
+DRAFT_PREFIX = "draft."
+
+
+class AcceptanceHeadModule(LightningModule):
+    """An :class:`~accept_head.head.AcceptanceHead` trained on the hidden states of a frozen draft."""
+
+    def __init__(
+        self,
+        draft: ModelSpec,
+        hidden_size: int,
+        depth: int,
+        w_rej: float,
+        lr: float,
+        w_acc: float = 1.0,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        warmup_fraction: float = 0.03,
+        min_lr_ratio: float = 0.0,
+    ) -> None:
+        """
+        Args:
+            draft: The frozen draft (linked from ``data.draft``): weights, dtype and device it runs in. It stays in
+                eval mode without gradients.
+            hidden_size: Width of the head; linked from the draft's hidden size (``data.hidden_size``).
+            depth: Residual blocks D of the head (0 = linear probe; the paper sweeps 0..4).
+            w_rej: Loss weight of the rejected class (the paper sweeps 1, 3, 6, 12).
+            lr: Peak learning rate of AdamW.
+            w_acc: Loss weight of the accepted class (1 in the paper).
+            weight_decay: AdamW weight decay.
+            betas: AdamW betas.
+            warmup_fraction: Fraction of the optimizer steps with a linear warm-up (the paper: 3%).
+            min_lr_ratio: The cosine schedule decays to ``lr * min_lr_ratio``.
+        """
+        super().__init__()
+        if depth < 0:
+            raise ValueError(
+                f"depth={depth} must be >= 0 (0 is a linear probe, the paper uses 0..4); set --model.depth."
+            )
+        check_weights(w_acc, w_rej)
+        if not lr > 0:
+            raise ValueError(f"lr={lr} must be > 0; set --model.lr.")
+        if not 0.0 <= warmup_fraction < 1.0:
+            raise ValueError(f"warmup_fraction={warmup_fraction} must be in [0, 1); set --model.warmup_fraction.")
+        if not 0.0 <= min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio={min_lr_ratio} must be in [0, 1]; set --model.min_lr_ratio.")
+        # The draft is recorded once, in the data module's hyperparameters (it is linked from data.draft).
+        self.save_hyperparameters(ignore=["draft"])
+        self.draft_spec = ModelSpec.coerce(draft)
+        self.head = AcceptanceHead(hidden_size, depth)
+        self.draft: torch.nn.Module | None = None
+        self._use_decoder = True
+        self.val_logits, self.val_labels = CatMetric(), CatMetric()
+        self.fit_report = FitReport()
+        """Results of the end-of-fit callbacks (reset at the start of every fit)."""
+
+    def on_fit_start(self) -> None:
+        self.fit_report = FitReport()
+
+    # -- the frozen draft
+
+    def configure_model(self) -> None:
+        """Load the frozen draft (once; Lightning calls this before moving the module to its device)."""
+        if self.draft is not None:
+            return
+        draft = load_model(self.draft_spec)
+        if draft.config.hidden_size != self.head.hidden_size:
+            raise ValueError(
+                f"The draft's hidden size is {draft.config.hidden_size} but the head is {self.head.hidden_size} wide; "
+                "do not set --model.hidden_size by hand (it is linked from the draft)."
+            )
+        draft.requires_grad_(False).eval()
+        self._use_decoder = decoder_matches_lm_head_input(draft)
+        self.draft = draft
+
+    def train(self, mode: bool = True) -> AcceptanceHeadModule:
+        """Switch the head's mode; the draft stays in eval mode (no dropout) whatever Lightning asks."""
+        super().train(mode)
+        if self.draft is not None:
+            self.draft.eval()
+        return self
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Keep the draft's frozen weights out of checkpoints (they are reloaded from ``draft``)."""
+        state = checkpoint["state_dict"]
+        for key in [k for k in state if k.startswith(DRAFT_PREFIX)]:
+            del state[key]
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        """Put the loaded draft's weights back into the state dict so strict loading of the head passes."""
+        self.configure_model()
+        state = checkpoint["state_dict"]
+        for key, value in self.draft.state_dict().items():
+            state.setdefault(DRAFT_PREFIX + key, value)
+
+    # -- forward
+
+    def hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The draft's final hidden state at every loss position: (M, H) for M = loss_mask.sum()."""
+        assert self.draft is not None, "configure_model() loads the draft"
+        with torch.no_grad():
+            hidden = final_hidden_states(
+                self.draft, batch["input_ids"], batch["attention_mask"], use_decoder=self._use_decoder
+            )  # (B, L, H)
+        return hidden[batch["loss_mask"]]
+
+    def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Head logits (M,) and soft labels (M,) at the positions of ``batch`` that hold draft tokens."""
+        logits = self.head(self.hidden_states(batch).float())
+        return logits, batch["labels"][batch["loss_mask"]]
+
+    def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        logits, labels = self(batch)
+        loss = weighted_bce(logits, labels, self.hparams.w_acc, self.hparams.w_rej)
+        size = int(batch["input_ids"].shape[0])
+        self.log("train/loss", loss, prog_bar=True, batch_size=size)
+        self.log("train/positions", float(labels.numel()), batch_size=size)
+        return loss
+
+    # -- validation / test metrics
+
+    def _eval_step(self, batch: dict[str, torch.Tensor]) -> None:
+        logits, labels = self(batch)
+        self.val_logits.update(logits.detach().float())
+        self.val_labels.update(labels.float())
+
+    def _eval_epoch_end(self, prefix: str) -> dict[str, float]:
+        logits = _as_1d(self.val_logits.compute())  # gathered across processes
+        labels = _as_1d(self.val_labels.compute())
+        self.val_logits.reset()
+        self.val_labels.reset()
+        metrics = acceptance_metrics(logits, labels, self.hparams.w_acc, self.hparams.w_rej)
+        logged = {f"{prefix}/{k}": v for k, v in metrics.items() if not math.isnan(v)}
+        if "weighted_bce" in metrics and not math.isnan(metrics["weighted_bce"]):
+            logged[f"{prefix}/loss"] = metrics["weighted_bce"]
+        self.log_dict(logged, sync_dist=True)  # identical on every process already
+        if prefix == "val" and not self.trainer.sanity_checking:
+            self.fit_report.val_metrics = metrics
+        return metrics
+
+    def validation_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_validation_epoch_end(self) -> None:
+        self._eval_epoch_end("val")
+
+    def test_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        self._eval_step(batch)
+
+    def on_test_epoch_end(self) -> None:
+        self._eval_epoch_end("test")
+
+    @torch.no_grad()
+    def predict_loader(self, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Head logits, labels and row ids (M,) over a dataloader, on this process only (for calibration)."""
+        was_training = self.training
+        self.eval()
+        logits, labels, rows = [], [], []
+        try:
+            for batch in loader:
+                batch = {k: v.to(self.device) for k, v in batch.items()}
+                batch_logits, batch_labels = self(batch)
+                logits.append(batch_logits.float().cpu())
+                labels.append(batch_labels.float().cpu())
+                counts = batch["loss_mask"].sum(-1).cpu()
+                rows.append(batch["row"].cpu().repeat_interleave(counts))
+        finally:
+            self.train(was_training)
+        return torch.cat(logits), torch.cat(labels), torch.cat(rows)
+
+    # -- optimisation
+
+    def configure_optimizers(self) -> dict[str, Any]:
+        """AdamW on the head with a linear warm-up then a cosine decay to ``lr * min_lr_ratio``, stepped per batch."""
+        hp = self.hparams
+        optimizer = torch.optim.AdamW(
+            self.head.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
+        )
+        total = max(int(self.trainer.estimated_stepping_batches), 1)
+        warmup = int(round(hp.warmup_fraction * total))
+
+        def factor(step: int) -> float:
+            if step < warmup:
+                return (step + 1) / warmup
+            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
+            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def _as_1d(value: torch.Tensor | list) -> torch.Tensor:
+    """CatMetric returns a tensor, or an empty list when nothing was added."""
+    if isinstance(value, list):
+        return torch.cat([v.reshape(-1) for v in value]) if value else torch.zeros(0)
+    return value.reshape(-1)

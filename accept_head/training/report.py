@@ -1,0 +1,37 @@
+"""What the end-of-fit stages hand to each other: one :class:`FitReport` per ``fit``, held by the module."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..calibration import Calibration, CalibrationChoice
+from ..cost_model import CostModel
+from ..sweep import SweepResult, SweepRow
+
+
+@dataclass
+class FitReport:
+    """Results of calibration, cost model, threshold sweep and export, filled in that order (each optional)."""
+
+    calibration: Calibration | None = None
+    """The kept calibration map (None: raw probabilities were best, or calibration was off)."""
+    calibration_choice: CalibrationChoice | None = None
+    cost_model: CostModel | None = None
+    cost_model_source: str | None = None
+    """``measured on <device>`` or ``config``."""
+    sweep: SweepResult | None = None
+    threshold: float | None = None
+    """h*: the threshold the bundle decodes with."""
+    threshold_selection: str | None = None
+    """How h* was chosen (criterion and prompts)."""
+    min_candidates: int | None = None
+    max_candidates: int | None = None
+    closing: list[SweepRow] = field(default_factory=list)
+    """Autoregressive, best fixed K and SpecDec++ at h*, on held-out prompts."""
+    closing_prompts: str = ""
+    """Which prompts the closing table was measured on."""
+    artifacts: dict[str, str] = field(default_factory=dict)
+    """Name → path of files written next to the logs (reliability.png, pareto.png, sweep.csv, ...)."""
+    val_metrics: dict[str, float] = field(default_factory=dict)
+    """Validation metrics of the final head."""
+    export_dir: str | None = None

@@ -1,0 +1,252 @@
+"""Pure functions behind head training: loss, token mixing, metrics, calibration fitting, split and batching."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from accept_head.calibration import (
+    Calibration,
+    apply_calibration,
+    choose_calibration,
+    fit_isotonic,
+    fit_temperature,
+)
+from accept_head.loss import weighted_bce
+from accept_head.metrics import (
+    acceptance_metrics,
+    binary_auc,
+    brier_score,
+    expected_calibration_error,
+    soft_auc,
+    soft_bce,
+)
+from accept_head.mixing import mix_tokens, mixing_seed
+from accept_head.training.data import (
+    BucketBatchSampler,
+    EpochRandomSampler,
+    LabelRow,
+    MixedTokenDataset,
+    collate,
+    prompt_split,
+)
+
+# ---- loss -----------------------------------------------------------------------------------------------------------
+
+
+def test_weighted_bce_matches_hand_computation():
+    logits = torch.tensor([0.0, 2.0, -1.0])
+    labels = torch.tensor([1.0, 0.5, 0.0])
+    s = [0.5, 1 / (1 + math.exp(-2.0)), 1 / (1 + math.exp(1.0))]  # sigmoid of each logit
+    w_acc, w_rej = 1.0, 3.0
+    numerator = (
+        w_acc * 1.0 * -math.log(s[0])  # accepted, label 1
+        + w_acc * 0.5 * -math.log(s[1])
+        + w_rej * 0.5 * -math.log(1 - s[1])  # half accepted, half rejected
+        + w_rej * 1.0 * -math.log(1 - s[2])  # rejected, label 0
+    )
+    denominator = w_acc * (1.0 + 0.5) + w_rej * (0.5 + 1.0)
+    expected = numerator / denominator
+    assert expected == pytest.approx(0.81446, abs=1e-5)
+    assert float(weighted_bce(logits, labels, w_acc, w_rej)) == pytest.approx(expected, rel=1e-6)
+
+
+def test_weighted_bce_with_equal_weights_is_plain_soft_bce():
+    logits = torch.randn(50, generator=torch.Generator().manual_seed(0))
+    labels = torch.rand(50, generator=torch.Generator().manual_seed(1))
+    plain = torch.nn.functional.binary_cross_entropy_with_logits(logits, labels)
+    assert float(weighted_bce(logits, labels, 1.0, 1.0)) == pytest.approx(float(plain), rel=1e-6)
+
+
+def test_weighted_bce_is_stable_for_extreme_logits_and_empty_input():
+    loss = weighted_bce(torch.tensor([80.0, -80.0]), torch.tensor([1.0, 0.0]), 1.0, 6.0)
+    assert math.isfinite(float(loss)) and float(loss) < 1e-20
+    empty = torch.zeros(0, requires_grad=True)
+    out = weighted_bce(empty, torch.zeros(0), 1.0, 6.0)
+    assert float(out.detach()) == 0.0 and out.requires_grad
+
+
+@pytest.mark.parametrize(("w_acc", "w_rej", "flag"), [(0.0, 1.0, "w_acc"), (1.0, -2.0, "w_rej")])
+def test_weighted_bce_rejects_non_positive_weights(w_acc, w_rej, flag):
+    with pytest.raises(ValueError, match=rf"{flag}=.* must be > 0.*--model\.{flag}"):
+        weighted_bce(torch.zeros(2), torch.ones(2), w_acc, w_rej)
+
+
+# ---- token mixing -------------------------------------------------------------------------------------------------
+
+
+def test_mixing_fraction_matches_ratio_and_draft_positions_hold_draft_tokens():
+    n, ratio = 200_000, 0.15
+    x = torch.zeros(n, dtype=torch.long)
+    y = torch.ones(n, dtype=torch.long)
+    z, from_draft = mix_tokens(x, y, ratio, torch.Generator().manual_seed(0))
+    target_fraction = float((~from_draft).float().mean())
+    assert abs(target_fraction - ratio) < 4 * math.sqrt(ratio * (1 - ratio) / n)
+    assert torch.equal(z[from_draft], y[from_draft]) and torch.equal(z[~from_draft], x[~from_draft])
+
+
+def test_mixing_ratio_zero_keeps_every_draft_token():
+    x, y = torch.arange(10), torch.arange(10, 20)
+    z, from_draft = mix_tokens(x, y, 0.0, torch.Generator().manual_seed(3))
+    assert from_draft.all() and torch.equal(z, y)
+
+
+@pytest.mark.parametrize("ratio", [-0.1, 1.0, 1.5])
+def test_mixing_ratio_outside_unit_interval_is_refused(ratio):
+    with pytest.raises(ValueError, match=r"mix_ratio=.* must be in \[0, 1\).*--data\.mix_ratio"):
+        mix_tokens(torch.zeros(3, dtype=torch.long), torch.ones(3, dtype=torch.long), ratio, torch.Generator())
+
+
+def _rows(n: int, length: int = 40) -> list[LabelRow]:
+    gen = torch.Generator().manual_seed(7)
+    return [
+        LabelRow(
+            prompt_id=f"p:{i}",
+            prompt_ids=torch.arange(3 + i % 5),
+            response_ids=torch.zeros(length, dtype=torch.long),
+            draft_ids=torch.ones(length, dtype=torch.long),
+            accept_prob=torch.rand(length, generator=gen),
+        )
+        for i in range(n)
+    ]
+
+
+def test_mixing_is_resampled_per_epoch_and_reproducible_per_seed():
+    rows = _rows(8)
+    data = MixedTokenDataset(rows, mix_ratio=0.5, seed=0)
+    epoch0 = [data[(i, 0)]["loss_mask"] for i in range(8)]
+    again = [MixedTokenDataset(rows, 0.5, seed=0)[(i, 0)]["loss_mask"] for i in range(8)]
+    epoch1 = [data[(i, 1)]["loss_mask"] for i in range(8)]
+    other_seed = [MixedTokenDataset(rows, 0.5, seed=1)[(i, 0)]["loss_mask"] for i in range(8)]
+    assert all(torch.equal(a, b) for a, b in zip(epoch0, again, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(epoch0, epoch1, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(epoch0, other_seed, strict=True))
+    assert mixing_seed(0, 0, "p:1") != mixing_seed(0, 1, "p:1")
+
+
+def test_mixed_example_puts_labels_only_on_draft_positions_after_the_prompt():
+    row = _rows(1)[0]
+    item = MixedTokenDataset([row], mix_ratio=0.3, seed=0)[(0, 2)]
+    prompt_len = len(row.prompt_ids)
+    assert torch.equal(item["input_ids"][:prompt_len], row.prompt_ids)
+    assert not item["loss_mask"][:prompt_len].any()
+    mask = item["loss_mask"][prompt_len:]
+    response = item["input_ids"][prompt_len:]
+    assert torch.equal(response[mask], row.draft_ids[mask]) and torch.equal(response[~mask], row.response_ids[~mask])
+    assert torch.equal(item["labels"][prompt_len:][mask], row.accept_prob[mask])
+
+
+# ---- split, bucketing, collation ----------------------------------------------------------------------------------
+
+
+def test_prompt_split_is_seeded_disjoint_and_complete():
+    ids = [f"src:{i}" for i in range(50)]
+    split = prompt_split(ids, val_fraction=0.2, val_size=None, seed=3)
+    assert len(split["val"]) == 10 and len(split["train"]) == 40
+    assert set(split["val"]).isdisjoint(split["train"]) and set(split["val"]) | set(split["train"]) == set(ids)
+    assert prompt_split(list(reversed(ids)), 0.2, None, seed=3) == split
+    assert prompt_split(ids, 0.2, None, seed=4)["val"] != split["val"]
+
+
+def test_prompt_split_refuses_an_empty_validation_split():
+    with pytest.raises(ValueError, match=r"validation split is empty.*--data\.val_fraction"):
+        prompt_split(["a", "b", "c"], val_fraction=0.1, val_size=None, seed=0)
+
+
+def test_bucket_batches_cover_each_row_once_and_group_similar_lengths():
+    lengths = [int(v) for v in torch.randint(5, 500, (103,), generator=torch.Generator().manual_seed(0))]
+    sampler = EpochRandomSampler(range(103), seed=0)
+    batches = list(BucketBatchSampler(sampler, batch_size=8, lengths=lengths, pool=4, shuffle=True, seed=0))
+    flat = [i for batch in batches for i, _ in batch]
+    assert sorted(flat) == list(range(103)) and len(batches) == len(BucketBatchSampler(sampler, 8, lengths=lengths))
+    # Within a pool rows are sorted by length, so a batch's spread is far below the data's.
+    spread = sum(max(lengths[i] for i, _ in b) - min(lengths[i] for i, _ in b) for b in batches) / len(batches)
+    assert spread < 0.5 * (max(lengths) - min(lengths))
+    sampler.set_epoch(1)
+    epoch1 = list(BucketBatchSampler(sampler, batch_size=8, lengths=lengths, pool=4, seed=0))
+    assert {e for b in epoch1 for _, e in b} == {1} and epoch1 != batches
+
+
+def test_collate_right_pads_and_masks():
+    data = MixedTokenDataset(_rows(3, length=5), mix_ratio=0.0, seed=0)
+    batch = collate([data[(0, 0)], data[(2, 0)]])
+    assert batch["input_ids"].shape == batch["attention_mask"].shape == (2, 5 + 5)
+    assert batch["attention_mask"][0].sum() == 3 + 5 and batch["attention_mask"][1].sum() == 5 + 5
+    assert not batch["loss_mask"][batch["attention_mask"] == 0].any()
+    assert batch["row"].tolist() == [0, 2]
+
+
+# ---- metrics ------------------------------------------------------------------------------------------------------
+
+PROBS = torch.tensor([0.1, 0.1, 0.9, 0.9])
+LABELS = torch.tensor([0.0, 0.2, 1.0, 0.6])
+
+
+def test_metrics_on_known_inputs():
+    assert expected_calibration_error(PROBS, LABELS) == pytest.approx(0.5 * 0.0 + 0.5 * 0.1)
+    assert brier_score(PROBS, LABELS) == pytest.approx((0.01 + 0.01 + 0.01 + 0.09) / 4)
+    # Soft AUC by hand: positives weigh ℓ, negatives 1 − ℓ; ties count one half.
+    wins = 1.6 * (1.0 + 0.8)  # positives at 0.9 over negatives at 0.1
+    ties = 0.5 * (0.2 * (1.0 + 0.8) + 1.6 * 0.4)
+    assert soft_auc(PROBS, LABELS) == pytest.approx((wins + ties) / (1.8 * 2.2))
+    assert binary_auc(PROBS, LABELS) == 1.0
+    expected_bce = (
+        -sum(y * math.log(p) + (1 - y) * math.log(1 - p) for p, y in zip(PROBS.tolist(), LABELS.tolist(), strict=True))
+        / 4
+    )
+    assert soft_bce(PROBS, LABELS) == pytest.approx(expected_bce)
+
+
+def test_acceptance_metrics_reports_means_and_handles_single_class():
+    logits = torch.log(PROBS / (1 - PROBS))
+    metrics = acceptance_metrics(logits, LABELS, w_acc=1.0, w_rej=1.0)
+    assert metrics["mean_pred"] == pytest.approx(0.5) and metrics["mean_label"] == pytest.approx(0.45)
+    assert metrics["bce"] == pytest.approx(metrics["weighted_bce"], rel=1e-5)
+    assert metrics["positions"] == 4
+    assert math.isnan(soft_auc(PROBS, torch.ones(4))) and math.isnan(binary_auc(PROBS, torch.ones(4)))
+
+
+# ---- calibration fitting ------------------------------------------------------------------------------------------
+
+
+def _overconfident(n: int = 20_000, sharpen: float = 3.0, seed: int = 0):
+    """Soft labels equal to a true probability; the 'head' reports that probability sharpened (logit × 3)."""
+    gen = torch.Generator().manual_seed(seed)
+    true = 0.05 + 0.9 * torch.rand(n, generator=gen, dtype=torch.float64)
+    logits = sharpen * torch.log(true / (1 - true))
+    groups = torch.arange(n) // 10
+    return logits, true, groups
+
+
+def test_temperature_fit_recovers_the_sharpening_and_improves_ece():
+    logits, labels, _ = _overconfident()
+    calibration = fit_temperature(logits, labels)
+    assert calibration.kind == "temperature" and calibration.temperature == pytest.approx(3.0, rel=0.02)
+    raw = torch.sigmoid(logits)
+    before = expected_calibration_error(raw, labels)
+    after = expected_calibration_error(apply_calibration(calibration, raw), labels)
+    assert before > 0.05 and after < 0.01
+
+
+def test_isotonic_fit_improves_ece_and_matches_scalar_application():
+    logits, labels, _ = _overconfident()
+    raw = torch.sigmoid(logits)
+    calibration = fit_isotonic(raw, labels)
+    mapped = apply_calibration(calibration, raw)
+    assert expected_calibration_error(mapped, labels) < 0.2 * expected_calibration_error(raw, labels)
+    for p in (0.0, 0.03, 0.5, 0.97, 1.0):
+        assert calibration(p) == pytest.approx(float(apply_calibration(calibration, torch.tensor([p]))[0]))
+    assert Calibration.from_dict(calibration.to_dict()) == calibration
+
+
+def test_choose_calibration_keeps_a_map_when_it_helps_and_none_when_it_does_not():
+    logits, labels, groups = _overconfident()
+    choice = choose_calibration(logits, labels, groups)
+    assert choice.chosen in ("temperature", "isotonic") and choice.calibration is not None
+    assert choice.scores[choice.chosen]["ece"] < choice.scores["raw"]["ece"]
+    assert "cross-fitted" in choice.evaluation
+    calibrated_logits = torch.log(labels / (1 - labels))  # already calibrated: raw should win or tie closely
+    choice = choose_calibration(calibrated_logits, labels, groups, methods=["temperature"])
+    assert choice.scores["temperature"]["ece"] >= choice.scores["raw"]["ece"] - 1e-3

@@ -1,0 +1,71 @@
+"""``python -m train``: train a SpecDec++ acceptance head with LightningCLI, then calibrate, sweep h and export.
+
+Examples::
+
+    python -m train fit --config configs/demo.yaml
+    python -m train fit --config configs/smollm2-135m-specdecpp.yaml --model.w_rej=3 --sweep.thresholds=[0.7]
+    python -m train fit --config configs/demo.yaml --ckpt_path runs/demo/version_0/checkpoints/last.ckpt
+    python -m train validate --config configs/demo.yaml --ckpt_path <checkpoint>
+    python -m train fit --config configs/demo.yaml --print_config
+
+The YAML sections are the ``__init__`` arguments of :class:`~accept_head.training.AcceptanceHeadModule`
+(``model:``), :class:`~accept_head.training.AcceptanceDataModule` (``data:``), Lightning's ``trainer:`` and the
+end-of-fit stages ``calibration:``, ``cost_model:``, ``sweep:`` and ``export:`` (each with ``enabled``).
+"""
+
+from __future__ import annotations
+
+import sys
+
+from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
+
+from accept_head.training import (
+    AcceptanceDataModule,
+    AcceptanceHeadModule,
+    CalibrateHead,
+    ExportBundle,
+    MeasureCosts,
+    ThresholdSweep,
+)
+
+
+class AcceptHeadCLI(LightningCLI):
+    """LightningCLI with the head width and the draft linked from the data module and the end-of-fit stages."""
+
+    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
+        # The draft is configured once, under data: (the data module checks it against the labels), and the head's
+        # width is the draft's hidden size, read by the data module from the draft's config.
+        parser.link_arguments("data.draft", "model.draft", apply_on="instantiate")
+        parser.link_arguments("data.hidden_size", "model.hidden_size", apply_on="instantiate")
+        parser.add_lightning_class_args(CalibrateHead, "calibration")
+        parser.add_lightning_class_args(MeasureCosts, "cost_model")
+        parser.add_lightning_class_args(ThresholdSweep, "sweep")
+        parser.add_lightning_class_args(ExportBundle, "export")
+
+    def before_fit(self) -> None:
+        """Hand the parsed configuration and the command line to the export stage (bundle provenance)."""
+        import yaml
+
+        config = self.config[self.subcommand]
+        dumped = yaml.safe_load(self._parser(self.subcommand).dump(config, skip_none=False, skip_check=True))
+        for callback in self.trainer.callbacks:
+            if isinstance(callback, ExportBundle):
+                callback.run_config = dumped
+                callback.command = "python -m train " + " ".join(sys.argv[1:])
+
+
+def cli_main(args: ArgsType = None, run: bool = True) -> AcceptHeadCLI:
+    """Build the CLI and run its subcommand (``fit``, ``validate``, ``test``); ``args`` overrides ``sys.argv``."""
+    from jsonargparse import lazy_instance
+    from lightning.pytorch.loggers import CSVLogger
+
+    return AcceptHeadCLI(
+        AcceptanceHeadModule,
+        AcceptanceDataModule,
+        seed_everything_default=0,
+        trainer_defaults={"logger": lazy_instance(CSVLogger, save_dir="runs", name="train")},
+        save_config_kwargs={"overwrite": True},
+        auto_configure_optimizers=False,
+        args=args,
+        run=run,
+    )
