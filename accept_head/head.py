@@ -121,6 +121,14 @@ def from_official_state_dict(state: dict[str, torch.Tensor], depth: int) -> Acce
     block_keys = sorted(k for k in state if k.endswith("linear.weight"))
     if depth > 0 and not block_keys:
         raise ValueError(f"depth={depth} but the checkpoint holds no residual-block weights (keys: {sorted(state)}).")
+    # A plain state_dict lists the repeated block once per use (0..depth-1); a deduplicating save keeps one entry.
+    if block_keys and (depth == 0 or len(block_keys) not in (1, depth)):
+        raise ValueError(f"The checkpoint applies its residual block {len(block_keys)} times but depth={depth}.")
+    if any(not torch.equal(state[k], state[block_keys[0]]) for k in block_keys):
+        raise ValueError(
+            f"The residual blocks {block_keys} hold different weights: not the official format, whose blocks share "
+            "one weight set. Load such a checkpoint with AcceptanceHead.load_state_dict instead."
+        )
     head = AcceptanceHead(hidden, depth)
     with torch.no_grad():
         if depth:

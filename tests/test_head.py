@@ -1,0 +1,175 @@
+"""The acceptance head: shapes, the residual maths, untied blocks, official-checkpoint import, save/load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from accept_head import AcceptanceHead, from_official_state_dict
+from accept_head.head import HEAD_CONFIG, HEAD_WEIGHTS
+
+
+def seeded_head(hidden_size: int = 16, depth: int = 3, seed: int = 0) -> AcceptanceHead:
+    torch.manual_seed(seed)
+    return AcceptanceHead(hidden_size, depth).eval()
+
+
+@pytest.mark.parametrize("depth", [0, 1, 4])
+def test_head_maps_hidden_states_to_one_logit_per_position(depth: int) -> None:
+    head = seeded_head(depth=depth)
+    hidden = torch.randn(2, 5, 16)
+    assert head(hidden).shape == (2, 5)
+    assert head(hidden[0, 0]).shape == ()
+    probs = head.accept_prob(hidden)
+    assert probs.shape == (2, 5) and bool(((probs > 0) & (probs < 1)).all())
+    torch.testing.assert_close(probs, torch.sigmoid(head(hidden)))
+    assert len(head.blocks) == depth
+    assert sum(p.numel() for p in head.parameters()) == depth * (16 * 16 + 16) + 16 + 1
+
+
+def test_head_computes_residual_silu_blocks_then_a_linear_logit() -> None:
+    head = seeded_head(depth=2)
+    x = torch.randn(7, 16)
+    expected = x
+    for block in head.blocks:
+        expected = expected + nn.functional.silu(expected @ block.linear.weight.T + block.linear.bias)
+    expected = (expected @ head.out.weight.T + head.out.bias).squeeze(-1)
+    torch.testing.assert_close(head(x), expected)
+
+
+def test_depth_zero_head_is_a_linear_probe() -> None:
+    head = seeded_head(depth=0)
+    x = torch.randn(4, 16)
+    torch.testing.assert_close(head(x), (x @ head.out.weight.T + head.out.bias).squeeze(-1))
+
+
+def test_residual_blocks_have_their_own_weights() -> None:
+    head = seeded_head(depth=3)
+    weights = [block.linear.weight for block in head.blocks]
+    assert len({w.data_ptr() for w in weights}) == 3
+    assert not torch.equal(weights[0], weights[1])  # independently initialised
+    with torch.no_grad():
+        weights[0].zero_()
+    assert not torch.equal(weights[1], torch.zeros_like(weights[1]))  # changing one block leaves the others
+
+
+def test_single_vector_fast_path_equals_batched_accept_prob() -> None:
+    head = seeded_head(depth=3)
+    hidden = torch.randn(10, 16)
+    with torch.inference_mode():  # how the decoder calls it
+        batched = head.accept_prob(hidden)
+        for row, expected in zip(hidden, batched):
+            assert head.accept_prob_one(row) == pytest.approx(float(expected), abs=1e-6)
+
+
+def test_head_reads_bfloat16_hidden_states() -> None:
+    head = seeded_head(depth=1)
+    hidden = torch.randn(3, 16)
+    torch.testing.assert_close(head(hidden.bfloat16()), head(hidden.bfloat16().float()))
+
+
+# ---- the official SpecDec++ checkpoint format ------------------------------------------------------------------------
+
+
+class OfficialResBlock(nn.Module):
+    """The official code's residual block: x + SiLU(Linear(x))."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, hidden_size)
+        self.act = nn.SiLU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.act(self.linear(x))
+
+
+def official_head(hidden_size: int, depth: int, seed: int = 0) -> nn.Sequential:
+    """The official head: one block object repeated ``depth`` times (one shared weight set), then 2 logits."""
+    torch.manual_seed(seed)
+    return nn.Sequential(*([OfficialResBlock(hidden_size)] * depth), nn.Linear(hidden_size, 2)).eval()
+
+
+@pytest.mark.parametrize("depth", [0, 1, 3])
+def test_official_checkpoint_converts_to_the_same_acceptance_probabilities(depth: int) -> None:
+    official = official_head(16, depth)
+    head = from_official_state_dict(official.state_dict(), depth)
+    hidden = torch.randn(32, 16)
+    with torch.no_grad():
+        expected = official(hidden).softmax(-1)[:, 1]  # the official code reads P(accept) as softmax(l)[1]
+        torch.testing.assert_close(head.accept_prob(hidden), expected)
+    if depth > 1:  # converted blocks start equal but are untied
+        assert head.blocks[0].linear.weight.data_ptr() != head.blocks[1].linear.weight.data_ptr()
+
+
+def test_official_checkpoint_saved_with_a_ddp_prefix_converts() -> None:
+    official = official_head(16, 2)
+    state = {f"module.{k}": v for k, v in official.state_dict().items()}
+    hidden = torch.randn(4, 16)
+    with torch.no_grad():
+        expected = official(hidden).softmax(-1)[:, 1]
+        torch.testing.assert_close(from_official_state_dict(state, 2).accept_prob(hidden), expected)
+
+
+def test_official_checkpoint_with_a_different_depth_is_refused() -> None:
+    state = official_head(16, 3).state_dict()
+    with pytest.raises(ValueError, match="depth"):
+        from_official_state_dict(state, 2)
+    with pytest.raises(ValueError, match="depth"):
+        from_official_state_dict(state, 0)
+    deduplicated = {k: v for k, v in state.items() if not k.startswith(("1.", "2."))}  # as safetensors saves it
+    with pytest.raises(ValueError, match="depth"):
+        from_official_state_dict(deduplicated, 0)
+    hidden = torch.randn(4, 16)
+    torch.testing.assert_close(
+        from_official_state_dict(deduplicated, 3).accept_prob(hidden),
+        from_official_state_dict(state, 3).accept_prob(hidden),
+    )
+
+
+def test_checkpoint_with_distinct_block_weights_is_not_taken_for_the_official_format() -> None:
+    torch.manual_seed(0)
+    untied = nn.Sequential(OfficialResBlock(16), OfficialResBlock(16), nn.Linear(16, 2))
+    with pytest.raises(ValueError, match="share"):
+        from_official_state_dict(untied.state_dict(), 2)
+
+
+def test_state_dict_without_a_two_logit_output_is_refused() -> None:
+    with pytest.raises(ValueError, match="output weight"):
+        from_official_state_dict(seeded_head(depth=1).state_dict(), 1)
+
+
+# ---- save / load -----------------------------------------------------------------------------------------------------
+
+
+def test_save_and_load_round_trip_preserves_config_and_outputs(tmp_path) -> None:
+    head = seeded_head(hidden_size=24, depth=2)
+    head.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / HEAD_CONFIG).read_text()) == {"depth": 2, "hidden_size": 24}
+    loaded = AcceptanceHead.from_pretrained(tmp_path)
+    assert (loaded.hidden_size, loaded.depth) == (24, 2)
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    hidden = torch.randn(5, 24)
+    torch.testing.assert_close(loaded(hidden), head(hidden), rtol=0, atol=0)
+
+
+def test_loading_a_head_folder_without_weights_names_the_missing_file(tmp_path) -> None:
+    seeded_head().save_pretrained(tmp_path)
+    (tmp_path / HEAD_WEIGHTS).unlink()
+    with pytest.raises(FileNotFoundError, match=HEAD_WEIGHTS):
+        AcceptanceHead.from_pretrained(tmp_path)
+
+
+def test_loading_weights_of_another_shape_is_refused(tmp_path) -> None:
+    seeded_head(hidden_size=16, depth=2).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="depth-3"):
+        AcceptanceHead.from_pretrained(tmp_path, config={"hidden_size": 16, "depth": 3})
+
+
+@pytest.mark.parametrize(("hidden_size", "depth"), [(0, 1), (16, -1)])
+def test_invalid_head_shape_is_refused(hidden_size: int, depth: int) -> None:
+    with pytest.raises(ValueError, match="hidden_size" if hidden_size < 1 else "depth"):
+        AcceptanceHead(hidden_size, depth)
