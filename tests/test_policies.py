@@ -1,0 +1,68 @@
+"""FixedK and HeadThreshold as pure functions of the round state (SpecDec++ Alg. 2)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from accept_head import AcceptanceHead, Calibration, FixedK, HeadThreshold, RoundState
+
+
+def head_with_accept_prob(prob: float, hidden_size: int = 4) -> AcceptanceHead:
+    """A linear probe that predicts ``prob`` for every hidden state."""
+    head = AcceptanceHead(hidden_size, depth=0)
+    with torch.no_grad():
+        head.out.weight.zero_()
+        head.out.bias.fill_(math.log(prob / (1 - prob)))
+    return head
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_fixed_k_stops_after_exactly_k_candidates(k: int) -> None:
+    policy = FixedK(k)
+    assert [policy.should_stop(RoundState(n=n)) for n in range(k + 2)] == [False] * k + [True, True]
+    assert policy.max_candidates == k and not policy.uses_hidden
+
+
+@pytest.mark.parametrize(
+    ("accept_probs", "threshold", "stop"),
+    [
+        ([0.4], 0.5, True),  # P(some rejection) = 0.6 > 0.5
+        ([0.6], 0.5, False),  # 0.4
+        ([0.8, 0.7], 0.5, False),  # 1 − 0.56 = 0.44
+        ([0.8, 0.6], 0.5, True),  # 1 − 0.48 = 0.52
+        ([0.99] * 10, 0.1, False),  # 1 − 0.99^10 = 0.096
+        ([0.99] * 11, 0.1, True),  # 1 − 0.99^11 = 0.105
+    ],
+)
+def test_head_threshold_stops_when_some_candidate_is_likely_rejected(
+    accept_probs: list[float], threshold: float, stop: bool
+) -> None:
+    policy = HeadThreshold(head_with_accept_prob(0.5), threshold)
+    state = RoundState(n=len(accept_probs) + 1, accept_probs=accept_probs)  # the newest candidate is unscored
+    assert policy.should_stop(state) is stop
+    assert (1 - math.prod(accept_probs) > threshold) is stop
+
+
+def test_head_threshold_never_stops_before_a_candidate_is_scored_or_below_min_candidates() -> None:
+    policy = HeadThreshold(head_with_accept_prob(0.5), 0.01, min_candidates=3)
+    assert not policy.should_stop(RoundState(n=0))
+    assert not policy.should_stop(RoundState(n=1))  # y_1 drafted, no score yet
+    assert not policy.should_stop(RoundState(n=2, accept_probs=[0.01]))  # below min_candidates
+    assert policy.should_stop(RoundState(n=3, accept_probs=[0.01, 0.01]))
+
+
+def test_head_threshold_scores_hidden_states_with_its_head_and_calibration() -> None:
+    hidden = torch.randn(4)
+    assert HeadThreshold(head_with_accept_prob(0.8), 0.5).score(hidden) == pytest.approx(0.8)
+    calibrated = HeadThreshold(head_with_accept_prob(0.8), 0.5, calibration=Calibration("temperature", 2.0))
+    # sigmoid(logit(0.8) / 2) = 2 / 3
+    assert calibrated.score(hidden) == pytest.approx(2 / 3)
+    assert HeadThreshold(head_with_accept_prob(0.8), 0.5).uses_hidden
+
+
+def test_policies_describe_their_settings() -> None:
+    assert FixedK(4).describe() == "FixedK(k=4)"
+    assert HeadThreshold(head_with_accept_prob(0.5), 0.7).describe() == "HeadThreshold(h=0.7)"
