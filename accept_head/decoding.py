@@ -186,9 +186,10 @@ def verify(
     k = candidates.shape[0]
     rows = torch.arange(k, device=p.device)
     p_tok, q_tok = p[rows, candidates], q[rows, candidates]
-    # Accept y_i with probability min(1, p_i(y_i) / q_i(y_i)); q >= p ... only then can a rejection happen.
+    # Accept y_i iff u_i < p_i(y_i) / q_i(y_i), u_i ~ U[0, 1): probability min(1, p/q). Written as a rejection test
+    # u·q >= p so that p = 0 always rejects (even for u = 0) and p >= q always accepts — exact in the greedy limit.
     uniforms = torch.rand(k, generator=generator, device=generator.device if generator is not None else "cpu")
-    rejected = uniforms.to(p.device) * q_tok > p_tok
+    rejected = uniforms.to(p.device) * q_tok >= p_tok
     m = int(rejected.int().argmax()) if bool(rejected.any()) else k
     if m < k:
         residual = (p[m] - q[m]).clamp(min=0)
