@@ -49,10 +49,16 @@ def parse_config(argv: Sequence[str] | None = None) -> DataGenConfig:
     return cfg
 
 
+def run(cfg: DataGenConfig) -> dict:
+    """Merge shard outputs (``--merge true``) or generate labels; return the dataset's meta dict."""
+    from .generate import generate
+    from .merge import merge
+
+    return merge(cfg) if cfg.merge else generate(cfg)
+
+
 def main(argv: Sequence[str] | None = None) -> dict:
     """Parse, run (generate or merge) and return the dataset's meta dict; user errors exit with a one-line message."""
-    from .run import run
-
     try:
         cfg = parse_config(argv)
         return run(cfg)

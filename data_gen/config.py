@@ -70,6 +70,13 @@ class DataGenConfig:
         """Raise ValueError, naming the flag, for values no run can use."""
         if not self.prompts:
             raise ValueError("--prompts is empty: give at least one prompt source, e.g. [{path: humaneval}].")
+        names = [source.display_name for source in self.prompts]
+        repeated = sorted({name for name in names if names.count(name) > 1})
+        if repeated:
+            raise ValueError(
+                f"--prompts: several sources are named {repeated} (prompt ids are '<name>:<row>' and must be unique); "
+                "give each source its own `name:`."
+            )
         for name in ("max_new_tokens", "batch_size", "score_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name} must be >= 1, got {getattr(self, name)}.")

@@ -1,32 +1,22 @@
-"""The data_gen pipeline: prompts → batched target responses → teacher-forced labels → resumable shards → dataset.
+"""The data_gen pipeline: prompts → batched target responses → teacher-forced labels → resumable batches → dataset.
 
-Layout of an output folder::
-
-    <output_dir>/meta.json, data-*.arrow, state.json, dataset_info.json   the finished dataset (save_to_disk)
-    <output_dir>/_work/config.json                                          what a partial run was started with
-    <output_dir>/_work/batches/000012/                                      one finished batch (atomic rename)
-    <output_dir>/shards/0-of-4/                                             a --shard 0/4 output (same layout)
-
-meta.json is written last, so a folder with it is complete. A batch is written to a temporary folder and renamed
-into place, so a killed run leaves only whole batches; rerunning the same command skips them. Batch b is generated
-and labelled with generators seeded from (seed, b) only, so resuming, or splitting the batches over shards, gives
-the same dataset as one uninterrupted run.
+Every batch is written to a temporary folder and renamed into ``_work/batches/<b>`` when done (see
+:mod:`data_gen.output`), so a killed run leaves only whole batches and rerunning the same command skips them. Batch
+b is generated and labelled with generators seeded from (seed, b) only, so resuming, or splitting the batches over
+shards, gives the same dataset as one uninterrupted run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import math
 import os
-import re
 import shutil
 import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,153 +24,26 @@ from typing import Any
 import torch
 
 from accept_head.batch_generate import sample_batch
-from accept_head.labels import (
-    FORMAT,
-    FORMAT_VERSION,
-    label_features,
-    label_responses,
-    label_transform,
-    load_label_dataset,
-)
+from accept_head.labels import FORMAT, FORMAT_VERSION, label_features, label_responses, label_transform
 from accept_head.pairs import check_same_tokenizer, check_same_vocab, load_model, load_tokenizer
 from accept_head.prompts import Prompt, PromptStats, chat_prompt_ids, load_prompts
 
-from .config import DataGenConfig, config_differences
-
-META = "meta.json"
-WORK = "_work"
-SHARDS = "shards"
-LOCK = ".data_gen.lock"
-DATASET_FILES = ("state.json", "dataset_info.json")
-SHARD_NAME = re.compile(r"^(\d+)-of-(\d+)$")
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Output folder: checks before any model is loaded, atomic writes
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _write_json_atomic(path: Path, data: Any) -> None:
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
-    os.replace(tmp, path)
-
-
-def _read_json(path: Path) -> dict | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return None
-
-
-def _dataset_files(folder: Path) -> list[Path]:
-    return [p for p in folder.glob("data-*.arrow")] + [folder / n for n in DATASET_FILES if (folder / n).exists()]
-
-
-@dataclass
-class OutputState:
-    """What an output folder holds, as found before a run."""
-
-    path: Path
-    status: str
-    """fresh (nothing yet), resume (a partial run of this config), complete (this config, finished) or replace
-    (another config's output, to be cleared once the run is ready to write)."""
-    created: Path | None = None
-    """The outermost folder this check created; removed again if the run fails before writing anything."""
-
-
-def _make_writable_dir(path: Path) -> Path | None:
-    """Create ``path`` if needed and prove it is writable; return the outermost folder created (None if none)."""
-    created = None
-    for parent in [path, *path.parents]:
-        if parent.exists():
-            break
-        created = parent
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe = path / f".write-probe-{os.getpid()}"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ValueError(
-            f"output_dir={str(path)!r} is not writable ({err.strerror or err}); pass a folder you can write to "
-            "with --output_dir."
-        ) from err
-    return created
-
-
-def check_output(path: Path, fingerprint: dict, overwrite: bool) -> OutputState:
-    """Decide what to do with ``path`` before loading any model; raise ValueError when it must not be touched."""
-    path = path.expanduser()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"output_dir={str(path)!r} is a file, not a folder; pass a folder with --output_dir.")
-    created = _make_writable_dir(path)
-    meta = _read_json(path / META) if (path / META).is_file() else None
-    work = _read_json(path / WORK / "config.json") if (path / WORK).is_dir() else None
-    if meta is not None and meta.get("format") == FORMAT:
-        previous, status = meta.get("fingerprint"), "complete"
-    elif work is not None:
-        previous, status = work.get("fingerprint"), "resume"
-    else:
-        known = {WORK, SHARDS, LOCK}
-        foreign = sorted(p.name for p in path.iterdir() if p.name not in known and not p.name.startswith(".write-"))
-        if foreign:
-            raise ValueError(
-                f"output_dir={str(path)!r} is not empty and holds no data_gen output ({', '.join(foreign[:5])}"
-                f"{', ...' if len(foreign) > 5 else ''}); choose a new or empty folder with --output_dir."
-            )
-        return OutputState(path, "fresh", created)
-    if previous == fingerprint:
-        return OutputState(path, status, created)
-    if not overwrite:
-        what = "a finished dataset" if status == "complete" else "a partial run"
-        diff = config_differences(previous or {}, fingerprint)
-        raise ValueError(
-            f"output_dir={str(path)!r} holds {what} made with a different config: {'; '.join(diff[:8]) or 'unknown'}. "
-            "Pass --overwrite true to replace it, or choose another --output_dir."
-        )
-    return OutputState(path, "replace", created)
-
-
-def _clear_output(path: Path) -> None:
-    """Remove the data_gen content of ``path`` (dataset files, meta.json, _work); leave ``shards/`` alone."""
-    for file in _dataset_files(path):
-        file.unlink()
-    (path / META).unlink(missing_ok=True)
-    shutil.rmtree(path / WORK, ignore_errors=True)
-
-
-@contextlib.contextmanager
-def _exclusive(path: Path) -> Iterator[None]:
-    """Hold an advisory lock on ``path`` so two processes never write the same output (released even on kill -9)."""
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock
-        yield
-        return
-    with (path / LOCK).open("a") as handle:
-        try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as err:
-            raise ValueError(
-                f"Another data_gen process is writing to {path}; wait for it or pick another --output_dir."
-            ) from err
-        yield
-
-
-@contextlib.contextmanager
-def _quiet_datasets() -> Iterator[None]:
-    """Silence ``datasets``' per-save progress bars (they would interleave with ours); restore them afterwards."""
-    from datasets.utils import logging as ds_logging
-
-    enabled = ds_logging.is_progress_bar_enabled()
-    ds_logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            ds_logging.enable_progress_bar()
-
+from .config import DataGenConfig
+from .output import (
+    META,
+    SHARDS,
+    WORK,
+    OutputState,
+    check_output,
+    clear_output,
+    empty_dataset,
+    exclusive,
+    quiet_datasets,
+    read_json,
+    remove_created,
+    save_dataset,
+    write_json_atomic,
+)
 
 # ----------------------------------------------------------------------------------------------------------------
 # Prompts
@@ -209,6 +72,7 @@ class PromptPlan:
 
 
 def tokenize_prompts(cfg: DataGenConfig, prompts: list[Prompt], tokenizer) -> list[list[int]]:
+    """Token ids of every prompt: chat template (with the optional system prompt) or raw, as configured."""
     return [chat_prompt_ids(tokenizer, p.text, cfg.prompt_mode, cfg.system_prompt) for p in prompts]
 
 
@@ -308,7 +172,8 @@ def eos_token_ids(tokenizer, model: torch.nn.Module) -> list[int]:
 TOTAL_KEYS = ("rows", "tokens", "eos_responses", "sum_accept_prob", "sum_expected_accept", "generation_s", "scoring_s")
 
 
-def _stats(totals: dict[str, float]) -> dict[str, float]:
+def summary_stats(totals: dict[str, float]) -> dict[str, float]:
+    """Means and rates for meta.json and the summary, from summed per-batch totals (:data:`TOTAL_KEYS`)."""
     rows, tokens = totals["rows"], totals["tokens"]
     compute = totals["generation_s"] + totals["scoring_s"]
     return {
@@ -350,32 +215,34 @@ def generate(cfg: DataGenConfig) -> dict[str, Any]:
     out = run_dir(cfg)
     state = check_output(out, cfg.fingerprint(), cfg.overwrite)
     if state.status == "complete":
-        meta = _read_json(out / META) or {}
+        meta = read_json(out / META) or {}
         print(f"data_gen: {out} is already complete for this config; nothing to do.", file=sys.stderr)
         return meta
     try:
-        with _exclusive(out):
+        with exclusive(out):
             return _generate(cfg, out, state, started)
     except BaseException:
-        _remove_created(out, state.created)
+        remove_created(out, state.created)
         raise
 
 
-def _remove_created(out: Path, created: Path | None) -> None:
-    """Undo the folders the output check created, as long as they hold nothing but our lock file."""
-    if created is None or (out / WORK).exists():
-        return
-    (out / LOCK).unlink(missing_ok=True)
-    for folder in [out, *out.parents]:
-        try:
-            folder.rmdir()  # only succeeds on an empty folder: never removes another process's work
-        except OSError:
-            return
-        if folder == created:
-            return
+@dataclass
+class LoadedPair:
+    """The models of a run and the token ids generation needs."""
+
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    tokenizer: Any
+    eos: list[int]
+    """Token ids that end a response (tokenizer EOS plus the target's generation_config EOS ids)."""
+    pad: int
 
 
-def _generate(cfg: DataGenConfig, out: Path, state: OutputState, started: float) -> dict[str, Any]:
+def load_run(cfg: DataGenConfig) -> tuple[PromptPlan, LoadedPair]:
+    """Read the prompts, check the tokenizers, load both models and apply the length limit.
+
+    Cheap checks run first: a bad prompt file or a tokenizer mismatch fails before any model is loaded.
+    """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     stats = PromptStats()
@@ -389,16 +256,58 @@ def _generate(cfg: DataGenConfig, out: Path, state: OutputState, started: float)
     plan = fit_prompts(cfg, prompts, ids, stats, context_length(target, draft))
     eos = eos_token_ids(tokenizer, target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
-    batches = batch_range(len(plan.prompts), cfg.batch_size, cfg.shard_index())
-    digest = plan.digest()
+    return plan, LoadedPair(target, draft, tokenizer, eos, pad)
 
-    # Every check passed: from here on the folder holds this run's (resumable) work.
+
+@dataclass
+class LabelledBatch:
+    response_ids: list[list[int]]
+    labels: list[dict[str, list]]
+    """Per row, the per-position label lists of :func:`accept_head.labels.label_responses`."""
+    generation_s: float
+    scoring_s: float
+
+
+def label_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]], index: int) -> LabelledBatch:
+    """Batch ``index``: the target samples responses (left-padded batch), then both models score them.
+
+    Both steps draw from generators seeded by (cfg.seed, index) alone, so a batch comes out the same whether it is
+    labelled in one run, after a restart or in a shard.
+    """
+    sampling = cfg.sampling()
+    t0 = time.perf_counter()
+    responses = sample_batch(
+        pair.target,
+        prompt_ids,
+        max_new_tokens=cfg.max_new_tokens,
+        sampling=sampling,
+        eos_token_ids=pair.eos,
+        pad_token_id=pair.pad,
+        generator=torch.Generator().manual_seed(derive_seed(cfg.seed, "generate", index)),
+    )
+    t1 = time.perf_counter()
+    response_ids = [r.token_ids for r in responses]
+    labels = label_responses(
+        pair.target,
+        pair.draft,
+        prompt_ids,
+        response_ids,
+        sampling=sampling,
+        label_mode=cfg.label_mode,
+        generator=torch.Generator().manual_seed(derive_seed(cfg.seed, "labels", index)),
+        pad_token_id=pair.pad,
+        score_tokens=cfg.score_tokens,
+    )
+    return LabelledBatch(response_ids, labels, t1 - t0, time.perf_counter() - t1)
+
+
+def _open_work(out: Path, state: OutputState, cfg: DataGenConfig, digest: str) -> Path:
+    """Start or resume the work folder (replacing another config's output if so decided); return its batch folder."""
     if state.status == "replace":
-        _clear_output(out)
+        clear_output(out)
     work = out / WORK
-    batch_root = work / "batches"
     if state.status == "resume":
-        previous = _read_json(work / "config.json") or {}
+        previous = read_json(work / "config.json") or {}
         if previous.get("prompts_digest") != digest:
             raise ValueError(
                 f"The prompts differ from those of the partial run in {out} (a prompt file or the tokenizer changed). "
@@ -406,22 +315,26 @@ def _generate(cfg: DataGenConfig, out: Path, state: OutputState, started: float)
             )
     else:
         shutil.rmtree(work, ignore_errors=True)
+    batch_root = work / "batches"
     batch_root.mkdir(parents=True, exist_ok=True)
-    _write_json_atomic(
-        work / "config.json", {"fingerprint": cfg.fingerprint(), "prompts_digest": digest, "config": cfg.to_dict()}
-    )
+    record = {"fingerprint": cfg.fingerprint(), "prompts_digest": digest, "config": cfg.to_dict()}
+    write_json_atomic(work / "config.json", record)
     for stale in batch_root.glob(".tmp-*"):  # a batch that was being written when the process died
         shutil.rmtree(stale, ignore_errors=True)
+    return batch_root
 
-    sampling = cfg.sampling()
-    done = [b for b in batches if (batch_root / f"{b:06d}").is_dir()]
-    rows_total = sum(len(_batch_slice(plan, b, cfg.batch_size)) for b in batches)
-    rows_done = sum(len(_batch_slice(plan, b, cfg.batch_size)) for b in done)
+
+def _generate(cfg: DataGenConfig, out: Path, state: OutputState, started: float) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
+    plan, pair = load_run(cfg)
+    batches = batch_range(len(plan.prompts), cfg.batch_size, cfg.shard_index())
+    digest = plan.digest()
+    batch_root = _open_work(out, state, cfg, digest)  # every check passed: from here on the folder holds our work
+    todo = [b for b in batches if not (batch_root / f"{b:06d}").is_dir()]
     bar = tqdm(
-        total=rows_total,
-        initial=rows_done,
+        total=sum(len(_batch_slice(plan, b, cfg.batch_size)) for b in batches),
+        initial=sum(len(_batch_slice(plan, b, cfg.batch_size)) for b in batches if b not in todo),
         unit="prompt",
         desc=f"data_gen {out.name}",
         file=sys.stderr,
@@ -429,55 +342,18 @@ def _generate(cfg: DataGenConfig, out: Path, state: OutputState, started: float)
         dynamic_ncols=True,
         smoothing=0.0,
     )
-    tokens_this_run, compute_this_run = 0, 0.0
-    with _quiet_datasets(), bar:
-        for b in batches:
-            if (batch_root / f"{b:06d}").is_dir():
-                continue
+    tokens, seconds = 0, 0.0
+    with quiet_datasets(), bar:
+        for b in todo:
             rows = _batch_slice(plan, b, cfg.batch_size)
             prompt_ids = [plan.ids[i] for i in rows]
-            t0 = time.perf_counter()
-            responses = sample_batch(
-                target,
-                prompt_ids,
-                max_new_tokens=cfg.max_new_tokens,
-                sampling=sampling,
-                eos_token_ids=eos,
-                pad_token_id=pad,
-                generator=torch.Generator().manual_seed(derive_seed(cfg.seed, "generate", b)),
-            )
-            t1 = time.perf_counter()
-            response_ids = [r.token_ids for r in responses]
-            labels = label_responses(
-                target,
-                draft,
-                prompt_ids,
-                response_ids,
-                sampling=sampling,
-                label_mode=cfg.label_mode,
-                generator=torch.Generator().manual_seed(derive_seed(cfg.seed, "labels", b)),
-                pad_token_id=pad,
-                score_tokens=cfg.score_tokens,
-            )
-            t2 = time.perf_counter()
-            _write_batch(
-                batch_root,
-                b,
-                [plan.prompts[i] for i in rows],
-                prompt_ids,
-                response_ids,
-                labels,
-                eos,
-                generation_s=t1 - t0,
-                scoring_s=t2 - t1,
-            )
-            n_tokens = sum(len(r) for r in response_ids)
-            tokens_this_run += n_tokens
-            compute_this_run += t2 - t0
+            batch = label_batch(cfg, pair, prompt_ids, b)
+            _write_batch(batch_root, b, [plan.prompts[i] for i in rows], prompt_ids, batch, pair.eos)
+            tokens += sum(len(r) for r in batch.response_ids)
+            seconds += batch.generation_s + batch.scoring_s
             bar.update(len(rows))
-            bar.set_postfix_str(f"{tokens_this_run / max(compute_this_run, 1e-9):.0f} labelled tok/s")
-
-    meta = _finalize(cfg, out, plan, batches, tokenizer, eos, pad, digest, started)
+            bar.set_postfix_str(f"{tokens / max(seconds, 1e-9):.0f} labelled tok/s")
+    meta = _finalize(cfg, out, plan, batches, pair, digest, started)
     print(format_summary(meta), file=sys.stderr)
     return meta
 
@@ -487,16 +363,7 @@ def _batch_slice(plan: PromptPlan, b: int, batch_size: int) -> range:
 
 
 def _write_batch(
-    batch_root: Path,
-    b: int,
-    prompts: list[Prompt],
-    prompt_ids: list[list[int]],
-    response_ids: list[list[int]],
-    labels: list[dict[str, list]],
-    eos: list[int],
-    *,
-    generation_s: float,
-    scoring_s: float,
+    batch_root: Path, b: int, prompts: list[Prompt], prompt_ids: list[list[int]], batch: LabelledBatch, eos: list[int]
 ) -> None:
     """Write one finished batch atomically: a temporary folder renamed to ``batches/<b>``."""
     import datasets
@@ -505,39 +372,26 @@ def _write_batch(
         "prompt_id": [p.id for p in prompts],
         "source": [p.source for p in prompts],
         "prompt_ids": prompt_ids,
-        "response_ids": response_ids,
+        "response_ids": batch.response_ids,
     }
-    for name in labels[0]:
-        columns[name] = [row[name] for row in labels]
+    for name in batch.labels[0]:
+        columns[name] = [row[name] for row in batch.labels]
     eos_set = set(eos)
     totals = {
         "rows": len(prompts),
-        "tokens": sum(len(r) for r in response_ids),
-        "eos_responses": sum(1 for r in response_ids if r and r[-1] in eos_set),
-        "sum_accept_prob": float(sum(sum(row["accept_prob"]) for row in labels)),
-        "sum_expected_accept": float(sum(sum(row["expected_accept"]) for row in labels)),
-        "generation_s": generation_s,
-        "scoring_s": scoring_s,
+        "tokens": sum(len(r) for r in batch.response_ids),
+        "eos_responses": sum(1 for r in batch.response_ids if r and r[-1] in eos_set),
+        "sum_accept_prob": float(sum(sum(row["accept_prob"]) for row in batch.labels)),
+        "sum_expected_accept": float(sum(sum(row["expected_accept"]) for row in batch.labels)),
+        "generation_s": batch.generation_s,
+        "scoring_s": batch.scoring_s,
         "rows_per_source": dict(Counter(p.source for p in prompts)),
     }
     tmp = batch_root / f".tmp-{b:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     datasets.Dataset.from_dict(columns, features=label_features()).save_to_disk(str(tmp))
-    _write_json_atomic(tmp / "batch.json", totals)
+    write_json_atomic(tmp / "batch.json", totals)
     os.replace(tmp, batch_root / f"{b:06d}")
-
-
-def _empty_dataset():
-    import datasets
-
-    features = label_features()
-    return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
-
-
-def _save_dataset(dataset, out: Path) -> None:
-    for file in _dataset_files(out):
-        file.unlink()
-    dataset.save_to_disk(str(out), num_shards=1 if len(dataset) == 0 else None)
 
 
 def _finalize(
@@ -545,9 +399,7 @@ def _finalize(
     out: Path,
     plan: PromptPlan,
     batches: range,
-    tokenizer,
-    eos: list[int],
-    pad: int,
+    pair: LoadedPair,
     digest: str,
     started: float,
 ) -> dict[str, Any]:
@@ -561,14 +413,14 @@ def _finalize(
     totals: dict[str, float] = dict.fromkeys(TOTAL_KEYS, 0.0)
     rows_per_source: Counter = Counter()
     for d in dirs:
-        batch = _read_json(d / "batch.json") or {}
+        batch = read_json(d / "batch.json") or {}
         for key in TOTAL_KEYS:
             totals[key] += batch.get(key, 0.0)
         rows_per_source.update(batch.get("rows_per_source", {}))
-    with _quiet_datasets():
+    with quiet_datasets():
         parts = [datasets.load_from_disk(str(d)) for d in dirs]
-        dataset = datasets.concatenate_datasets(parts) if parts else _empty_dataset()
-        _save_dataset(dataset, out)
+        dataset = datasets.concatenate_datasets(parts) if parts else empty_dataset()
+        save_dataset(dataset, out)
     shard = cfg.shard_index()
     transform = label_transform(cfg.sampling(), cfg.label_mode)
     meta = {
@@ -578,11 +430,11 @@ def _finalize(
         "target": cfg.target.to_dict(),
         "draft": cfg.draft.to_dict(),
         "tokenizer": {
-            "name_or_path": getattr(tokenizer, "name_or_path", None),
-            "vocab_size": len(tokenizer),
-            "eos_token_ids": eos,
-            "pad_token_id": pad,
-            "chat_template": bool(getattr(tokenizer, "chat_template", None)),
+            "name_or_path": getattr(pair.tokenizer, "name_or_path", None),
+            "vocab_size": len(pair.tokenizer),
+            "eos_token_ids": pair.eos,
+            "pad_token_id": pair.pad,
+            "chat_template": bool(getattr(pair.tokenizer, "chat_template", None)),
         },
         "sampling": cfg.sampling().to_dict(),
         "label_mode": cfg.label_mode,
@@ -617,7 +469,7 @@ def _finalize(
         if shard is None
         else {"index": shard[0], "count": shard[1], "batches": [batches.start, batches.stop]},
         "totals": totals,
-        "stats": _stats(totals),
+        "stats": summary_stats(totals),
         "timing": {
             "wall_s_last_run": time.perf_counter() - started,
             "generation_s": totals["generation_s"],
@@ -627,123 +479,9 @@ def _finalize(
         "config": cfg.to_dict(),
         "fingerprint": cfg.fingerprint(),
     }
-    _write_json_atomic(out / META, meta)
+    write_json_atomic(out / META, meta)
     shutil.rmtree(out / WORK, ignore_errors=True)
     return meta
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# Merge
-# ----------------------------------------------------------------------------------------------------------------
-
-
-def _without_devices(fingerprint: dict) -> dict:
-    """A fingerprint minus what may differ between the shards of one dataset (shard index, devices)."""
-    fp = json.loads(json.dumps(fingerprint))
-    fp.pop("shard", None)
-    for role in ("target", "draft"):
-        if isinstance(fp.get(role), dict):
-            fp[role].pop("device", None)
-    return fp
-
-
-def merge(cfg: DataGenConfig) -> dict[str, Any]:
-    """Join the finished ``--shard i/n`` outputs under ``<output_dir>/shards`` into ``<output_dir>``; loads no model."""
-    import datasets
-
-    cfg.validate()
-    started = time.perf_counter()
-    out = Path(cfg.output_dir).expanduser()
-    shard_root = out / SHARDS
-    found: dict[int, tuple[int, Path]] = {}
-    for d in sorted(shard_root.iterdir()) if shard_root.is_dir() else []:
-        match = SHARD_NAME.match(d.name)
-        if d.is_dir() and match:
-            found[int(match.group(1))] = (int(match.group(2)), d)
-    if not found:
-        raise FileNotFoundError(
-            f"No shard outputs under {shard_root}: run `python -m data_gen ... --output_dir {out} --shard i/n` "
-            "for i = 0..n-1 first."
-        )
-    counts = {n for n, _ in found.values()}
-    if len(counts) != 1:
-        raise ValueError(f"{shard_root} mixes shard counts {sorted(counts)}; keep the shards of one --shard i/n split.")
-    count = counts.pop()
-    missing = [i for i in range(count) if i not in found]
-    unfinished = [found[i][1].name for i in sorted(found) if not (found[i][1] / META).is_file()]
-    if missing or unfinished:
-        raise ValueError(
-            f"Cannot merge {shard_root}: "
-            + "; ".join(
-                (
-                    [f"missing shards {', '.join(f'{i}/{count}' for i in missing)} (run them with --shard i/{count})"]
-                    if missing
-                    else []
-                )
-                + ([f"unfinished shards {unfinished} (rerun their commands to finish them)"] if unfinished else [])
-            )
-            + "."
-        )
-    state = check_output(out, cfg.fingerprint(), cfg.overwrite)
-    if state.status == "complete":
-        print(f"data_gen: {out} is already merged for this config; nothing to do.", file=sys.stderr)
-        return _read_json(out / META) or {}
-    metas: list[dict[str, Any]] = []
-    with _exclusive(out), _quiet_datasets():
-        parts = []
-        for i in range(count):
-            dataset, meta = load_label_dataset(found[i][1])
-            expected = _without_devices(cfg.fingerprint())
-            diff = config_differences(_without_devices(meta.get("fingerprint", {})), expected)
-            if diff:
-                raise ValueError(
-                    f"Shard {found[i][1]} was made with a different config: {'; '.join(diff[:8])}. "
-                    "Merge only shards of this config (or fix the config)."
-                )
-            if meta.get("prompts_digest") != (metas[0]["prompts_digest"] if metas else meta.get("prompts_digest")):
-                raise ValueError(f"Shard {found[i][1]} saw different prompts than shard 0; rerun it.")
-            parts.append(dataset)
-            metas.append(meta)
-        if state.status in ("replace", "resume"):
-            _clear_output(out)
-        _save_dataset(datasets.concatenate_datasets(parts), out)
-    totals = {key: sum(m["totals"][key] for m in metas) for key in TOTAL_KEYS}
-    merged = dict(metas[0])
-    merged.update(
-        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        target=cfg.target.to_dict(),
-        draft=cfg.draft.to_dict(),
-        shard=None,
-        merged_from=[
-            {
-                "shard": f"{i}/{count}",
-                "rows": m["totals"]["rows"],
-                "devices": [m["target"]["device"], m["draft"]["device"]],
-            }
-            for i, m in enumerate(metas)
-        ],
-        totals=totals,
-        stats=_stats(totals),
-        timing={
-            "wall_s_last_run": time.perf_counter() - started,
-            "generation_s": totals["generation_s"],
-            "scoring_s": totals["scoring_s"],
-        },
-        code=code_version(),
-        config=cfg.to_dict(),
-        fingerprint=cfg.fingerprint(),
-    )
-    merged["sources"] = [
-        {**src, "rows": sum(m["sources"][k]["rows"] for m in metas)} for k, src in enumerate(metas[0]["sources"])
-    ]
-    _write_json_atomic(out / META, merged)
-    print(format_summary(merged), file=sys.stderr)
-    return merged
-
-
-def run(cfg: DataGenConfig) -> dict[str, Any]:
-    """Entry point of ``python -m data_gen``: merge shard outputs or generate labels."""
-    return merge(cfg) if cfg.merge else generate(cfg)
 
 
 # ----------------------------------------------------------------------------------------------------------------

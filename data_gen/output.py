@@ -1,0 +1,184 @@
+"""The output folder of ``python -m data_gen``: checks before any model is loaded, atomic writes, the run lock.
+
+Layout::
+
+    <output_dir>/meta.json, data-*.arrow, state.json, dataset_info.json   the finished dataset (save_to_disk)
+    <output_dir>/_work/config.json                                          what a partial run was started with
+    <output_dir>/_work/batches/000012/                                      one finished batch (atomic rename)
+    <output_dir>/shards/0-of-4/                                             a --shard 0/4 output (same layout)
+
+meta.json is written last, so a folder holding it is complete; a folder holding ``_work/`` is a partial run that the
+same command resumes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import re
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from accept_head.labels import FORMAT, label_features
+
+from .config import config_differences
+
+META = "meta.json"
+WORK = "_work"
+SHARDS = "shards"
+LOCK = ".data_gen.lock"
+DATASET_FILES = ("state.json", "dataset_info.json")
+SHARD_NAME = re.compile(r"^(\d+)-of-(\d+)$")
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def dataset_files(folder: Path) -> list[Path]:
+    return [p for p in folder.glob("data-*.arrow")] + [folder / n for n in DATASET_FILES if (folder / n).exists()]
+
+
+@dataclass
+class OutputState:
+    """What an output folder holds, as found before a run."""
+
+    path: Path
+    status: str
+    """fresh (nothing yet), resume (a partial run of this config), complete (this config, finished) or replace
+    (another config's output, to be cleared once the run is ready to write)."""
+    created: Path | None = None
+    """The outermost folder this check created; removed again if the run fails before writing anything."""
+
+
+def _make_writable_dir(path: Path) -> Path | None:
+    """Create ``path`` if needed and prove it is writable; return the outermost folder created (None if none)."""
+    created = None
+    for parent in [path, *path.parents]:
+        if parent.exists():
+            break
+        created = parent
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe = path / f".write-probe-{os.getpid()}"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(
+            f"output_dir={str(path)!r} is not writable ({err.strerror or err}); pass a folder you can write to "
+            "with --output_dir."
+        ) from err
+    return created
+
+
+def check_output(path: Path, fingerprint: dict, overwrite: bool) -> OutputState:
+    """Decide what to do with ``path`` before loading any model; raise ValueError when it must not be touched."""
+    path = path.expanduser()
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"output_dir={str(path)!r} is a file, not a folder; pass a folder with --output_dir.")
+    created = _make_writable_dir(path)
+    meta = read_json(path / META) if (path / META).is_file() else None
+    work = read_json(path / WORK / "config.json") if (path / WORK).is_dir() else None
+    if meta is not None and meta.get("format") == FORMAT:
+        previous, status = meta.get("fingerprint"), "complete"
+    elif work is not None:
+        previous, status = work.get("fingerprint"), "resume"
+    else:
+        known = {WORK, SHARDS, LOCK}
+        foreign = sorted(p.name for p in path.iterdir() if p.name not in known and not p.name.startswith(".write-"))
+        if foreign:
+            raise ValueError(
+                f"output_dir={str(path)!r} is not empty and holds no data_gen output ({', '.join(foreign[:5])}"
+                f"{', ...' if len(foreign) > 5 else ''}); choose a new or empty folder with --output_dir."
+            )
+        return OutputState(path, "fresh", created)
+    if previous == fingerprint:
+        return OutputState(path, status, created)
+    if not overwrite:
+        what = "a finished dataset" if status == "complete" else "a partial run"
+        diff = config_differences(previous or {}, fingerprint)
+        raise ValueError(
+            f"output_dir={str(path)!r} holds {what} made with a different config: {'; '.join(diff[:8]) or 'unknown'}. "
+            "Pass --overwrite true to replace it, or choose another --output_dir."
+        )
+    return OutputState(path, "replace", created)
+
+
+def clear_output(path: Path) -> None:
+    """Remove the data_gen content of ``path`` (dataset files, meta.json, _work); leave ``shards/`` alone."""
+    for file in dataset_files(path):
+        file.unlink()
+    (path / META).unlink(missing_ok=True)
+    shutil.rmtree(path / WORK, ignore_errors=True)
+
+
+def remove_created(out: Path, created: Path | None) -> None:
+    """Undo the folders the output check created, as long as they hold nothing but our lock file."""
+    if created is None or (out / WORK).exists():
+        return
+    (out / LOCK).unlink(missing_ok=True)
+    for folder in [out, *out.parents]:
+        try:
+            folder.rmdir()  # only succeeds on an empty folder: never removes another process's work
+        except OSError:
+            return
+        if folder == created:
+            return
+
+
+@contextlib.contextmanager
+def exclusive(path: Path) -> Iterator[None]:
+    """Hold an advisory lock on ``path`` so two processes never write the same output (released even on kill -9)."""
+    try:
+        import fcntl
+    except ImportError:  # not POSIX: no lock
+        yield
+        return
+    with (path / LOCK).open("a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            raise ValueError(
+                f"Another data_gen process is writing to {path}; wait for it or pick another --output_dir."
+            ) from err
+        yield
+
+
+@contextlib.contextmanager
+def quiet_datasets() -> Iterator[None]:
+    """Silence ``datasets``' per-save progress bars (they would interleave with ours); restore them afterwards."""
+    from datasets.utils import logging as ds_logging
+
+    enabled = ds_logging.is_progress_bar_enabled()
+    ds_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            ds_logging.enable_progress_bar()
+
+
+def empty_dataset():
+    import datasets
+
+    features = label_features()
+    return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
+
+
+def save_dataset(dataset, out: Path) -> None:
+    for file in dataset_files(out):
+        file.unlink()
+    dataset.save_to_disk(str(out), num_shards=1 if len(dataset) == 0 else None)
