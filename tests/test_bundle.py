@@ -1,0 +1,164 @@
+"""``SpecDecPP`` bundles: save/load round trip, movable folders, prompt forms, config hygiene."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_pair
+
+from accept_head import AcceptanceHead, Calibration, HeadThreshold, ModelSpec, SpecDecPP, load_model, load_tokenizer
+from accept_head.bundle import CONFIG_NAME, FORMAT_VERSION
+from accept_head.head import HEAD_WEIGHTS
+
+
+def build_bundle(models_root: Path) -> SpecDecPP:
+    """A SpecDecPP around a tiny saved target/draft pair (fp32) with a random depth-2 head and every field set."""
+    target_dir, draft_dir = make_pair(models_root)
+    target_spec = ModelSpec(str(target_dir), dtype="float32")
+    draft_spec = ModelSpec(str(draft_dir), dtype="float32")
+    draft = load_model(draft_spec)
+    torch.manual_seed(0)
+    head = AcceptanceHead(draft.config.hidden_size, depth=2)
+    return SpecDecPP(
+        target=load_model(target_spec),
+        draft=draft,
+        head=head,
+        threshold=0.6,
+        tokenizer=load_tokenizer(target_spec),
+        min_candidates=2,
+        max_candidates=10,
+        temperature=0.8,
+        calibration=Calibration("temperature", temperature=1.5),
+        cost_model={"t_draft": 0.002, "t_target": [0.03, 0.001]},
+        provenance={"head_data": "unit test"},
+        target_spec=target_spec,
+        draft_spec=draft_spec,
+    )
+
+
+@pytest.fixture
+def bundle(tmp_path: Path) -> SpecDecPP:
+    return build_bundle(tmp_path / "models")
+
+
+def assert_same_generation(a: SpecDecPP, b: SpecDecPP, **kwargs) -> None:
+    out_a, out_b = a.generate(**kwargs), b.generate(**kwargs)
+    assert out_a.new_token_ids == out_b.new_token_ids
+    assert out_a.text == out_b.text
+    assert torch.equal(out_a.sequences, out_b.sequences)
+    for counter in ("generated", "target_calls", "draft_calls", "discarded", "proposed", "accepted"):
+        assert getattr(out_a.stats, counter) == getattr(out_b.stats, counter), counter
+
+
+def test_bundle_round_trip_gives_identical_generations_for_a_fixed_seed(bundle: SpecDecPP, tmp_path: Path) -> None:
+    bundle.save_pretrained(tmp_path / "bundle")
+    loaded = SpecDecPP.from_pretrained(tmp_path / "bundle")
+    assert (loaded.threshold, loaded.min_candidates, loaded.max_candidates) == (0.6, 2, 10)
+    assert loaded.temperature == 0.8
+    assert loaded.calibration == bundle.calibration
+    assert loaded.cost_model == bundle.cost_model and loaded.provenance == bundle.provenance
+    for (name, a), (_, b) in zip(bundle.head.state_dict().items(), loaded.head.state_dict().items()):
+        assert torch.equal(a, b), name
+    for prompt in ("the code", [5, 9, 10, 11]):
+        assert_same_generation(bundle, loaded, prompt=prompt, max_new_tokens=24, seed=3)
+        assert_same_generation(bundle, loaded, prompt=prompt, max_new_tokens=24, temperature=0)
+    # Saving what was loaded reproduces the same config: save_pretrained and from_pretrained are inverses.
+    loaded.save_pretrained(tmp_path / "again")
+    assert (tmp_path / "again" / CONFIG_NAME).read_text() == (tmp_path / "bundle" / CONFIG_NAME).read_text()
+
+
+def test_bundle_config_is_sorted_versioned_and_complete(bundle: SpecDecPP, tmp_path: Path) -> None:
+    bundle.save_pretrained(tmp_path / "bundle")
+    assert sorted(p.name for p in (tmp_path / "bundle").iterdir()) == [CONFIG_NAME, HEAD_WEIGHTS]  # no temp files
+    text = (tmp_path / "bundle" / CONFIG_NAME).read_text()
+    config = json.loads(text)
+    assert list(config) == sorted(config)
+    assert config["format_version"] == FORMAT_VERSION
+    assert config["head"] == {"depth": 2, "hidden_size": 16}
+    assert config["threshold"] == 0.6 and config["temperature"] == 0.8
+    assert config["calibration"] == {"kind": "temperature", "temperature": 1.5}
+    assert config["target"]["dtype"] == "float32" and config["draft"]["path"].endswith("draft")
+
+
+def test_bundle_with_models_inside_can_be_moved(tmp_path: Path) -> None:
+    original = tmp_path / "original"
+    bundle = build_bundle(original)  # target/ and draft/ live inside the bundle folder
+    bundle.save_pretrained(original)
+    config = json.loads((original / CONFIG_NAME).read_text())
+    assert (config["target"]["path"], config["draft"]["path"]) == ("target", "draft")
+    moved = tmp_path / "elsewhere" / "bundle"
+    shutil.move(str(original), str(moved))
+    loaded = SpecDecPP.from_pretrained(moved)
+    assert Path(loaded.target_spec.path) == moved.resolve() / "target"
+    assert loaded.generate("the code", max_new_tokens=8, seed=0).stats.generated > 0
+
+
+def test_unknown_config_keys_warn_but_load(bundle: SpecDecPP, tmp_path: Path) -> None:
+    bundle.save_pretrained(tmp_path / "bundle")
+    path = tmp_path / "bundle" / CONFIG_NAME
+    config = json.loads(path.read_text())
+    config["from_the_future"] = 1
+    path.write_text(json.dumps(config))
+    with pytest.warns(UserWarning, match="from_the_future"):
+        loaded = SpecDecPP.from_pretrained(tmp_path / "bundle")
+    assert loaded.threshold == 0.6
+
+
+def test_prompt_as_text_chat_messages_or_token_ids_gives_the_same_generation(bundle: SpecDecPP) -> None:
+    ids = bundle.encode("the code")
+    assert ids == bundle.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "the code"}], add_generation_prompt=True, tokenize=True, return_dict=False
+    )
+    outputs = [
+        bundle.generate(prompt, max_new_tokens=12, seed=5)
+        for prompt in ("the code", [{"role": "user", "content": "the code"}], ids, torch.tensor([ids]))
+    ]
+    assert all(out.new_token_ids == outputs[0].new_token_ids for out in outputs)
+    assert outputs[0].sequences[0, : len(ids)].tolist() == ids
+    assert outputs[0].text == bundle.tokenizer.decode(outputs[0].new_token_ids, skip_special_tokens=True)
+
+
+def test_greedy_bundle_generation_equals_target_generate(bundle: SpecDecPP) -> None:
+    ids = bundle.encode("write a short poem")
+    out = bundle.generate(ids, max_new_tokens=20, temperature=0)
+    expected = bundle.target.generate(
+        torch.tensor([ids]), do_sample=False, max_new_tokens=20, pad_token_id=bundle.tokenizer.pad_token_id
+    )
+    assert out.sequences.tolist() == expected.tolist()
+
+
+def test_threshold_override_changes_only_the_policy(bundle: SpecDecPP) -> None:
+    policy = bundle.policy(threshold=0.2)
+    assert isinstance(policy, HeadThreshold) and policy.threshold == 0.2 and bundle.threshold == 0.6
+    assert (policy.min_candidates, policy.max_candidates, policy.calibration) == (2, 10, bundle.calibration)
+    low = bundle.generate("the code", max_new_tokens=30, seed=1, threshold=0.05)
+    high = bundle.generate("the code", max_new_tokens=30, seed=1, threshold=0.95)
+    assert max(low.stats.proposed) == 2 < max(high.stats.proposed)  # h = 0.05 stops at min_candidates
+
+
+def test_specdecpp_works_directly_on_loaded_models_without_a_tokenizer(bundle: SpecDecPP) -> None:
+    direct = SpecDecPP(target=bundle.target, draft=bundle.draft, head=bundle.head, threshold=0.5)
+    assert (direct.target, direct.draft, direct.head, direct.tokenizer) == (
+        bundle.target,
+        bundle.draft,
+        bundle.head,
+        None,
+    )
+    out = direct.generate([5, 9, 10], max_new_tokens=10, seed=0)
+    assert out.text is None and len(out.new_token_ids) == out.stats.generated > 0
+    with pytest.raises(ValueError, match="tokenizer"):
+        direct.generate("the code")
+
+
+def test_loading_a_bundle_never_writes_into_it(bundle: SpecDecPP, tmp_path: Path) -> None:
+    bundle.save_pretrained(tmp_path / "bundle")
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "bundle").rglob("*")}
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a clean bundle loads without warnings
+        SpecDecPP.from_pretrained(tmp_path / "bundle")
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "bundle").rglob("*")} == before
