@@ -19,14 +19,14 @@ from collections.abc import Sequence
 from .config import DataGenConfig
 
 
-def build_parser():
+def build_parser(prog: str = "python -m data_gen"):
     """The argument parser: every :class:`DataGenConfig` field is a top-level flag / YAML key."""
     from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
 
     # The field docstrings of the config dataclasses are the --help text.
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     parser = ArgumentParser(
-        prog="python -m data_gen",
+        prog=prog,
         description=(
             "Run a target/draft pair on prompt sets and write token-level acceptance labels (SpecDec++ §3.3) as a "
             "Hugging Face dataset with a meta.json. Every key can come from --config YAML files or the command line."

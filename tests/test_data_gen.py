@@ -497,3 +497,14 @@ def test_shipped_configs_cover_the_required_setups() -> None:
     assert names["llama2-70b-alpaca"].prompts[0].path == "hf:tatsu-lab/alpaca"
     for source in names["instructions"].prompts:  # the head split reads files that exist
         assert (REPO / source.path).is_file(), source.path
+
+
+def test_benchmark_runs_on_a_tiny_pair(pair, tmp_path: Path, capsys) -> None:
+    from data_gen import bench
+
+    argv = args(pair, write_prompts(tmp_path / "p.jsonl", 6), tmp_path / "unused", "--max_new_tokens", "6")
+    result = bench.main([*argv, "--n_prompts", "4", "--naive_prompts", "2", "--output_json", str(tmp_path / "b.json")])
+    assert result["batched"]["prompts"] == 4 and result["naive"]["prompts"] == 2 and result["speedup"] > 0
+    assert json.loads((tmp_path / "b.json").read_text())["batch_size"] == 3
+    assert "speedup" in capsys.readouterr().out
+    assert not (tmp_path / "unused").exists()
