@@ -287,18 +287,19 @@ class SpecDecPP:
             if spec is not None:
                 spec.device = device or spec.device
                 spec.dtype = dtype or spec.dtype
-        if target is None:
-            if target_spec is None:
-                raise ValueError(f"{folder / CONFIG_NAME} names no target model; pass target=... explicitly.")
-            target = load_model(target_spec)
-        if draft is None:
-            if draft_spec is None:
-                raise ValueError(f"{folder / CONFIG_NAME} names no draft model; pass draft=... explicitly.")
-            draft = load_model(draft_spec)
+        if target is None and target_spec is None:
+            raise ValueError(f"{folder / CONFIG_NAME} names no target model; pass target=... explicitly.")
+        if draft is None and draft_spec is None:
+            raise ValueError(f"{folder / CONFIG_NAME} names no draft model; pass draft=... explicitly.")
+        # Check the tokenizers before loading any weights: a mismatched pair fails fast.
         if tokenizer is None and target_spec is not None:
             tokenizer = load_tokenizer(target_spec)
             if draft_spec is not None:
                 check_same_tokenizer(tokenizer, load_tokenizer(draft_spec), target_spec.path, draft_spec.path)
+        if target is None:
+            target = load_model(target_spec)
+        if draft is None:
+            draft = load_model(draft_spec)
         head = head.to(next(draft.parameters()).device)
         calibration = Calibration.from_dict(config["calibration"]) if config.get("calibration") else None
         return cls(

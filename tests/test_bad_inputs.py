@@ -1,0 +1,256 @@
+"""Every bad input a user can cause fails with a clear error before any work is done or anything is returned.
+
+Decoder errors are checked to happen before either model runs (stub forward counters stay at 0); bundle errors
+before any model is loaded, leaving the bundle folder untouched.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import TableLM, make_llama, make_pair, make_tokenizer
+
+import accept_head.bundle as bundle_module
+from accept_head import (
+    AcceptanceHead,
+    FixedK,
+    HeadThreshold,
+    ModelSpec,
+    SpecDecPP,
+    autoregressive_generate,
+    check_same_tokenizer,
+    speculative_generate,
+)
+from accept_head.bundle import CONFIG_NAME
+from accept_head.head import HEAD_WEIGHTS
+
+VOCAB, POSITIONS = 8, 16
+
+
+@pytest.fixture
+def stubs() -> tuple[TableLM, TableLM]:
+    generator = torch.Generator().manual_seed(0)
+    return (
+        TableLM(torch.randn(POSITIONS, VOCAB, VOCAB, generator=generator)),
+        TableLM(torch.randn(POSITIONS, VOCAB, VOCAB, generator=generator)),
+    )
+
+
+def head_for(model: torch.nn.Module, extra: int = 0) -> AcceptanceHead:
+    return AcceptanceHead(model.config.hidden_size + extra, depth=1)
+
+
+def assert_untouched(*models: TableLM) -> None:
+    assert [m.calls for m in models] == [0] * len(models), "a model ran before the error was raised"
+
+
+# ---- tokenizer mismatch -------------------------------------------------------------------------------------------
+
+
+def test_tokenizers_of_different_vocabularies_are_refused_naming_both_models() -> None:
+    with pytest.raises(ValueError, match=r"'my-target'.*'my-draft'.*vocab size") as err:
+        check_same_tokenizer(make_tokenizer(), make_tokenizer(extra_words=("zz",)), "my-target", "my-draft")
+    assert "pick a draft" in str(err.value)
+
+
+def test_tokenizers_with_different_special_tokens_are_refused() -> None:
+    other = make_tokenizer()
+    other.eos_token = "<bos>"
+    with pytest.raises(ValueError, match="eos_token_id 3 vs 2"):
+        check_same_tokenizer(make_tokenizer(), other)
+
+
+def test_bundle_whose_draft_tokenizes_differently_is_refused_before_loading_models(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target_dir, draft_dir = make_pair(tmp_path)
+    # Same vocabulary size and special tokens, but "f" (in the probe text) is a word only for the target.
+    make_tokenizer(target_dir, extra_words=("f",))
+    make_tokenizer(draft_dir, extra_words=("zz",))
+    draft = make_llama(seed=1, hidden_size=16, num_layers=1)
+    SpecDecPP(
+        target=make_llama(seed=0, num_layers=3),
+        draft=draft,
+        head=head_for(draft),
+        threshold=0.5,
+        target_spec=ModelSpec(str(target_dir), dtype="float32"),
+        draft_spec=ModelSpec(str(draft_dir), dtype="float32"),
+    ).save_pretrained(tmp_path / "bundle")
+    monkeypatch.setattr(bundle_module, "load_model", lambda spec: pytest.fail(f"loaded {spec.path} before the check"))
+    with pytest.raises(ValueError, match=r"do not share a tokenizer: probe text") as err:
+        SpecDecPP.from_pretrained(tmp_path / "bundle")
+    assert str(target_dir) in str(err.value) and str(draft_dir) in str(err.value)
+
+
+def test_pair_with_different_vocab_sizes_is_refused(stubs) -> None:
+    target, _ = stubs
+    draft = TableLM(torch.zeros(POSITIONS, VOCAB + 1, VOCAB + 1))
+    with pytest.raises(ValueError, match="vocab_size"):
+        speculative_generate(target, draft, [1, 2], FixedK(2), max_new_tokens=4)
+    assert_untouched(target, draft)
+
+
+# ---- head, threshold, candidate bounds ------------------------------------------------------------------------------
+
+
+def test_head_of_another_hidden_size_than_the_draft_is_refused(stubs) -> None:
+    target, draft = stubs
+    head = head_for(draft, extra=1)
+    with pytest.raises(ValueError, match=f"hidden size {draft.config.hidden_size + 1}"):
+        speculative_generate(target, draft, [1, 2], HeadThreshold(head, 0.5), max_new_tokens=4)
+    with pytest.raises(ValueError, match=f"head hidden_size={draft.config.hidden_size + 1}"):
+        SpecDecPP(target=target, draft=draft, head=head, threshold=0.5)
+    assert_untouched(target, draft)
+
+
+@pytest.mark.parametrize("threshold", [0.0, 1.0, -0.1, 1.5, float("nan")])
+def test_threshold_outside_the_open_unit_interval_is_refused(stubs, threshold: float) -> None:
+    target, draft = stubs
+    head = head_for(draft)
+    with pytest.raises(ValueError, match="must be in \\(0, 1\\)"):
+        HeadThreshold(head, threshold)
+    with pytest.raises(ValueError, match="must be in \\(0, 1\\)"):
+        SpecDecPP(target=target, draft=draft, head=head, threshold=threshold)
+    valid = SpecDecPP(target=target, draft=draft, head=head, threshold=0.5)
+    with pytest.raises(ValueError, match=f"threshold={threshold}"):
+        valid.generate([1, 2], max_new_tokens=4, threshold=threshold)
+    assert_untouched(target, draft)
+
+
+@pytest.mark.parametrize("k", [0, -3, 2.5])
+def test_fixed_k_below_one_or_fractional_is_refused(k) -> None:
+    with pytest.raises(ValueError, match=f"k={k}"):
+        FixedK(k)
+
+
+def test_max_candidates_below_min_candidates_is_refused(stubs) -> None:
+    target, draft = stubs
+    head = head_for(draft)
+    with pytest.raises(ValueError, match="max_candidates=3 must be >= min_candidates=5"):
+        HeadThreshold(head, 0.5, min_candidates=5, max_candidates=3)
+    with pytest.raises(ValueError, match="max_candidates=3 must be >= min_candidates=5"):
+        SpecDecPP(target=target, draft=draft, head=head, threshold=0.5, min_candidates=5, max_candidates=3)
+    with pytest.raises(ValueError, match="max_candidates=0"):
+        HeadThreshold(head, 0.5, min_candidates=0, max_candidates=0)
+
+
+# ---- batch and context ----------------------------------------------------------------------------------------------
+
+
+def test_batch_larger_than_one_raises_not_implemented(stubs) -> None:
+    target, draft = stubs
+    batch = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    with pytest.raises(NotImplementedError, match="batch size 1"):
+        speculative_generate(target, draft, batch, FixedK(2), max_new_tokens=4)
+    with pytest.raises(NotImplementedError, match="batch size 1"):
+        autoregressive_generate(target, batch, max_new_tokens=4)
+    bundle = SpecDecPP(target=target, draft=draft, head=head_for(draft), threshold=0.5)
+    for prompt in (batch, batch.tolist()):
+        with pytest.raises(NotImplementedError, match="one prompt at a time"):
+            bundle.generate(prompt, max_new_tokens=4)
+    assert_untouched(target, draft)
+
+
+def test_prompt_longer_than_the_context_is_refused(stubs) -> None:
+    target, draft = stubs
+    prompt = list(range(VOCAB)) * 2  # 16 tokens = the stubs' whole context
+    with pytest.raises(ValueError, match="The prompt has 16 tokens but TableLM has a context of 16"):
+        speculative_generate(target, draft, prompt, FixedK(2), max_new_tokens=4)
+    with pytest.raises(ValueError, match="context of 16"):
+        autoregressive_generate(target, prompt, max_new_tokens=4)
+    with pytest.raises(ValueError, match="context of 16"):
+        SpecDecPP(target=target, draft=draft, head=head_for(draft), threshold=0.5).generate(prompt)
+    assert_untouched(target, draft)
+
+
+def test_prompt_longer_than_a_llama_context_is_refused() -> None:
+    target = make_llama(max_position_embeddings=8)
+    with pytest.raises(ValueError, match="The prompt has 9 tokens but LlamaForCausalLM has a context of 8"):
+        speculative_generate(target, target, list(range(5, 14)), FixedK(2), max_new_tokens=4)
+
+
+def test_empty_prompt_and_negative_budget_are_refused(stubs) -> None:
+    target, draft = stubs
+    with pytest.raises(ValueError, match="empty"):
+        speculative_generate(target, draft, [], FixedK(2), max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_new_tokens=-1"):
+        speculative_generate(target, draft, [1], FixedK(2), max_new_tokens=-1)
+    assert_untouched(target, draft)
+
+
+# ---- broken bundle folders ------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def bundle_dir(stubs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A valid bundle folder whose model specs must never be loaded: a broken bundle fails before any loading."""
+    target, draft = stubs
+    SpecDecPP(
+        target=target,
+        draft=draft,
+        head=head_for(draft),
+        threshold=0.5,
+        target_spec=ModelSpec("never/loaded/target"),
+        draft_spec=ModelSpec("never/loaded/draft"),
+    ).save_pretrained(tmp_path / "bundle")
+
+    def refuse_to_load(spec):
+        raise AssertionError(f"a broken bundle must fail before loading {spec.path}")
+
+    monkeypatch.setattr(bundle_module, "load_model", refuse_to_load)
+    return tmp_path / "bundle"
+
+
+def snapshot(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+
+
+def test_bundle_without_head_weights_names_the_missing_file(bundle_dir: Path) -> None:
+    (bundle_dir / HEAD_WEIGHTS).unlink()
+    before = snapshot(bundle_dir)
+    with pytest.raises(FileNotFoundError, match=str(bundle_dir / HEAD_WEIGHTS)):
+        SpecDecPP.from_pretrained(bundle_dir)
+    assert snapshot(bundle_dir) == before
+
+
+def test_bundle_with_unreadable_head_weights_names_the_file(bundle_dir: Path) -> None:
+    (bundle_dir / HEAD_WEIGHTS).write_bytes(b"not a safetensors file")
+    with pytest.raises(ValueError, match=f"{bundle_dir / HEAD_WEIGHTS} is not a readable safetensors file"):
+        SpecDecPP.from_pretrained(bundle_dir)
+
+
+@pytest.mark.parametrize(
+    ("content", "message"),
+    [
+        ('{"format_version": 1, "threshold": ', "is not valid JSON"),
+        ("[1, 2, 3]", "must hold a JSON object"),
+        ('{"format_version": 1, "head": {"hidden_size": 4, "depth": 0}}', "lacks the required key 'threshold'"),
+    ],
+)
+def test_corrupt_config_json_names_the_file(bundle_dir: Path, content: str, message: str) -> None:
+    (bundle_dir / CONFIG_NAME).write_text(content)
+    before = snapshot(bundle_dir)
+    with pytest.raises(ValueError, match=message) as err:
+        SpecDecPP.from_pretrained(bundle_dir)
+    assert str(bundle_dir / CONFIG_NAME) in str(err.value)
+    assert snapshot(bundle_dir) == before
+
+
+def test_bundle_without_config_json_is_not_a_bundle(bundle_dir: Path) -> None:
+    (bundle_dir / CONFIG_NAME).unlink()
+    with pytest.raises(FileNotFoundError, match="not a SpecDecPP bundle"):
+        SpecDecPP.from_pretrained(bundle_dir)
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        SpecDecPP.from_pretrained(bundle_dir / "missing")
+
+
+@pytest.mark.parametrize("version", [99, 0, None, "1"])
+def test_unknown_format_version_is_refused(bundle_dir: Path, version) -> None:
+    config = json.loads((bundle_dir / CONFIG_NAME).read_text())
+    config["format_version"] = version
+    (bundle_dir / CONFIG_NAME).write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=f"format_version={version!r}.*Upgrade accept_head"):
+        SpecDecPP.from_pretrained(bundle_dir)
