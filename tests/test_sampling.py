@@ -1,0 +1,66 @@
+"""The shared sampling transform agrees with transformers' own logits warpers (what ``generate`` samples from)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from accept_head.sampling import SamplingConfig, probabilities, sample
+
+
+def hf_probabilities(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
+    """The distribution ``generate(do_sample=True, ...)`` draws from: temperature, then top-k, then top-p."""
+    scores = TemperatureLogitsWarper(temperature)(None, logits)
+    if top_k:
+        scores = TopKLogitsWarper(top_k)(None, scores)
+    if top_p is not None:
+        scores = TopPLogitsWarper(top_p)(None, scores)
+    return scores.softmax(-1)
+
+
+@pytest.mark.parametrize(
+    ("temperature", "top_k", "top_p"), [(1.0, None, None), (0.7, None, 0.8), (1.3, 5, None), (0.5, 10, 0.9)]
+)
+def test_sampling_transform_matches_transformers_warpers(temperature, top_k, top_p) -> None:
+    logits = 3 * torch.randn(16, 50, generator=torch.Generator().manual_seed(0))
+    ours = probabilities(logits, SamplingConfig(temperature, top_k, top_p))
+    torch.testing.assert_close(ours, hf_probabilities(logits, temperature, top_k, top_p))
+    torch.testing.assert_close(ours.sum(-1), torch.ones(16))
+
+
+def test_greedy_transform_is_one_hot_on_the_argmax() -> None:
+    logits = torch.randn(4, 10, generator=torch.Generator().manual_seed(1))
+    probs = probabilities(logits, SamplingConfig(0.0))
+    assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), 10).float())
+    assert SamplingConfig(0.0).greedy and not SamplingConfig(0.1).greedy
+
+
+def test_top_p_always_keeps_the_most_likely_token() -> None:
+    logits = torch.tensor([[5.0, 0.0, 0.0, 0.0]])  # top token holds 98% of the mass
+    probs = probabilities(logits, SamplingConfig(1.0, top_p=0.5))
+    assert probs.tolist() == [[1.0, 0.0, 0.0, 0.0]]
+
+
+def test_sample_uses_only_the_given_generator() -> None:
+    probs = torch.full((1, 100), 0.01)
+    draws = [int(sample(probs, torch.Generator().manual_seed(7))[0]) for _ in range(3)]
+    assert len(set(draws)) == 1
+    torch.manual_seed(0)
+    state = torch.random.get_rng_state()
+    sample(probs, torch.Generator().manual_seed(7))
+    assert torch.equal(torch.random.get_rng_state(), state)  # the global RNG is untouched
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"temperature": -1.0}, "temperature=-1.0"),
+        ({"top_k": -2}, "top_k=-2"),
+        ({"top_p": 0.0}, "top_p=0.0"),
+        ({"top_p": 1.5}, "top_p=1.5"),
+    ],
+)
+def test_invalid_sampling_settings_are_refused(fields: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        SamplingConfig(**fields)
