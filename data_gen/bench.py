@@ -16,6 +16,7 @@ them. Reported: labelled tokens/s of each, the speedup, the batch size, and the 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
@@ -143,7 +144,7 @@ def bench(cfg: DataGenConfig, n_prompts: int = 64, naive_prompts: int = 8, outpu
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
-    from .cli import build_parser
+    from .cli import build_parser, expand_bare_flags
 
     parser = build_parser(prog="python -m data_gen.bench")
     parser.description = __doc__.split("\n\n")[0]
@@ -151,7 +152,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     parser.add_argument("--naive_prompts", type=int, default=8, help="Prompts labelled by the naive loop.")
     parser.add_argument("--output_json", type=str, default=None, help="Also write the figures to this JSON file.")
     parser.set_defaults(output_dir="(unused by the benchmark)")
-    namespace = parser.parse_args(list(argv) if argv is not None else None)
+    namespace = parser.parse_args(expand_bare_flags(sys.argv[1:] if argv is None else argv))
     init = parser.instantiate(namespace)
     cfg = DataGenConfig(**{name: init[name] for name in DataGenConfig.__dataclass_fields__})
     cfg.validate()

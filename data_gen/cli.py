@@ -7,7 +7,7 @@ Examples::
     python -m data_gen --target.path T --draft.path D --prompts '[{"path": "p.jsonl", "field": "instruction"}]' \\
         --output_dir out --max_new_tokens 32
     python -m data_gen --config big.yaml --shard 0/4      # ... up to --shard 3/4, one per process / GPU
-    python -m data_gen --config big.yaml --merge true     # join the four shard outputs
+    python -m data_gen --config big.yaml --merge          # join the four shard outputs
     python -m data_gen --config configs/data_gen/humaneval.yaml --print_config
 """
 
@@ -38,10 +38,24 @@ def build_parser(prog: str = "python -m data_gen"):
     return parser
 
 
+BOOLEAN_FLAGS = ("--merge", "--overwrite", "--progress")
+
+
+def expand_bare_flags(argv: Sequence[str]) -> list[str]:
+    """Let boolean flags stand alone: ``--merge`` means ``--merge true`` (jsonargparse wants the value)."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        out.append(arg)
+        following = argv[i + 1].lower() if i + 1 < len(argv) else None
+        if arg in BOOLEAN_FLAGS and following not in ("true", "false", "yes", "no", "1", "0"):
+            out.append("true")
+    return out
+
+
 def parse_config(argv: Sequence[str] | None = None) -> DataGenConfig:
     """Parse command-line arguments (and config files) into a validated :class:`DataGenConfig`."""
     parser = build_parser()
-    namespace = parser.parse_args(list(argv) if argv is not None else None)
+    namespace = parser.parse_args(expand_bare_flags(sys.argv[1:] if argv is None else argv))
     init = parser.instantiate(namespace)
     fields = {name: init[name] for name in DataGenConfig.__dataclass_fields__}
     cfg = DataGenConfig(**fields)

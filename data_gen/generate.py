@@ -33,11 +33,11 @@ from .output import (
     META,
     SHARDS,
     WORK,
-    OutputState,
-    check_output,
     clear_output,
     empty_dataset,
     exclusive,
+    make_writable_dir,
+    output_status,
     quiet_datasets,
     read_json,
     remove_created,
@@ -213,17 +213,17 @@ def generate(cfg: DataGenConfig) -> dict[str, Any]:
     cfg.validate()
     started = time.perf_counter()
     out = run_dir(cfg)
-    state = check_output(out, cfg.fingerprint(), cfg.overwrite)
-    if state.status == "complete":
-        meta = read_json(out / META) or {}
-        print(f"data_gen: {out} is already complete for this config; nothing to do.", file=sys.stderr)
-        return meta
-    try:
-        with exclusive(out):
-            return _generate(cfg, out, state, started)
-    except BaseException:
-        remove_created(out, state.created)
-        raise
+    created = make_writable_dir(out)
+    with exclusive(out):
+        try:
+            status = output_status(out, cfg.fingerprint(), cfg.overwrite)
+            if status == "complete":
+                print(f"data_gen: {out} is already complete for this config; nothing to do.", file=sys.stderr)
+                return read_json(out / META) or {}
+            return _generate(cfg, out, status, started)
+        except BaseException:
+            remove_created(out, created)  # only undoes folders that are still empty
+            raise
 
 
 @dataclass
@@ -301,12 +301,12 @@ def label_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]
     return LabelledBatch(response_ids, labels, t1 - t0, time.perf_counter() - t1)
 
 
-def _open_work(out: Path, state: OutputState, cfg: DataGenConfig, digest: str) -> Path:
+def _open_work(out: Path, status: str, cfg: DataGenConfig, digest: str) -> Path:
     """Start or resume the work folder (replacing another config's output if so decided); return its batch folder."""
-    if state.status == "replace":
+    if status == "replace":
         clear_output(out)
     work = out / WORK
-    if state.status == "resume":
+    if status == "resume":
         previous = read_json(work / "config.json") or {}
         if previous.get("prompts_digest") != digest:
             raise ValueError(
@@ -324,13 +324,13 @@ def _open_work(out: Path, state: OutputState, cfg: DataGenConfig, digest: str) -
     return batch_root
 
 
-def _generate(cfg: DataGenConfig, out: Path, state: OutputState, started: float) -> dict[str, Any]:
+def _generate(cfg: DataGenConfig, out: Path, status: str, started: float) -> dict[str, Any]:
     from tqdm.auto import tqdm
 
     plan, pair = load_run(cfg)
     batches = batch_range(len(plan.prompts), cfg.batch_size, cfg.shard_index())
     digest = plan.digest()
-    batch_root = _open_work(out, state, cfg, digest)  # every check passed: from here on the folder holds our work
+    batch_root = _open_work(out, status, cfg, digest)  # every check passed: from here on the folder holds our work
     todo = [b for b in batches if not (batch_root / f"{b:06d}").is_dir()]
     bar = tqdm(
         total=sum(len(_batch_slice(plan, b, cfg.batch_size)) for b in batches),

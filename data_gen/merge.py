@@ -20,9 +20,10 @@ from .output import (
     META,
     SHARD_NAME,
     SHARDS,
-    check_output,
     clear_output,
     exclusive,
+    make_writable_dir,
+    output_status,
     quiet_datasets,
     read_json,
     save_dataset,
@@ -40,6 +41,35 @@ def _without_devices(fingerprint: dict) -> dict:
     return fp
 
 
+def find_shards(out: Path) -> list[Path]:
+    """The folders ``<out>/shards/i-of-n`` for i = 0..n-1, in order; raise if one is missing or unfinished."""
+    shard_root = out / SHARDS
+    found: dict[int, tuple[int, Path]] = {}
+    for folder in sorted(shard_root.iterdir()) if shard_root.is_dir() else []:
+        match = SHARD_NAME.match(folder.name)
+        if folder.is_dir() and match:
+            found[int(match.group(1))] = (int(match.group(2)), folder)
+    if not found:
+        raise FileNotFoundError(
+            f"No shard outputs under {shard_root}: run `python -m data_gen ... --output_dir {out} --shard i/n` "
+            "for i = 0..n-1 first."
+        )
+    counts = sorted({n for n, _ in found.values()})
+    if len(counts) != 1:
+        raise ValueError(f"{shard_root} mixes shard counts {counts}; keep the shards of one --shard i/n split.")
+    count = counts[0]
+    problems = []
+    missing = [f"{i}/{count}" for i in range(count) if i not in found]
+    if missing:
+        problems.append(f"missing shards {', '.join(missing)} (run them with --shard i/{count})")
+    unfinished = [found[i][1].name for i in sorted(found) if not (found[i][1] / META).is_file()]
+    if unfinished:
+        problems.append(f"unfinished shards {unfinished} (rerun their commands to finish them)")
+    if problems:
+        raise ValueError(f"Cannot merge {shard_root}: {'; '.join(problems)}.")
+    return [found[i][1] for i in range(count)]
+
+
 def merge(cfg: DataGenConfig) -> dict[str, Any]:
     """Join the finished ``--shard i/n`` outputs under ``<output_dir>/shards`` into ``<output_dir>``; loads no model."""
     import datasets
@@ -47,59 +77,38 @@ def merge(cfg: DataGenConfig) -> dict[str, Any]:
     cfg.validate()
     started = time.perf_counter()
     out = Path(cfg.output_dir).expanduser()
-    shard_root = out / SHARDS
-    found: dict[int, tuple[int, Path]] = {}
-    for d in sorted(shard_root.iterdir()) if shard_root.is_dir() else []:
-        match = SHARD_NAME.match(d.name)
-        if d.is_dir() and match:
-            found[int(match.group(1))] = (int(match.group(2)), d)
-    if not found:
-        raise FileNotFoundError(
-            f"No shard outputs under {shard_root}: run `python -m data_gen ... --output_dir {out} --shard i/n` "
-            "for i = 0..n-1 first."
-        )
-    counts = {n for n, _ in found.values()}
-    if len(counts) != 1:
-        raise ValueError(f"{shard_root} mixes shard counts {sorted(counts)}; keep the shards of one --shard i/n split.")
-    count = counts.pop()
-    missing = [i for i in range(count) if i not in found]
-    unfinished = [found[i][1].name for i in sorted(found) if not (found[i][1] / META).is_file()]
-    if missing or unfinished:
-        raise ValueError(
-            f"Cannot merge {shard_root}: "
-            + "; ".join(
-                (
-                    [f"missing shards {', '.join(f'{i}/{count}' for i in missing)} (run them with --shard i/{count})"]
-                    if missing
-                    else []
-                )
-                + ([f"unfinished shards {unfinished} (rerun their commands to finish them)"] if unfinished else [])
-            )
-            + "."
-        )
-    state = check_output(out, cfg.fingerprint(), cfg.overwrite)
-    if state.status == "complete":
-        print(f"data_gen: {out} is already merged for this config; nothing to do.", file=sys.stderr)
-        return read_json(out / META) or {}
-    metas: list[dict[str, Any]] = []
+    shards = find_shards(out)
+    make_writable_dir(out)
+    expected = _without_devices(cfg.fingerprint())
     with exclusive(out), quiet_datasets():
-        parts = []
-        for i in range(count):
-            dataset, meta = load_label_dataset(found[i][1])
-            expected = _without_devices(cfg.fingerprint())
+        status = output_status(out, cfg.fingerprint(), cfg.overwrite)
+        if status == "complete":
+            print(f"data_gen: {out} is already merged for this config; nothing to do.", file=sys.stderr)
+            return read_json(out / META) or {}
+        parts, metas = [], []
+        for folder in shards:
+            dataset, meta = load_label_dataset(folder)
             diff = config_differences(_without_devices(meta.get("fingerprint", {})), expected)
             if diff:
                 raise ValueError(
-                    f"Shard {found[i][1]} was made with a different config: {'; '.join(diff[:8])}. "
+                    f"Shard {folder} was made with a different config: {'; '.join(diff[:8])}. "
                     "Merge only shards of this config (or fix the config)."
                 )
-            if meta.get("prompts_digest") != (metas[0]["prompts_digest"] if metas else meta.get("prompts_digest")):
-                raise ValueError(f"Shard {found[i][1]} saw different prompts than shard 0; rerun it.")
+            if metas and meta.get("prompts_digest") != metas[0].get("prompts_digest"):
+                raise ValueError(f"Shard {folder} saw different prompts than {shards[0]}; rerun it.")
             parts.append(dataset)
             metas.append(meta)
-        if state.status in ("replace", "resume"):
+        if status in ("replace", "resume"):
             clear_output(out)
         save_dataset(datasets.concatenate_datasets(parts), out)
+        merged = _merged_meta(cfg, metas, started)
+        write_json_atomic(out / META, merged)
+    print(format_summary(merged), file=sys.stderr)
+    return merged
+
+
+def _merged_meta(cfg: DataGenConfig, metas: list[dict[str, Any]], started: float) -> dict[str, Any]:
+    """meta.json of the merged dataset: shard 0's description, summed counts and times, this config."""
     totals = {key: sum(m["totals"][key] for m in metas) for key in TOTAL_KEYS}
     merged = dict(metas[0])
     merged.update(
@@ -109,11 +118,14 @@ def merge(cfg: DataGenConfig) -> dict[str, Any]:
         shard=None,
         merged_from=[
             {
-                "shard": f"{i}/{count}",
+                "shard": f"{i}/{len(metas)}",
                 "rows": m["totals"]["rows"],
                 "devices": [m["target"]["device"], m["draft"]["device"]],
             }
             for i, m in enumerate(metas)
+        ],
+        sources=[
+            {**src, "rows": sum(m["sources"][k]["rows"] for m in metas)} for k, src in enumerate(metas[0]["sources"])
         ],
         totals=totals,
         stats=summary_stats(totals),
@@ -126,9 +138,4 @@ def merge(cfg: DataGenConfig) -> dict[str, Any]:
         config=cfg.to_dict(),
         fingerprint=cfg.fingerprint(),
     )
-    merged["sources"] = [
-        {**src, "rows": sum(m["sources"][k]["rows"] for m in metas)} for k, src in enumerate(metas[0]["sources"])
-    ]
-    write_json_atomic(out / META, merged)
-    print(format_summary(merged), file=sys.stderr)
     return merged

@@ -19,7 +19,6 @@ import os
 import re
 import shutil
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,18 +29,19 @@ from .config import config_differences
 META = "meta.json"
 WORK = "_work"
 SHARDS = "shards"
-LOCK = ".data_gen.lock"
 DATASET_FILES = ("state.json", "dataset_info.json")
 SHARD_NAME = re.compile(r"^(\d+)-of-(\d+)$")
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
+    """Write ``data`` as sorted, indented JSON through a temporary file and a rename (never a half file)."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
     os.replace(tmp, path)
 
 
 def read_json(path: Path) -> dict | None:
+    """The JSON object in ``path``, or None if it is missing or unreadable."""
     try:
         return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError):
@@ -49,23 +49,17 @@ def read_json(path: Path) -> dict | None:
 
 
 def dataset_files(folder: Path) -> list[Path]:
-    return [p for p in folder.glob("data-*.arrow")] + [folder / n for n in DATASET_FILES if (folder / n).exists()]
+    """The files ``Dataset.save_to_disk`` wrote into ``folder``."""
+    return list(folder.glob("data-*.arrow")) + [folder / n for n in DATASET_FILES if (folder / n).exists()]
 
 
-@dataclass
-class OutputState:
-    """What an output folder holds, as found before a run."""
+def make_writable_dir(path: Path) -> Path | None:
+    """Create ``path`` if needed and prove it is writable (before any model is loaded).
 
-    path: Path
-    status: str
-    """fresh (nothing yet), resume (a partial run of this config), complete (this config, finished) or replace
-    (another config's output, to be cleared once the run is ready to write)."""
-    created: Path | None = None
-    """The outermost folder this check created; removed again if the run fails before writing anything."""
-
-
-def _make_writable_dir(path: Path) -> Path | None:
-    """Create ``path`` if needed and prove it is writable; return the outermost folder created (None if none)."""
+    Returns the outermost folder this created (None if ``path`` existed), for :func:`remove_created`.
+    """
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"output_dir={str(path)!r} is a file, not a folder; pass a folder with --output_dir.")
     created = None
     for parent in [path, *path.parents]:
         if parent.exists():
@@ -84,12 +78,12 @@ def _make_writable_dir(path: Path) -> Path | None:
     return created
 
 
-def check_output(path: Path, fingerprint: dict, overwrite: bool) -> OutputState:
-    """Decide what to do with ``path`` before loading any model; raise ValueError when it must not be touched."""
-    path = path.expanduser()
-    if path.exists() and not path.is_dir():
-        raise ValueError(f"output_dir={str(path)!r} is a file, not a folder; pass a folder with --output_dir.")
-    created = _make_writable_dir(path)
+def output_status(path: Path, fingerprint: dict, overwrite: bool) -> str:
+    """What to do with the (existing, writable) folder ``path``; raise ValueError when it must not be touched.
+
+    Returns ``fresh`` (nothing there yet), ``resume`` (a partial run of this config), ``complete`` (this config,
+    finished) or ``replace`` (another config's output and ``overwrite``: clear it once the run is ready to write).
+    """
     meta = read_json(path / META) if (path / META).is_file() else None
     work = read_json(path / WORK / "config.json") if (path / WORK).is_dir() else None
     if meta is not None and meta.get("format") == FORMAT:
@@ -97,16 +91,16 @@ def check_output(path: Path, fingerprint: dict, overwrite: bool) -> OutputState:
     elif work is not None:
         previous, status = work.get("fingerprint"), "resume"
     else:
-        known = {WORK, SHARDS, LOCK}
+        known = {WORK, SHARDS}
         foreign = sorted(p.name for p in path.iterdir() if p.name not in known and not p.name.startswith(".write-"))
         if foreign:
             raise ValueError(
                 f"output_dir={str(path)!r} is not empty and holds no data_gen output ({', '.join(foreign[:5])}"
                 f"{', ...' if len(foreign) > 5 else ''}); choose a new or empty folder with --output_dir."
             )
-        return OutputState(path, "fresh", created)
+        return "fresh"
     if previous == fingerprint:
-        return OutputState(path, status, created)
+        return status
     if not overwrite:
         what = "a finished dataset" if status == "complete" else "a partial run"
         diff = config_differences(previous or {}, fingerprint)
@@ -114,7 +108,7 @@ def check_output(path: Path, fingerprint: dict, overwrite: bool) -> OutputState:
             f"output_dir={str(path)!r} holds {what} made with a different config: {'; '.join(diff[:8]) or 'unknown'}. "
             "Pass --overwrite true to replace it, or choose another --output_dir."
         )
-    return OutputState(path, "replace", created)
+    return "replace"
 
 
 def clear_output(path: Path) -> None:
@@ -126,10 +120,12 @@ def clear_output(path: Path) -> None:
 
 
 def remove_created(out: Path, created: Path | None) -> None:
-    """Undo the folders the output check created, as long as they hold nothing but our lock file."""
-    if created is None or (out / WORK).exists():
+    """Undo the folders :func:`make_writable_dir` created, as long as they are still empty.
+
+    Called when a run fails before writing any work (bad prompts, tokenizer mismatch, ...).
+    """
+    if created is None:
         return
-    (out / LOCK).unlink(missing_ok=True)
     for folder in [out, *out.parents]:
         try:
             folder.rmdir()  # only succeeds on an empty folder: never removes another process's work
@@ -141,20 +137,27 @@ def remove_created(out: Path, created: Path | None) -> None:
 
 @contextlib.contextmanager
 def exclusive(path: Path) -> Iterator[None]:
-    """Hold an advisory lock on ``path`` so two processes never write the same output (released even on kill -9)."""
+    """Hold an advisory lock on the folder ``path`` so two processes never write the same output.
+
+    The lock is taken on the folder itself (no lock file to leave behind) and the kernel releases it when the process
+    ends, kill -9 included. Without ``fcntl`` (not POSIX) there is no lock.
+    """
     try:
         import fcntl
-    except ImportError:  # not POSIX: no lock
+    except ImportError:
         yield
         return
-    with (path / LOCK).open("a") as handle:
+    fd = os.open(path, os.O_RDONLY)
+    try:
         try:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as err:
             raise ValueError(
                 f"Another data_gen process is writing to {path}; wait for it or pick another --output_dir."
             ) from err
         yield
+    finally:
+        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -172,6 +175,7 @@ def quiet_datasets() -> Iterator[None]:
 
 
 def empty_dataset():
+    """A label dataset with no rows (a shard that got no batch)."""
     import datasets
 
     features = label_features()
@@ -179,6 +183,7 @@ def empty_dataset():
 
 
 def save_dataset(dataset, out: Path) -> None:
+    """``save_to_disk`` into ``out`` after removing a previous dataset's files (other content stays)."""
     for file in dataset_files(out):
         file.unlink()
     dataset.save_to_disk(str(out), num_shards=1 if len(dataset) == 0 else None)

@@ -287,7 +287,7 @@ def test_shards_then_merge_equal_a_single_run(pair, tmp_path: Path) -> None:
         assert meta["shard"]["index"] == i
     with pytest.raises(ValueError, match="Can't use both --merge and --shard"):
         parse_config(args(pair, prompts, sharded, "--shard", "0/3", "--merge", "true"))
-    merged = main(args(pair, prompts, sharded, "--merge", "true"))
+    merged = main(args(pair, prompts, sharded, "--merge"))  # a bare boolean flag means true
     assert_same_rows(rows(tmp_path / "single"), rows(sharded))
     assert merged["stats"]["rows"] == 11 and merged["sources"][0]["rows"] == 11
     assert main(args(pair, prompts, sharded, "--merge", "true"))["stats"]["rows"] == 11  # idempotent
@@ -427,6 +427,17 @@ def test_a_folder_that_is_not_data_gen_output_is_never_written(pair, tmp_path: P
     assert sorted(p.name for p in out.iterdir()) == ["notes.txt"]
 
 
+def test_two_processes_never_write_the_same_output(pair, tmp_path: Path) -> None:
+    from data_gen.output import exclusive
+
+    out = tmp_path / "out"
+    out.mkdir()
+    with exclusive(out):  # another run holds the folder
+        with pytest.raises(ValueError, match="Another data_gen process is writing to"):
+            run(parse_config(args(pair, write_prompts(tmp_path / "p.jsonl", 2), out)))
+    assert list(out.iterdir()) == []
+
+
 def test_tokenizer_mismatch_is_refused_before_writing(pair, tmp_path: Path) -> None:
     other = tmp_path / "other_draft"
     make_llama(other, tokenizer=make_tokenizer(extra_words=("banana",)), seed=3, num_layers=1)
@@ -495,6 +506,8 @@ def test_shipped_configs_cover_the_required_setups() -> None:
     assert names["humaneval"].draft.path == "checkpoints/smollm2-135m-draft"
     assert all(s.split == "head" for s in names["instructions"].prompts)
     assert names["llama2-70b-alpaca"].prompts[0].path == "hf:tatsu-lab/alpaca"
+    gpu = parse_config(["--config", str(REPO / "configs/data_gen/llama2-70b-alpaca.yaml"), "--shard", "1/2"])
+    assert gpu.shard_index() == (1, 2) and gpu.target.extra == {"device_map": "auto"}
     for source in names["instructions"].prompts:  # the head split reads files that exist
         assert (REPO / source.path).is_file(), source.path
 
