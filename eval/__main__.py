@@ -1,0 +1,50 @@
+"""Command line of ``python -m eval`` (jsonargparse over the documented functions of the ``eval`` modules).
+
+Examples::
+
+    python -m eval bench --config configs/eval/bench.yaml
+    python -m eval report --config configs/eval/report.yaml
+    python -m eval costs --bundle checkpoints/smollm2-135m-specdecpp
+    python -m eval sweep --bundle B --prompts '[{path: humaneval, limit: 8}]' --temperatures '[0]'
+    python -m eval calibration --bundle B --prompts '[{path: humaneval, limit: 8}]'
+    python -m eval bench --help
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+
+def commands() -> dict:
+    """Subcommand name → function (imported lazily, so ``--help`` of one does not load the others' dependencies)."""
+    from .bench import bench
+    from .calibration import calibration
+    from .costs import costs
+    from .report import report
+    from .sweep import sweep
+
+    return {"calibration": calibration, "costs": costs, "sweep": sweep, "bench": bench, "report": report}
+
+
+def main(argv: Sequence[str] | None = None):
+    """Parse the subcommand and its flags (``--config`` YAML files allowed) and run it; user errors exit with a
+    one-line message."""
+    from jsonargparse import CLI, set_parsing_settings
+
+    set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    try:
+        return CLI(
+            commands(),
+            args=list(argv) if argv is not None else None,
+            as_positional=False,
+            prog="python -m eval",
+            description=__doc__.split("\n\n")[0] if __doc__ else None,
+        )
+    except (ValueError, FileNotFoundError) as err:
+        print(f"python -m eval: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from err
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""``python -m eval bench``: every way a user could pick the candidate length, side by side on one pair.
+
+For each temperature: tune what the baselines need on a separate validation set (the best fixed K, EntropyStop's λ,
+ConfidenceThreshold's τ by HF's ROC rule), then decode the test prompts with every method interleaved
+(A B C … A B C …, after a warm-up) for several repeats and report tokens/s (min / median / max over repeats), ratios
+to the autoregressive target and to the best fixed K, modeled tokens/s, verification and discard rates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from accept_head.baselines import ConfidenceThreshold, confidence_pairs_from_dataset, roc_threshold
+from accept_head.cost_model import CostModel
+from accept_head.decoding import speculative_generate
+from accept_head.pairs import ModelSpec
+from accept_head.prompts import PromptSource
+
+from .common import (
+    Pair,
+    PromptSet,
+    check_disjoint,
+    encode_prompts,
+    fmt,
+    load_pair,
+    machine_info,
+    output_folder,
+    resolve_cost_model,
+    text_table,
+    write_json,
+)
+from .methods import (
+    MethodSpec,
+    MethodSummary,
+    Runner,
+    best_of,
+    prompt_seed,
+    run_interleaved,
+    summarize,
+    throughput,
+)
+from .plots import bench_plot
+from .sweep import temperature_key
+
+
+@dataclass
+class HFSetting:
+    """One configuration of HF transformers' assisted generation."""
+
+    num_assistant_tokens: int | None = None
+    """Candidates per round (start value for heuristic schedules); None = the best fixed K found on validation."""
+    schedule: str = "constant"
+    """constant, heuristic or heuristic_transient."""
+    confidence_threshold: float = 0.0
+    """HF's assistant_confidence_threshold (0 disables it; HF's default is 0.4, auto-tuned during each call)."""
+
+
+DEFAULT_HF_SETTINGS: list[dict] = [
+    {"num_assistant_tokens": None, "schedule": "constant"},
+    {"num_assistant_tokens": 5, "schedule": "heuristic"},
+    {"num_assistant_tokens": 20, "schedule": "constant", "confidence_threshold": 0.4},
+]
+"""Constant K at the best fixed K; the heuristic schedule from 5; HF's out-of-the-box default (20 + confidence)."""
+
+
+def tune_confidence(
+    pair: Pair, prompt_set: PromptSet, temperature: float, max_new_tokens: int, seed: int, fn_cost: float = 3.0
+) -> tuple[float, int]:
+    """τ for ConfidenceThreshold by HF's rule (min fpr + 3·fnr on the ROC) over the (q(y), accepted) pairs that HF's
+    online auto-tuning collects while decoding the validation prompts (starting from HF's τ = 0.4)."""
+    policy = ConfidenceThreshold(tau=0.4, auto_tune=True, fn_cost=fn_cost)
+    probs: list[float] = []
+    matches: list[int] = []
+    for index, prompt in enumerate(prompt_set.prompts):
+        generator = torch.Generator().manual_seed(prompt_seed(seed, 0, index))
+        speculative_generate(
+            pair.target,
+            pair.draft,
+            prompt.ids,
+            policy,
+            max_new_tokens,
+            temperature,
+            eos_token_id=pair.eos_token_id,
+            generator=generator,
+        )
+        probs += policy.probs
+        matches += policy.matches
+    if 0 not in matches or 1 not in matches:
+        return 0.4, len(probs)  # no rejection (or no acceptance) seen: keep HF's start value
+    return roc_threshold(probs, matches, fn_cost), len(probs)
+
+
+def _method_rows(methods: Sequence[dict]) -> list[list[str]]:
+    rows = []
+    for m in methods:
+        tps = m["tokens_per_second"]
+        rows.append(
+            [
+                m["name"],
+                fmt(tps["median"]),
+                f"{fmt(tps['min'])}–{fmt(tps['max'])}",
+                fmt(m["ratio_to_autoregressive"], 2, "x"),
+                fmt(m["ratio_to_best_fixed_k"], 2, "x"),
+                fmt(m["modeled_tokens_per_second"]),
+                fmt(m["verification_rate"], 3),
+                fmt(m["discard_rate"], 3),
+                "–" if m["kind"] == "autoregressive" else f"{m['mean_accepted']:.2f}/{m['mean_proposed']:.2f}",
+            ]
+        )
+    return rows
+
+
+BENCH_HEADER = ["method", "tok/s", "min–max", "vs AR", "vs best K", "modeled", "verif.", "discard", "acc/prop"]
+
+
+def bench(
+    bundle: str,
+    prompts: list[PromptSource],
+    validation_prompts: list[PromptSource],
+    target: ModelSpec | None = None,
+    draft: ModelSpec | None = None,
+    max_new_tokens: int = 128,
+    temperatures: list[float] | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    fixed_k: list[int] | None = None,
+    entropy_thresholds: list[float] | None = None,
+    entropy_gamma: float = 0.2,
+    confidence_tau: float | None = None,
+    confidence_dataset: str | None = None,
+    heuristic_initial_k: int = 5,
+    hf_settings: list[HFSetting] | None = None,
+    oracle: bool = True,
+    select_by: str = "modeled",
+    cost_model: str = "bundle",
+    prompt_mode: str = "chat",
+    system_prompt: str | None = None,
+    max_prompt_tokens: int = 512,
+    seed: int = 0,
+    device: str | None = None,
+    dtype: str | None = None,
+    output_dir: str = "eval_out/bench",
+    progress: bool = True,
+) -> dict:
+    """Benchmark SpecDec++ against every simpler way of choosing the candidate length, on the same prompts.
+
+    Methods: the autoregressive target; FixedK at the K best on the validation set; SpecDec++ at the bundle's h*;
+    Heuristic (HF's schedule); ConfidenceThreshold at HF's ROC-tuned τ; EntropyStop (AdaEDL) at the λ best on
+    validation; HF transformers' own assisted generation (``hf_settings``); and the greedy hindsight Oracle. Writes
+    bench.json and bench.png and prints one table per temperature.
+
+    Args:
+        bundle: SpecDecPP bundle folder (the pair, the head and h*).
+        prompts: Test prompt sources (e.g. the ``eval`` hash split of the head's sources, or humaneval).
+        validation_prompts: Prompt sources for choosing K, λ and τ; must not overlap the test prompts.
+        target: Target model spec (overrides the bundle's).
+        draft: Draft model spec (overrides the bundle's).
+        max_new_tokens: Tokens generated per prompt (at most), the same for every method.
+        temperatures: Sampling temperatures; 0 is greedy (the oracle runs only there). Default [0, 1].
+        repeats: Timed passes over the test prompts (tokens/s is reported as min / median / max over them).
+        warmup: Test prompts decoded once by every method before timing (not recorded).
+        fixed_k: K grid searched on validation (default 1, 2, 3, 4, 6, 8, 10, 12).
+        entropy_thresholds: λ grid for EntropyStop searched on validation (default 0.1 … 0.8).
+        entropy_gamma: AdaEDL's entropy scale γ.
+        confidence_tau: Fixed τ for ConfidenceThreshold; None tunes it by HF's ROC rule (fpr + 3·fnr).
+        confidence_dataset: A data_gen dataset to tune τ on (its draft_logp / accept_prob) instead of validation.
+        heuristic_initial_k: Start K of the Heuristic schedule (HF used 5 before transformers 4.45).
+        hf_settings: HF assisted-generation settings; default: constant at the best K, heuristic from 5, and HF's
+            out-of-the-box default (K=20 with confidence threshold 0.4).
+        oracle: Include the greedy hindsight oracle (greedy only).
+        select_by: Choose the validation winners by ``modeled`` (cost model; robust to machine noise) or
+            ``measured`` tokens/s.
+        cost_model: ``bundle``, ``measure`` or a costs.json from ``python -m eval costs``.
+        prompt_mode: ``chat`` (apply the chat template) or ``raw``.
+        system_prompt: Optional system message for chat prompts.
+        max_prompt_tokens: Prompts longer than this are skipped.
+        seed: Seed of the prompt shuffle and of every decoding generator.
+        device: Device for both models (overrides the specs).
+        dtype: float32, bfloat16 or float16 (overrides the specs).
+        output_dir: Folder for bench.json and bench.png.
+        progress: Show progress bars.
+    """
+    temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
+    fixed_k = [1, 2, 3, 4, 6, 8, 10, 12] if fixed_k is None else [int(k) for k in fixed_k]
+    entropy_thresholds = (
+        [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+        if entropy_thresholds is None
+        else [float(x) for x in entropy_thresholds]
+    )
+    settings = (
+        [HFSetting(**s) for s in DEFAULT_HF_SETTINGS]
+        if hf_settings is None
+        else [HFSetting(**s) if isinstance(s, dict) else s for s in hf_settings]
+    )
+    if select_by not in ("modeled", "measured"):
+        raise ValueError(f"select_by={select_by!r} must be 'modeled' or 'measured'.")
+    if not fixed_k or not entropy_thresholds:
+        raise ValueError("fixed_k and entropy_thresholds must each hold at least one value.")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup}).")
+    folder = output_folder(output_dir)
+    pair = load_pair(bundle, target, draft, device, dtype)
+    test_set = encode_prompts("test", prompts, pair.tokenizer, prompt_mode, system_prompt, max_prompt_tokens, seed)
+    val_set = encode_prompts(
+        "validation", validation_prompts, pair.tokenizer, prompt_mode, system_prompt, max_prompt_tokens, seed
+    )
+    check_disjoint(test_set, val_set)
+    model, model_source = resolve_cost_model(cost_model, pair, seed)
+    dataset_tau = None
+    if confidence_tau is None and confidence_dataset is not None:
+        dataset_tau = roc_threshold(*confidence_pairs_from_dataset(confidence_dataset))
+
+    results: dict = {}
+    panels: dict[str, list[dict]] = {}
+    for temperature in temperatures:
+        key = temperature_key(temperature)
+        validation = _validate(
+            pair,
+            val_set,
+            temperature,
+            max_new_tokens,
+            model,
+            fixed_k,
+            entropy_thresholds,
+            entropy_gamma,
+            select_by,
+            seed,
+            progress,
+        )
+        if confidence_tau is not None:
+            tau, tau_source, pairs = float(confidence_tau), "given", 0
+        elif dataset_tau is not None:
+            tau, tau_source, pairs = dataset_tau, f"ROC on {confidence_dataset}", 0
+        else:
+            tau, pairs = tune_confidence(pair, val_set, temperature, max_new_tokens, seed)
+            tau_source = "ROC on validation (HF's fpr + 3·fnr)"
+        validation["confidence"] = {"tau": tau, "source": tau_source, "pairs": pairs}
+        best_k = validation["best_k"]
+        specs = [
+            MethodSpec("autoregressive"),
+            MethodSpec("fixed_k", {"k": best_k}),
+            MethodSpec(
+                "specdecpp", {"threshold": pair.bundle.threshold}, label=f"SpecDec++ h*={pair.bundle.threshold:g}"
+            ),
+            MethodSpec("heuristic", {"initial_k": heuristic_initial_k}),
+            MethodSpec("confidence", {"tau": tau}),
+            MethodSpec("entropy", {"threshold": validation["best_entropy_threshold"], "gamma": entropy_gamma}),
+        ]
+        for s in settings:
+            params = {
+                "num_assistant_tokens": best_k if s.num_assistant_tokens is None else s.num_assistant_tokens,
+                "schedule": s.schedule,
+                "confidence_threshold": s.confidence_threshold,
+            }
+            specs.append(MethodSpec("hf_assisted", params))
+        if oracle and temperature == 0:
+            specs.append(MethodSpec("oracle"))
+        specs = list({s.name: s for s in specs}.values())  # e.g. two HF settings that coincide
+        runner = Runner(pair, max_new_tokens, temperature)
+        runs = run_interleaved(runner, specs, test_set.prompts, seed, repeats, warmup, progress, desc=f"bench {key}")
+        summaries = summarize(specs, runs, model)
+        methods = _with_ratios(summaries)
+        results[key] = {"temperature": temperature, "validation": validation, "methods": methods}
+        panels[key] = methods
+        print(text_table(BENCH_HEADER, _method_rows(methods), title=_title(key, test_set, repeats, validation)))
+    plot = bench_plot(
+        panels,
+        folder / "bench.png",
+        f"{len(test_set.prompts)} prompts × {repeats} repeats, ≤{max_new_tokens} new tokens",
+    )
+    payload = {
+        "command": "bench",
+        "machine": machine_info(),
+        "pair": pair.describe(),
+        "prompts": test_set.describe(),
+        "validation_prompts": val_set.describe(),
+        "settings": {
+            "max_new_tokens": max_new_tokens,
+            "repeats": repeats,
+            "warmup": warmup,
+            "seed": seed,
+            "select_by": select_by,
+            "fixed_k": fixed_k,
+            "entropy_thresholds": entropy_thresholds,
+            "entropy_gamma": entropy_gamma,
+            "hf_settings": [s.__dict__ for s in settings],
+            "prompt_mode": prompt_mode,
+        },
+        "cost_model": {"source": model_source, **model.to_dict()},
+        "results": results,
+        "bench_png": plot.name,
+    }
+    write_json(folder / "bench.json", payload)
+    print(f"wrote {folder / 'bench.json'} and {plot}")
+    return payload
+
+
+def _title(key: str, test_set: PromptSet, repeats: int, validation: dict) -> str:
+    conf = validation["confidence"]
+    return (
+        f"bench, {key}, {len(test_set.prompts)} prompts × {repeats} repeats; validation: best K={validation['best_k']}"
+        f", EntropyStop λ={validation['best_entropy_threshold']:g}, ConfidenceThreshold τ={conf['tau']:.3g}"
+    )
+
+
+def _validate(
+    pair: Pair,
+    val_set: PromptSet,
+    temperature: float,
+    max_new_tokens: int,
+    cost_model: CostModel,
+    fixed_k: Sequence[int],
+    entropy_thresholds: Sequence[float],
+    entropy_gamma: float,
+    select_by: str,
+    seed: int,
+    progress: bool,
+) -> dict:
+    """Run the FixedK and EntropyStop grids on the validation prompts and pick the best of each."""
+    specs = [MethodSpec("fixed_k", {"k": k}) for k in fixed_k]
+    specs += [MethodSpec("entropy", {"threshold": lam, "gamma": entropy_gamma}) for lam in entropy_thresholds]
+    runner = Runner(pair, max_new_tokens, temperature)
+    runs = run_interleaved(
+        runner, specs, val_set.prompts, seed, progress=progress, desc=f"validation {temperature_key(temperature)}"
+    )
+    summaries = summarize(specs, runs, cost_model)
+    best_k = best_of(summaries, select_by, "fixed_k")
+    best_entropy = best_of(summaries, select_by, "entropy")
+    return {
+        "select_by": select_by,
+        "best_k": int(best_k.spec.params["k"]),
+        "best_entropy_threshold": float(best_entropy.spec.params["threshold"]),
+        "methods": [s.to_dict() | {"selection_tokens_per_second": throughput(s, select_by)} for s in summaries],
+    }
+
+
+def _with_ratios(summaries: Sequence[MethodSummary]) -> list[dict]:
+    """Method dicts with ratios of median measured (and modeled) tokens/s to the autoregressive and fixed-K rows."""
+    by_kind = {s.spec.kind: s for s in summaries if s.spec.kind in ("autoregressive", "fixed_k")}
+    ar, fk = by_kind.get("autoregressive"), by_kind.get("fixed_k")
+    out = []
+    for s in summaries:
+        row = s.to_dict()
+        median = s.median_tokens_per_second
+        modeled = s.pooled.modeled_tokens_per_second
+        for name, base in (("autoregressive", ar), ("best_fixed_k", fk)):
+            row[f"ratio_to_{name}"] = (
+                median / base.median_tokens_per_second if base and base.median_tokens_per_second else None
+            )
+            base_modeled = base.pooled.modeled_tokens_per_second if base else None
+            row[f"modeled_ratio_to_{name}"] = modeled / base_modeled if modeled and base_modeled else None
+        out.append(row)
+    return out

@@ -1,0 +1,370 @@
+"""``python -m eval calibration``: how well the head's acceptance probabilities match what happens.
+
+Two views, each raw and after the bundle's calibration map:
+
+* **offline** — on a ``data_gen`` dataset, scored as in training: the draft reads (prompt, Z) with Z the token-mixed
+  response (Z_i = X_i with probability r, else the draft's Y_i) and the head scores every position holding a Y_i
+  against its soft label min(1, p_i(Y_i)/q_i(Y_i)).
+* **on-policy** — on the states the adaptive decoder actually visits: SpecDec++ decodes prompts and every scored
+  candidate y_i is recorded with its prediction and whether it was accepted (candidates after the first rejection are
+  never judged and not recorded). This is what the stopping rule relies on at inference.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from accept_head.calibration import Calibration
+from accept_head.decoding import speculative_generate
+from accept_head.metrics import (
+    binary_auc,
+    brier_score,
+    expected_calibration_error,
+    reliability_bins,
+    soft_auc,
+)
+from accept_head.pairs import ModelSpec
+from accept_head.policies import HeadThreshold
+from accept_head.prompts import PromptSource
+
+from .common import (
+    Pair,
+    PromptSet,
+    encode_prompts,
+    fmt,
+    load_pair,
+    machine_info,
+    output_folder,
+    text_table,
+    write_json,
+)
+from .methods import prompt_seed
+from .plots import reliability_plot
+
+N_BINS = 15
+
+
+def probability_metrics(probs: Sequence[float] | torch.Tensor, labels: Sequence[float] | torch.Tensor) -> dict:
+    """ECE (15 equal-width bins), Brier score, soft-label AUC, binarised AUC, mean prediction and label, count."""
+    p = torch.as_tensor(probs, dtype=torch.float64).reshape(-1)
+    y = torch.as_tensor(labels, dtype=torch.float64).reshape(-1)
+    if p.numel() == 0:
+        return {
+            "n": 0,
+            "ece": math.nan,
+            "brier": math.nan,
+            "auc": math.nan,
+            "auc_binary": math.nan,
+            "mean_pred": math.nan,
+            "mean_label": math.nan,
+        }
+    return {
+        "n": int(p.numel()),
+        "ece": expected_calibration_error(p, y, N_BINS),
+        "brier": brier_score(p, y),
+        "auc": soft_auc(p, y),
+        "auc_binary": binary_auc(p, y),
+        "mean_pred": float(p.mean()),
+        "mean_label": float(y.mean()),
+    }
+
+
+def _calibrate(calibration: Calibration | None, probs: Sequence[float]) -> list[float]:
+    return list(probs) if calibration is None else [float(calibration(float(p))) for p in probs]
+
+
+@torch.inference_mode()
+def offline_predictions(
+    pair: Pair, dataset: str, mix_ratio: float = 0.15, seed: int = 0, max_rows: int | None = 200
+) -> tuple[list[float], list[float]]:
+    """Raw head probabilities and soft labels on a data_gen dataset, with training's token mixing (ratio r).
+
+    For each row the draft reads (prompt, Z) once; the hidden state at the position whose input is Z_i = Y_i is the
+    head's input e_i (the state SpecDec++ scores y_i with). Mixing is seeded per row from (seed, prompt id).
+    """
+    from accept_head.features import decoder_matches_lm_head_input, final_hidden_states
+    from accept_head.labels import load_label_dataset
+    from accept_head.mixing import mix_tokens, mixing_seed
+
+    if pair.bundle is None:
+        raise ValueError("offline calibration needs a bundle with a head (--bundle).")
+    data, meta = load_label_dataset(dataset)
+    head, draft = pair.bundle.head, pair.draft
+    device = next(draft.parameters()).device
+    use_decoder = decoder_matches_lm_head_input(draft)
+    rows = range(len(data)) if max_rows is None else range(min(len(data), max_rows))
+    probs: list[float] = []
+    labels: list[float] = []
+    for index in rows:
+        row = data[index]
+        prompt = torch.tensor(row["prompt_ids"], dtype=torch.long)
+        response = torch.tensor(row["response_ids"], dtype=torch.long)
+        drafted = torch.tensor(row["draft_ids"], dtype=torch.long)
+        if response.numel() == 0:
+            continue
+        generator = torch.Generator().manual_seed(mixing_seed(seed, 0, str(row["prompt_id"])))
+        z, from_draft = mix_tokens(response, drafted, mix_ratio, generator)
+        ids = torch.cat([prompt, z])[None, :].to(device)
+        hidden = final_hidden_states(draft, ids, use_decoder=use_decoder)[0, prompt.numel() :]  # (N, H)
+        scored = head.accept_prob(hidden[from_draft.to(device)]).float().cpu()
+        probs += scored.tolist()
+        labels += torch.tensor(row["accept_prob"], dtype=torch.float32)[from_draft].tolist()
+    return probs, labels
+
+
+class RecordingHeadThreshold(HeadThreshold):
+    """SpecDec++'s policy that also records, for every scored candidate, its raw and calibrated predicted acceptance
+    and — after verification — whether it was accepted (1), the first rejected one (0), or never judged (dropped)."""
+
+    def __init__(self, base: HeadThreshold) -> None:
+        super().__init__(base.head, base.threshold, base.min_candidates, base.max_candidates, base.calibration)
+        self.raw: list[float] = []
+        self.calibrated: list[float] = []
+        self.labels: list[float] = []
+        self.index: list[int] = []
+        """1-based position of the candidate in its round."""
+        self._round: list[tuple[float, float]] = []
+
+    def score(self, hidden: torch.Tensor) -> float:
+        with torch.inference_mode():
+            raw = self.head.accept_prob_one(hidden)
+        calibrated = float(self.calibration(raw)) if self.calibration is not None else raw
+        self._round.append((raw, calibrated))
+        return calibrated
+
+    def update(self, proposed: int, accepted: int) -> None:
+        for i, (raw, calibrated) in enumerate(self._round):
+            if i > accepted:  # after the first rejection: never judged
+                break
+            self.raw.append(raw)
+            self.calibrated.append(calibrated)
+            self.labels.append(1.0 if i < accepted else 0.0)
+            self.index.append(i + 1)
+        self._round = []
+
+
+@dataclass
+class OnPolicy:
+    raw: list[float] = field(default_factory=list)
+    calibrated: list[float] = field(default_factory=list)
+    labels: list[float] = field(default_factory=list)
+    index: list[int] = field(default_factory=list)
+
+    def by_position(self, max_index: int = 10) -> list[dict]:
+        """Mean predicted (calibrated) vs realised acceptance per candidate index in the round."""
+        out = []
+        for i in range(1, max_index + 1):
+            members = [k for k, j in enumerate(self.index) if j == i]
+            if not members:
+                continue
+            out.append(
+                {
+                    "candidate": i,
+                    "n": len(members),
+                    "mean_pred_raw": sum(self.raw[k] for k in members) / len(members),
+                    "mean_pred": sum(self.calibrated[k] for k in members) / len(members),
+                    "realised": sum(self.labels[k] for k in members) / len(members),
+                }
+            )
+        return out
+
+
+def on_policy_records(
+    pair: Pair,
+    prompt_set: PromptSet,
+    temperature: float,
+    max_new_tokens: int,
+    threshold: float | None = None,
+    seed: int = 0,
+) -> OnPolicy:
+    """Decode ``prompt_set`` with SpecDec++ (the bundle's h* unless ``threshold``) and record every judged candidate."""
+    if pair.bundle is None:
+        raise ValueError("on-policy calibration needs a bundle with a head (--bundle).")
+    policy = RecordingHeadThreshold(pair.bundle.policy(threshold))
+    for index, prompt in enumerate(prompt_set.prompts):
+        generator = torch.Generator().manual_seed(prompt_seed(seed, 0, index))
+        speculative_generate(
+            pair.target,
+            pair.draft,
+            prompt.ids,
+            policy,
+            max_new_tokens,
+            temperature,
+            eos_token_id=pair.eos_token_id,
+            generator=generator,
+        )
+    return OnPolicy(policy.raw, policy.calibrated, policy.labels, policy.index)
+
+
+def calibration_views(
+    pair: Pair,
+    dataset: str | None,
+    prompt_set: PromptSet | None,
+    temperature: float,
+    max_new_tokens: int,
+    threshold: float | None,
+    mix_ratio: float,
+    max_rows: int | None,
+    seed: int,
+) -> dict:
+    """Metrics and reliability bins of every available view ({view: {variant: ...}}) plus on-policy by position."""
+    calibration = pair.bundle.calibration if pair.bundle is not None else None
+    views: dict = {}
+    if dataset is not None:
+        probs, labels = offline_predictions(pair, dataset, mix_ratio, seed, max_rows)
+        views["offline"] = {"raw": (probs, labels), "calibrated": (_calibrate(calibration, probs), labels)}
+    if prompt_set is not None:
+        records = on_policy_records(pair, prompt_set, temperature, max_new_tokens, threshold, seed)
+        views["on_policy"] = {
+            "raw": (records.raw, records.labels),
+            "calibrated": (records.calibrated, records.labels),
+            "by_position": records.by_position(),
+        }
+    out: dict = {}
+    for view, variants in views.items():
+        out[view] = {}
+        for variant, value in variants.items():
+            if variant == "by_position":
+                out[view][variant] = value
+                continue
+            probs, labels = value
+            out[view][variant] = {
+                "metrics": probability_metrics(probs, labels),
+                "reliability": reliability_bins(
+                    torch.tensor(probs, dtype=torch.float64), torch.tensor(labels, dtype=torch.float64), N_BINS
+                ).__dict__,
+            }
+    return out
+
+
+def calibration_rows(views: dict) -> list[list[str]]:
+    rows = []
+    for view, variants in views.items():
+        for variant in ("raw", "calibrated"):
+            if variant not in variants:
+                continue
+            m = variants[variant]["metrics"]
+            rows.append(
+                [
+                    f"{view} {variant}",
+                    str(m["n"]),
+                    fmt(m["ece"], 4),
+                    fmt(m["brier"], 4),
+                    fmt(m["auc"], 3),
+                    fmt(m["mean_pred"], 3),
+                    fmt(m["mean_label"], 3),
+                ]
+            )
+    return rows
+
+
+CALIBRATION_HEADER = ["view", "n", "ECE", "Brier", "AUC", "mean pred", "mean label"]
+
+
+def reliability_panels(views: dict) -> dict:
+    from accept_head.metrics import ReliabilityBins
+
+    titles = {"offline": "offline (data_gen, token mixing)", "on_policy": "on-policy (decoder's visited states)"}
+    return {
+        titles.get(view, view): {
+            variant: ReliabilityBins(**variants[variant]["reliability"])
+            for variant in ("raw", "calibrated")
+            if variant in variants
+        }
+        for view, variants in views.items()
+    }
+
+
+def calibration(
+    bundle: str,
+    dataset: str | None = None,
+    prompts: list[PromptSource] | None = None,
+    target: ModelSpec | None = None,
+    draft: ModelSpec | None = None,
+    temperature: float | None = None,
+    threshold: float | None = None,
+    max_new_tokens: int = 128,
+    mix_ratio: float = 0.15,
+    max_rows: int | None = 200,
+    prompt_mode: str = "chat",
+    system_prompt: str | None = None,
+    max_prompt_tokens: int = 512,
+    seed: int = 0,
+    device: str | None = None,
+    dtype: str | None = None,
+    output_dir: str = "eval_out/calibration",
+) -> dict:
+    """Reliability diagram, ECE, Brier score and AUC of a bundle's head — raw and calibrated — offline on a data_gen
+    dataset and on-policy on the states SpecDec++ visits while decoding prompts (predicted vs realised acceptance,
+    also per candidate index). Writes calibration.json and reliability.png and prints the table.
+
+    Args:
+        bundle: SpecDecPP bundle folder (the head, its calibration map and h*).
+        dataset: A data_gen dataset for the offline view (held out from the head's training, e.g. its eval split).
+        prompts: Prompt sources for the on-policy view.
+        target: Target model spec (overrides the bundle's).
+        draft: Draft model spec (overrides the bundle's).
+        temperature: Decoding temperature of the on-policy view (default: the one the head was trained for).
+        threshold: h of the on-policy decoder (default: the bundle's h*).
+        max_new_tokens: Tokens generated per prompt in the on-policy view.
+        mix_ratio: Token-mixing ratio r of the offline view (the official code trains with 0.15).
+        max_rows: Dataset rows used by the offline view (null: all).
+        prompt_mode: ``chat`` (apply the chat template) or ``raw``.
+        system_prompt: Optional system message for chat prompts.
+        max_prompt_tokens: Prompts longer than this are skipped.
+        seed: Seed of the mixing, the prompt shuffle and the decoding generators.
+        device: Device for both models (overrides the specs).
+        dtype: float32, bfloat16 or float16 (overrides the specs).
+        output_dir: Folder for calibration.json and reliability.png.
+    """
+    if dataset is None and not prompts:
+        raise ValueError("Nothing to evaluate: give --dataset (offline view) and/or --prompts (on-policy view).")
+    folder = output_folder(output_dir)
+    pair = load_pair(bundle, target, draft, device, dtype)
+    temperature = pair.bundle.temperature if temperature is None else float(temperature)
+    prompt_set = (
+        encode_prompts("on-policy", prompts, pair.tokenizer, prompt_mode, system_prompt, max_prompt_tokens, seed)
+        if prompts
+        else None
+    )
+    views = calibration_views(
+        pair, dataset, prompt_set, temperature, max_new_tokens, threshold, mix_ratio, max_rows, seed
+    )
+    plot = reliability_plot(reliability_panels(views), folder / "reliability.png", "acceptance head calibration")
+    payload = {
+        "command": "calibration",
+        "machine": machine_info(),
+        "pair": pair.describe(),
+        "dataset": dataset,
+        "prompts": prompt_set.describe() if prompt_set is not None else None,
+        "settings": {
+            "temperature": temperature,
+            "threshold": pair.bundle.threshold if threshold is None else threshold,
+            "max_new_tokens": max_new_tokens,
+            "mix_ratio": mix_ratio,
+            "max_rows": max_rows,
+            "seed": seed,
+        },
+        "views": views,
+        "reliability_png": plot.name,
+    }
+    write_json(folder / "calibration.json", payload)
+    print(text_table(CALIBRATION_HEADER, calibration_rows(views), title="acceptance head calibration"))
+    if "on_policy" in views:
+        rows = [
+            [
+                str(r["candidate"]),
+                str(r["n"]),
+                fmt(r["mean_pred_raw"], 3),
+                fmt(r["mean_pred"], 3),
+                fmt(r["realised"], 3),
+            ]
+            for r in views["on_policy"]["by_position"]
+        ]
+        print(text_table(["candidate", "n", "pred raw", "pred cal.", "realised"], rows, title="on-policy by position"))
+    print(f"wrote {folder / 'calibration.json'} and {plot}")
+    return payload

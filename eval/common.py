@@ -1,0 +1,337 @@
+"""What every ``python -m eval`` command shares: loading the pair, encoding prompt sets, the cost model, and output.
+
+Nothing here runs at import time; models are loaded by :func:`load_pair` only.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import math
+import os
+import platform
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from accept_head.bundle import SpecDecPP
+from accept_head.cost_model import CostModel, measure_costs
+from accept_head.pairs import ModelSpec, check_same_tokenizer, load_model, load_tokenizer
+from accept_head.prompts import PromptSource, PromptStats, chat_prompt_ids, load_prompts
+
+
+@dataclass
+class Pair:
+    """A loaded target/draft pair, with the bundle it came from when there is one."""
+
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    tokenizer: Any
+    bundle: SpecDecPP | None = None
+    bundle_path: str | None = None
+    target_spec: ModelSpec | None = None
+    draft_spec: ModelSpec | None = None
+
+    @property
+    def eos_token_id(self) -> int | list[int] | None:
+        """EOS ids: the tokenizer's, else the target's generation config."""
+        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
+            return int(self.tokenizer.eos_token_id)
+        config = getattr(self.target, "generation_config", None)
+        return None if config is None else config.eos_token_id
+
+    def describe(self) -> dict:
+        out: dict[str, Any] = {
+            "bundle": self.bundle_path,
+            "target": self.target_spec.to_dict() if self.target_spec else None,
+            "draft": self.draft_spec.to_dict() if self.draft_spec else None,
+            "target_parameters": sum(p.numel() for p in self.target.parameters()),
+            "draft_parameters": sum(p.numel() for p in self.draft.parameters()),
+        }
+        if self.bundle is not None:
+            out.update(
+                threshold=self.bundle.threshold,
+                head=self.bundle.head.config,
+                min_candidates=self.bundle.min_candidates,
+                max_candidates=self.bundle.max_candidates,
+                temperature=self.bundle.temperature,
+                calibration=self.bundle.calibration.kind if self.bundle.calibration is not None else None,
+            )
+        return out
+
+
+def load_pair(
+    bundle: str | None = None,
+    target: ModelSpec | None = None,
+    draft: ModelSpec | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> Pair:
+    """Load a ``SpecDecPP`` bundle (its target and draft specs) or a bare target/draft pair.
+
+    ``target`` / ``draft`` override the bundle's specs; ``device`` / ``dtype`` override every spec.
+    """
+    specs = {}
+    for name, spec in (("target", target), ("draft", draft)):
+        if spec is not None:
+            spec = ModelSpec.coerce(spec)
+            spec.device = device or spec.device
+            spec.dtype = dtype or spec.dtype
+            specs[name] = spec
+    if bundle is not None:
+        target_model = load_model(specs["target"]) if "target" in specs else None
+        draft_model = load_model(specs["draft"]) if "draft" in specs else None
+        loaded = SpecDecPP.from_pretrained(bundle, target=target_model, draft=draft_model, device=device, dtype=dtype)
+        return Pair(
+            target=loaded.target,
+            draft=loaded.draft,
+            tokenizer=loaded.tokenizer,
+            bundle=loaded,
+            bundle_path=str(bundle),
+            target_spec=specs.get("target", loaded.target_spec),
+            draft_spec=specs.get("draft", loaded.draft_spec),
+        )
+    if "target" not in specs or "draft" not in specs:
+        raise ValueError("Pass --bundle PATH, or both --target.path and --draft.path for a pair without a head.")
+    tokenizer = load_tokenizer(specs["target"])
+    check_same_tokenizer(tokenizer, load_tokenizer(specs["draft"]), specs["target"].path, specs["draft"].path)
+    return Pair(
+        target=load_model(specs["target"]),
+        draft=load_model(specs["draft"]),
+        tokenizer=tokenizer,
+        target_spec=specs["target"],
+        draft_spec=specs["draft"],
+    )
+
+
+@dataclass
+class EncodedPrompt:
+    """A prompt ready for decoding."""
+
+    id: str
+    source: str
+    ids: list[int]
+
+
+@dataclass
+class PromptSet:
+    """A named, encoded prompt set and what was dropped while building it."""
+
+    name: str
+    prompts: list[EncodedPrompt]
+    sources: list[dict] = field(default_factory=list)
+    skipped_too_long: int = 0
+    per_source: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "prompts": len(self.prompts),
+            "per_source": self.per_source,
+            "skipped_too_long": self.skipped_too_long,
+            "sources": self.sources,
+            "ids": [p.id for p in self.prompts],
+        }
+
+
+def encode_prompts(
+    name: str,
+    sources: Sequence[PromptSource],
+    tokenizer,
+    prompt_mode: str = "chat",
+    system_prompt: str | None = None,
+    max_prompt_tokens: int = 512,
+    seed: int = 0,
+    limit: int | None = None,
+) -> PromptSet:
+    """Read ``sources`` (seeded shuffle, per-source limits, hash splits) and encode them with the chat template.
+
+    Prompts longer than ``max_prompt_tokens`` tokens are skipped and counted. ``limit`` caps the whole set, taking
+    prompts round-robin across sources so every source is represented.
+    """
+    if not sources:
+        raise ValueError(f"The prompt set {name!r} has no sources; give at least one {{path: ..., field: ...}}.")
+    sources = [PromptSource(**s) if isinstance(s, dict) else s for s in sources]
+    stats = PromptStats()
+    prompts, skipped = [], 0
+    for prompt in load_prompts(list(sources), seed=seed, stats=stats):
+        ids = chat_prompt_ids(tokenizer, prompt.text, prompt_mode, system_prompt)
+        if len(ids) > max_prompt_tokens:
+            skipped += 1
+            continue
+        prompts.append(EncodedPrompt(prompt.id, prompt.source, list(ids)))
+    if limit is not None:
+        prompts = round_robin(prompts, limit)
+    per_source: dict[str, int] = {}
+    for prompt in prompts:
+        per_source[prompt.source] = per_source.get(prompt.source, 0) + 1
+    if not prompts:
+        raise ValueError(
+            f"The prompt set {name!r} is empty after filtering ({skipped} longer than max_prompt_tokens="
+            f"{max_prompt_tokens}); raise the limits or max_prompt_tokens."
+        )
+    return PromptSet(name, prompts, [s.to_dict() for s in sources], skipped, per_source)
+
+
+def round_robin(prompts: Sequence[EncodedPrompt], limit: int) -> list[EncodedPrompt]:
+    """The first ``limit`` prompts taken in turn from each source (sources in order of first appearance)."""
+    if limit < 1:
+        raise ValueError(f"limit={limit} must be >= 1.")
+    groups: dict[str, list[EncodedPrompt]] = {}
+    for prompt in prompts:
+        groups.setdefault(prompt.source, []).append(prompt)
+    out: list[EncodedPrompt] = []
+    for rank in range(max((len(g) for g in groups.values()), default=0)):
+        out += [g[rank] for g in groups.values() if rank < len(g)]
+    return out[:limit]
+
+
+def check_disjoint(a: PromptSet, b: PromptSet) -> None:
+    """Raise ValueError if two prompt sets share a prompt (validation must never see test prompts)."""
+    shared = {tuple(p.ids) for p in a.prompts} & {tuple(p.ids) for p in b.prompts}
+    if shared:
+        raise ValueError(
+            f"The prompt sets {a.name!r} and {b.name!r} share {len(shared)} prompt(s); use different hash splits "
+            "(e.g. split: head for validation and split: eval for testing) or different files."
+        )
+
+
+# ---- cost model ----------------------------------------------------------------------------------------------------
+
+COST_FIELDS = ("t_draft", "t_target_a", "t_target_b", "r2", "measured")
+
+
+def cost_model_from_dict(raw: dict) -> CostModel:
+    """A :class:`CostModel` from its dict or from a ``costs.json`` written by ``python -m eval costs``."""
+    if "cost_model" in raw and isinstance(raw["cost_model"], dict):
+        raw = raw["cost_model"]
+    missing = [key for key in ("t_draft", "t_target_a") if key not in raw]
+    if missing:
+        raise ValueError(f"cost model lacks {missing}; expected t_draft, t_target_a and optionally t_target_b.")
+    return CostModel(**{key: raw[key] for key in COST_FIELDS if key in raw})
+
+
+def resolve_cost_model(source: str, pair: Pair, seed: int = 0) -> tuple[CostModel, str]:
+    """The cost model ``source`` names: ``bundle`` (stored in the bundle; measured if absent), ``measure`` (measured
+    now on this machine, head included) or a path to a ``costs.json``. Returns it and where it came from."""
+    if source == "bundle":
+        if pair.bundle is not None and pair.bundle.cost_model:
+            return cost_model_from_dict(pair.bundle.cost_model), "bundle"
+        source = "measure"
+    if source == "measure":
+        head = pair.bundle.head if pair.bundle is not None else None
+        return measure_costs(pair.target, pair.draft, head, seed=seed), "measured"
+    path = Path(source)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"cost_model={source!r} is neither 'bundle', 'measure' nor an existing costs.json; "
+            "write one with `python -m eval costs`."
+        )
+    return cost_model_from_dict(json.loads(path.read_text())), str(path)
+
+
+# ---- output --------------------------------------------------------------------------------------------------------
+
+
+def machine_info() -> dict:
+    """Where the numbers were measured."""
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import transformers
+
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command_line(),
+    }
+
+
+def command_line() -> str:
+    """The command that is running, as a user would type it (``python -m eval ...`` for this CLI)."""
+    import shlex
+
+    if not sys.argv:
+        return ""
+    program = Path(sys.argv[0])
+    head = "python -m eval" if program.name == "__main__.py" and program.parent.name == "eval" else program.name
+    return " ".join([head, *(shlex.quote(arg) for arg in sys.argv[1:])])
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_jsonable(v) for v in value]
+    if hasattr(value, "to_dict"):
+        return _jsonable(value.to_dict())
+    if isinstance(value, Path):
+        return str(value)
+    return value
+
+
+def write_json(path: str | Path, payload: dict) -> Path:
+    """Write ``payload`` as sorted, indented JSON (non-finite floats become null / "inf")."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(_jsonable(payload), indent=2, sort_keys=True) + "\n")
+    return path
+
+
+def output_folder(output_dir: str | Path) -> Path:
+    """Create ``output_dir`` (failing early, before any model is loaded, if it cannot be written)."""
+    folder = Path(output_dir)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / ".write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ValueError(f"output_dir={str(folder)!r} is not writable ({err}); pick another --output_dir.") from err
+    return folder
+
+
+def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], title: str | None = None) -> str:
+    """A fixed-width terminal table: first column left-aligned, the others right-aligned."""
+    body = [list(header)] + [list(r) for r in rows]
+    widths = [max(len(line[i]) for line in body) for i in range(len(header))]
+    lines = [
+        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
+        for line in body
+    ]
+    rule = "-" * max(len(line) for line in lines)
+    return "\n".join(([title] if title else []) + [rule, lines[0], rule, *lines[1:], rule])
+
+
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], aligns: str | None = None) -> str:
+    """The same table in Markdown; ``aligns`` has one ``l``/``r`` per column (default: first left, others right)."""
+    aligns = aligns or "l" + "r" * (len(header) - 1)
+    if len(aligns) != len(header):
+        raise ValueError(f"aligns={aligns!r} must have one letter per column ({len(header)}).")
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(":---" if a == "l" else "---:" for a in aligns) + "|"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
+    """A number for a table ("–" for missing)."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
+        return "–"
+    return f"{value:.{digits}f}{suffix}"

@@ -1,0 +1,99 @@
+"""``python -m eval costs``: measure t_draft, the head's time and t_target(K) on this machine (SpecDec++ eq. 2.1)."""
+
+from __future__ import annotations
+
+from accept_head.cost_model import CostModel, measure_costs
+from accept_head.pairs import ModelSpec
+
+from .common import fmt, load_pair, machine_info, output_folder, text_table, write_json
+from .plots import costs_plot
+
+
+def costs(
+    bundle: str | None = None,
+    target: ModelSpec | None = None,
+    draft: ModelSpec | None = None,
+    ks: list[int] | None = None,
+    context: int = 128,
+    repeats: int = 15,
+    warmup: int = 3,
+    seed: int = 0,
+    device: str | None = None,
+    dtype: str | None = None,
+    output_dir: str = "eval_out/costs",
+) -> dict:
+    """Measure the cost model of a pair: one cached draft step (plus the head's scoring when a bundle is given) and
+    one target pass verifying K candidates for every K, each a median over ``repeats`` after ``warmup`` runs on a
+    ``context``-token KV cache; fit t_target(K) = a + b·K. Writes costs.json (load it with ``--cost_model``) and
+    costs.png, and prints the table.
+
+    Args:
+        bundle: SpecDecPP bundle folder (its pair and head); or give target and draft.
+        target: Target model spec (overrides the bundle's).
+        draft: Draft model spec (overrides the bundle's).
+        ks: Candidate counts K to time (default 1..20).
+        context: Tokens in the KV cache while timing.
+        repeats: Timed runs per measurement (the median is kept, min and max reported).
+        warmup: Untimed runs before each measurement.
+        seed: Seed of the random token ids used as inputs.
+        device: Device for both models (overrides the specs), e.g. cpu or cuda:0.
+        dtype: float32, bfloat16 or float16 (overrides the specs).
+        output_dir: Folder for costs.json and costs.png.
+    """
+    ks = list(range(1, 21)) if ks is None else [int(k) for k in ks]
+    if not ks or min(ks) < 1:
+        raise ValueError(f"ks={ks} must be a non-empty list of K >= 1.")
+    if repeats < 1 or warmup < 0 or context < 1:
+        raise ValueError(f"need repeats >= 1, warmup >= 0 and context >= 1 (got {repeats}, {warmup}, {context}).")
+    folder = output_folder(output_dir)
+    pair = load_pair(bundle, target, draft, device, dtype)
+    head = pair.bundle.head if pair.bundle is not None else None
+    model: CostModel = measure_costs(pair.target, pair.draft, head, ks, context, repeats, warmup, seed)
+    payload = {
+        "command": "costs",
+        "machine": machine_info(),
+        "pair": pair.describe(),
+        "settings": {"ks": ks, "context": context, "repeats": repeats, "warmup": warmup, "seed": seed},
+        "cost_model": model.to_dict(),
+        "t_draft_over_t_target": model.t_draft / model.t_target(1),
+    }
+    write_json(folder / "costs.json", payload)
+    costs_plot(model, folder / "costs.png", title=f"costs on {payload['machine']['cpu'] or 'this machine'}")
+    measured = model.measured
+    rows = [
+        [
+            "draft step",
+            fmt(measured["draft"]["median"] * 1e3, 2),
+            fmt(measured["draft"]["min"] * 1e3, 2),
+            fmt(measured["draft"]["max"] * 1e3, 2),
+            "–",
+        ],
+        [
+            "head",
+            fmt(measured["head"]["median"] * 1e3, 3),
+            fmt(measured["head"]["min"] * 1e3, 3),
+            fmt(measured["head"]["max"] * 1e3, 3),
+            "–",
+        ],
+    ]
+    for k in ks:
+        r = measured["target"][k]
+        rows.append(
+            [
+                f"target K={k}",
+                fmt(r["median"] * 1e3, 2),
+                fmt(r["min"] * 1e3, 2),
+                fmt(r["max"] * 1e3, 2),
+                fmt(model.t_target(k) * 1e3, 2),
+            ]
+        )
+    print(
+        text_table(
+            ["pass", "median ms", "min ms", "max ms", "fit ms"],
+            rows,
+            title=f"t_target(K) = {model.t_target_a * 1e3:.2f} + {model.t_target_b * 1e3:.3f}·K ms "
+            f"(R² {fmt(model.r2, 3)}), t_draft = {model.t_draft * 1e3:.2f} ms",
+        )
+    )
+    print(f"wrote {folder / 'costs.json'} and {folder / 'costs.png'}")
+    return payload

@@ -1,0 +1,353 @@
+"""Decoding methods compared by ``python -m eval``: every stop policy, HF's assisted generation, the target alone.
+
+A :class:`MethodSpec` names one method and its parameters (``{kind: fixed_k, params: {k: 4}}``); a
+:class:`PolicyGrid` expands a parameter grid into specs; :class:`Runner` turns specs into decoders for one pair and
+one sampling setting, and :func:`run_interleaved` decodes prompts with several methods in the order
+A B C … A B C …, so slow drifts of the machine hit every method alike.
+"""
+
+from __future__ import annotations
+
+import itertools
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from accept_head.baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle
+from accept_head.benchmark import PolicyResult, aggregate
+from accept_head.cost_model import CostModel
+from accept_head.decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate
+from accept_head.hf_assisted import AssistedSettings, HFAssisted
+from accept_head.policies import FixedK, HeadThreshold, StopPolicy
+
+from .common import EncodedPrompt, Pair
+
+FAMILIES = {
+    "autoregressive": "Autoregressive",
+    "fixed_k": "FixedK",
+    "specdecpp": "SpecDec++",
+    "heuristic": "Heuristic",
+    "confidence": "ConfidenceThreshold",
+    "entropy": "EntropyStop",
+    "hf_assisted": "HF assisted",
+    "oracle": "Oracle",
+}
+"""Method kinds and their display names."""
+
+_SHORT = {"tau": "τ", "initial_k": "k0", "num_assistant_tokens": "K", "confidence_threshold": "conf"}
+_SHORT_BY_KIND = {("specdecpp", "threshold"): "h", ("entropy", "threshold"): "λ"}
+
+
+@dataclass
+class MethodSpec:
+    """One decoding method: a kind from :data:`FAMILIES` and the keyword arguments of its policy."""
+
+    kind: str
+    """autoregressive, fixed_k, specdecpp, heuristic, confidence, entropy, hf_assisted or oracle."""
+    params: dict[str, Any] = field(default_factory=dict)
+    """fixed_k: k. specdecpp: threshold (default: the bundle's h*), min_candidates, max_candidates, calibrated.
+    heuristic: initial_k, persistent, max_candidates. confidence: tau, auto_tune, min/max_candidates.
+    entropy: threshold (λ), gamma, min/max_candidates. hf_assisted: num_assistant_tokens, schedule,
+    confidence_threshold. autoregressive and oracle take none."""
+    label: str | None = None
+    """Display name (default: built from kind and params)."""
+
+    def __post_init__(self) -> None:
+        if self.kind not in FAMILIES:
+            raise ValueError(f"method kind={self.kind!r} is not one of {sorted(FAMILIES)}.")
+        self.params = dict(self.params or {})
+
+    @property
+    def family(self) -> str:
+        return FAMILIES[self.kind]
+
+    @property
+    def name(self) -> str:
+        if self.label:
+            return self.label
+        if self.kind == "hf_assisted":
+            settings = AssistedSettings(**self.params)
+            text = f"HF {settings.schedule} K={settings.num_assistant_tokens}"
+            return text + (f" conf={settings.confidence_threshold:g}" if settings.confidence_threshold else "")
+        parts = []
+        for key, value in self.params.items():
+            short = _SHORT_BY_KIND.get((self.kind, key), _SHORT.get(key, key))
+            parts.append(f"{short}={value:.3g}" if isinstance(value, float) else f"{short}={value}")
+        return " ".join([self.family, *parts])
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "params": dict(self.params), "name": self.name, "family": self.family}
+
+
+@dataclass
+class PolicyGrid:
+    """A method kind and a grid of its parameters; every combination becomes one :class:`MethodSpec`."""
+
+    kind: str
+    """Method kind (see :class:`MethodSpec`)."""
+    grid: dict[str, list[Any]] = field(default_factory=dict)
+    """Parameter name → list of values, e.g. ``{k: [1, 2, 4, 8]}``; fixed parameters are one-element lists."""
+
+    def expand(self) -> list[MethodSpec]:
+        if self.kind not in FAMILIES:
+            raise ValueError(f"policy grid kind={self.kind!r} is not one of {sorted(FAMILIES)}.")
+        for key, values in self.grid.items():
+            if not isinstance(values, list | tuple) or not values:
+                raise ValueError(f"grid[{key!r}] of {self.kind} must be a non-empty list, got {values!r}.")
+        keys = list(self.grid)
+        return [MethodSpec(self.kind, dict(zip(keys, combo))) for combo in itertools.product(*self.grid.values())]
+
+
+def expand_grids(grids: Sequence[PolicyGrid | dict]) -> list[MethodSpec]:
+    """All specs of several grids, duplicates (same name) dropped."""
+    specs, seen = [], set()
+    for grid in grids:
+        grid = PolicyGrid(**grid) if isinstance(grid, dict) else grid
+        for spec in grid.expand():
+            if spec.name not in seen:
+                seen.add(spec.name)
+                specs.append(spec)
+    return specs
+
+
+Decoder = Callable[[list[int], torch.Generator], GenerationResult]
+
+
+class Runner:
+    """Builds decoders for one pair, token budget and sampling setting.
+
+    A decoder keeps its policy object across prompts (adaptive schedules such as ``heuristic`` carry their state over,
+    as they would in a server); build a new :class:`Runner` for a fresh start. Oracles are built per prompt, outside
+    the timed decoding.
+    """
+
+    def __init__(
+        self,
+        pair: Pair,
+        max_new_tokens: int,
+        temperature: float,
+        top_k: int | None = None,
+        top_p: float | None = None,
+    ) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
+        if temperature < 0:
+            raise ValueError(f"temperature={temperature} must be >= 0 (0 means greedy).")
+        self.pair = pair
+        self.max_new_tokens = max_new_tokens
+        self.temperature = temperature
+        self.sampling = {"top_k": top_k, "top_p": top_p}
+        self._oracles: dict[tuple[int, ...], Oracle] = {}
+
+    def supports(self, spec: MethodSpec) -> str | None:
+        """Why ``spec`` cannot run here (None if it can)."""
+        if spec.kind == "oracle" and self.temperature != 0:
+            return "the oracle is defined for greedy decoding only"
+        if spec.kind == "specdecpp" and self.pair.bundle is None:
+            return "SpecDec++ needs a bundle with a trained head (--bundle)"
+        return None
+
+    def policy(self, spec: MethodSpec) -> StopPolicy:
+        """The stop policy of a speculative method (not for autoregressive, oracle or hf_assisted)."""
+        params = dict(spec.params)
+        try:
+            if spec.kind == "fixed_k":
+                return FixedK(int(params.pop("k")))
+            if spec.kind == "specdecpp":
+                bundle = self.pair.bundle
+                if bundle is None:
+                    raise ValueError(self.supports(spec))
+                calibrated = bool(params.pop("calibrated", True))
+                return HeadThreshold(
+                    bundle.head,
+                    float(params.pop("threshold", bundle.threshold)),
+                    int(params.pop("min_candidates", bundle.min_candidates)),
+                    int(params.pop("max_candidates", bundle.max_candidates)),
+                    calibration=bundle.calibration if calibrated else None,
+                )
+            if spec.kind == "heuristic":
+                return Heuristic(**params)
+            if spec.kind == "confidence":
+                return ConfidenceThreshold(**params)
+            if spec.kind == "entropy":
+                return EntropyStop(**params)
+        except (KeyError, TypeError) as err:
+            raise ValueError(f"bad parameters {spec.params} for method {spec.kind!r}: {err}") from err
+        if params:
+            raise ValueError(f"method {spec.kind!r} does not take parameters {sorted(params)}.")
+        raise ValueError(f"method {spec.kind!r} has no stop policy.")
+
+    def oracle(self, ids: Sequence[int]) -> Oracle:
+        key = tuple(ids)
+        if key not in self._oracles:
+            self._oracles[key] = Oracle.from_models(
+                self.pair.target, self.pair.draft, list(ids), self.max_new_tokens, self.pair.eos_token_id
+            )
+        return self._oracles[key]
+
+    def decoder(self, spec: MethodSpec) -> Decoder:
+        """A function (prompt ids, generator) → :class:`GenerationResult` running ``spec``."""
+        reason = self.supports(spec)
+        if reason:
+            raise ValueError(f"{spec.name} cannot run at temperature={self.temperature}: {reason}.")
+        target, draft, eos = self.pair.target, self.pair.draft, self.pair.eos_token_id
+        common = dict(temperature=self.temperature, eos_token_id=eos, **self.sampling)
+        if spec.kind == "autoregressive":
+            if spec.params:
+                raise ValueError(f"autoregressive takes no parameters, got {spec.params}.")
+            return lambda ids, gen: autoregressive_generate(target, ids, self.max_new_tokens, generator=gen, **common)
+        if spec.kind == "hf_assisted":
+            try:
+                runner = HFAssisted(target, draft, AssistedSettings(**spec.params))
+            except TypeError as err:
+                raise ValueError(f"bad parameters {spec.params} for hf_assisted: {err}") from err
+            return lambda ids, gen: runner.generate(ids, self.max_new_tokens, generator=gen, **common)
+        if spec.kind == "oracle":
+            if spec.params:
+                raise ValueError(f"oracle takes no parameters, got {spec.params}.")
+            return lambda ids, gen: speculative_generate(
+                target, draft, ids, self.oracle(ids), self.max_new_tokens, generator=gen, **common
+            )
+        policy = self.policy(spec)
+        return lambda ids, gen: speculative_generate(
+            target, draft, ids, policy, self.max_new_tokens, generator=gen, **common
+        )
+
+
+def prompt_seed(seed: int, repeat: int, index: int) -> int:
+    """The generator seed of prompt ``index`` in ``repeat``: the same for every method."""
+    return seed * 1_000_003 + repeat * 10_007 + index
+
+
+def run_interleaved(
+    runner: Runner,
+    specs: Sequence[MethodSpec],
+    prompts: Sequence[EncodedPrompt],
+    seed: int = 0,
+    repeats: int = 1,
+    warmup: int = 0,
+    progress: bool = True,
+    desc: str = "decoding",
+) -> dict[str, list[list[DecodeStats]]]:
+    """Decode every prompt with every method, interleaved (A B C … per prompt), ``repeats`` times.
+
+    The first ``warmup`` prompts are decoded once by every method beforehand and not recorded. Returns
+    ``{method name: [repeat][prompt] DecodeStats]}``.
+    """
+    if repeats < 1:
+        raise ValueError(f"repeats={repeats} must be >= 1.")
+    if warmup < 0:
+        raise ValueError(f"warmup={warmup} must be >= 0.")
+    decoders = {spec.name: runner.decoder(spec) for spec in specs}
+    for spec in specs:  # build oracles before anything is timed
+        if spec.kind == "oracle":
+            for prompt in prompts:
+                runner.oracle(prompt.ids)
+    total = len(decoders) * (len(prompts) * repeats + min(warmup, len(prompts)))
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=total, desc=desc, unit="run", leave=False)
+    try:
+        for index, prompt in enumerate(prompts[:warmup]):
+            for decode in decoders.values():
+                decode(prompt.ids, torch.Generator().manual_seed(prompt_seed(seed, -1, index)))
+                if bar is not None:
+                    bar.update()
+        out: dict[str, list[list[DecodeStats]]] = {name: [] for name in decoders}
+        for repeat in range(repeats):
+            for name in decoders:
+                out[name].append([])
+            for index, prompt in enumerate(prompts):
+                for name, decode in decoders.items():
+                    generator = torch.Generator().manual_seed(prompt_seed(seed, repeat, index))
+                    out[name][repeat].append(decode(prompt.ids, generator).stats)
+                    if bar is not None:
+                        bar.update()
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
+
+
+@dataclass
+class MethodSummary:
+    """A method's results over prompts and repeats: tokens/s per repeat plus pooled rates."""
+
+    spec: MethodSpec
+    pooled: PolicyResult
+    """Sums over all prompts and repeats."""
+    per_repeat: list[PolicyResult]
+
+    @property
+    def tokens_per_second(self) -> list[float]:
+        return [r.tokens_per_second for r in self.per_repeat]
+
+    @property
+    def median_tokens_per_second(self) -> float:
+        return statistics.median(self.tokens_per_second)
+
+    def to_dict(self) -> dict:
+        tps = self.tokens_per_second
+        return {
+            **self.spec.to_dict(),
+            "tokens_per_second": {
+                "min": min(tps),
+                "median": statistics.median(tps),
+                "max": max(tps),
+                "per_repeat": tps,
+            },
+            "modeled_tokens_per_second": self.pooled.modeled_tokens_per_second,
+            "verification_rate": self.pooled.verification_rate,
+            "discard_rate": self.pooled.discard_rate,
+            "mean_accepted": self.pooled.mean_accepted,
+            "mean_proposed": self.pooled.mean_proposed,
+            "generated": self.pooled.generated,
+            "target_calls": self.pooled.target_calls,
+            "draft_calls": self.pooled.draft_calls,
+            "discarded": self.pooled.discarded,
+            "rounds": self.pooled.rounds,
+            "seconds": self.pooled.seconds,
+        }
+
+
+def summarize(
+    specs: Sequence[MethodSpec], runs: dict[str, list[list[DecodeStats]]], cost_model: CostModel | None
+) -> list[MethodSummary]:
+    """Aggregate each method's runs (per repeat and pooled) under ``cost_model``."""
+    out = []
+    for spec in specs:
+        repeats = runs[spec.name]
+        per_repeat = [aggregate(spec.name, stats, cost_model) for stats in repeats]
+        pooled = aggregate(spec.name, [s for stats in repeats for s in stats], cost_model)
+        out.append(MethodSummary(spec, pooled, per_repeat))
+    return out
+
+
+def throughput(summary: MethodSummary, by: str) -> float:
+    """Tokens/s of a method: ``modeled`` (cost model, pooled) or ``measured`` (median over repeats)."""
+    if by == "modeled":
+        value = summary.pooled.modeled_tokens_per_second
+        if value is None:
+            raise ValueError("No cost model: select by 'measured' or pass --cost_model.")
+        return value
+    if by == "measured":
+        return summary.median_tokens_per_second
+    raise ValueError(f"select_by={by!r} must be 'modeled' or 'measured'.")
+
+
+def best_of(summaries: Sequence[MethodSummary], by: str, kind: str | None = None) -> MethodSummary | None:
+    """The highest-throughput summary (of ``kind`` when given), or None if there is none."""
+    pool = [s for s in summaries if kind is None or s.spec.kind == kind]
+    return max(pool, key=lambda s: throughput(s, by)) if pool else None
+
+
+def headroom_share(policy: float, best_fixed_k: float, oracle: float) -> float | None:
+    """Share of the oracle's headroom over the best fixed K that a policy captures:
+    (policy − best FixedK) / (Oracle − best FixedK) (None when the oracle is no better than fixed K)."""
+    gap = oracle - best_fixed_k
+    return (policy - best_fixed_k) / gap if gap > 0 else None

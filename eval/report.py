@@ -1,0 +1,685 @@
+"""``python -m eval report``: regenerate ``docs/results.md`` and its figures from one run for a bundle.
+
+The page is written from scratch from what this run measures — sweeps of every method family on in-distribution and
+out-of-distribution prompt sets at each temperature, the cost model, the head's calibration — so no number in it is
+typed by hand. The same numbers are stored next to the figures as ``results.json``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from accept_head.pairs import ModelSpec
+from accept_head.prompts import PromptSource
+
+from .calibration import CALIBRATION_HEADER, calibration_rows, calibration_views, reliability_panels
+from .common import (
+    Pair,
+    PromptSet,
+    encode_prompts,
+    fmt,
+    load_pair,
+    machine_info,
+    markdown_table,
+    output_folder,
+    resolve_cost_model,
+    text_table,
+    write_json,
+)
+from .methods import MethodSpec, MethodSummary, PolicyGrid, best_of, expand_grids, headroom_share, throughput
+from .plots import costs_plot, pareto_plot, reliability_plot
+from .sweep import run_sweep, sweep_table, temperature_key
+
+REPORT_GRIDS: list[dict] = [
+    {"kind": "autoregressive"},
+    {"kind": "fixed_k", "grid": {"k": [1, 2, 3, 4, 6, 8]}},
+    {"kind": "specdecpp", "grid": {"threshold": [0.2, 0.4, 0.6, 0.8]}},
+    {"kind": "heuristic"},
+    {"kind": "confidence", "grid": {"tau": [0.2, 0.4, 0.6]}},
+    {"kind": "entropy", "grid": {"threshold": [0.3, 0.5, 0.7]}},
+    {"kind": "hf_assisted", "grid": {"num_assistant_tokens": [5], "schedule": ["heuristic"]}},
+    {"kind": "hf_assisted", "grid": {"num_assistant_tokens": [20], "confidence_threshold": [0.4]}},
+    {"kind": "oracle"},
+]
+"""Methods the report sweeps by default (SpecDec++ at the bundle's h* is always added)."""
+
+GOALS = {
+    "fixed_k": 1.15,
+    "autoregressive": 2.2,
+    "hf_assisted": 1.15,
+    "training_free": 1.05,
+    "oracle_headroom": 0.5,
+}
+"""The targets of the evaluation issue: SpecDec++ at h* against each baseline (throughput ratios) and the share of
+the oracle's headroom it captures."""
+
+TRAINING_FREE = ("heuristic", "confidence", "entropy")
+FIGURES_WRITTEN = ("*.png", "results.json")
+
+
+def head_sources(provenance: dict) -> list[PromptSource]:
+    """The prompt sources the head was trained on, as recorded in a bundle's provenance (the first list of source
+    dicts with a ``path`` found in it, e.g. data_gen's meta), moved to the ``eval`` hash split."""
+    fields = PromptSource.__dataclass_fields__
+
+    def find(node: Any) -> list[dict] | None:
+        if isinstance(node, list) and node and all(isinstance(x, dict) and "path" in x for x in node):
+            return node
+        children = node.values() if isinstance(node, dict) else node if isinstance(node, list) else ()
+        for child in children:
+            found = find(child)
+            if found:
+                return found
+        return None
+
+    found = find(provenance or {})
+    if not found:
+        raise ValueError(
+            "The bundle's provenance records no prompt sources; pass --in_distribution, e.g. "
+            "'[{path: ../shared/data/alpaca_eval/alpaca_eval.jsonl, name: alpaca_eval, split: eval}]'."
+        )
+    out = []
+    for raw in found:
+        source = {k: v for k, v in raw.items() if k in fields}
+        source.update(split="eval", limit=None)
+        out.append(PromptSource(**source))
+    return out
+
+
+def _h_star_spec(pair: Pair, specs: list[MethodSpec]) -> list[MethodSpec]:
+    """Add SpecDec++ at the bundle's h* (labelled) and drop a grid point with the same h."""
+    h = pair.bundle.threshold
+    specs = [s for s in specs if not (s.kind == "specdecpp" and float(s.params.get("threshold", h)) == h)]
+    return specs + [MethodSpec("specdecpp", {"threshold": h}, label=f"SpecDec++ h*={h:g}")]
+
+
+def _h_star(summaries: Sequence[MethodSummary]) -> MethodSummary | None:
+    return next(
+        (s for s in summaries if s.spec.kind == "specdecpp" and (s.spec.label or "").startswith("SpecDec++ h*")), None
+    )
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def analyse(summaries: Sequence[MethodSummary], select_by: str) -> dict:
+    """Best setting per family, SpecDec++ at h*, ratios and the oracle headroom shares (modeled throughput)."""
+    families = sorted({s.spec.kind for s in summaries}, key=list(_ORDER).index)
+    best = {kind: best_of(summaries, select_by, kind) for kind in families}
+    star = _h_star(summaries)
+    ar, fixed, oracle = best.get("autoregressive"), best.get("fixed_k"), best.get("oracle")
+    rows = []
+    for kind in families:
+        members = [best[kind]] + ([star] if kind == "specdecpp" and star is not None and star is not best[kind] else [])
+        for s in members:
+            share = None
+            if oracle is not None and fixed is not None and s.spec.kind not in ("oracle", "autoregressive"):
+                share = headroom_share(
+                    s.pooled.modeled_tokens_per_second,
+                    fixed.pooled.modeled_tokens_per_second,
+                    oracle.pooled.modeled_tokens_per_second,
+                )
+            rows.append(
+                {
+                    **s.to_dict(),
+                    "best_of_family": s is best[kind],
+                    "ratio_to_autoregressive": _ratio(s.median_tokens_per_second, ar and ar.median_tokens_per_second),
+                    "ratio_to_best_fixed_k": _ratio(
+                        s.median_tokens_per_second, fixed and fixed.median_tokens_per_second
+                    ),
+                    "modeled_ratio_to_autoregressive": _ratio(
+                        s.pooled.modeled_tokens_per_second, ar and ar.pooled.modeled_tokens_per_second
+                    ),
+                    "modeled_ratio_to_best_fixed_k": _ratio(
+                        s.pooled.modeled_tokens_per_second, fixed and fixed.pooled.modeled_tokens_per_second
+                    ),
+                    "oracle_headroom_share": share,
+                }
+            )
+    return {"rows": rows, "best": {k: v.spec.name for k, v in best.items()}, "h_star": star.spec.name if star else None}
+
+
+_ORDER = ("autoregressive", "fixed_k", "specdecpp", "heuristic", "confidence", "entropy", "hf_assisted", "oracle")
+
+
+def goal_rows(sets: dict, temperature_keys: Sequence[str], select_by: str, summaries: dict) -> list[dict]:
+    """Each goal of the issue, per prompt set and temperature, with the measured and modeled value and whether the
+    measured one (modeled for the headroom share) meets it."""
+    out = []
+    for set_name in sets:
+        for key in temperature_keys:
+            runs = summaries[set_name][key]
+            star = _h_star(runs)
+            if star is None:
+                continue
+
+            def against(kinds: Sequence[str]) -> MethodSummary | None:
+                pool = [s for s in runs if s.spec.kind in kinds]
+                return max(pool, key=lambda s: throughput(s, select_by)) if pool else None
+
+            checks = [
+                ("≥ 1.15× best FixedK", against(["fixed_k"]), GOALS["fixed_k"]),
+                ("≥ 2.2× autoregressive", against(["autoregressive"]), GOALS["autoregressive"]),
+                ("≥ 1.15× best HF assisted setting", against(["hf_assisted"]), GOALS["hf_assisted"]),
+                ("≥ 1.05× best of Heuristic / Confidence / Entropy", against(TRAINING_FREE), GOALS["training_free"]),
+            ]
+            for goal, other, target in checks:
+                if other is None:
+                    continue
+                measured = _ratio(star.median_tokens_per_second, other.median_tokens_per_second)
+                modeled = _ratio(star.pooled.modeled_tokens_per_second, other.pooled.modeled_tokens_per_second)
+                out.append(
+                    {
+                        "goal": goal,
+                        "set": set_name,
+                        "temperature": key,
+                        "against": other.spec.name,
+                        "measured": measured,
+                        "modeled": modeled,
+                        "met": measured is not None and measured >= target,
+                    }
+                )
+            fixed, oracle = against(["fixed_k"]), against(["oracle"])
+            if fixed is not None and oracle is not None:
+                share = headroom_share(
+                    star.pooled.modeled_tokens_per_second,
+                    fixed.pooled.modeled_tokens_per_second,
+                    oracle.pooled.modeled_tokens_per_second,
+                )
+                out.append(
+                    {
+                        "goal": "≥ 50% of the oracle headroom (modeled)",
+                        "set": set_name,
+                        "temperature": key,
+                        "against": f"{fixed.spec.name} → Oracle",
+                        "measured": None,
+                        "modeled": share,
+                        "met": share is not None and share >= GOALS["oracle_headroom"],
+                    }
+                )
+    return out
+
+
+def report(
+    bundle: str,
+    in_distribution: list[PromptSource] | None = None,
+    out_of_distribution: list[PromptSource] | None = None,
+    prompts: str | None = None,
+    prompts_field: str = "instruction",
+    limit: int | None = 8,
+    target: ModelSpec | None = None,
+    draft: ModelSpec | None = None,
+    policies: list[PolicyGrid] | None = None,
+    temperatures: list[float] | None = None,
+    max_new_tokens: int = 96,
+    dataset: str | None = None,
+    calibration_rows_limit: int | None = 200,
+    mix_ratio: float = 0.15,
+    select_by: str = "modeled",
+    cost_model: str = "measure",
+    prompt_mode: str = "chat",
+    system_prompt: str | None = None,
+    max_prompt_tokens: int = 512,
+    seed: int = 0,
+    device: str | None = None,
+    dtype: str | None = None,
+    output: str = "docs/results.md",
+    progress: bool = True,
+) -> dict:
+    """Regenerate the results page of a bundle from scratch: Pareto plots (verification vs discard rate) per prompt
+    set and temperature, a best-throughput table shaped like SpecDec++'s Table 1, every method family's best setting,
+    the share of the oracle's headroom each captures ((policy − best FixedK) / (Oracle − best FixedK), modeled), the
+    issue's goals checked against the measurements, the cost model and the head's calibration (offline and
+    on-policy). Writes ``output`` and, in the folder of the same name, its PNGs and results.json.
+
+    Args:
+        bundle: SpecDecPP bundle folder.
+        in_distribution: In-distribution prompt sources (held-out ``split: eval`` of the head's sources); default: the
+            sources recorded in the bundle's provenance, moved to the eval split.
+        out_of_distribution: Out-of-distribution prompt sources; default ``[{path: humaneval}]``.
+        prompts: An extra prompt file (JSON/JSONL/CSV/parquet, or text with one prompt per line), reported as its
+            own out-of-distribution set.
+        prompts_field: The column holding the prompt in ``prompts``.
+        limit: Prompts per set (taken round-robin across its sources); null keeps all.
+        target: Target model spec (overrides the bundle's).
+        draft: Draft model spec (overrides the bundle's).
+        policies: Method grids to sweep (default :data:`REPORT_GRIDS`); SpecDec++ at h* is always added.
+        temperatures: Sampling temperatures (0 = greedy, where the oracle runs). Default [0, 1].
+        max_new_tokens: Tokens generated per prompt (at most).
+        dataset: A data_gen dataset for the offline calibration view (held out from the head's training).
+        calibration_rows_limit: Dataset rows used by the offline calibration view.
+        mix_ratio: Token-mixing ratio of the offline calibration view.
+        select_by: Pick each family's best setting by ``modeled`` or ``measured`` tokens/s.
+        cost_model: ``measure`` (now, so every number comes from this run), ``bundle`` or a costs.json.
+        prompt_mode: ``chat`` (apply the chat template) or ``raw``.
+        system_prompt: Optional system message for chat prompts.
+        max_prompt_tokens: Prompts longer than this are skipped.
+        seed: Seed of the prompt shuffle and of every decoding generator.
+        device: Device for both models (overrides the specs).
+        dtype: float32, bfloat16 or float16 (overrides the specs).
+        output: The Markdown page to write; figures go to the folder of the same name without ``.md``.
+        progress: Show progress bars.
+    """
+    if select_by not in ("modeled", "measured"):
+        raise ValueError(f"select_by={select_by!r} must be 'modeled' or 'measured'.")
+    page = Path(output)
+    if page.suffix != ".md":
+        raise ValueError(f"output={output!r} must be a Markdown file path ending in .md.")
+    figures = output_folder(page.with_suffix(""))
+    for pattern in FIGURES_WRITTEN:  # from scratch: nothing of an earlier run survives
+        for stale in figures.glob(pattern):
+            stale.unlink()
+    temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
+    pair = load_pair(bundle, target, draft, device, dtype)
+    if pair.bundle is None:
+        raise ValueError(f"{bundle} did not load as a SpecDecPP bundle.")
+    id_sources = in_distribution if in_distribution else head_sources(pair.bundle.provenance)
+    ood_sources = out_of_distribution if out_of_distribution else [PromptSource(path="humaneval")]
+    encode = dict(
+        tokenizer=pair.tokenizer,
+        prompt_mode=prompt_mode,
+        system_prompt=system_prompt,
+        max_prompt_tokens=max_prompt_tokens,
+        seed=seed,
+        limit=limit,
+    )
+    sets: dict[str, PromptSet] = {
+        "in-distribution": encode_prompts("in-distribution", id_sources, **encode),
+        "out-of-distribution": encode_prompts("out-of-distribution", ood_sources, **encode),
+    }
+    if prompts is not None:
+        name = Path(prompts).stem
+        sets[name] = encode_prompts(name, [PromptSource(path=prompts, field=prompts_field)], **encode)
+    model, model_source = resolve_cost_model(cost_model, pair, seed)
+    specs = _h_star_spec(pair, expand_grids(policies if policies is not None else REPORT_GRIDS))
+
+    summaries: dict[str, dict[str, list[MethodSummary]]] = {}
+    results: dict = {}
+    figures_made: dict[str, str] = {}
+    for set_name, prompt_set in sets.items():
+        summaries[set_name], results[set_name] = {}, {}
+        for temperature in temperatures:
+            key = temperature_key(temperature)
+            runs, skipped = run_sweep(pair, prompt_set, specs, temperature, max_new_tokens, model, seed, progress)
+            summaries[set_name][key] = runs
+            baseline = next((s for s in runs if s.spec.kind == "autoregressive"), None)
+            print(sweep_table(runs, baseline, f"{set_name}, {key}, {len(prompt_set.prompts)} prompts"))
+            png = pareto_plot(
+                runs,
+                figures / f"pareto_{_slug(set_name)}_{_slug(key)}.png",
+                f"{set_name}, {key}: {len(prompt_set.prompts)} prompts, ≤{max_new_tokens} new tokens",
+            )
+            figures_made[f"pareto {set_name} {key}"] = png.name
+            results[set_name][key] = {
+                "temperature": temperature,
+                "methods": [s.to_dict() for s in runs],
+                "skipped": skipped,
+                "analysis": analyse(runs, select_by),
+            }
+    calibration = calibration_views(
+        pair,
+        dataset,
+        sets["in-distribution"],
+        pair.bundle.temperature,
+        max_new_tokens,
+        None,
+        mix_ratio,
+        calibration_rows_limit,
+        seed,
+    )
+    figures_made["reliability"] = reliability_plot(
+        reliability_panels(calibration), figures / "reliability.png", "acceptance head calibration"
+    ).name
+    print(text_table(CALIBRATION_HEADER, calibration_rows(calibration), title="acceptance head calibration"))
+    if model.measured.get("target"):
+        figures_made["costs"] = costs_plot(model, figures / "costs.png", "cost model of this run").name
+    keys = [temperature_key(t) for t in temperatures]
+    goals = goal_rows(sets, keys, select_by, summaries)
+    payload = {
+        "command": "report",
+        "machine": machine_info(),
+        "pair": pair.describe(),
+        "prompt_sets": {name: s.describe() for name, s in sets.items()},
+        "settings": {
+            "max_new_tokens": max_new_tokens,
+            "temperatures": temperatures,
+            "select_by": select_by,
+            "seed": seed,
+            "prompt_mode": prompt_mode,
+            "limit": limit,
+            "methods": [s.to_dict() for s in specs],
+        },
+        "cost_model": {"source": model_source, **model.to_dict()},
+        "results": results,
+        "calibration": calibration,
+        "goals": goals,
+        "figures": figures_made,
+    }
+    write_json(figures / "results.json", payload)
+    page.write_text(render_markdown(payload, figures.name))
+    print(f"wrote {page} and {len(figures_made)} figure(s) + results.json in {figures}")
+    return payload
+
+
+def _slug(text: str) -> str:
+    return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-").replace("--", "-")
+
+
+# ---- the page ------------------------------------------------------------------------------------------------------
+
+
+def render_markdown(payload: dict, figures_dir: str) -> str:
+    """The results page, every number taken from ``payload`` (the run's results.json)."""
+    pair, machine, settings = payload["pair"], payload["machine"], payload["settings"]
+    cost = payload["cost_model"]
+    lines = [
+        "# Results: SpecDec++ against every other way of choosing the candidate length",
+        "",
+        "<!-- Generated by `python -m eval report`; do not edit by hand — rerun the command instead. -->",
+        "",
+        f"Generated {machine['date']} by `{machine['command']}` on {machine['cpu'] or 'this machine'} "
+        f"({machine['cpu_count']} CPUs, {machine['torch_threads']} torch threads"
+        + (f", GPU {machine['cuda']}" if machine.get("cuda") else "")
+        + f"; torch {machine['torch']}, transformers {machine['transformers']}).",
+        "",
+        f"- Bundle `{pair['bundle']}`: head depth {pair['head']['depth']}, h* = {pair['threshold']:g}, "
+        f"calibration {pair['calibration'] or 'none'}, candidates per round {pair['min_candidates']}–"
+        f"{pair['max_candidates']}, trained for temperature {pair['temperature']:g}.",
+        f"- Target `{(pair['target'] or {}).get('path')}` ({pair['target_parameters'] / 1e6:.1f} M parameters, "
+        f"{(pair['target'] or {}).get('dtype')}); draft `{(pair['draft'] or {}).get('path')}` "
+        f"({pair['draft_parameters'] / 1e6:.1f} M parameters).",
+        f"- Up to {settings['max_new_tokens']} new tokens per prompt, batch size 1, every method on the same prompts "
+        f"with the same per-prompt seeds, interleaved per prompt. Each family's best setting is chosen by "
+        f"{settings['select_by']} tokens/s. Temperatures: "
+        + ", ".join("greedy" if t == 0 else f"{t:g}" for t in settings["temperatures"])
+        + ".",
+        "",
+        "## Prompt sets",
+        "",
+        markdown_table(
+            ["set", "prompts", "per source", "sources"],
+            [
+                [
+                    name,
+                    str(s["prompts"]),
+                    ", ".join(f"{k}: {v}" for k, v in s["per_source"].items()),
+                    "; ".join(
+                        f"`{src['path']}`" + (f" (split {src['split']})" if src.get("split") else "")
+                        for src in s["sources"]
+                    ),
+                ]
+                for name, s in payload["prompt_sets"].items()
+            ],
+            aligns="lrll",
+        ),
+        "",
+        "## Cost model",
+        "",
+        f"Source: {cost['source']}. t_draft = {cost['t_draft'] * 1e3:.2f} ms per draft step (head included); "
+        f"t_target(K) = {cost['t_target_a'] * 1e3:.2f} + {cost['t_target_b'] * 1e3:.3f}·K ms"
+        + (f" (R² {cost['r2']:.3f})" if cost.get("r2") is not None else "")
+        + f"; t_draft / t_target(1) = {cost['t_draft'] / (cost['t_target_a'] + cost['t_target_b']):.3f}. "
+        "Modeled tokens/s prices each run's counted passes with it (eq. 2.1).",
+        "",
+    ]
+    if "costs" in payload["figures"]:
+        lines += [f"![cost model]({figures_dir}/{payload['figures']['costs']})", ""]
+    lines += _table_one(payload)
+    lines += _goals(payload)
+    for set_name, by_temperature in payload["results"].items():
+        lines += [f"## {set_name}", ""]
+        for key, result in by_temperature.items():
+            lines += [f"### {set_name}, {key}", ""]
+            lines += [_family_table(result["analysis"]["rows"]), ""]
+            if result["skipped"]:
+                lines += [
+                    "Not run here: " + "; ".join(f"{s['name']} ({s['reason']})" for s in result["skipped"]) + ".",
+                    "",
+                ]
+            png = payload["figures"].get(f"pareto {set_name} {key}")
+            if png:
+                lines += [f"![Pareto plot, {set_name}, {key}]({figures_dir}/{png})", ""]
+            lines += [
+                "<details><summary>every method</summary>",
+                "",
+                _all_methods_table(result["methods"]),
+                "",
+                "</details>",
+                "",
+            ]
+    lines += _calibration(payload, figures_dir)
+    lines += _diagnostics(payload)
+    lines += [
+        "## How to reproduce",
+        "",
+        f"`{machine['command']}` regenerates this page, its figures and `{figures_dir}/results.json` (all numbers).",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def _find(rows: Sequence[dict], kind: str, star: bool = False) -> dict | None:
+    for row in rows:
+        if row["kind"] != kind:
+            continue
+        if kind == "specdecpp" and star != row["name"].startswith("SpecDec++ h*"):
+            continue
+        if kind != "specdecpp" and not row["best_of_family"]:
+            continue
+        return row
+    return None
+
+
+def _tps(row: dict | None) -> str:
+    if row is None:
+        return "–"
+    return f"{fmt(row['tokens_per_second']['median'])} ({fmt(row['modeled_tokens_per_second'])})"
+
+
+def _table_one(payload: dict) -> list[str]:
+    """Best throughput per prompt set, shaped like SpecDec++'s Table 1."""
+    lines = [
+        "## Best throughput (the shape of SpecDec++'s Table 1)",
+        "",
+        "Tokens/s measured (modeled in parentheses); speed-ups are measured. Best FixedK and the best setting of the "
+        "other families are chosen per row.",
+        "",
+    ]
+    header = [
+        "prompt set",
+        "setting",
+        "autoregressive",
+        "best FixedK",
+        "SpecDec++ (h*)",
+        "× AR",
+        "× best FixedK",
+        "best other baseline",
+        "Oracle",
+    ]
+    rows = []
+    for set_name, by_temperature in payload["results"].items():
+        for key, result in by_temperature.items():
+            analysis = result["analysis"]["rows"]
+            ar, fixed = _find(analysis, "autoregressive"), _find(analysis, "fixed_k")
+            star, oracle = _find(analysis, "specdecpp", star=True), _find(analysis, "oracle")
+            others = [r for r in analysis if r["kind"] in (*TRAINING_FREE, "hf_assisted") and r["best_of_family"]]
+            other = max(others, key=lambda r: r["tokens_per_second"]["median"]) if others else None
+            rows.append(
+                [
+                    set_name,
+                    key,
+                    _tps(ar),
+                    (f"K={fixed['params']['k']}: " + _tps(fixed)) if fixed else "–",
+                    _tps(star),
+                    fmt(star and star["ratio_to_autoregressive"], 2, "×"),
+                    fmt(star and star["ratio_to_best_fixed_k"], 2, "×"),
+                    (f"{other['name']}: " + _tps(other)) if other else "–",
+                    _tps(oracle),
+                ]
+            )
+    return lines + [markdown_table(header, rows), ""]
+
+
+def _goals(payload: dict) -> list[str]:
+    rows = [
+        [
+            g["goal"],
+            g["set"],
+            g["temperature"],
+            g["against"],
+            fmt(g["measured"], 2, "×") if g["measured"] is not None else "–",
+            (fmt(100 * g["modeled"], 0, "%") if "headroom" in g["goal"] else fmt(g["modeled"], 2, "×"))
+            if g["modeled"] is not None
+            else "–",
+            "yes" if g["met"] else "**no**",
+        ]
+        for g in payload["goals"]
+    ]
+    return [
+        "## Goals of the evaluation",
+        "",
+        "SpecDec++ at the bundle's h* against each baseline in this run (met: measured ratio, modeled for the "
+        "headroom share).",
+        "",
+        markdown_table(["goal", "set", "setting", "against", "measured", "modeled", "met"], rows, "llllrrl"),
+        "",
+    ]
+
+
+def _family_table(rows: Sequence[dict]) -> str:
+    header = [
+        "method",
+        "tok/s",
+        "modeled tok/s",
+        "× AR",
+        "× best FixedK",
+        "verif. rate",
+        "discard rate",
+        "accepted/proposed",
+        "oracle headroom",
+    ]
+    body = []
+    for r in rows:
+        body.append(
+            [
+                r["name"],
+                fmt(r["tokens_per_second"]["median"]),
+                fmt(r["modeled_tokens_per_second"]),
+                fmt(r["ratio_to_autoregressive"], 2, "×"),
+                fmt(r["ratio_to_best_fixed_k"], 2, "×"),
+                fmt(r["verification_rate"], 3),
+                fmt(r["discard_rate"], 3),
+                "–" if r["kind"] == "autoregressive" else f"{r['mean_accepted']:.2f}/{r['mean_proposed']:.2f}",
+                fmt(None if r["oracle_headroom_share"] is None else 100 * r["oracle_headroom_share"], 0, "%"),
+            ]
+        )
+    return markdown_table(header, body)
+
+
+def _all_methods_table(methods: Sequence[dict]) -> str:
+    header = ["method", "tok/s", "modeled tok/s", "verif. rate", "discard rate", "accepted/proposed"]
+    return markdown_table(
+        header,
+        [
+            [
+                m["name"],
+                fmt(m["tokens_per_second"]["median"]),
+                fmt(m["modeled_tokens_per_second"]),
+                fmt(m["verification_rate"], 3),
+                fmt(m["discard_rate"], 3),
+                "–" if m["kind"] == "autoregressive" else f"{m['mean_accepted']:.2f}/{m['mean_proposed']:.2f}",
+            ]
+            for m in methods
+        ],
+    )
+
+
+def _calibration(payload: dict, figures_dir: str) -> list[str]:
+    views = payload["calibration"]
+    lines = [
+        "## Calibration of the head",
+        "",
+        "Offline: on a held-out data_gen dataset with training's token mixing, against soft labels. On-policy: every "
+        "candidate SpecDec++ scored while decoding the in-distribution prompts (at h*, the head's temperature), "
+        "against whether it was accepted.",
+        "",
+        markdown_table(CALIBRATION_HEADER, calibration_rows(views)),
+        "",
+    ]
+    if "offline" not in views:
+        lines += ["No data_gen dataset was given (--dataset), so only the on-policy view was measured.", ""]
+    if "reliability" in payload["figures"]:
+        lines += [f"![reliability diagram]({figures_dir}/{payload['figures']['reliability']})", ""]
+    positions = views.get("on_policy", {}).get("by_position", [])
+    if positions:
+        lines += [
+            "On-policy, by candidate index in the round (predicted vs realised acceptance):",
+            "",
+            markdown_table(
+                ["candidate", "n", "predicted (raw)", "predicted (calibrated)", "realised"],
+                [
+                    [
+                        str(r["candidate"]),
+                        str(r["n"]),
+                        fmt(r["mean_pred_raw"], 3),
+                        fmt(r["mean_pred"], 3),
+                        fmt(r["realised"], 3),
+                    ]
+                    for r in positions
+                ],
+            ),
+            "",
+        ]
+    return lines
+
+
+def _diagnostics(payload: dict) -> list[str]:
+    """Numbers that explain the headline ones, all from this run."""
+    rows = []
+    for set_name, by_temperature in payload["results"].items():
+        for key, result in by_temperature.items():
+            methods = result["methods"]
+            oracle = next((m for m in methods if m["kind"] == "oracle"), None)
+            star = next((m for m in methods if m["name"].startswith("SpecDec++ h*")), None)
+            swept = [m for m in methods if m["kind"] == "specdecpp"]
+            best_h = max(swept, key=lambda m: m["modeled_tokens_per_second"] or 0.0) if swept else None
+            prompts = payload["prompt_sets"][set_name]["prompts"]
+            agreement = None
+            if oracle is not None and oracle["generated"] > prompts:
+                agreement = 1 - (oracle["target_calls"] - prompts) / (oracle["generated"] - prompts)
+            rows.append(
+                [
+                    set_name,
+                    key,
+                    fmt(agreement, 3),
+                    f"{star['mean_accepted']:.2f}/{star['mean_proposed']:.2f}" if star else "–",
+                    best_h["name"] if best_h else "–",
+                    fmt(
+                        _ratio(
+                            star and star["modeled_tokens_per_second"], best_h and best_h["modeled_tokens_per_second"]
+                        ),
+                        3,
+                    ),
+                ]
+            )
+    return [
+        "## Diagnostics",
+        "",
+        "Greedy agreement: share of positions where the draft's greedy token is the target's (from the oracle's "
+        "target calls, N_target = |S| + 1 per prompt). h* efficiency: modeled tokens/s at h* over the best swept h.",
+        "",
+        markdown_table(
+            ["set", "setting", "greedy agreement", "SpecDec++ h* accepted/proposed", "best swept h", "h* efficiency"],
+            rows,
+        ),
+        "",
+    ]
+
+
+def load_results(path: str | Path) -> dict:
+    """Read a report's results.json back (e.g. to re-render the page without rerunning)."""
+    return json.loads(Path(path).read_text())

@@ -1,0 +1,381 @@
+"""``python -m eval``: the cost-model arithmetic against the paper's numbers, method specs and helpers, and every
+subcommand end to end through the real CLI on a tiny bundle (tiny random Llama pair, offline)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tiny_models import make_llama, make_tokenizer, perturbed_copy
+
+from accept_head import AcceptanceHead, Calibration, SpecDecPP
+from accept_head.cost_model import CostModel, latency_per_token
+from accept_head.decoding import DecodeStats
+from accept_head.labels import FORMAT, FORMAT_VERSION, label_features
+from accept_head.pairs import ModelSpec
+from eval.__main__ import main
+from eval.common import EncodedPrompt, round_robin
+from eval.methods import MethodSpec, PolicyGrid, expand_grids, headroom_share, run_interleaved
+from eval.report import head_sources
+
+# SpecDec++ §2 measured these on 2×A100 for Llama-2-chat 7B (draft) / 70B (target).
+PAPER_T_DRAFT, PAPER_T_TARGET = 0.0234, 0.112
+
+WORDS = "write a short poem about the number two . explain why python code is fun please give me one answer".split()
+
+
+# ---- the cost model (eq. 2.1-2.3) with the paper's numbers --------------------------------------------------------
+
+
+def test_latency_per_token_reproduces_a_hand_computation_with_the_papers_costs() -> None:
+    # Verification rate 0.25, discard rate 0.5:
+    # 0.0234 + 0.0234·0.5 + (0.112 − 0.0234)·0.25 = 0.0234 + 0.0117 + 0.02215 = 0.05725 s per token.
+    assert latency_per_token(PAPER_T_DRAFT, PAPER_T_TARGET, 0.25, 0.5) == pytest.approx(0.05725)
+    # One target call per token and no discards: t_draft + (t_target − t_draft)·1 = t_target per token.
+    assert latency_per_token(PAPER_T_DRAFT, PAPER_T_TARGET, 1.0, 0.0) == pytest.approx(PAPER_T_TARGET)
+
+
+def test_modeled_tokens_per_second_is_the_inverse_of_eq_2_3_with_the_papers_costs() -> None:
+    """N = 100 tokens in 25 rounds of 5 candidates, 50 of them discarded: N_draft = N − N_target + N_discarded."""
+    n, rounds, discarded = 100, 25, 50
+    proposed = [(n - rounds + discarded) // rounds] * rounds
+    assert proposed[0] == 5
+    model = CostModel(t_draft=PAPER_T_DRAFT, t_target_a=PAPER_T_TARGET)
+    modeled = model.modeled_tokens_per_second(n, sum(proposed), proposed)
+    # Eq. 2.3 with verification rate 0.25 and discard rate 0.5 is the first test's 0.05725 s per token.
+    assert modeled == pytest.approx(1.0 / latency_per_token(PAPER_T_DRAFT, PAPER_T_TARGET, rounds / n, discarded / n))
+    # By hand (eq. 2.1): T = 0.0234·125 + 0.112·25 = 2.925 + 2.8 = 5.725 s for 100 tokens.
+    assert modeled == pytest.approx(100 / 5.725)
+
+
+def test_oracle_headroom_share() -> None:
+    assert headroom_share(policy=12.0, best_fixed_k=10.0, oracle=18.0) == pytest.approx(0.25)
+    assert headroom_share(policy=9.0, best_fixed_k=10.0, oracle=18.0) == pytest.approx(-0.125)
+    assert headroom_share(policy=12.0, best_fixed_k=10.0, oracle=10.0) is None
+
+
+# ---- method specs and helpers -------------------------------------------------------------------------------------
+
+
+def test_policy_grids_expand_to_named_specs_without_duplicates() -> None:
+    specs = expand_grids(
+        [
+            {"kind": "fixed_k", "grid": {"k": [2, 4]}},
+            PolicyGrid("entropy", {"threshold": [0.3], "gamma": [0.2, 0.4]}),
+            {"kind": "fixed_k", "grid": {"k": [4]}},
+            {"kind": "oracle"},
+        ]
+    )
+    assert [s.name for s in specs] == [
+        "FixedK k=2",
+        "FixedK k=4",
+        "EntropyStop λ=0.3 gamma=0.2",
+        "EntropyStop λ=0.3 gamma=0.4",
+        "Oracle",
+    ]
+    assert MethodSpec("hf_assisted", {"num_assistant_tokens": 20, "confidence_threshold": 0.4}).name == (
+        "HF constant K=20 conf=0.4"
+    )
+
+
+@pytest.mark.parametrize(
+    ("grid", "match"), [({"kind": "beam"}, "is not one of"), ({"kind": "fixed_k", "grid": {"k": []}}, "non-empty")]
+)
+def test_bad_policy_grids_are_rejected_with_the_offending_value(grid: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        expand_grids([grid])
+
+
+def test_round_robin_keeps_every_source_represented() -> None:
+    prompts = [EncodedPrompt(f"a:{i}", "a", [i]) for i in range(5)] + [EncodedPrompt("b:0", "b", [9])]
+    assert [p.id for p in round_robin(prompts, 3)] == ["a:0", "b:0", "a:1"]
+
+
+def test_head_sources_are_read_from_provenance_and_moved_to_the_eval_split() -> None:
+    provenance = {"data": {"meta": {"sources": [{"path": "x.jsonl", "name": "x", "split": "head", "limit": 5}]}}}
+    (source,) = head_sources(provenance)
+    assert (source.path, source.name, source.split, source.limit) == ("x.jsonl", "x", "eval", None)
+    with pytest.raises(ValueError, match="--in_distribution"):
+        head_sources({})
+
+
+def test_run_interleaved_decodes_a_b_c_per_prompt_with_shared_seeds() -> None:
+    calls: list[tuple[str, int, int]] = []
+
+    class Recorder:
+        def decoder(self, spec):
+            def decode(ids, generator):
+                calls.append((spec.name, ids[0], generator.initial_seed()))
+                return type("Result", (), {"stats": DecodeStats(generated=1, total_time=1.0)})()
+
+            return decode
+
+        def oracle(self, ids):  # pragma: no cover - no oracle spec here
+            raise AssertionError
+
+    specs = [MethodSpec("fixed_k", {"k": k}) for k in (1, 2, 3)]
+    prompts = [EncodedPrompt(f"p:{i}", "p", [i]) for i in range(2)]
+    runs = run_interleaved(Recorder(), specs, prompts, seed=0, repeats=2, warmup=1, progress=False)
+    names = [c[0] for c in calls]
+    assert names == ["FixedK k=1", "FixedK k=2", "FixedK k=3"] * 5  # 1 warm-up + 2 repeats × 2 prompts
+    recorded = calls[3:]
+    for i in range(0, len(recorded), 3):  # every method of one (repeat, prompt) gets the same seed and prompt
+        assert len({(c[1], c[2]) for c in recorded[i : i + 3]}) == 1
+    assert all(len(per_repeat) == 2 for runs_of in runs.values() for per_repeat in runs_of)
+
+
+# ---- end to end on a tiny bundle -------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    """A tiny target, a perturbed copy as draft, a random depth-1 head bundled with a calibration map, prompt files
+    and a data_gen-format label dataset."""
+    import datasets
+
+    root = tmp_path_factory.mktemp("eval")
+    tokenizer = make_tokenizer()
+    target = make_llama(root / "target", tokenizer=tokenizer, seed=0)
+    draft = perturbed_copy(target, relative_noise=0.05, seed=1)
+    draft.save_pretrained(root / "draft")
+    tokenizer.save_pretrained(root / "draft")
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        head = AcceptanceHead(draft.config.hidden_size, depth=1)
+    bundle = SpecDecPP(
+        target,
+        draft,
+        head,
+        threshold=0.5,
+        tokenizer=tokenizer,
+        calibration=Calibration(kind="temperature", temperature=1.5),
+        provenance={"data": {"sources": [{"path": str(root / "id.jsonl"), "name": "id"}]}},
+        target_spec=ModelSpec(path=str(root / "target"), dtype="float32"),
+        draft_spec=ModelSpec(path=str(root / "draft"), dtype="float32"),
+    )
+    bundle.save_pretrained(root / "bundle")
+    generator = torch.Generator().manual_seed(0)
+    for name, count in (("id", 40), ("val", 6), ("ood", 6)):
+        with (root / f"{name}.jsonl").open("w") as f:
+            for i in range(count):
+                picks = torch.randint(0, len(WORDS), (6,), generator=generator).tolist()
+                f.write(json.dumps({"instruction": f"{name} {i} " + " ".join(WORDS[j] for j in picks)}) + "\n")
+    rows = {name: [] for name in label_features()}
+    for i in range(4):
+        n = 6
+        prompt = tokenizer.encode(f"write a poem {i}")
+        response = torch.randint(7, len(tokenizer), (n,), generator=generator).tolist()
+        rows["prompt_id"].append(f"tiny:{i}")
+        rows["source"].append("tiny")
+        rows["prompt_ids"].append(prompt)
+        rows["response_ids"].append(response)
+        rows["draft_ids"].append(torch.randint(7, len(tokenizer), (n,), generator=generator).tolist())
+        for column in ("target_logp", "draft_logp"):
+            rows[column].append((-torch.rand(n, generator=generator)).tolist())
+        for column in ("accept_prob", "expected_accept", "draft_top1"):
+            rows[column].append(torch.rand(n, generator=generator).tolist())
+        rows["draft_entropy"].append((2 * torch.rand(n, generator=generator)).tolist())
+    datasets.Dataset.from_dict(rows, features=label_features()).save_to_disk(str(root / "labels"))
+    (root / "labels" / "meta.json").write_text(json.dumps({"format": FORMAT, "format_version": FORMAT_VERSION}))
+    return {"root": root, "bundle": str(root / "bundle"), "labels": str(root / "labels")}
+
+
+def write_config(path: Path, config: dict) -> str:
+    path.write_text(yaml.safe_dump(config))
+    return str(path)
+
+
+def test_costs_command_writes_json_and_plot(tiny, tmp_path) -> None:
+    out = tmp_path / "costs"
+    payload = main(
+        [
+            "costs",
+            "--bundle",
+            tiny["bundle"],
+            "--ks",
+            "[1, 2, 4]",
+            "--repeats",
+            "3",
+            "--warmup",
+            "1",
+            "--context",
+            "16",
+            "--output_dir",
+            str(out),
+        ]
+    )
+    stored = json.loads((out / "costs.json").read_text())
+    assert (out / "costs.png").stat().st_size > 0
+    assert stored["cost_model"]["t_draft"] > 0 and stored["cost_model"]["t_target_a"] > 0
+    assert sorted(stored["cost_model"]["measured"]["target"]) == ["1", "2", "4"]
+    assert payload["settings"]["ks"] == [1, 2, 4]
+
+
+def test_sweep_command_runs_every_family_and_plots_pareto(tiny, tmp_path, capsys) -> None:
+    out = tmp_path / "sweep"
+    config = {
+        "bundle": tiny["bundle"],
+        "prompts": [{"path": str(tiny["root"] / "ood.jsonl"), "limit": 2}],
+        "policies": [
+            {"kind": "autoregressive"},
+            {"kind": "fixed_k", "grid": {"k": [1, 3]}},
+            {"kind": "specdecpp", "grid": {"threshold": [0.3, 0.7]}},
+            {"kind": "heuristic"},
+            {"kind": "confidence", "grid": {"tau": [0.3]}},
+            {"kind": "entropy", "grid": {"threshold": [0.5]}},
+            {"kind": "hf_assisted", "grid": {"num_assistant_tokens": [3]}},
+            {"kind": "oracle"},
+        ],
+        "temperatures": [0.0, 1.0],
+        "max_new_tokens": 10,
+        "cost_model": "measure",
+        "output_dir": str(out),
+        "progress": False,
+    }
+    main(["sweep", "--config", write_config(tmp_path / "sweep.yaml", config)])
+    stored = json.loads((out / "sweep.json").read_text())
+    greedy, sampled = stored["results"]["greedy"], stored["results"]["T=1"]
+    assert len(greedy["methods"]) == 10 and len(sampled["methods"]) == 9
+    assert [s["kind"] for s in sampled["skipped"]] == ["oracle"]
+    oracle = next(m for m in greedy["methods"] if m["kind"] == "oracle")
+    assert oracle["discarded"] == 0
+    for method in greedy["methods"]:
+        assert method["modeled_tokens_per_second"] > 0 and 0 < method["verification_rate"] <= 1
+    assert (out / "pareto_greedy.png").is_file() and (out / "pareto_T1.png").is_file()
+    assert "FixedK k=3" in capsys.readouterr().out
+
+
+def test_calibration_command_reports_offline_and_on_policy_views(tiny, tmp_path) -> None:
+    out = tmp_path / "calibration"
+    main(
+        [
+            "calibration",
+            "--bundle",
+            tiny["bundle"],
+            "--dataset",
+            tiny["labels"],
+            "--prompts",
+            json.dumps([{"path": str(tiny["root"] / "ood.jsonl"), "limit": 3}]),
+            "--max_new_tokens",
+            "12",
+            "--output_dir",
+            str(out),
+        ]
+    )
+    stored = json.loads((out / "calibration.json").read_text())
+    views = stored["views"]
+    assert views["offline"]["raw"]["metrics"]["n"] > 0
+    assert views["on_policy"]["raw"]["metrics"]["n"] > 0
+    # The bundle's temperature map (T = 1.5) pulls every prediction towards 1/2.
+    raw, calibrated = views["offline"]["raw"]["metrics"], views["offline"]["calibrated"]["metrics"]
+    assert abs(calibrated["mean_pred"] - 0.5) < abs(raw["mean_pred"] - 0.5)
+    positions = views["on_policy"]["by_position"]
+    assert positions and positions[0]["candidate"] == 1
+    assert (out / "reliability.png").is_file()
+
+
+@pytest.mark.slow
+def test_bench_command_end_to_end(tiny, tmp_path, capsys) -> None:
+    out = tmp_path / "bench"
+    config = {
+        "bundle": tiny["bundle"],
+        "prompts": [{"path": str(tiny["root"] / "id.jsonl"), "limit": 2}],
+        "validation_prompts": [{"path": str(tiny["root"] / "val.jsonl"), "limit": 2}],
+        "max_new_tokens": 10,
+        "repeats": 2,
+        "warmup": 1,
+        "fixed_k": [1, 2, 4],
+        "entropy_thresholds": [0.3, 0.6],
+        "cost_model": "measure",
+        "output_dir": str(out),
+        "progress": False,
+    }
+    main(["bench", "--config", write_config(tmp_path / "bench.yaml", config)])
+    stored = json.loads((out / "bench.json").read_text())
+    assert (out / "bench.png").is_file()
+    greedy, sampled = stored["results"]["greedy"], stored["results"]["T=1"]
+    kinds = [m["kind"] for m in greedy["methods"]]
+    assert kinds == ["autoregressive", "fixed_k", "specdecpp", "heuristic", "confidence", "entropy"] + [
+        "hf_assisted"
+    ] * 3 + ["oracle"]
+    assert "oracle" not in [m["kind"] for m in sampled["methods"]]
+    best_k = greedy["validation"]["best_k"]
+    assert greedy["methods"][1]["params"] == {"k": best_k}
+    assert greedy["methods"][6]["params"]["num_assistant_tokens"] == best_k  # HF constant at the best K
+    for method in greedy["methods"] + sampled["methods"]:
+        tps = method["tokens_per_second"]
+        assert len(tps["per_repeat"]) == 2 and tps["min"] <= tps["median"] <= tps["max"]
+        assert method["ratio_to_autoregressive"] > 0 and method["ratio_to_best_fixed_k"] > 0
+    assert greedy["methods"][0]["ratio_to_autoregressive"] == pytest.approx(1.0)
+    assert greedy["validation"]["confidence"]["source"].startswith("ROC on validation")
+    assert "vs best K" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> None:
+    page = tmp_path / "docs" / "results.md"
+    figures = tmp_path / "docs" / "results"
+    figures.mkdir(parents=True)
+    (figures / "stale.png").write_bytes(b"old")
+    # A fixed cost model (draft 10x cheaper than the target, as on the real pair) keeps the modeled numbers exact.
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"cost_model": {"t_draft": 0.001, "t_target_a": 0.01, "t_target_b": 0.0005}}))
+    config = {
+        "bundle": tiny["bundle"],
+        "out_of_distribution": [{"path": str(tiny["root"] / "ood.jsonl")}],
+        "prompts": str(tiny["root"] / "val.jsonl"),
+        "limit": 2,
+        "policies": [
+            {"kind": "autoregressive"},
+            {"kind": "fixed_k", "grid": {"k": [1, 3]}},
+            {"kind": "specdecpp", "grid": {"threshold": [0.3]}},
+            {"kind": "heuristic"},
+            {"kind": "confidence", "grid": {"tau": [0.3]}},
+            {"kind": "entropy", "grid": {"threshold": [0.5]}},
+            {"kind": "hf_assisted", "grid": {"num_assistant_tokens": [3], "schedule": ["heuristic"]}},
+            {"kind": "oracle"},
+        ],
+        "max_new_tokens": 10,
+        "dataset": tiny["labels"],
+        "cost_model": str(costs),
+        "output": str(page),
+        "progress": False,
+    }
+    main(["report", "--config", write_config(tmp_path / "report.yaml", config)])
+    assert not (figures / "stale.png").exists()
+    stored = json.loads((figures / "results.json").read_text())
+    text = page.read_text()
+    # In-distribution prompts come from the bundle's provenance (eval split of id.jsonl), three sets in all.
+    assert list(stored["results"]) == ["in-distribution", "out-of-distribution", "val"]
+    assert all(s.startswith("id:") for s in stored["prompt_sets"]["in-distribution"]["ids"])
+    for name in stored["figures"].values():
+        assert (figures / name).is_file()
+        assert f"results/{name}" in text
+    for heading in ("Table 1", "Goals of the evaluation", "Calibration of the head", "Diagnostics"):
+        assert heading in text
+    greedy = stored["results"]["in-distribution"]["greedy"]
+    star = next(r for r in greedy["analysis"]["rows"] if r["name"].startswith("SpecDec++ h*"))
+    assert star["oracle_headroom_share"] is not None
+    oracle = next(r for r in greedy["analysis"]["rows"] if r["kind"] == "oracle")
+    fixed = next(r for r in greedy["analysis"]["rows"] if r["kind"] == "fixed_k")
+    assert oracle["modeled_tokens_per_second"] > fixed["modeled_tokens_per_second"]
+    assert stored["cost_model"]["source"] == str(costs)
+    assert f"{star['tokens_per_second']['median']:.1f}" in text  # numbers in the page come from results.json
+    goals = {g["goal"] for g in stored["goals"]}
+    assert any("oracle headroom" in g for g in goals) and any("best FixedK" in g for g in goals)
+    assert stored["calibration"]["offline"]["raw"]["metrics"]["n"] > 0
+
+
+@pytest.mark.parametrize("config", sorted(Path("configs/eval").glob("*.yaml")), ids=lambda p: p.name)
+def test_shipped_eval_configs_parse_through_the_real_cli(config: Path, capsys) -> None:
+    command = config.stem.split("-")[0]
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--config", str(config), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["bundle"] == "checkpoints/smollm2-135m-specdecpp"
+    assert not math.isnan(float(printed["max_new_tokens"]))
