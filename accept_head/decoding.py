@@ -34,9 +34,13 @@ class DecodeStats:
     accepted: list[int] = field(default_factory=list)
     """Candidates accepted in each round."""
     draft_time: float = 0.0
+    """Seconds spent drafting candidates, the acceptance head's scoring included."""
     head_time: float = 0.0
+    """Seconds of ``draft_time`` spent in the acceptance head."""
     target_time: float = 0.0
+    """Seconds of target forward passes (prefill and verification)."""
     total_time: float = 0.0
+    """Wall time of the whole call."""
 
     @property
     def verification_rate(self) -> float:

@@ -308,7 +308,7 @@ def test_stats_report_time_split_and_rates() -> None:
     target, draft = random_bigram_pair(1)
     policy = GREEDY_POLICIES["HeadThreshold(h=0.5)"](draft)
     stats = speculative_generate(target, draft, [1, 2], policy, 16, generator=torch.Generator().manual_seed(0)).stats
-    assert stats.draft_time > 0 and stats.head_time > 0 and stats.target_time > 0
+    assert stats.draft_time > stats.head_time > 0 and stats.target_time > 0  # head time is part of draft time
     assert stats.total_time >= stats.draft_time + stats.target_time
     assert stats.verification_rate == stats.target_calls / stats.generated
     assert stats.discard_rate == stats.discarded / stats.generated
