@@ -140,6 +140,7 @@ def bench(
     system_prompt: str | None = None,
     max_prompt_tokens: int = 512,
     seed: int = 0,
+    split_seed: int = 0,
     device: str | None = None,
     dtype: str | None = None,
     output_dir: str = "eval_out/bench",
@@ -178,6 +179,7 @@ def bench(
         system_prompt: Optional system message for chat prompts.
         max_prompt_tokens: Prompts longer than this are skipped.
         seed: Seed of the prompt shuffle and of every decoding generator.
+        split_seed: Seed of the prompt-id hash splits (data_gen's split_seed; 0 by default).
         device: Device for both models (overrides the specs).
         dtype: float32, bfloat16 or float16 (overrides the specs).
         output_dir: Folder for bench.json and bench.png.
@@ -203,10 +205,16 @@ def bench(
         raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup}).")
     folder = output_folder(output_dir)
     pair = load_pair(bundle, target, draft, device, dtype)
-    test_set = encode_prompts("test", prompts, pair.tokenizer, prompt_mode, system_prompt, max_prompt_tokens, seed)
-    val_set = encode_prompts(
-        "validation", validation_prompts, pair.tokenizer, prompt_mode, system_prompt, max_prompt_tokens, seed
+    encode = dict(
+        tokenizer=pair.tokenizer,
+        prompt_mode=prompt_mode,
+        system_prompt=system_prompt,
+        max_prompt_tokens=max_prompt_tokens,
+        seed=seed,
+        split_seed=split_seed,
     )
+    test_set = encode_prompts("test", prompts, **encode)
+    val_set = encode_prompts("validation", validation_prompts, **encode)
     check_disjoint(test_set, val_set)
     model, model_source = resolve_cost_model(cost_model, pair, seed)
     dataset_tau = None

@@ -294,6 +294,7 @@ def calibration(
     system_prompt: str | None = None,
     max_prompt_tokens: int = 512,
     seed: int = 0,
+    split_seed: int = 0,
     device: str | None = None,
     dtype: str | None = None,
     output_dir: str = "eval_out/calibration",
@@ -317,6 +318,7 @@ def calibration(
         system_prompt: Optional system message for chat prompts.
         max_prompt_tokens: Prompts longer than this are skipped.
         seed: Seed of the mixing, the prompt shuffle and the decoding generators.
+        split_seed: Seed of the prompt-id hash splits (data_gen's split_seed; 0 by default).
         device: Device for both models (overrides the specs).
         dtype: float32, bfloat16 or float16 (overrides the specs).
         output_dir: Folder for calibration.json and reliability.png.
@@ -327,7 +329,16 @@ def calibration(
     pair = load_pair(bundle, target, draft, device, dtype)
     temperature = pair.bundle.temperature if temperature is None else float(temperature)
     prompt_set = (
-        encode_prompts("on-policy", prompts, pair.tokenizer, prompt_mode, system_prompt, max_prompt_tokens, seed)
+        encode_prompts(
+            "on-policy",
+            prompts,
+            pair.tokenizer,
+            prompt_mode,
+            system_prompt,
+            max_prompt_tokens,
+            seed,
+            split_seed=split_seed,
+        )
         if prompts
         else None
     )

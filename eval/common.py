@@ -147,18 +147,20 @@ def encode_prompts(
     max_prompt_tokens: int = 512,
     seed: int = 0,
     limit: int | None = None,
+    split_seed: int = 0,
 ) -> PromptSet:
     """Read ``sources`` (seeded shuffle, per-source limits, hash splits) and encode them with the chat template.
 
     Prompts longer than ``max_prompt_tokens`` tokens are skipped and counted. ``limit`` caps the whole set, taking
-    prompts round-robin across sources so every source is represented.
+    prompts round-robin across sources so every source is represented. ``split_seed`` must be the one the hash splits
+    were made with (data_gen's ``split_seed``) for ``split: eval`` to be the held-out slice.
     """
     if not sources:
         raise ValueError(f"The prompt set {name!r} has no sources; give at least one {{path: ..., field: ...}}.")
     sources = [PromptSource(**s) if isinstance(s, dict) else s for s in sources]
     stats = PromptStats()
     prompts, skipped = [], 0
-    for prompt in load_prompts(list(sources), seed=seed, stats=stats):
+    for prompt in load_prompts(list(sources), seed=seed, split_seed=split_seed, stats=stats):
         ids = chat_prompt_ids(tokenizer, prompt.text, prompt_mode, system_prompt)
         if len(ids) > max_prompt_tokens:
             skipped += 1

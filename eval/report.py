@@ -60,9 +60,12 @@ TRAINING_FREE = ("heuristic", "confidence", "entropy")
 FIGURES_WRITTEN = ("*.png", "results.json")
 
 
-def head_sources(provenance: dict) -> list[PromptSource]:
-    """The prompt sources the head was trained on, as recorded in a bundle's provenance (the first list of source
-    dicts with a ``path`` found in it, e.g. data_gen's meta), moved to the ``eval`` hash split."""
+def head_sources(provenance: dict) -> tuple[list[PromptSource], int]:
+    """The prompt sources the head was trained on, moved to the held-out ``eval`` hash split, and the split seed.
+
+    Read from the bundle's provenance: ``data_meta.sources`` (the data_gen dataset's meta) when present, else the first
+    list of source dicts with a ``path`` found anywhere in it.
+    """
     fields = PromptSource.__dataclass_fields__
 
     def find(node: Any) -> list[dict] | None:
@@ -75,7 +78,9 @@ def head_sources(provenance: dict) -> list[PromptSource]:
                 return found
         return None
 
-    found = find(provenance or {})
+    provenance = provenance or {}
+    meta = provenance.get("data_meta") if isinstance(provenance.get("data_meta"), dict) else {}
+    found = find(meta.get("sources")) or find(provenance)
     if not found:
         raise ValueError(
             "The bundle's provenance records no prompt sources; pass --in_distribution, e.g. "
@@ -86,7 +91,7 @@ def head_sources(provenance: dict) -> list[PromptSource]:
         source = {k: v for k, v in raw.items() if k in fields}
         source.update(split="eval", limit=None)
         out.append(PromptSource(**source))
-    return out
+    return out, int(meta.get("split_seed") or 0)
 
 
 def _h_star_spec(pair: Pair, specs: list[MethodSpec]) -> list[MethodSpec]:
@@ -225,6 +230,7 @@ def report(
     system_prompt: str | None = None,
     max_prompt_tokens: int = 512,
     seed: int = 0,
+    split_seed: int | None = None,
     device: str | None = None,
     dtype: str | None = None,
     output: str = "docs/results.md",
@@ -259,6 +265,8 @@ def report(
         system_prompt: Optional system message for chat prompts.
         max_prompt_tokens: Prompts longer than this are skipped.
         seed: Seed of the prompt shuffle and of every decoding generator.
+        split_seed: Seed of the prompt-id hash splits (data_gen's split_seed); default: the one recorded in
+            the bundle's provenance, else 0.
         device: Device for both models (overrides the specs).
         dtype: float32, bfloat16 or float16 (overrides the specs).
         output: The Markdown page to write; figures go to the folder of the same name without ``.md``.
@@ -277,7 +285,13 @@ def report(
     pair = load_pair(bundle, target, draft, device, dtype)
     if pair.bundle is None:
         raise ValueError(f"{bundle} did not load as a SpecDecPP bundle.")
-    id_sources = in_distribution if in_distribution else head_sources(pair.bundle.provenance)
+    if in_distribution:
+        id_sources, recorded_split_seed = in_distribution, 0
+    else:
+        id_sources, recorded_split_seed = head_sources(pair.bundle.provenance)
+    if split_seed is None:
+        meta = pair.bundle.provenance.get("data_meta") or {}
+        split_seed = int(meta.get("split_seed") or recorded_split_seed or 0)
     ood_sources = out_of_distribution if out_of_distribution else [PromptSource(path="humaneval")]
     encode = dict(
         tokenizer=pair.tokenizer,
@@ -286,6 +300,7 @@ def report(
         max_prompt_tokens=max_prompt_tokens,
         seed=seed,
         limit=limit,
+        split_seed=split_seed,
     )
     sets: dict[str, PromptSet] = {
         "in-distribution": encode_prompts("in-distribution", id_sources, **encode),
@@ -349,6 +364,7 @@ def report(
             "temperatures": temperatures,
             "select_by": select_by,
             "seed": seed,
+            "split_seed": split_seed,
             "prompt_mode": prompt_mode,
             "limit": limit,
             "methods": [s.to_dict() for s in specs],

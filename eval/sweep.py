@@ -105,6 +105,7 @@ def sweep(
     system_prompt: str | None = None,
     max_prompt_tokens: int = 512,
     seed: int = 0,
+    split_seed: int = 0,
     device: str | None = None,
     dtype: str | None = None,
     output_dir: str = "eval_out/sweep",
@@ -132,6 +133,7 @@ def sweep(
         system_prompt: Optional system message for chat prompts.
         max_prompt_tokens: Prompts longer than this are skipped.
         seed: Seed of the prompt shuffle and of every decoding generator.
+        split_seed: Seed of the prompt-id hash splits (data_gen's split_seed; 0 by default).
         device: Device for both models (overrides the specs).
         dtype: float32, bfloat16 or float16 (overrides the specs).
         output_dir: Folder for sweep.json and the PNGs.
@@ -146,7 +148,9 @@ def sweep(
     pair = load_pair(bundle, target, draft, device, dtype)
     if pair.bundle is None:
         specs = [s for s in specs if s.kind != "specdecpp"] if policies is None else specs
-    prompt_set = encode_prompts("prompts", prompts, pair.tokenizer, prompt_mode, system_prompt, max_prompt_tokens, seed)
+    prompt_set = encode_prompts(
+        "prompts", prompts, pair.tokenizer, prompt_mode, system_prompt, max_prompt_tokens, seed, split_seed=split_seed
+    )
     model, model_source = resolve_cost_model(cost_model, pair, seed)
     results: dict = {}
     for temperature in temperatures:

@@ -96,9 +96,12 @@ def test_round_robin_keeps_every_source_represented() -> None:
 
 
 def test_head_sources_are_read_from_provenance_and_moved_to_the_eval_split() -> None:
-    provenance = {"data": {"meta": {"sources": [{"path": "x.jsonl", "name": "x", "split": "head", "limit": 5}]}}}
-    (source,) = head_sources(provenance)
-    assert (source.path, source.name, source.split, source.limit) == ("x.jsonl", "x", "eval", None)
+    config = {"data": {"prompts": [{"path": "other.jsonl"}]}}
+    meta = {"split_seed": 3, "sources": [{"path": "x.jsonl", "name": "x", "split": "head", "limit": 5, "rows": 4}]}
+    (source,), split_seed = head_sources({"config": config, "data_meta": meta})
+    assert (source.path, source.name, source.split, source.limit, split_seed) == ("x.jsonl", "x", "eval", None, 3)
+    (fallback,), _ = head_sources({"config": config})
+    assert fallback.path == "other.jsonl"
     with pytest.raises(ValueError, match="--in_distribution"):
         head_sources({})
 
