@@ -69,6 +69,8 @@ class DistillConfig:
     batch_tokens: int = 8192
     """Response tokens per optimizer step (sequences are packed up to this)."""
     eval_every_tokens: int = 250_000
+    fit_eval_examples: int = 48
+    """Eval responses scored during ``fit`` for the learning curve (``evaluate`` uses all of them)."""
 
 
 def _work(cfg: DistillConfig) -> Path:
@@ -187,6 +189,31 @@ def _batches(examples, batch_tokens: int, generator: torch.Generator):
         yield batch
 
 
+class SoftTargetCrossEntropy(torch.autograd.Function):
+    """Per-row cross-entropy −Σ_j w_j log softmax(z)[i_j] for sparse soft targets (weights summing to 1).
+
+    Equals logsumexp(z) − Σ_j w_j z_{i_j}; the gradient softmax(z) − w is written straight into one (N, V) buffer.
+    Two passes over the logits instead of the ~8 that log_softmax + gather + their backwards take — on a CPU the
+    full-vocabulary softmax dominates a small draft's training step.
+    """
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        z = logits.float()
+        lse = torch.logsumexp(z, dim=-1)
+        loss = lse - (weight * z.gather(1, index)).sum(-1)
+        ctx.save_for_backward(logits, index, weight, lse)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        logits, index, weight, lse = ctx.saved_tensors
+        g = logits.to(torch.float32, copy=True).sub_(lse[:, None]).exp_()
+        g.scatter_add_(1, index, -weight.to(g.dtype))
+        g.mul_(grad[:, None])
+        return g.to(logits.dtype), None, None
+
+
 def distill_loss(draft, batch, pad_token_id: int) -> tuple[torch.Tensor, int]:
     """Cross-entropy of the draft against the target's distribution at every response position.
 
@@ -209,12 +236,13 @@ def distill_loss(draft, batch, pad_token_id: int) -> tuple[torch.Tensor, int]:
     h = hidden[torch.cat(rows), torch.cat(cols)]  # (N, d): states predicting each response token
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = draft.lm_head(h)
-    logq = logits.float().log_softmax(-1)
     topk_ids = torch.cat([b[2] for b in batch])
     topk_p = torch.cat([b[3] for b in batch]).exp()
     sampled = torch.cat([b[1] for b in batch])
-    tail = (1 - topk_p.sum(-1)).clamp(min=0)
-    loss = -(topk_p * logq.gather(1, topk_ids)).sum(-1) - tail * logq.gather(1, sampled[:, None]).squeeze(1)
+    tail = (1 - topk_p.sum(-1, keepdim=True)).clamp(min=0)
+    index = torch.cat([topk_ids, sampled[:, None]], dim=1)
+    weight = torch.cat([topk_p, tail], dim=1)
+    loss = SoftTargetCrossEntropy.apply(logits, index, weight)
     return loss.mean(), len(sampled)
 
 
@@ -252,6 +280,9 @@ def fit(cfg: DistillConfig) -> None:
     target = load_model(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
     eval_examples = _examples(_load_shards(work, "eval"))
+    # A fixed, seeded subset: HumanEval and instruction prompts both represented.
+    pick = torch.randperm(len(eval_examples), generator=torch.Generator().manual_seed(cfg.seed))
+    eval_examples = [eval_examples[i] for i in pick[: cfg.fit_eval_examples].tolist()]
     if not eval_examples:
         raise FileNotFoundError(f"No eval shards under {work / 'shards'}: run the generate stage first.")
     target_probs = target_distributions(target, eval_examples)
