@@ -113,7 +113,9 @@ def _read_records(source: PromptSource) -> list[dict]:
     if fmt in ("parquet", "csv"):
         import datasets
 
-        return list(datasets.Dataset.from_parquet(str(path)) if fmt == "parquet" else datasets.Dataset.from_csv(str(path)))
+        return list(
+            datasets.Dataset.from_parquet(str(path)) if fmt == "parquet" else datasets.Dataset.from_csv(str(path))
+        )
     if fmt == "text":
         return [{source.field: line.rstrip("\n")} for line in path.read_text().splitlines()]
     raise ValueError(f"format={fmt!r} is not one of json, jsonl, parquet, csv, text.")
