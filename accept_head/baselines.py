@@ -34,7 +34,7 @@ class Heuristic(StopPolicy):
 
     ``persistent=True`` keeps K across generations, like HF's ``"heuristic"`` (which writes K back to the assistant's
     generation config); ``False`` restarts from ``initial_k`` every generation (``"heuristic_transient"``).
-    ``initial_k`` defaults to 5, HF's start value before transformers 4.45 (later versions start at 20).
+    ``initial_k`` defaults to 5, HF's former default (current transformers versions start at 20).
     """
 
     def __init__(self, initial_k: int = 5, persistent: bool = True, max_candidates: int | None = None) -> None:
@@ -196,8 +196,9 @@ class ConfidenceThreshold(StopPolicy):
 def entropy_lower_bound(entropy: float, gamma: float) -> float:
     """AdaEDL's approximate lower bound on the acceptance probability of a token drawn from q: 1 − sqrt(γ · H(q)).
 
-    The acceptance probability Σ_x min(p(x), q(x)) = 1 − TV(p, q); AdaEDL bounds the total variation with a
-    Pinsker-style sqrt of a divergence and replaces the unknown divergence by the draft's entropy scaled by γ.
+    The acceptance probability Σ_x min(p(x), q(x)) equals 1 − TV(p, q); AdaEDL bounds the total variation by a
+    square root of a divergence (Pinsker-style) and approximates that unknown divergence by the draft's entropy
+    scaled by γ, so the bound needs nothing but the draft's logits.
     """
     return 1.0 - math.sqrt(max(gamma * entropy, 0.0))
 

@@ -159,15 +159,17 @@ def encode_prompts(
         raise ValueError(f"The prompt set {name!r} has no sources; give at least one {{path: ..., field: ...}}.")
     sources = [PromptSource(**s) if isinstance(s, dict) else s for s in sources]
     stats = PromptStats()
+    loaded = load_prompts(list(sources), seed=seed, split_seed=split_seed, stats=stats)
+    ordered = round_robin(loaded) if limit is not None else loaded
     prompts, skipped = [], 0
-    for prompt in load_prompts(list(sources), seed=seed, split_seed=split_seed, stats=stats):
+    for prompt in ordered:  # encode lazily: a small limit on a large pool encodes only what it keeps
+        if limit is not None and len(prompts) >= limit:
+            break
         ids = chat_prompt_ids(tokenizer, prompt.text, prompt_mode, system_prompt)
         if len(ids) > max_prompt_tokens:
             skipped += 1
             continue
         prompts.append(EncodedPrompt(prompt.id, prompt.source, list(ids)))
-    if limit is not None:
-        prompts = round_robin(prompts, limit)
     per_source: dict[str, int] = {}
     for prompt in prompts:
         per_source[prompt.source] = per_source.get(prompt.source, 0) + 1
@@ -179,17 +181,18 @@ def encode_prompts(
     return PromptSet(name, prompts, [s.to_dict() for s in sources], skipped, per_source)
 
 
-def round_robin(prompts: Sequence[EncodedPrompt], limit: int) -> list[EncodedPrompt]:
-    """The first ``limit`` prompts taken in turn from each source (sources in order of first appearance)."""
-    if limit < 1:
+def round_robin(prompts: Sequence[Any], limit: int | None = None) -> list[Any]:
+    """Prompts (anything with a ``.source``) taken in turn from each source, sources in order of first appearance,
+    optionally only the first ``limit``."""
+    if limit is not None and limit < 1:
         raise ValueError(f"limit={limit} must be >= 1.")
-    groups: dict[str, list[EncodedPrompt]] = {}
+    groups: dict[str, list[Any]] = {}
     for prompt in prompts:
         groups.setdefault(prompt.source, []).append(prompt)
-    out: list[EncodedPrompt] = []
+    out: list[Any] = []
     for rank in range(max((len(g) for g in groups.values()), default=0)):
         out += [g[rank] for g in groups.values() if rank < len(g)]
-    return out[:limit]
+    return out if limit is None else out[:limit]
 
 
 def check_disjoint(a: PromptSet, b: PromptSet) -> None:
