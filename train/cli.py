@@ -15,6 +15,7 @@ end-of-fit stages ``calibration:``, ``cost_model:``, ``sweep:`` and ``export:`` 
 
 from __future__ import annotations
 
+import shlex
 import sys
 
 from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
@@ -27,10 +28,14 @@ from accept_head.training import (
     MeasureCosts,
     ThresholdSweep,
 )
+from accept_head.training.callbacks import closing_table
 
 
 class AcceptHeadCLI(LightningCLI):
     """LightningCLI with the head width and the draft linked from the data module and the end-of-fit stages."""
+
+    argv: list[str] | None = None
+    """The command-line arguments of this run (for the model card)."""
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         # The draft is configured once, under data: (the data module checks it against the labels), and the head's
@@ -42,6 +47,11 @@ class AcceptHeadCLI(LightningCLI):
         parser.add_lightning_class_args(ThresholdSweep, "sweep")
         parser.add_lightning_class_args(ExportBundle, "export")
 
+    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
+        """Parse as LightningCLI does, remembering the command line for the bundle's model card."""
+        self.argv = list(args) if isinstance(args, list | tuple) else sys.argv[1:] if args is None else None
+        super().parse_arguments(parser, args)
+
     def before_fit(self) -> None:
         """Hand the parsed configuration and the command line to the export stage (bundle provenance)."""
         import yaml
@@ -51,7 +61,13 @@ class AcceptHeadCLI(LightningCLI):
         for callback in self.trainer.callbacks:
             if isinstance(callback, ExportBundle):
                 callback.run_config = dumped
-                callback.command = "python -m train " + " ".join(sys.argv[1:])
+                callback.command = "python -m train " + shlex.join(self.argv) if self.argv is not None else None
+
+    def after_fit(self) -> None:
+        """Print the closing comparison of the threshold sweep last, below Lightning's progress bar."""
+        table = closing_table(self.model.fit_report)
+        if table and self.trainer.is_global_zero:
+            print("\n" + table, flush=True)
 
 
 def cli_main(args: ArgsType = None, run: bool = True) -> AcceptHeadCLI:

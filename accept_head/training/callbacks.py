@@ -32,9 +32,13 @@ from .report import FitReport
 
 
 def artifact_dir(trainer: Trainer) -> Path:
-    """Where end-of-fit files go: the logger's run folder (``trainer.log_dir``), else the root dir."""
+    """Where end-of-fit files go: the logger's run folder (``trainer.log_dir``), else the root dir.
+
+    ``trainer.log_dir`` is a broadcast under DDP, so every process must call this, not just rank zero.
+    """
     folder = Path(trainer.log_dir or trainer.default_root_dir)
-    folder.mkdir(parents=True, exist_ok=True)
+    if trainer.is_global_zero:
+        folder.mkdir(parents=True, exist_ok=True)
     return folder
 
 
@@ -67,16 +71,18 @@ class EndOfFitStage(Callback):
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not self.enabled:
             return
+        folder = artifact_dir(trainer)  # collective under DDP (the log dir is broadcast): every rank asks
         if trainer.is_global_zero:
             was_training = pl_module.training
             pl_module.eval()
             try:
-                self.run(trainer, pl_module, pl_module.fit_report)
+                self.run(trainer, pl_module, pl_module.fit_report, folder)
             finally:
                 pl_module.train(was_training)
         trainer.strategy.barrier(type(self).__name__)
 
-    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport) -> None:
+    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport, folder: Path) -> None:
+        """The stage's work, on global rank zero; ``folder`` is where its files go (next to the logs)."""
         raise NotImplementedError
 
 
@@ -109,7 +115,7 @@ class CalibrateHead(EndOfFitStage):
             raise ValueError(f"calibration.folds={folds} must be >= 1.")
         self.enabled, self.methods, self.folds, self.n_bins, self.seed = enabled, list(methods), folds, n_bins, seed
 
-    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport) -> None:
+    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport, folder: Path) -> None:
         dm = _datamodule(trainer)
         logits, labels, rows = pl_module.predict_loader(dm.val_dataloader())
         choice = choose_calibration(logits, labels, rows, self.methods, self.folds, self.seed, self.n_bins)
@@ -119,7 +125,7 @@ class CalibrateHead(EndOfFitStage):
         for method in self.methods:  # in-sample maps, for the picture; the legend's ECE is in-sample too
             curves[method] = (apply_calibration(fit_calibration(method, logits, labels), raw), labels)
         path = reliability_diagram(
-            curves, str(artifact_dir(trainer) / "reliability.png"), self.n_bins, "Acceptance head reliability (val)"
+            curves, str(folder / "reliability.png"), self.n_bins, "Acceptance head reliability (val)"
         )
         report.artifacts["reliability"] = path
         metrics = {f"calibration/{name}_{k}": v for name, s in choice.scores.items() for k, v in s.items()}
@@ -170,7 +176,7 @@ class MeasureCosts(EndOfFitStage):
         self.t_draft, self.t_target_a, self.t_target_b = t_draft, t_target_a, t_target_b
         self.ks, self.context, self.repeats, self.warmup, self.seed = list(ks), context, repeats, warmup, seed
 
-    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport) -> None:
+    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport, folder: Path) -> None:
         if self.measure:
             dm = _datamodule(trainer)
             target = dm.target()
@@ -204,7 +210,8 @@ class ThresholdSweep(EndOfFitStage):
     """Decode held-out validation prompts with SpecDec++ for every h and with FixedK for every K; pick h*.
 
     Logs the table (``sweep.csv`` / ``sweep.json`` next to the logs, a W&B table when a WandbLogger is attached),
-    saves the Pareto plot and prints the closing comparison: autoregressive, best fixed K, SpecDec++ at h*.
+    saves the Pareto plot and records the closing comparison (autoregressive, best fixed K, SpecDec++ at h*) in the
+    report; :func:`closing_table` formats it (``python -m train fit`` prints it last).
     """
 
     def __init__(
@@ -270,7 +277,7 @@ class ThresholdSweep(EndOfFitStage):
             **grid,
         )
 
-    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport) -> None:
+    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport, folder: Path) -> None:
         dm = _datamodule(trainer)
         prompts = dm.val_prompts(self.prompts)
         if len(prompts) < self.prompts:
@@ -284,7 +291,6 @@ class ThresholdSweep(EndOfFitStage):
             f"lowest {by} latency per token over h in {self.thresholds} on {len(prompts)} held-out validation "
             f"prompts, up to {self.max_new_tokens} new tokens each"
         )
-        folder = artifact_dir(trainer)
         report.artifacts["pareto"] = str(pareto_plot(result, folder / "pareto.png"))
         report.artifacts["sweep_csv"] = str(_write_sweep(result.to_records(), folder))
         self._log_table(trainer, result.to_records())
@@ -316,14 +322,6 @@ class ThresholdSweep(EndOfFitStage):
             )
         self._log_closing(trainer, report)
 
-    def on_fit_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        """Print the closing comparison last, after Lightning has closed its progress bar."""
-        report = pl_module.fit_report
-        if self.enabled and trainer.is_global_zero and report.closing:
-            baseline = next((r for r in report.closing if r.family == "autoregressive"), None)
-            title = f"SpecDec++ vs. baselines on {report.closing_prompts}"
-            print("\n" + format_table(report.closing, baseline, title=title), flush=True)
-
     @staticmethod
     def _log_table(trainer: Trainer, records: list[dict]) -> None:
         from lightning.pytorch.loggers import WandbLogger
@@ -353,6 +351,14 @@ class ThresholdSweep(EndOfFitStage):
                 if r.modeled_tokens_per_second and base.modeled_tokens_per_second:
                     metrics[f"{prefix}/modeled_speedup"] = r.modeled_tokens_per_second / base.modeled_tokens_per_second
         _log(trainer, metrics)
+
+
+def closing_table(report: FitReport) -> str:
+    """The closing comparison (autoregressive, best fixed K, SpecDec++ at h*) as a terminal table; '' if none."""
+    if not report.closing:
+        return ""
+    baseline = next((r for r in report.closing if r.family == "autoregressive"), None)
+    return format_table(report.closing, baseline, title=f"SpecDec++ vs. baselines on {report.closing_prompts}")
 
 
 def _write_sweep(records: list[dict], folder: Path) -> Path:
@@ -414,12 +420,12 @@ class ExportBundle(EndOfFitStage):
         self.enabled, self.dir, self.threshold = enabled, dir, threshold
         self.min_candidates, self.max_candidates, self.verify = min_candidates, max_candidates, verify
 
-    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport) -> None:
+    def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport, folder: Path) -> None:
         dm = _datamodule(trainer)
         threshold = report.threshold if report.threshold is not None else self.threshold
         if threshold is None:
             raise ValueError("No threshold to export: enable the sweep (sweep.enabled=true) or set --export.threshold.")
-        folder = Path(self.dir).expanduser()
+        bundle_dir = Path(self.dir).expanduser()
         target, tokenizer = dm.target(), dm.tokenizer()
         head = copy.deepcopy(pl_module.head).float().eval()
         provenance = self._provenance(trainer, dm, report)
@@ -435,20 +441,20 @@ class ExportBundle(EndOfFitStage):
             calibration=report.calibration,
             cost_model=report.cost_model.to_dict() if report.cost_model is not None else None,
             provenance=provenance,
-            target_spec=_portable_spec(dm.target_spec, folder),
-            draft_spec=_portable_spec(dm.draft, folder),
+            target_spec=_portable_spec(dm.target_spec, bundle_dir),
+            draft_spec=_portable_spec(dm.draft, bundle_dir),
         )
-        bundle.save_pretrained(folder)
-        (folder / "split.json").write_text(json.dumps(dm.split_record(), indent=1) + "\n")
+        bundle.save_pretrained(bundle_dir)
+        (bundle_dir / "split.json").write_text(json.dumps(dm.split_record(), indent=1) + "\n")
         for name in ("reliability", "pareto", "sweep_csv"):
             if name in report.artifacts and Path(report.artifacts[name]).is_file():
-                shutil.copy2(report.artifacts[name], folder / Path(report.artifacts[name]).name)
+                shutil.copy2(report.artifacts[name], bundle_dir / Path(report.artifacts[name]).name)
         card = model_card(str(self.dir), bundle, dm, report, provenance, dict(pl_module.hparams), self.command)
-        (folder / "README.md").write_text(card)
-        report.export_dir = str(folder)
-        print(f"exported SpecDec++ bundle to {folder} (h* = {threshold:g})", flush=True)
+        (bundle_dir / "README.md").write_text(card)
+        report.export_dir = str(bundle_dir)
+        print(f"exported SpecDec++ bundle to {bundle_dir} (h* = {threshold:g})", flush=True)
         if self.verify:
-            loaded = SpecDecPP.from_pretrained(folder, target=target, draft=pl_module.draft, tokenizer=tokenizer)
+            loaded = SpecDecPP.from_pretrained(bundle_dir, target=target, draft=pl_module.draft, tokenizer=tokenizer)
             prompt = dm.val_prompts(1)[0][1]
             out = loaded.generate(prompt, max_new_tokens=8, seed=0)
             print(f"bundle check: from_pretrained + generate -> {len(out.new_token_ids)} tokens", flush=True)

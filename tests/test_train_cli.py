@@ -1,0 +1,265 @@
+"""``python -m train`` end to end through the real LightningCLI on a tiny random pair with data_gen labels."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from train_helpers import REPO, TinySetup, other_draft, tiny_setup, train_config, write_config
+
+from accept_head import SpecDecPP
+from train.cli import cli_main
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> TinySetup:
+    return tiny_setup(tmp_path_factory.mktemp("tiny"))
+
+
+def fit(config: dict, tmp_path: Path, *extra: str, subcommand: str = "fit"):
+    path = write_config(config, tmp_path / f"{subcommand}.yaml")
+    return cli_main([subcommand, "--config", str(path), *extra])
+
+
+def metrics_csv(log_dir: str | Path) -> dict[str, float]:
+    """The last logged value of every metric in a CSVLogger's metrics.csv."""
+    last: dict[str, float] = {}
+    with (Path(log_dir) / "metrics.csv").open() as f:
+        for row in csv.DictReader(f):
+            last.update({k: float(v) for k, v in row.items() if v not in ("", None)})
+    return last
+
+
+def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_generates(setup, tmp_path, capsys):
+    cli = fit(train_config(setup, tmp_path), tmp_path)
+    out = capsys.readouterr().out
+    bundle_dir = tmp_path / "bundle"
+    for name in ("config.json", "head.safetensors", "README.md", "split.json", "reliability.png", "pareto.png"):
+        assert (bundle_dir / name).is_file(), name
+
+    report = cli.model.fit_report
+    assert report.threshold in (0.3, 0.7) and report.cost_model is not None and report.calibration_choice is not None
+    assert [row.family for row in report.closing] == ["autoregressive", "fixed_k", "threshold"]
+    assert "SpecDec++ vs. baselines" in out and out.rstrip().endswith("-" * 10)  # the closing table is printed last
+
+    logged = metrics_csv(cli.trainer.log_dir)
+    for key in ("val/ece", "val/auc", "val/brier", "val/bce", "val/weighted_bce", "val/mean_pred", "val/mean_label"):
+        assert math.isfinite(logged[key]), key
+    for key in ("specdecpp/tokens_per_second", "specdecpp/modeled_tokens_per_second", "specdecpp/verification_rate"):
+        assert key in logged
+
+    config = json.loads((bundle_dir / "config.json").read_text())
+    provenance = config["provenance"]
+    assert config["threshold"] == report.threshold and config["head"] == {"hidden_size": 16, "depth": 1}
+    assert provenance["config"]["model"]["w_rej"] == 3.0 and provenance["data_meta"]["format"] == "accept_head.data_gen"
+    split = json.loads((bundle_dir / "split.json").read_text())
+    assert len(split["val"]) == 6 and set(split["val"]).isdisjoint(split["train"])
+    card = (bundle_dir / "README.md").read_text()
+    assert f"h\\* = {report.threshold:g}" in card and "ECE" in card and "| FixedK K=1 |" in card
+
+    # The bundle stands alone: models are loaded from the specs it stores (paths relative to the bundle).
+    bundle = SpecDecPP.from_pretrained(bundle_dir)
+    result = bundle.generate("write a short story", max_new_tokens=6, seed=0)
+    assert bundle.threshold == report.threshold and 1 <= len(result.new_token_ids) <= 6
+    assert bundle.calibration == report.calibration
+    trained = cli.model.head.state_dict()
+    assert all(torch.equal(v, trained[k].cpu()) for k, v in bundle.head.state_dict().items())
+
+
+def test_validate_and_test_subcommands_restore_the_head_from_a_checkpoint(setup, tmp_path):
+    config = train_config(setup, tmp_path, stages=False, trainer={"max_epochs": 1})
+    trained = fit(config, tmp_path)
+    ckpt = next(Path(trained.trainer.log_dir, "checkpoints").glob("*.ckpt"))
+    state = torch.load(ckpt, weights_only=False)["state_dict"]
+    assert state and all(key.startswith("head.") for key in state)  # the frozen draft is not checkpointed
+    expected = metrics_csv(trained.trainer.log_dir)["val/ece"]
+    validated = fit(config, tmp_path, "--ckpt_path", str(ckpt), subcommand="validate")
+    assert validated.trainer.callback_metrics["val/ece"].item() == pytest.approx(expected, rel=1e-5)
+    tested = fit(config, tmp_path, "--ckpt_path", str(ckpt), subcommand="test")
+    assert tested.trainer.callback_metrics["test/ece"].item() == pytest.approx(expected, rel=1e-5)
+
+
+def test_resuming_from_a_checkpoint_matches_uninterrupted_training(setup, tmp_path):
+    checkpoints = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"save_top_k": -1, "every_n_epochs": 1, "save_last": True},
+    }
+    config = train_config(setup, tmp_path, stages=False, trainer={"callbacks": [checkpoints]})
+    full = fit(config, tmp_path)
+    folder = Path(full.trainer.log_dir, "checkpoints")
+    after_first_epoch = next(folder.glob("epoch=0-*.ckpt"))
+    resumed = fit(config, tmp_path, "--ckpt_path", str(after_first_epoch))
+    assert resumed.trainer.current_epoch == full.trainer.current_epoch == 2
+    a, b = full.model.head.state_dict(), resumed.model.head.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_prepare_data_runs_data_gen_when_the_dataset_is_absent(setup, tmp_path):
+    labels = tmp_path / "generated-labels"
+    data_gen = setup.data_gen_config()
+    del data_gen["draft"]  # inherited from data.draft
+    config = train_config(setup, tmp_path, stages=False, data={"path": str(labels), "data_gen": data_gen})
+    cli = fit(config, tmp_path, "--trainer.max_epochs=1")
+    assert (labels / "meta.json").is_file() and cli.trainer.global_step > 0
+    assert json.loads((labels / "meta.json").read_text())["draft"]["path"] == str(setup.draft)
+
+
+# ---- W&B sweep -----------------------------------------------------------------------------------------------------
+
+
+def agent_command(sweep_file: Path, point: dict) -> list[str]:
+    """The command a ``wandb agent`` runs for one grid point of ``sweep_file`` (wandb's own expansion code)."""
+    from wandb.sdk.launch.sweeps import utils as sweep_utils
+
+    sweep = yaml.safe_load(sweep_file.read_text())
+    assert set(point) == set(sweep["parameters"])
+    for name, value in point.items():
+        assert value in sweep["parameters"][name]["values"], (name, value)
+    variables = sweep_utils.create_sweep_command_args({"args": {k: {"value": v} for k, v in point.items()}})
+    variables.update(env=["/usr/bin/env"], interpreter=["python"], program=[sweep["program"]])
+    command = []
+    for item in sweep_utils.create_sweep_command(sweep["command"]):
+        command += variables[item[2:-1]] if item.startswith("${") and item.endswith("}") else [item]
+    return command
+
+
+def test_a_wandb_sweep_point_runs_offline_through_the_cli(setup, tmp_path, monkeypatch):
+    import wandb
+
+    command = agent_command(
+        REPO / "configs/sweeps/smollm2-135m-specdecpp.yaml",
+        {"model.w_rej": 12, "model.depth": 0, "sweep.thresholds": [0.7]},
+    )
+    assert command[:5] == ["/usr/bin/env", "python", "-m", "train", "fit"] and "--model.w_rej=12" in command
+    args = command[4:]
+    args[args.index("--config") + 1] = str(REPO / args[args.index("--config") + 1])
+    tiny = [  # the shipped config (CSV + W&B loggers) with the tiny pair and a tiny budget
+        f"--data.path={setup.labels}",
+        f"--data.draft.path={setup.draft}",
+        "--data.draft.dtype=float32",
+        "--data.data_gen=null",
+        "--data.val_size=4",
+        "--data.batch_size=8",
+        "--trainer.max_epochs=1",
+        "--trainer.log_every_n_steps=1",
+        "--cost_model.ks=[1,2]",
+        "--cost_model.repeats=2",
+        "--cost_model.context=8",
+        "--sweep.prompts=2",
+        "--sweep.eval_prompts=0",
+        "--sweep.max_new_tokens=6",
+    ]
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    try:
+        cli = cli_main(args + tiny)
+    finally:
+        wandb.finish()
+    assert cli.model.hparams.w_rej == 12 and cli.model.hparams.depth == 0
+    assert cli.model.fit_report.threshold == 0.7 and not (tmp_path / "checkpoints").exists()  # export off
+    assert [type(logger).__name__ for logger in cli.trainer.loggers] == ["CSVLogger", "WandbLogger"]
+    logged = metrics_csv(cli.trainer.loggers[0].log_dir)
+    for key in ("tokens_per_second", "modeled_tokens_per_second", "verification_rate", "discard_rate"):
+        assert math.isfinite(logged[f"specdecpp/{key}"]), key
+    runs = list(tmp_path.rglob("offline-run-*/run-*.wandb"))  # the offline run's record log, synced later
+    assert len(runs) == 1 and b"specdecpp/modeled_tokens_per_second" in runs[0].read_bytes()
+
+
+# ---- every shipped config parses -----------------------------------------------------------------------------------
+
+TRAIN_CONFIGS = sorted(p for p in (REPO / "configs").glob("*.yaml"))
+SWEEP_CONFIGS = sorted((REPO / "configs" / "sweeps").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", TRAIN_CONFIGS, ids=lambda p: p.name)
+def test_shipped_train_config_parses_through_the_cli(path, capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", str(path.relative_to(REPO)), "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["model"]["depth"] >= 0 and printed["data"]["path"] and printed["export"]["dir"]
+
+
+@pytest.mark.parametrize("path", SWEEP_CONFIGS, ids=lambda p: p.name)
+def test_every_point_of_a_shipped_sweep_parses_through_the_cli(path, capsys, monkeypatch):
+    import itertools
+
+    monkeypatch.chdir(REPO)
+    sweep = yaml.safe_load(path.read_text())
+    assert sweep["metric"]["name"] == "specdecpp/modeled_tokens_per_second"
+    names = list(sweep["parameters"])
+    grid = list(itertools.product(*(sweep["parameters"][n]["values"] for n in names)))
+    assert len(grid) == 4 * 5 * 5
+    for values in (grid[0], grid[-1]):  # the corners of the grid
+        point = dict(zip(names, values, strict=True))
+        with pytest.raises(SystemExit):
+            cli_main(agent_command(path, point)[4:] + ["--print_config"])
+        printed = yaml.safe_load(capsys.readouterr().out)
+        assert printed["model"]["w_rej"] == point["model.w_rej"] and printed["model"]["depth"] == point["model.depth"]
+        assert printed["sweep"]["thresholds"] == point["sweep.thresholds"] and printed["sweep"]["fixed_k"] == []
+
+
+def test_gpu_config_selects_a_distributed_strategy(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", "configs/llama2-7b-70b-specdecpp.yaml", "--print_config"])
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["trainer"]["strategy"] == "ddp" and printed["trainer"]["accelerator"] == "gpu"
+    assert printed["data"]["draft"]["path"] == "meta-llama/Llama-2-7b-chat-hf" and printed["model"]["w_rej"] == 6.0
+
+
+# ---- bad input -----------------------------------------------------------------------------------------------------
+
+
+def _bad(setup: TinySetup, tmp_path: Path, **sections) -> dict:
+    return train_config(setup, tmp_path, stages=False, **sections)
+
+
+def test_missing_dataset_is_reported_with_the_fix(setup, tmp_path):
+    config = _bad(setup, tmp_path, data={"path": str(tmp_path / "nowhere")})
+    with pytest.raises(FileNotFoundError, match=r"nowhere.* does not exist.*--data\.data_gen"):
+        fit(config, tmp_path)
+
+
+def test_a_folder_that_is_not_a_data_gen_dataset_is_refused(setup, tmp_path):
+    folder = tmp_path / "not-labels"
+    folder.mkdir()
+    (folder / "something.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"not a data_gen label dataset"):
+        fit(_bad(setup, tmp_path, data={"path": str(folder)}), tmp_path)
+
+
+def test_a_dataset_labelled_for_another_draft_is_refused(setup, tmp_path):
+    other = other_draft(setup.root)
+    config = _bad(setup, tmp_path, data={"draft": {"path": str(other), "dtype": "float32"}})
+    with pytest.raises(ValueError, match=r"labelled with draft .*draft'.* but data\.draft is .*other-draft"):
+        fit(config, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("section", "values", "message"),
+    [
+        ("model", {"depth": -1}, r"depth=-1 must be >= 0.*--model\.depth"),
+        ("model", {"w_rej": 0.0}, r"w_rej=0\.0 must be > 0.*--model\.w_rej"),
+        ("model", {"w_acc": -1.0}, r"w_acc=-1\.0 must be > 0.*--model\.w_acc"),
+        ("data", {"mix_ratio": 1.0}, r"mix_ratio=1\.0 must be in \[0, 1\).*--data\.mix_ratio"),
+        ("data", {"mix_ratio": -0.2}, r"mix_ratio=-0\.2 must be in \[0, 1\)"),
+        ("data", {"val_size": None, "val_fraction": 0.01}, r"validation split is empty.*val_fraction=0\.01"),
+        ("data", {"val_size": 0}, r"val_size=0.*validation split would be empty"),
+        ("sweep", {"enabled": True, "thresholds": [0.5, 1.0]}, r"threshold h=1\.0 is outside \(0, 1\)"),
+        ("sweep", {"enabled": True, "thresholds": [0.0]}, r"threshold h=0\.0 is outside \(0, 1\)"),
+    ],
+)
+def test_bad_values_fail_with_a_message_naming_value_and_fix(setup, tmp_path, section, values, message):
+    with pytest.raises(ValueError, match=message):
+        fit(_bad(setup, tmp_path, **{section: values}), tmp_path)
