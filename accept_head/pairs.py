@@ -224,7 +224,8 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str = "target", dra
         problems.append(f"probe text encodes to {a[:12]}... vs {b[:12]}...")
     if problems:
         raise ValueError(
-            f"Target {target_name!r} and draft {draft_name!r} do not share a tokenizer: " + "; ".join(problems)
+            f"Target {target_name!r} and draft {draft_name!r} do not share a tokenizer: "
+            + "; ".join(problems)
             + ". Speculative decoding needs identical token ids; pick a draft trained with the target's tokenizer."
         )
 
