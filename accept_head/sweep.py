@@ -118,11 +118,13 @@ def run_sweep(
     autoregressive: bool = True,
     seed: int = 0,
     progress: bool = False,
+    desc: str = "threshold sweep",
 ) -> SweepResult:
     """Decode ``prompts`` (token id lists, batch size 1) with every policy and aggregate each one.
 
     Policies: the target alone (if ``autoregressive``), FixedK for each K in ``fixed_k`` and SpecDec++'s
     HeadThreshold for each h in ``thresholds`` (with ``calibration`` applied to the head's probabilities).
+    ``progress`` shows a bar labelled ``desc``.
     """
     thresholds, fixed_k = check_thresholds(thresholds), check_fixed_k(fixed_k)
     if not prompts:
@@ -144,7 +146,7 @@ def run_sweep(
     if progress:
         from tqdm.auto import tqdm
 
-        iterator = tqdm(plans, desc=f"threshold sweep ({len(prompts)} prompts)", unit="policy")
+        iterator = tqdm(plans, desc=f"{desc} ({len(prompts)} prompts)", unit="policy")
     for family, param, policy in iterator:
         if policy is None:
             decoder = autoregressive_decoder(
@@ -229,8 +231,11 @@ def pareto_plot(result: SweepResult, path: str | Path, title: str = "SpecDec++ t
         ys = [row.result.discard_rate for row in rows]
         name = "fixed K" if family == "fixed_k" else "SpecDec++ threshold h"
         ax.plot(xs, ys, marker=marker, color=color, label=name)
+        labels: dict[tuple[float, float], list[str]] = {}  # policies that land on the same point share a label
         for row, x, y in zip(rows, xs, ys, strict=True):
-            text = f"K={int(row.param)}" if family == "fixed_k" else f"h={row.param:g}"
+            labels.setdefault((x, y), []).append(f"{int(row.param)}" if family == "fixed_k" else f"{row.param:g}")
+        for (x, y), params in labels.items():
+            text = ("K=" if family == "fixed_k" else "h=") + ",".join(params)
             ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
     for row in result.family("autoregressive"):
         ax.scatter(

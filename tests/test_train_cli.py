@@ -263,3 +263,34 @@ def test_a_dataset_labelled_for_another_draft_is_refused(setup, tmp_path):
 def test_bad_values_fail_with_a_message_naming_value_and_fix(setup, tmp_path, section, values, message):
     with pytest.raises(ValueError, match=message):
         fit(_bad(setup, tmp_path, **{section: values}), tmp_path)
+
+
+# ---- scale ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_ddp_with_two_cpu_processes_trains_and_exports(setup, tmp_path):
+    """``strategy: ddp`` on 2 CPU processes (gloo): Lightning relaunches ``python -m train`` for rank 1, the
+    validation metrics are gathered across ranks and the end-of-fit stages run on rank 0 only."""
+    import os
+    import subprocess
+    import sys
+
+    config = train_config(setup, tmp_path, trainer={"devices": 2, "strategy": "ddp"})
+    path = write_config(config, tmp_path / "ddp.yaml")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    done = subprocess.run(
+        [sys.executable, "-m", "train", "fit", "--config", str(path)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Initializing distributed: GLOBAL_RANK: 1, MEMBER: 2/2" in done.stderr
+    assert done.stdout.count("SpecDec++ vs. baselines") == 1  # printed by rank 0 only
+    bundle = SpecDecPP.from_pretrained(tmp_path / "bundle")
+    assert len(bundle.generate("write code", max_new_tokens=4, seed=0).new_token_ids) >= 1
+    split = json.loads((tmp_path / "bundle" / "split.json").read_text())
+    assert len(split["train"]) == 18 and len(split["val"]) == 6

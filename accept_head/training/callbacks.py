@@ -8,6 +8,7 @@ ones before it: the sweep without a cost model picks h* by measured tokens/s, th
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import csv
 import json
@@ -63,6 +64,19 @@ def _check_same_device(target: torch.nn.Module, draft: torch.nn.Module) -> None:
         )
 
 
+def _full_parameters(trainer: Trainer) -> contextlib.AbstractContextManager:
+    """Under FSDP, gather the sharded draft and head on rank 0 for the end-of-fit stages (a collective every rank
+    enters); a no-op for other strategies. Lightning runs FSDP on GPUs only, so this path is not exercised by the CPU
+    test suite."""
+    from lightning.pytorch.strategies import FSDPStrategy
+
+    if not isinstance(trainer.strategy, FSDPStrategy):
+        return contextlib.nullcontext()
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return FullyShardedDataParallel.summon_full_params(trainer.strategy.model, writeback=False, rank0_only=True)
+
+
 class EndOfFitStage(Callback):
     """Base class: runs :meth:`run` once after training, on global rank zero, when ``enabled``."""
 
@@ -72,13 +86,14 @@ class EndOfFitStage(Callback):
         if not self.enabled:
             return
         folder = artifact_dir(trainer)  # collective under DDP (the log dir is broadcast): every rank asks
-        if trainer.is_global_zero:
-            was_training = pl_module.training
-            pl_module.eval()
-            try:
-                self.run(trainer, pl_module, pl_module.fit_report, folder)
-            finally:
-                pl_module.train(was_training)
+        with _full_parameters(trainer):
+            if trainer.is_global_zero:
+                was_training = pl_module.training
+                pl_module.eval()
+                try:
+                    self.run(trainer, pl_module, pl_module.fit_report, folder)
+                finally:
+                    pl_module.train(was_training)
         trainer.strategy.barrier(type(self).__name__)
 
     def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport, folder: Path) -> None:
@@ -257,7 +272,7 @@ class ThresholdSweep(EndOfFitStage):
         self.min_candidates, self.max_candidates = min_candidates, max_candidates
         self.select, self.seed, self.progress = select, seed, progress
 
-    def _run(self, dm: AcceptanceDataModule, pl_module: LightningModule, report: FitReport, prompts, **grid):
+    def _run(self, dm: AcceptanceDataModule, pl_module: LightningModule, report: FitReport, prompts, desc, **grid):
         target = dm.target()
         _check_same_device(target, pl_module.draft)
         return run_sweep(
@@ -274,6 +289,7 @@ class ThresholdSweep(EndOfFitStage):
             calibration=report.calibration,
             seed=self.seed,
             progress=self.progress,
+            desc=desc,
             **grid,
         )
 
@@ -283,7 +299,9 @@ class ThresholdSweep(EndOfFitStage):
         if len(prompts) < self.prompts:
             print(f"sweep: the validation split has only {len(prompts)} prompts (asked for {self.prompts})")
         by = self.select if report.cost_model is not None else "measured"
-        result = self._run(dm, pl_module, report, prompts, thresholds=self.thresholds, fixed_k=self.fixed_k)
+        result = self._run(
+            dm, pl_module, report, prompts, "threshold sweep", thresholds=self.thresholds, fixed_k=self.fixed_k
+        )
         best = result.best("threshold", by)
         report.sweep, report.threshold = result, float(best.param)
         report.min_candidates, report.max_candidates = self.min_candidates, self.max_candidates
@@ -306,6 +324,7 @@ class ThresholdSweep(EndOfFitStage):
                 pl_module,
                 report,
                 held,
+                "held-out comparison",
                 thresholds=[report.threshold],
                 fixed_k=[int(best_k.param)] if best_k is not None else [],
             )

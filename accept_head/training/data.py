@@ -163,7 +163,7 @@ class EpochRandomSampler(RandomSampler):
 
 class BucketBatchSampler(BatchSampler):
     """Length-bucketed batches: indices from ``sampler`` are taken ``pool`` batches at a time, sorted by length and cut
-    into batches, so a batch pads little; batch order is then shuffled (seeded by seed + epoch) when ``shuffle``.
+    into batches, so a batch pads little; batch order is then shuffled (seeded by seed and epoch) when ``shuffle``.
 
     Yields lists of ``(row, epoch)`` keys for :class:`MixedTokenDataset`. The epoch is ``fixed_epoch`` when given,
     else the sampler's ``epoch`` (Lightning calls ``set_epoch`` on it, also on the ``DistributedSampler`` it injects
@@ -208,7 +208,8 @@ class BucketBatchSampler(BatchSampler):
         batches = self._batches()
         order = range(len(batches))
         if self.shuffle:
-            order = torch.randperm(len(batches), generator=torch.Generator().manual_seed(self.seed + epoch)).tolist()
+            generator = torch.Generator().manual_seed(mixing_seed(self.seed, epoch, "batch order"))
+            order = torch.randperm(len(batches), generator=generator).tolist()
         for b in order:
             yield [(index, epoch) for index in batches[b]]
 
@@ -368,6 +369,13 @@ class AcceptanceDataModule(LightningDataModule):
         if self.train_set is not None:
             return
         rows, self.meta = self._load(self.path)
+        labelled = self.meta.get("target")
+        if self.target_override is not None and isinstance(labelled, dict):
+            if not _same_model(self.target_override, ModelSpec(**labelled)):
+                raise ValueError(
+                    f"data.target={self.target_override.path!r} is not the target the labels of {self.path} were "
+                    f"made with ({labelled.get('path')!r}); data.target may change dtype/device/attention only."
+                )
         self.split = prompt_split([row.prompt_id for row in rows], self.val_fraction, self.val_size, self.split_seed)
         val_ids = set(self.split["val"])
         by_id = {row.prompt_id: row for row in rows}
