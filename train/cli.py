@@ -72,8 +72,13 @@ class AcceptHeadCLI(LightningCLI):
 
 def cli_main(args: ArgsType = None, run: bool = True) -> AcceptHeadCLI:
     """Build the CLI and run its subcommand (``fit``, ``validate``, ``test``); ``args`` overrides ``sys.argv``."""
+    import warnings
+
     from jsonargparse import lazy_instance
     from lightning.pytorch.loggers import CSVLogger
+
+    # The frozen draft is in eval mode on purpose (no dropout); Lightning would warn about it at every fit.
+    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
 
     return AcceptHeadCLI(
         AcceptanceHeadModule,

@@ -78,7 +78,7 @@ def model_card(
     ]
     for source in meta.get("sources", []):
         lines.append(
-            f"- Source `{source.get('name')}` (`{source.get('path')}`, split {source.get('split')}): "
+            f"- Source `{source.get('name')}` (`{source.get('path')}`, hash split {source.get('split') or 'all'}): "
             f"{source.get('rows')} prompts labelled."
         )
     if stats:
@@ -92,8 +92,9 @@ def model_card(
         "## Split",
         "",
         f"- Prompt-level, seeded (split_seed {split.get('seed')}): {split.get('n_train')} training prompts, "
-        f"{split.get('n_val')} validation prompts (val_fraction {split.get('val_fraction')}, val_size "
-        f"{split.get('val_size')}); the ids are in `split.json`. Rows dropped: {split.get('dropped')}.",
+        f"{split.get('n_val')} validation prompts ("
+        + (f"val_size {split['val_size']}" if split.get("val_size") else f"val_fraction {split.get('val_fraction')}")
+        + f"); the ids are in `split.json`. Rows dropped: {split.get('dropped')}.",
         f"- Token mixing ratio r = {split.get('mix_ratio')}, resampled every epoch (mix_seed {split.get('mix_seed')}).",
         "",
         "## Training",
