@@ -272,7 +272,15 @@ class ThresholdSweep(EndOfFitStage):
         self.min_candidates, self.max_candidates = min_candidates, max_candidates
         self.select, self.seed, self.progress = select, seed, progress
 
-    def _run(self, dm: AcceptanceDataModule, pl_module: LightningModule, report: FitReport, prompts, desc, **grid):
+    def _run(
+        self,
+        dm: AcceptanceDataModule,
+        pl_module: LightningModule,
+        report: FitReport,
+        prompts: list[tuple[str, list[int]]],
+        desc: str,
+        **grid: Any,
+    ):
         target = dm.target()
         _check_same_device(target, pl_module.draft)
         return run_sweep(
@@ -317,8 +325,10 @@ class ThresholdSweep(EndOfFitStage):
         print(f"h* = {report.threshold:g} ({by} latency)", flush=True)
 
         best_k = result.best("fixed_k", by) if result.family("fixed_k") else None
-        if self.eval_prompts:
-            held = dm.val_prompts(self.eval_prompts, offset=len(prompts))
+        held = dm.val_prompts(self.eval_prompts, offset=len(prompts)) if self.eval_prompts else []
+        if self.eval_prompts and not held:
+            print(f"sweep: no validation prompts left after the sweep's {len(prompts)} for sweep.eval_prompts")
+        if held:
             closing = self._run(
                 dm,
                 pl_module,
