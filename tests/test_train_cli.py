@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -164,6 +165,7 @@ def test_a_wandb_sweep_point_runs_offline_through_the_cli(setup, tmp_path, monke
         cli = cli_main(args + tiny)
     finally:
         wandb.finish()
+        wandb.teardown()  # stop wandb's service process, which writes the offline run file
     assert cli.model.hparams.w_rej == 12 and cli.model.hparams.depth == 0
     assert cli.model.fit_report.threshold == 0.7 and not (tmp_path / "checkpoints").exists()  # export off
     assert [type(logger).__name__ for logger in cli.trainer.loggers] == ["CSVLogger", "WandbLogger"]
@@ -171,7 +173,11 @@ def test_a_wandb_sweep_point_runs_offline_through_the_cli(setup, tmp_path, monke
     for key in ("tokens_per_second", "modeled_tokens_per_second", "verification_rate", "discard_rate"):
         assert math.isfinite(logged[f"specdecpp/{key}"]), key
     runs = list(tmp_path.rglob("offline-run-*/run-*.wandb"))  # the offline run's record log, synced later
-    assert len(runs) == 1 and b"specdecpp/modeled_tokens_per_second" in runs[0].read_bytes()
+    assert len(runs) == 1
+    deadline = time.monotonic() + 30  # the service may still be flushing the file when teardown returns
+    while b"specdecpp/modeled_tokens_per_second" not in runs[0].read_bytes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert b"specdecpp/modeled_tokens_per_second" in runs[0].read_bytes()
 
 
 # ---- every shipped config parses -----------------------------------------------------------------------------------
