@@ -73,13 +73,17 @@ def fit_linear(ks: Sequence[float], times: Sequence[float]) -> tuple[float, floa
     return float(coef[0]), float(coef[1]), r2
 
 
-def _timed(fn, repeats: int, warmup: int) -> list[float]:
+def _timed(fn, repeats: int, warmup: int, device: torch.device | None = None) -> list[float]:
+    """Wall-clock seconds of ``repeats`` calls after ``warmup``; waits for the GPU so asynchronous kernels count."""
+    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
         fn()
     out = []
     for _ in range(repeats):
+        sync()
         start = time.perf_counter()
         fn()
+        sync()
         out.append(time.perf_counter() - start)
     return out
 
@@ -119,8 +123,8 @@ def measure_costs(
         head.accept_prob(captured["h"][0, -1][None, :])
 
     try:
-        draft_times = _timed(draft_step, repeats, warmup)
-        head_times = _timed(head_step, repeats, warmup) if head is not None else [0.0]
+        draft_times = _timed(draft_step, repeats, warmup, device)
+        head_times = _timed(head_step, repeats, warmup, device) if head is not None else [0.0]
     finally:
         hook.remove()
     target_cache = DynamicCache()
@@ -134,7 +138,7 @@ def measure_costs(
             target(input_ids=ids, past_key_values=target_cache, use_cache=True)
             crop_cache(target_cache, context)
 
-        times = _timed(target_step, repeats, warmup)
+        times = _timed(target_step, repeats, warmup, device)
         measured["target"][int(k)] = _summary(times)
         medians.append(statistics.median(times))
     a, b, r2 = fit_linear(list(ks), medians)
