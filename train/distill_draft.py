@@ -56,6 +56,8 @@ class DistillConfig:
     """Temperature of the target's responses (1 = its own distribution)."""
     batch_size: int = 64
     """Prompts per generation batch; one batch is one shard."""
+    max_prompts: int | None = None
+    """Use only the first this many distillation prompts (in the seeded order); None uses all."""
     topk: int = 32
     """Target log-probabilities kept per response position."""
     seed: int = 0
@@ -94,6 +96,8 @@ def generate(cfg: DistillConfig) -> None:
     sampling = SamplingConfig(temperature=cfg.temperature)
     for kind, sources in (("eval", cfg.eval_prompts), ("train", cfg.prompts)):
         prompts = load_prompts(sources, seed=cfg.seed)
+        if kind == "train" and cfg.max_prompts is not None:
+            prompts = prompts[: cfg.max_prompts]
         n_shards = math.ceil(len(prompts) / cfg.batch_size)
         print(f"[generate] {kind}: {len(prompts)} prompts in {n_shards} shards", flush=True)
         for shard in range(n_shards):
@@ -480,6 +484,9 @@ def model_card(cfg: DistillConfig, draft_dir: str | None = None) -> str:
     fig.savefig(folder / "learning_curve.png", dpi=120)
     plt.close(fig)
     acc = ev["acceptance"]
+    shards = _load_shards(_work(cfg), "train")
+    n_responses = sum(len(sh["response_ids"]) for sh in shards)
+    n_tokens = sum(len(r) for sh in shards for r in sh["response_ids"])
     rows = "\n".join(
         f"| {name} | {m['positions']} | {m['expected_accept']:.3f} | {m['greedy_agreement']:.3f} |"
         for name, m in acc.items()
@@ -526,7 +533,8 @@ python -m train.distill_draft model_card --config configs/distill/smollm2-135m-d
 - Data: the target (bf16, batched sampling at temperature {meta["config"]["temperature"]}, chat template, up to
   {meta["config"]["max_new_tokens"]} new tokens) answers prompts of the `distill` hash split (`split_of(id, 0)`, 60%)
   of the `../shared/data` instruction sets (GSM8K train, GPTeacher codegen/toolformer/roleplay, AlpacaEval,
-  self-instruct seeds). Head-training prompts use the disjoint `head` split, evaluation the `eval` split and
+  self-instruct seeds): the first {n_responses:,} prompts in the seeded order (`max_prompts`), {n_tokens:,} response
+  tokens. Head-training prompts use the disjoint `head` split, evaluation the `eval` split and
   HumanEval, so no prompt used here is used to train or evaluate heads. For every response token the target's
   top-{meta["config"]["topk"]} log-probabilities are stored.
 - Loss: cross-entropy against the target's distribution — its top-k probabilities directly, the remaining mass on
