@@ -83,6 +83,11 @@ def _spec_from_config(raw: dict | None, folder: Path) -> ModelSpec | None:
         candidate = folder / spec.path
         if candidate.exists():
             spec.path = str(candidate.resolve())
+        elif spec.path.startswith(("./", "../")):
+            raise FileNotFoundError(
+                f"{folder / CONFIG_NAME} names the model folder {spec.path!r}, relative to the bundle, but "
+                f"{candidate} does not exist; move the model next to the bundle or pass target=/draft= explicitly."
+            )
     return spec
 
 
