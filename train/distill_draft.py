@@ -532,6 +532,7 @@ responses so it can serve as the draft model in speculative decoding. Loads with
 
 ```python
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
 draft = AutoModelForCausalLM.from_pretrained("checkpoints/smollm2-135m-draft")
 tokenizer = AutoTokenizer.from_pretrained("checkpoints/smollm2-135m-draft")
 ```
