@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
@@ -37,6 +38,27 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch
     return ids, mask
 
 
+class StepFollower(Protocol):
+    """Something that runs beside :func:`sample_batch`, seeing every step's inputs and the model's logits.
+
+    ``rows`` are the original row indices of the prompts still in the batch (finished rows are dropped from time to
+    time); ``step`` is the index of the response token being sampled; ``logits`` (len(rows), V) are the model's
+    next-token logits there. ``select(keep)`` is called when the batch shrinks to the batch positions ``keep``.
+    """
+
+    def step(
+        self,
+        rows: torch.Tensor,
+        step: int,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        position_ids: torch.Tensor,
+        logits: torch.Tensor,
+    ) -> None: ...
+
+    def select(self, keep: torch.Tensor) -> None: ...
+
+
 @torch.inference_mode()
 def sample_batch(
     model: torch.nn.Module,
@@ -48,11 +70,16 @@ def sample_batch(
     pad_token_id: int,
     generator: torch.Generator | None,
     capture_topk: int = 0,
+    follower: StepFollower | None = None,
+    compact_fraction: float = 0.25,
 ) -> list[SampledResponse]:
     """Sample a continuation for every prompt in one left-padded batch.
 
-    Rows stop at their first EOS (kept in the output) or after ``max_new_tokens``. With ``capture_topk > 0`` the
-    model's top-k log-probabilities at every generated position are returned too (used as distillation targets).
+    Rows stop at their first EOS (kept in the output) or after ``max_new_tokens``. Once at least ``compact_fraction``
+    of the rows still in the batch have finished, they are dropped from it (inputs, mask and KV cache), so long
+    responses do not pay for short ones. With ``capture_topk > 0`` the model's top-k log-probabilities at every
+    generated position are returned too (used as distillation targets). A ``follower`` (e.g. a
+    :class:`accept_head.labels.LockstepLabeller`) sees every step; see :class:`StepFollower`.
     """
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("sample_batch needs at least one prompt and no empty prompt.")
@@ -62,13 +89,16 @@ def sample_batch(
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     eos = torch.as_tensor(list(eos_token_ids), device=device)
     batch = len(prompts)
+    generated = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long)
+    lengths = torch.zeros(batch, dtype=torch.long)
+    if capture_topk:
+        topk_ids = torch.zeros((batch, max_new_tokens, capture_topk), dtype=torch.int32)
+        topk_logp = torch.zeros((batch, max_new_tokens, capture_topk), dtype=torch.float16)
+    rows = torch.arange(batch)  # original row of each batch position
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    tokens: list[torch.Tensor] = []
-    topk_ids: list[torch.Tensor] = []
-    topk_logp: list[torch.Tensor] = []
     cache = DynamicCache()
     step_ids, step_pos = ids, positions
-    for _ in range(max_new_tokens):
+    for step in range(max_new_tokens):
         out = model(
             input_ids=step_ids,
             attention_mask=mask,
@@ -78,29 +108,37 @@ def sample_batch(
             logits_to_keep=1,
         )
         logits = out.logits[:, -1, :]
+        if follower is not None:
+            follower.step(rows, step, step_ids, mask, step_pos, logits)
         if capture_topk:
             top = torch.topk(logits.float().log_softmax(-1), capture_topk, dim=-1)
-            topk_ids.append(top.indices.to(torch.int32).cpu())
-            topk_logp.append(top.values.to(torch.float16).cpu())
+            topk_ids[rows, step] = top.indices.to(torch.int32).cpu()
+            topk_logp[rows, step] = top.values.to(torch.float16).cpu()
         probs = probabilities(logits, sampling)
         next_ids = sample(probs.cpu(), generator).to(device)
         next_ids = torch.where(finished, torch.full_like(next_ids, pad_token_id), next_ids)
-        tokens.append(next_ids)
+        live = ~finished.cpu()
+        generated[rows[live], step] = next_ids.cpu()[live]
+        lengths[rows[live]] = step + 1
         finished |= torch.isin(next_ids, eos)
         if bool(finished.all()):
             break
         step_ids = next_ids[:, None]
         step_pos = step_pos[:, -1:] + 1
-        mask = torch.cat([mask, torch.ones((batch, 1), dtype=mask.dtype, device=device)], dim=1)
-    generated = torch.stack(tokens, dim=1).cpu()
+        mask = torch.cat([mask, torch.ones((len(rows), 1), dtype=mask.dtype, device=device)], dim=1)
+        if int(finished.sum()) >= max(1.0, compact_fraction * len(rows)):
+            keep = (~finished).nonzero().squeeze(-1)
+            cache.batch_select_indices(keep)
+            if follower is not None:
+                follower.select(keep)
+            rows, step_ids, step_pos, mask = rows[keep.cpu()], step_ids[keep], step_pos[keep], mask[keep]
+            finished = finished[keep]
     results = []
-    eos_set = set(int(e) for e in eos_token_ids)
     for row in range(batch):
-        row_ids = generated[row].tolist()
-        length = next((i + 1 for i, t in enumerate(row_ids) if t in eos_set), len(row_ids))
-        response = SampledResponse(token_ids=row_ids[:length])
+        length = int(lengths[row])
+        response = SampledResponse(token_ids=generated[row, :length].tolist())
         if capture_topk:
-            response.topk_ids = torch.stack([t[row] for t in topk_ids[:length]])
-            response.topk_logprobs = torch.stack([t[row] for t in topk_logp[:length]])
+            response.topk_ids = topk_ids[row, :length].clone()
+            response.topk_logprobs = topk_logp[row, :length].clone()
         results.append(response)
     return results

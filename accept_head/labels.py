@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -280,6 +281,77 @@ def label_responses(
         rows.append({name: getattr(labels, name)[start : start + length].tolist() for name in PER_POSITION})
         start += length
     return rows
+
+
+class LockstepLabeller:
+    """Labels a target's responses *while* :func:`~accept_head.batch_generate.sample_batch` samples them.
+
+    The draft runs beside the target on the same inputs (its own KV cache), so at step i both p_i and q_i are at
+    hand: Y_i ~ q_i is drawn and labelled right away, and the two teacher-forced scoring passes of
+    :func:`label_responses` are not needed (their target pass costs as much as a second generation). The labels
+    are those of :func:`label_responses` (same transform, same columns); the draws differ, because one uniform per
+    (row, step) is drawn up front here, row-major over ``rows × max_new_tokens``.
+
+    Use it as ``sample_batch(..., follower=labeller)`` and then ``labeller.rows(response_lengths)``;
+    ``seconds`` is the time spent in the draft and the labelling.
+    """
+
+    def __init__(
+        self,
+        draft: torch.nn.Module,
+        *,
+        batch: int,
+        max_new_tokens: int,
+        sampling: SamplingConfig,
+        label_mode: str,
+        generator: torch.Generator | None,
+    ) -> None:
+        from transformers import DynamicCache
+
+        self.draft = draft
+        self.transform = label_transform(sampling, label_mode)
+        self.uniforms = (
+            None
+            if self.transform.greedy
+            else torch.rand((batch, max_new_tokens), generator=generator, dtype=torch.float64)
+        )
+        self.cache = DynamicCache()
+        self.values = {name: torch.zeros((batch, max_new_tokens), dtype=_DTYPES[name]) for name in PER_POSITION}
+        self.seconds = 0.0
+
+    @torch.inference_mode()
+    def step(self, rows, step, input_ids, attention_mask, position_ids, logits) -> None:
+        start = time.perf_counter()
+        draft_logits = self.draft(
+            input_ids=input_ids.to(_device(self.draft)),
+            attention_mask=attention_mask.to(_device(self.draft)),
+            position_ids=position_ids.to(_device(self.draft)),
+            past_key_values=self.cache,
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1, :]
+        u = None if self.uniforms is None else self.uniforms[rows, step]
+        labels = position_labels(logits, draft_logits.to(logits.device), transform=self.transform, uniforms=u)
+        for name in PER_POSITION:
+            self.values[name][rows, step] = getattr(labels, name).to(self.values[name].dtype)
+        self.seconds += time.perf_counter() - start
+
+    def select(self, keep: torch.Tensor) -> None:
+        self.cache.batch_select_indices(keep.to(_device(self.draft)))
+
+    def rows(self, lengths: Sequence[int]) -> list[dict[str, list]]:
+        """Per row, the per-position label lists (keys :data:`PER_POSITION`) of its first ``lengths[row]`` tokens."""
+        return [
+            {name: self.values[name][row, :length].tolist() for name in PER_POSITION}
+            for row, length in enumerate(lengths)
+        ]
+
+
+_DTYPES = {name: torch.long if name == "draft_ids" else torch.float32 for name in PER_POSITION}
+
+
+def _device(model: torch.nn.Module) -> torch.device:
+    return next(model.parameters()).device
 
 
 def load_label_dataset(path: str | Path):

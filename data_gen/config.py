@@ -52,8 +52,13 @@ class DataGenConfig:
     """Longest prompt in tokens (None: the models' context length minus ``max_new_tokens``)."""
     split_seed: int = 0
     """Seed of the hash split that ``split: distill|head|eval`` on a prompt source selects from."""
+    scoring: Literal["lockstep", "teacher_forced"] = "lockstep"
+    """lockstep: the draft runs beside the target while it samples, and each position is labelled as it is sampled
+    (no extra target pass). teacher_forced: sample first, then score (prompt, response) with both models in batched
+    passes. Same labels, different random draws Y_i."""
     score_tokens: int = 2048
-    """Response positions per teacher-forced scoring pass; bounds the (rows, positions, vocab) logits in memory."""
+    """Response positions per teacher-forced scoring pass (``scoring: teacher_forced``); bounds the
+    (rows, positions, vocab) logits in memory."""
     shard: str | None = None
     """``i/n``: label only the i-th of n contiguous parts of the prompts (i = 0..n-1), into
     ``<output_dir>/shards/i-of-n``; join the parts with ``--merge true``."""
@@ -88,6 +93,8 @@ class DataGenConfig:
             raise ValueError(f"--label_mode={self.label_mode!r} must be one of {LABEL_MODES}.")
         if self.prompt_mode not in ("chat", "raw"):
             raise ValueError(f"--prompt_mode={self.prompt_mode!r} must be chat or raw.")
+        if self.scoring not in ("lockstep", "teacher_forced"):
+            raise ValueError(f"--scoring={self.scoring!r} must be lockstep or teacher_forced.")
         if self.too_long not in ("skip", "truncate"):
             raise ValueError(f"--too_long={self.too_long!r} must be skip or truncate.")
         if self.merge and self.shard is not None:

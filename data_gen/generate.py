@@ -1,4 +1,4 @@
-"""The data_gen pipeline: prompts → batched target responses → teacher-forced labels → resumable batches → dataset.
+"""The data_gen pipeline: prompts → batched target responses, labelled as sampled → resumable batches → dataset.
 
 Every batch is written to a temporary folder and renamed into ``_work/batches/<b>`` when done (see
 :mod:`data_gen.output`), so a killed run leaves only whole batches and rerunning the same command skips them. Batch
@@ -24,7 +24,14 @@ from typing import Any
 import torch
 
 from accept_head.batch_generate import sample_batch
-from accept_head.labels import FORMAT, FORMAT_VERSION, label_features, label_responses, label_transform
+from accept_head.labels import (
+    FORMAT,
+    FORMAT_VERSION,
+    LockstepLabeller,
+    label_features,
+    label_responses,
+    label_transform,
+)
 from accept_head.pairs import check_same_tokenizer, check_same_vocab, load_model, load_tokenizer
 from accept_head.prompts import Prompt, PromptStats, chat_prompt_ids, load_prompts
 
@@ -269,12 +276,25 @@ class LabelledBatch:
 
 
 def label_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]], index: int) -> LabelledBatch:
-    """Batch ``index``: the target samples responses (left-padded batch), then both models score them.
+    """Batch ``index``: the target samples responses (left-padded batch) and the draft's candidates are labelled.
 
-    Both steps draw from generators seeded by (cfg.seed, index) alone, so a batch comes out the same whether it is
-    labelled in one run, after a restart or in a shard.
+    With ``scoring: lockstep`` the draft runs beside the target and labels each position as it is sampled; with
+    ``teacher_forced`` both models score the finished responses. Every draw comes from generators seeded by
+    (cfg.seed, index) alone, so a batch comes out the same whether it is labelled in one run, after a restart or in a
+    shard.
     """
     sampling = cfg.sampling()
+    labels_generator = torch.Generator().manual_seed(derive_seed(cfg.seed, "labels", index))
+    labeller = None
+    if cfg.scoring == "lockstep":
+        labeller = LockstepLabeller(
+            pair.draft,
+            batch=len(prompt_ids),
+            max_new_tokens=cfg.max_new_tokens,
+            sampling=sampling,
+            label_mode=cfg.label_mode,
+            generator=labels_generator,
+        )
     t0 = time.perf_counter()
     responses = sample_batch(
         pair.target,
@@ -284,9 +304,13 @@ def label_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]
         eos_token_ids=pair.eos,
         pad_token_id=pair.pad,
         generator=torch.Generator().manual_seed(derive_seed(cfg.seed, "generate", index)),
+        follower=labeller,
     )
     t1 = time.perf_counter()
     response_ids = [r.token_ids for r in responses]
+    if labeller is not None:
+        labels = labeller.rows([len(r) for r in response_ids])
+        return LabelledBatch(response_ids, labels, t1 - t0 - labeller.seconds, labeller.seconds)
     labels = label_responses(
         pair.target,
         pair.draft,
@@ -294,7 +318,7 @@ def label_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]
         response_ids,
         sampling=sampling,
         label_mode=cfg.label_mode,
-        generator=torch.Generator().manual_seed(derive_seed(cfg.seed, "labels", index)),
+        generator=labels_generator,
         pad_token_id=pair.pad,
         score_tokens=cfg.score_tokens,
     )

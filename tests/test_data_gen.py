@@ -151,18 +151,21 @@ def test_labels_do_not_depend_on_the_scoring_micro_batch_size(pair: tuple[Path, 
             torch.testing.assert_close(torch.tensor(a["accept_prob"]), torch.tensor(b["accept_prob"]))
 
 
-def test_dataset_labels_match_an_independent_recomputation(pair: tuple[Path, Path], tmp_path: Path) -> None:
+@pytest.mark.parametrize("scoring", ["lockstep", "teacher_forced"])
+def test_dataset_labels_match_an_independent_recomputation(pair: tuple[Path, Path], tmp_path: Path, scoring) -> None:
     """Recompute p and q for stored rows with unpadded batch-1 forwards and check min(1, p/q) and the features."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "out"
-    meta = main(args(pair, write_prompts(tmp_path / "p.jsonl", 7), out, "--temperature", "0.8"))
+    flags = ("--temperature", "0.8", "--scoring", scoring, "--batch_size", "7")
+    meta = main(args(pair, write_prompts(tmp_path / "p.jsonl", 7), out, *flags))
     dataset, loaded_meta = load_label_dataset(out)
     assert loaded_meta == json.loads((out / "meta.json").read_text()) and meta["stats"]["rows"] == len(dataset) == 7
     assert list(dataset.features) == list(COLUMNS)
+    assert loaded_meta["config"]["scoring"] == scoring
     target = AutoModelForCausalLM.from_pretrained(pair[0]).eval()
     draft = AutoModelForCausalLM.from_pretrained(pair[1]).eval()
-    for row in dataset.select(range(3)):
+    for row in dataset:
         n = len(row["response_ids"])
         assert all(len(row[name]) == n for name in COLUMNS if name not in ("prompt_id", "source", "prompt_ids"))
         sequence = torch.tensor([row["prompt_ids"] + row["response_ids"]])
@@ -180,6 +183,57 @@ def test_dataset_labels_match_an_independent_recomputation(pair: tuple[Path, Pat
         assert torch.allclose(torch.tensor(row["draft_entropy"]), -(q * q.log()).sum(-1), atol=1e-4)
     labels = torch.tensor([x for row in dataset["accept_prob"] for x in row])
     assert 0.05 < labels.mean() < 0.95 and labels.min() >= 0 and labels.max() <= 1
+
+
+def _greedy_continuations(model, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Batch-1, unpadded greedy continuations of ``n`` tokens, one forward per token (no cache, no EOS)."""
+    out = []
+    for prompt in prompts:
+        seq = list(prompt)
+        with torch.no_grad():
+            for _ in range(n):
+                seq.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+        out.append(seq[len(prompt) :])
+    return out
+
+
+@pytest.mark.parametrize("compact_fraction", [0.25, 2.0])
+def test_sample_batch_drops_finished_rows_without_changing_any_response(pair, compact_fraction: float) -> None:
+    """Rows that end early are dropped from the batch (inputs, mask, KV cache, follower); every response and its
+    top-k log-probabilities stay those of batch-1 greedy decoding, and a lockstep labeller sees the right rows."""
+    from accept_head.batch_generate import sample_batch
+    from accept_head.labels import LockstepLabeller
+    from accept_head.pairs import load_model
+
+    target = load_model({"path": str(pair[0]), "dtype": "float32"})
+    draft = load_model({"path": str(pair[1]), "dtype": "float32"})
+    prompts = [[5, 9, 10, 6], [5, 20, 6], [5, 11, 12, 13, 14, 6], [7, 8], [5, 30, 31, 32, 33, 34, 35, 6]]
+    full = _greedy_continuations(target, prompts, 10)
+    # End-of-response tokens picked so that rows finish at different steps (and some never do).
+    eos = sorted({full[0][2], full[2][5]})
+    expected = [next((seq[: i + 1] for i, t in enumerate(seq) if t in eos), seq) for seq in full]
+    assert len({len(e) for e in expected}) > 1, "the test needs rows that finish at different steps"
+    labeller = LockstepLabeller(
+        draft, batch=len(prompts), max_new_tokens=10, sampling=SamplingConfig(temperature=0.0),
+        label_mode="greedy", generator=None,
+    )  # fmt: skip
+    responses = sample_batch(
+        target, prompts, max_new_tokens=10, sampling=SamplingConfig(temperature=0.0), eos_token_ids=eos,
+        pad_token_id=0, generator=None, capture_topk=3, follower=labeller, compact_fraction=compact_fraction,
+    )  # fmt: skip
+    assert [r.token_ids for r in responses] == expected
+    labels = labeller.rows([len(e) for e in expected])
+    for prompt, response, row in zip(prompts, responses, labels, strict=True):
+        seq = torch.tensor([prompt + response.token_ids])
+        start, n = len(prompt) - 1, len(response.token_ids)
+        with torch.no_grad():
+            p_logits = target(seq).logits[0, start : start + n]
+            q_logits = draft(seq).logits[0, start : start + n]
+        top = torch.topk(p_logits.log_softmax(-1), 3, dim=-1)
+        assert response.topk_ids.tolist() == top.indices.tolist()
+        torch.testing.assert_close(response.topk_logprobs.float(), top.values, atol=2e-3, rtol=0)
+        assert row["draft_ids"] == q_logits.argmax(-1).tolist()
+        assert row["accept_prob"] == (q_logits.argmax(-1) == p_logits.argmax(-1)).float().tolist()
 
 
 def test_greedy_mode_labels_argmax_agreement_on_greedy_responses(pair: tuple[Path, Path], tmp_path: Path) -> None:
