@@ -45,8 +45,6 @@ def _gqa_eager_attention(module, query, key, value, attention_mask, scaling, dro
 
     batch, heads, q_len, dim = query.shape
     kv_heads, s_len = key.shape[1], key.shape[2]
-    # A growing cache hands out strided views; CPU matmul is ~5x slower on those than copy-then-multiply.
-    key, value = key.contiguous(), value.contiguous()
     rep = heads // kv_heads
     q = query.reshape(batch, kv_heads, rep * q_len, dim)  # head h = kv * rep + r, as repeat_kv orders them
     scores = torch.matmul(q, key.transpose(2, 3)).mul_(scaling).view(batch, kv_heads, rep, q_len, s_len)
@@ -70,54 +68,3 @@ def register_gqa_eager() -> str:
     AttentionInterface.register(GQA_EAGER, _gqa_eager_attention)
     AttentionMaskInterface.register(GQA_EAGER, eager_mask)
     return GQA_EAGER
-
-
-def growing_cache():
-    """A ``DynamicCache`` whose layers write new positions into preallocated buffers instead of re-concatenating.
-
-    ``DynamicCache`` appends with ``torch.cat``, which copies the whole cache at every step: for batched decoding on
-    CPU that is about a sixth of the time. Each :class:`GrowingLayer` keeps keys/values in a buffer with room to
-    spare (doubling when full) and hands the model a view of the filled part. Cropping, row selection and the rest
-    of ``DynamicCache``'s API behave as before (a changed tensor is simply copied into a fresh buffer at the next
-    update).
-    """
-    from transformers import DynamicCache
-    from transformers.cache_utils import Cache, DynamicLayer
-
-    class GrowingLayer(DynamicLayer):
-        _key_buffer = _value_buffer = None
-
-        def update(self, key_states, value_states, *args, **kwargs):
-            import torch
-
-            if not self.is_initialized:
-                self.lazy_initialization(key_states, value_states)
-            length = self.keys.shape[-2] if self.keys.dim() == 4 else 0
-            needed = length + key_states.shape[-2]
-            buffer = self._key_buffer
-            reusable = (
-                buffer is not None
-                and self.keys.dim() == 4
-                and self.keys.data_ptr() == buffer.data_ptr()  # still a prefix view of the buffer (or a crop of it)
-                and self.values.data_ptr() == self._value_buffer.data_ptr()
-                and buffer.shape[:2] == key_states.shape[:2]
-                and buffer.shape[-2] >= needed
-            )
-            if not reusable:
-                shape = (*key_states.shape[:2], max(2 * needed, needed + 64), key_states.shape[-1])
-                self._key_buffer = torch.empty(shape, dtype=key_states.dtype, device=key_states.device)
-                self._value_buffer = torch.empty(shape, dtype=value_states.dtype, device=value_states.device)
-                if length:
-                    self._key_buffer[..., :length, :] = self.keys
-                    self._value_buffer[..., :length, :] = self.values
-            self._key_buffer[..., length:needed, :] = key_states
-            self._value_buffer[..., length:needed, :] = value_states
-            self.keys = self._key_buffer[..., :needed, :]
-            self.values = self._value_buffer[..., :needed, :]
-            return self.keys, self.values
-
-    class GrowingCache(DynamicCache):
-        def __init__(self) -> None:
-            Cache.__init__(self, layer_class_to_replicate=GrowingLayer)
-
-    return GrowingCache()

@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from transformers import DynamicCache
 
-from ._hf_compat import growing_cache
 from .sampling import SamplingConfig, probabilities, sample
 
 
@@ -96,7 +96,7 @@ def sample_batch(
         topk_logp = torch.zeros((batch, max_new_tokens, capture_topk), dtype=torch.float16)
     rows = torch.arange(batch)  # original row of each batch position
     finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    cache = growing_cache()
+    cache = DynamicCache()
     step_ids, step_pos = ids, positions
     for step in range(max_new_tokens):
         out = model(

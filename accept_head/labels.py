@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 
-from ._hf_compat import growing_cache
 from .batch_generate import left_pad
 from .sampling import SamplingConfig, probabilities
 
@@ -307,6 +306,8 @@ class LockstepLabeller:
         label_mode: str,
         generator: torch.Generator | None,
     ) -> None:
+        from transformers import DynamicCache
+
         self.draft = draft
         self.transform = label_transform(sampling, label_mode)
         self.uniforms = (
@@ -314,7 +315,7 @@ class LockstepLabeller:
             if self.transform.greedy
             else torch.rand((batch, max_new_tokens), generator=generator, dtype=torch.float64)
         )
-        self.cache = growing_cache()
+        self.cache = DynamicCache()
         self.values = {name: torch.zeros((batch, max_new_tokens), dtype=_DTYPES[name]) for name in PER_POSITION}
         self.seconds = 0.0
 

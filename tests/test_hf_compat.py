@@ -7,7 +7,7 @@ import torch
 from tiny_models import make_llama
 from transformers import DynamicCache
 
-from accept_head._hf_compat import cache_length, crop_cache, growing_cache, register_gqa_eager
+from accept_head._hf_compat import cache_length, crop_cache, register_gqa_eager
 
 
 def test_cropped_cache_continues_exactly_like_a_fresh_prefix() -> None:
@@ -47,40 +47,3 @@ def test_grouped_eager_attention_equals_eager_attention_with_left_padding() -> N
         expected = eager(input_ids=ids, attention_mask=mask).logits
         actual = grouped(input_ids=ids, attention_mask=mask).logits
     torch.testing.assert_close(actual[mask.bool()], expected[mask.bool()], atol=1e-5, rtol=1e-5)
-
-
-def test_growing_cache_holds_what_dynamic_cache_holds_through_updates_crops_and_row_selection() -> None:
-    grown, reference = growing_cache(), DynamicCache()
-    assert isinstance(grown, DynamicCache)
-    generator = torch.Generator().manual_seed(0)
-    batch = 4
-    for step in range(120):
-        new = 5 if step == 0 else (3 if step % 7 == 0 else 1)
-        keys = torch.randn(batch, 2, new, 8, generator=generator)
-        values = torch.randn(batch, 2, new, 8, generator=generator)
-        got, want = grown.update(keys, values, 0), reference.update(keys, values, 0)
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
-        if step % 5 == 3:  # crops, as speculative decoding does after a rejection
-            crop_cache(grown, cache_length(grown) - 2)
-            crop_cache(reference, cache_length(reference) - 2)
-        if step == 4:  # drop finished rows, as batched sampling does
-            rows = torch.tensor([0, 2])
-            grown.batch_select_indices(rows)
-            reference.batch_select_indices(rows)
-            batch = 2
-    assert cache_length(grown) == cache_length(reference)
-
-
-def test_a_model_decodes_the_same_with_a_growing_cache() -> None:
-    model = make_llama(seed=0)
-    model.set_attn_implementation(register_gqa_eager())
-    ids = torch.tensor([[5, 9, 10, 11, 12], [5, 20, 21, 22, 23]])
-    with torch.no_grad():
-        outputs = []
-        for cache in (growing_cache(), DynamicCache()):
-            logits = [model(input_ids=ids, past_key_values=cache, use_cache=True).logits[:, -1]]
-            for token in range(30, 40):
-                step = torch.full((2, 1), token)
-                logits.append(model(input_ids=step, past_key_values=cache, use_cache=True).logits[:, -1])
-            outputs.append(torch.stack(logits))
-    torch.testing.assert_close(outputs[0], outputs[1], atol=1e-5, rtol=1e-5)
