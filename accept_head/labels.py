@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 from .batch_generate import left_pad
-from .sampling import SamplingConfig, probabilities
+from .sampling import SamplingConfig, inverse_cdf_sample, probabilities
 
 FORMAT = "accept_head.data_gen"
 """``meta.json["format"]`` of a label dataset."""
@@ -110,20 +110,6 @@ class PositionLabels:
     @classmethod
     def cat(cls, parts: Sequence[PositionLabels]) -> PositionLabels:
         return cls(**{name: torch.cat([getattr(p, name) for p in parts]) for name in PER_POSITION})
-
-
-def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Draw one token per row of ``probs`` (N, V) from the uniforms ``uniforms`` (N,) in [0, 1) → (N,) LongTensor.
-
-    Token j is chosen when cdf[j-1] <= u·cdf[V-1] < cdf[j], so tokens of probability 0 are never drawn. Taking one
-    uniform per position (drawn up front for a whole batch) makes the draws independent of how positions are chunked.
-    """
-    cdf = probs.double().cumsum(-1)
-    total = cdf[:, -1]
-    # u·total < total, so the draw never lands past the last token of nonzero probability.
-    target = torch.minimum(uniforms.to(cdf) * total, torch.nextafter(total, torch.zeros_like(total)))
-    ids = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
-    return ids.clamp(max=probs.shape[-1] - 1)
 
 
 def position_labels(
