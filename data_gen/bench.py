@@ -5,7 +5,8 @@
 Takes the same config as ``python -m data_gen`` (pair, prompts, sampling, batch size) and writes nothing:
 
 - **batched**: what ``python -m data_gen`` does per batch (:func:`data_gen.generate.label_batch`): left-padded batched
-  sampling with a KV cache, then teacher-forced scoring of both models in batched passes.
+  sampling with a KV cache, finished rows dropped, and (``scoring: lockstep``, the default) the draft labelling each
+  position beside the target as it is sampled; ``--scoring teacher_forced`` times the two-pass variant instead.
 - **naive**: one prompt at a time through HF ``generate``, then one teacher-forced forward per model and a Python
   loop that labels the response token by token (the shape of the original SpecDec++ data code, at batch size 1).
 
@@ -120,6 +121,7 @@ def bench(cfg: DataGenConfig, n_prompts: int = 64, naive_prompts: int = 8, outpu
         "max_new_tokens": cfg.max_new_tokens,
         "sampling": cfg.sampling().to_dict(),
         "label_mode": cfg.label_mode,
+        "scoring": cfg.scoring,
         "batched": batched.as_dict(),
         "naive": naive.as_dict(),
         "speedup": batched.tokens_per_s / max(naive.tokens_per_s, 1e-9),
@@ -130,7 +132,7 @@ def bench(cfg: DataGenConfig, n_prompts: int = 64, naive_prompts: int = 8, outpu
         f"{draft.device}); torch threads {torch.get_num_threads()}; max_new_tokens {cfg.max_new_tokens}, "
         f"label_mode {cfg.label_mode}\n"
         f"batched   batch_size {cfg.batch_size}, {batched.prompts} prompts, {batched.tokens} tokens: "
-        f"{batched.tokens_per_s:.1f} labelled tok/s (generation {batched.generation_s:.1f}s, teacher-forced scoring "
+        f"{batched.tokens_per_s:.1f} labelled tok/s (generation {batched.generation_s:.1f}s, {cfg.scoring} scoring "
         f"{batched.scoring_s:.1f}s = {100 * batched.scoring_fraction:.1f}% of the time)\n"
         f"naive     1 prompt at a time (HF generate + per-token scoring), {naive.prompts} prompts, {naive.tokens} "
         f"tokens: {naive.tokens_per_s:.1f} labelled tok/s (generation {naive.generation_s:.1f}s, scoring "
