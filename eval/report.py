@@ -97,7 +97,11 @@ def head_sources(provenance: dict) -> tuple[list[PromptSource], int]:
 def _h_star_spec(pair: Pair, specs: list[MethodSpec]) -> list[MethodSpec]:
     """Add SpecDec++ at the bundle's h* (labelled) and drop a grid point with the same h."""
     h = pair.bundle.threshold
-    specs = [s for s in specs if not (s.kind == "specdecpp" and float(s.params.get("threshold", h)) == h)]
+    specs = [
+        s
+        for s in specs
+        if not (s.kind == "specdecpp" and set(s.params) <= {"threshold"} and float(s.params.get("threshold", h)) == h)
+    ]
     return specs + [MethodSpec("specdecpp", {"threshold": h}, label=f"SpecDec++ h*={h:g}")]
 
 

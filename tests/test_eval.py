@@ -20,7 +20,7 @@ from accept_head.pairs import ModelSpec
 from eval.__main__ import main
 from eval.common import EncodedPrompt, round_robin
 from eval.methods import MethodSpec, PolicyGrid, expand_grids, headroom_share, run_interleaved
-from eval.report import head_sources
+from eval.report import _h_star_spec, head_sources
 
 # SpecDec++ §2 measured these on 2×A100 for Llama-2-chat 7B (draft) / 70B (target).
 PAPER_T_DRAFT, PAPER_T_TARGET = 0.0234, 0.112
@@ -88,6 +88,29 @@ def test_policy_grids_expand_to_named_specs_without_duplicates() -> None:
 def test_bad_policy_grids_are_rejected_with_the_offending_value(grid: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         expand_grids([grid])
+
+
+def test_h_star_is_added_once_and_variants_of_it_are_kept() -> None:
+    class Bundle:
+        threshold = 0.7
+
+    class FakePair:
+        bundle = Bundle()
+
+    specs = [
+        MethodSpec("specdecpp", {"threshold": 0.7}),
+        MethodSpec("specdecpp", {"threshold": 0.3}),
+        MethodSpec("specdecpp", {"calibrated": False}),
+        MethodSpec("specdecpp", {"min_candidates": 2}),
+    ]
+    out = _h_star_spec(FakePair(), specs)
+    assert [s.params for s in out] == [
+        {"threshold": 0.3},
+        {"calibrated": False},
+        {"min_candidates": 2},
+        {"threshold": 0.7},
+    ]
+    assert out[-1].label == "SpecDec++ h*=0.7"
 
 
 def test_round_robin_keeps_every_source_represented() -> None:
