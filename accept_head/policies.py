@@ -93,12 +93,20 @@ class FixedK(StopPolicy):
         return f"FixedK(k={self.k})"
 
 
+UNSCORED = (None, "confidence")
+
+
 class HeadThreshold(StopPolicy):
     """SpecDec++ (Alg. 2): stop once P(at least one candidate is rejected) = 1 − Π sigmoid(f(e_j)) exceeds h.
 
     Thm 3.1 shows a threshold on this probability is the optimal stopping rule for the MDP whose costs are the
     discarded draft tokens and the target calls. The head score of y_j arrives one step late, so a round submits
     y_1..y_K where y_K is unscored. ``calibration`` optionally maps raw probabilities to calibrated ones.
+
+    When the decision about drafting past y_n is taken, y_n itself has no score yet, so Alg. 2 cannot stop after
+    the first candidate: every round submits at least two. ``unscored="confidence"`` (an extension, not in the
+    paper) counts the draft's own probability q_n(y_n) for the unscored candidate instead, so a round can stop at
+    one candidate when the draft is unsure.
     """
 
     uses_hidden = True
@@ -110,15 +118,20 @@ class HeadThreshold(StopPolicy):
         min_candidates: int = 1,
         max_candidates: int = 20,
         calibration=None,
+        unscored: str | None = None,
     ) -> None:
         if not 0.0 < threshold < 1.0:
             raise ValueError(f"threshold={threshold} must be in (0, 1): it bounds P(some candidate is rejected).")
+        if unscored not in UNSCORED:
+            raise ValueError(f"unscored={unscored!r} must be one of {UNSCORED}.")
         _check_candidates(min_candidates, max_candidates)
         self.head = head
         self.threshold = float(threshold)
         self.min_candidates = min_candidates
         self.max_candidates = max_candidates
         self.calibration = calibration
+        self.unscored = unscored
+        self.uses_confidence = unscored == "confidence"
 
     def score(self, hidden: torch.Tensor) -> float:
         with torch.inference_mode():
@@ -131,7 +144,10 @@ class HeadThreshold(StopPolicy):
         if state.n < max(self.min_candidates, 1):
             return False
         all_accepted = math.prod(state.accept_probs)
+        if self.unscored == "confidence":  # candidates the head has not scored yet (the latest one)
+            all_accepted *= math.prod(state.token_probs[len(state.accept_probs) : state.n])
         return 1.0 - all_accepted > self.threshold
 
     def describe(self) -> str:
-        return f"HeadThreshold(h={self.threshold:g})"
+        extra = f", unscored={self.unscored}" if self.unscored else ""
+        return f"HeadThreshold(h={self.threshold:g}{extra})"

@@ -48,7 +48,8 @@ class MethodSpec:
     kind: str
     """autoregressive, fixed_k, specdecpp, heuristic, confidence, entropy, hf_assisted or oracle."""
     params: dict[str, Any] = field(default_factory=dict)
-    """fixed_k: k. specdecpp: threshold (default: the bundle's h*), min_candidates, max_candidates, calibrated.
+    """fixed_k: k. specdecpp: threshold (default: the bundle's h*), min_candidates, max_candidates, calibrated,
+    unscored (``confidence``: see :class:`~accept_head.policies.HeadThreshold`).
     heuristic: initial_k, persistent, max_candidates. confidence: tau, auto_tune, min/max_candidates.
     entropy: threshold (λ), gamma, min/max_candidates. hf_assisted: num_assistant_tokens, schedule,
     confidence_threshold. autoregressive and oracle take none."""
@@ -161,13 +162,17 @@ class Runner:
                 if bundle is None:
                     raise ValueError(self.supports(spec))
                 calibrated = bool(params.pop("calibrated", True))
-                return HeadThreshold(
+                policy = HeadThreshold(
                     bundle.head,
                     float(params.pop("threshold", bundle.threshold)),
                     int(params.pop("min_candidates", bundle.min_candidates)),
                     int(params.pop("max_candidates", bundle.max_candidates)),
                     calibration=bundle.calibration if calibrated else None,
+                    unscored=params.pop("unscored", None),
                 )
+                if params:
+                    raise ValueError(f"method 'specdecpp' does not take parameters {sorted(params)}.")
+                return policy
             if spec.kind == "heuristic":
                 return Heuristic(**params)
             if spec.kind == "confidence":

@@ -118,6 +118,10 @@ POLICIES = {
     "FixedK(1)": lambda draft: FixedK(1),
     "FixedK(3)": lambda draft: FixedK(3),
     "HeadThreshold(h=0.5)": lambda draft: HeadThreshold(varied_head(draft.config.hidden_size), 0.5),
+    # Stops on the draft's probability of the candidate it just drew: a stop rule that depends on the draw.
+    "HeadThreshold(h=0.85,unscored)": lambda draft: HeadThreshold(
+        varied_head(draft.config.hidden_size), 0.85, unscored="confidence"
+    ),
 }
 
 

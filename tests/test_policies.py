@@ -54,6 +54,23 @@ def test_head_threshold_never_stops_before_a_candidate_is_scored_or_below_min_ca
     assert policy.should_stop(RoundState(n=3, accept_probs=[0.01, 0.01]))
 
 
+def test_unscored_confidence_lets_a_round_stop_after_one_unsure_candidate() -> None:
+    plain = HeadThreshold(head_with_accept_prob(0.5), 0.5)
+    hybrid = HeadThreshold(head_with_accept_prob(0.5), 0.5, unscored="confidence")
+    assert hybrid.uses_confidence and not plain.uses_confidence
+    unsure, sure = RoundState(n=1, token_probs=[0.3]), RoundState(n=1, token_probs=[0.9])
+    assert not plain.should_stop(unsure)  # Alg. 2: y_1 has no score, so the round always goes on
+    assert hybrid.should_stop(unsure)  # 1 − 0.3 > 0.5
+    assert not hybrid.should_stop(sure)  # 1 − 0.9 < 0.5
+    # Scored candidates use the head; only the unscored newest one uses q_n(y_n): 1 − 0.9·0.6 = 0.46 < 0.5.
+    assert not hybrid.should_stop(RoundState(n=2, accept_probs=[0.9], token_probs=[0.1, 0.6]))
+    assert hybrid.should_stop(RoundState(n=2, accept_probs=[0.9], token_probs=[0.99, 0.5]))  # 1 − 0.45
+    assert not hybrid.should_stop(RoundState(n=0))
+    assert hybrid.describe() == "HeadThreshold(h=0.5, unscored=confidence)"
+    with pytest.raises(ValueError, match="unscored='entropy'"):
+        HeadThreshold(head_with_accept_prob(0.5), 0.5, unscored="entropy")
+
+
 def test_head_threshold_scores_hidden_states_with_its_head_and_calibration() -> None:
     hidden = torch.randn(4)
     assert HeadThreshold(head_with_accept_prob(0.8), 0.5).score(hidden) == pytest.approx(0.8)

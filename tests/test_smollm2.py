@@ -94,3 +94,22 @@ def test_greedy_output_equals_smollm2_generate_with_a_layer_skipping_draft(smoll
     )
     assert result.sequences.tolist() == references[0].tolist()
     assert sum(result.stats.accepted) > 0 and result.stats.discarded > 0
+
+
+def test_the_committed_bundle_loads_offline_and_decodes_exactly_like_the_target(smollm2) -> None:
+    """``checkpoints/smollm2-135m-specdecpp`` (committed): loads from its relative paths, and its greedy output is
+    the target's greedy continuation (float32, so chunked verification and one-token steps agree exactly)."""
+    from pathlib import Path
+
+    from accept_head import SpecDecPP
+
+    target, tokenizer, prompts, references = smollm2
+    folder = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-specdecpp"
+    bundle = SpecDecPP.from_pretrained(folder, target=target, tokenizer=tokenizer, dtype="float32")
+    assert 0.0 < bundle.threshold < 1.0 and bundle.calibration is not None
+    for ids, reference in zip(prompts, references, strict=True):
+        out = bundle.generate(ids, max_new_tokens=MAX_NEW, temperature=0.0)
+        assert out.sequences[0].tolist() == reference[0].tolist()
+        assert out.stats.target_calls <= MAX_NEW
+    sampled = bundle.generate("Write a haiku about the sea.", max_new_tokens=12, seed=0)
+    assert isinstance(sampled.text, str) and 1 <= len(sampled.new_token_ids) <= 12
