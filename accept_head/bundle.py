@@ -43,6 +43,7 @@ KNOWN_KEYS = {
     "threshold",
     "min_candidates",
     "max_candidates",
+    "unscored",
     "temperature",
     "calibration",
     "cost_model",
@@ -113,6 +114,7 @@ class SpecDecPP:
         provenance: dict | None = None,
         target_spec: ModelSpec | None = None,
         draft_spec: ModelSpec | None = None,
+        unscored: str | None = None,
     ) -> None:
         if head.hidden_size != draft.config.hidden_size:
             raise ValueError(
@@ -124,10 +126,11 @@ class SpecDecPP:
                 f"target vocab_size={target.config.vocab_size} != draft vocab_size={draft.config.vocab_size}."
             )
         # Validates threshold and candidate bounds with the same messages as the policy.
-        HeadThreshold(head, threshold, min_candidates, max_candidates)
+        HeadThreshold(head, threshold, min_candidates, max_candidates, unscored=unscored)
         self.target, self.draft, self.head, self.tokenizer = target, draft, head.eval(), tokenizer
         self.threshold = float(threshold)
         self.min_candidates, self.max_candidates = min_candidates, max_candidates
+        self.unscored = unscored
         self.temperature = temperature
         self.calibration = calibration
         self.cost_model = cost_model
@@ -142,6 +145,7 @@ class SpecDecPP:
             self.min_candidates,
             self.max_candidates,
             calibration=self.calibration,
+            unscored=self.unscored,
         )
 
     def encode(self, prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:
@@ -215,6 +219,7 @@ class SpecDecPP:
             "threshold": self.threshold,
             "min_candidates": self.min_candidates,
             "max_candidates": self.max_candidates,
+            "unscored": self.unscored,
             "temperature": self.temperature,
             "calibration": self.calibration.to_dict() if self.calibration is not None else None,
             "cost_model": self.cost_model,
@@ -321,4 +326,5 @@ class SpecDecPP:
             provenance=config.get("provenance") or {},
             target_spec=target_spec,
             draft_spec=draft_spec,
+            unscored=config.get("unscored"),
         )

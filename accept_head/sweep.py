@@ -58,6 +58,8 @@ class SweepRow:
     param: float | None
     """K for ``fixed_k``, h for ``threshold``, None for ``autoregressive``."""
     result: PolicyResult
+    variant: str | None = None
+    """For ``threshold``: HeadThreshold's ``unscored`` setting (None: Alg. 2 as in the paper)."""
 
     @property
     def label(self) -> str:
@@ -65,7 +67,7 @@ class SweepRow:
             return "autoregressive"
         if self.family == "fixed_k":
             return f"FixedK K={int(self.param)}"
-        return f"SpecDec++ h={self.param:g}"
+        return f"SpecDec++ h={self.param:g}" + (f" unscored={self.variant}" if self.variant else "")
 
     def latency(self, by: str = "modeled") -> float:
         """Seconds per generated token under the cost model (``modeled``) or as measured (``measured``)."""
@@ -73,7 +75,13 @@ class SweepRow:
         return 1.0 / rate if rate else math.inf
 
     def to_dict(self) -> dict:
-        return {"family": self.family, "param": self.param, "label": self.label, **self.result.to_dict()}
+        return {
+            "family": self.family,
+            "param": self.param,
+            "variant": self.variant,
+            "label": self.label,
+            **self.result.to_dict(),
+        }
 
 
 @dataclass
@@ -115,6 +123,7 @@ def run_sweep(
     min_candidates: int = 2,
     max_candidates: int = 20,
     calibration: Calibration | None = None,
+    unscored: Sequence[str | None] = (None,),
     autoregressive: bool = True,
     seed: int = 0,
     progress: bool = False,
@@ -123,7 +132,8 @@ def run_sweep(
     """Decode ``prompts`` (token id lists, batch size 1) with every policy and aggregate each one.
 
     Policies: the target alone (if ``autoregressive``), FixedK for each K in ``fixed_k`` and SpecDec++'s
-    HeadThreshold for each h in ``thresholds`` (with ``calibration`` applied to the head's probabilities).
+    HeadThreshold for each h in ``thresholds`` and each ``unscored`` setting (with ``calibration`` applied to the
+    head's probabilities).
     ``progress`` shows a bar labelled ``desc``.
     """
     thresholds, fixed_k = check_thresholds(thresholds), check_fixed_k(fixed_k)
@@ -132,12 +142,18 @@ def run_sweep(
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
     sampling_kwargs = {"top_k": sampling.top_k, "top_p": sampling.top_p}
-    plans: list[tuple[str, float | None, object]] = []
+    plans: list[tuple[str, float | None, object, str | None]] = []
     if autoregressive:
-        plans.append(("autoregressive", None, None))
-    plans += [("fixed_k", k, FixedK(k)) for k in fixed_k]
+        plans.append(("autoregressive", None, None, None))
+    plans += [("fixed_k", k, FixedK(k), None) for k in fixed_k]
     plans += [
-        ("threshold", h, HeadThreshold(head, h, min_candidates, max_candidates, calibration=calibration))
+        (
+            "threshold",
+            h,
+            HeadThreshold(head, h, min_candidates, max_candidates, calibration=calibration, unscored=u),
+            u,
+        )
+        for u in unscored
         for h in thresholds
     ]
     head.eval()
@@ -147,7 +163,7 @@ def run_sweep(
         from tqdm.auto import tqdm
 
         iterator = tqdm(plans, desc=f"{desc} ({len(prompts)} prompts)", unit="policy")
-    for family, param, policy in iterator:
+    for family, param, policy, variant in iterator:
         if policy is None:
             decoder = autoregressive_decoder(
                 target, max_new_tokens, eos_token_id, sampling.temperature, **sampling_kwargs
@@ -157,13 +173,10 @@ def run_sweep(
                 target, draft, policy, max_new_tokens, eos_token_id, sampling.temperature, **sampling_kwargs
             )
         stats = run_prompts(decoder, prompts, seed=seed)
-        row = SweepRow(family, param, aggregate(_name(family, param), stats, cost_model))
+        row = SweepRow(family, param, None, variant)  # type: ignore[arg-type]
+        row.result = aggregate(row.label, stats, cost_model)
         rows.append(row)
     return SweepResult(rows=rows, prompts=len(prompts), max_new_tokens=max_new_tokens)
-
-
-def _name(family: str, param: float | None) -> str:
-    return SweepRow(family, param, None).label  # type: ignore[arg-type]
 
 
 # ---- reporting -----------------------------------------------------------------------------------------------------

@@ -168,7 +168,7 @@ class Runner:
                     int(params.pop("min_candidates", bundle.min_candidates)),
                     int(params.pop("max_candidates", bundle.max_candidates)),
                     calibration=bundle.calibration if calibrated else None,
-                    unscored=params.pop("unscored", None),
+                    unscored=params.pop("unscored", bundle.unscored),
                 )
                 if params:
                     raise ValueError(f"method 'specdecpp' does not take parameters {sorted(params)}.")

@@ -67,9 +67,23 @@ def test_bundle_round_trip_gives_identical_generations_for_a_fixed_seed(bundle: 
     for prompt in ("the code", [5, 9, 10, 11]):
         assert_same_generation(bundle, loaded, prompt=prompt, max_new_tokens=24, seed=3)
         assert_same_generation(bundle, loaded, prompt=prompt, max_new_tokens=24, temperature=0)
+    assert loaded.unscored is None and loaded.policy().unscored is None
     # Saving what was loaded reproduces the same config: save_pretrained and from_pretrained are inverses.
     loaded.save_pretrained(tmp_path / "again")
     assert (tmp_path / "again" / CONFIG_NAME).read_text() == (tmp_path / "bundle" / CONFIG_NAME).read_text()
+
+
+def test_bundle_keeps_the_unscored_variant_of_its_stop_rule(bundle: SpecDecPP, tmp_path: Path) -> None:
+    variant = SpecDecPP(
+        bundle.target, bundle.draft, bundle.head, 0.6, tokenizer=bundle.tokenizer, unscored="confidence",
+        target_spec=bundle.target_spec, draft_spec=bundle.draft_spec,
+    )  # fmt: skip
+    variant.save_pretrained(tmp_path / "bundle")
+    assert json.loads((tmp_path / "bundle" / CONFIG_NAME).read_text())["unscored"] == "confidence"
+    loaded = SpecDecPP.from_pretrained(tmp_path / "bundle")
+    assert loaded.unscored == "confidence" and loaded.policy().uses_confidence
+    with pytest.raises(ValueError, match="unscored='sometimes'"):
+        SpecDecPP(bundle.target, bundle.draft, bundle.head, 0.6, unscored="sometimes")
 
 
 def test_bundle_config_is_sorted_versioned_and_complete(bundle: SpecDecPP, tmp_path: Path) -> None:

@@ -59,6 +59,10 @@ def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_genera
     config = json.loads((bundle_dir / "config.json").read_text())
     provenance = config["provenance"]
     assert config["threshold"] == report.threshold and config["head"] == {"hidden_size": 16, "depth": 1}
+    # Both HeadThreshold variants were swept with every h; the bundle keeps the chosen one.
+    swept = {(row.param, row.variant) for row in report.sweep.family("threshold")}
+    assert swept == {(0.3, None), (0.7, None), (0.3, "confidence"), (0.7, "confidence")}
+    assert config["unscored"] == report.unscored and report.closing[-1].variant == report.unscored
     assert provenance["config"]["model"]["w_rej"] == 3.0 and provenance["data_meta"]["format"] == "accept_head.data_gen"
     split = json.loads((bundle_dir / "split.json").read_text())
     assert len(split["val"]) == 6 and set(split["val"]).isdisjoint(split["train"])

@@ -103,6 +103,7 @@ def train_config(setup: TinySetup, run_dir: Path, *, stages: bool = True, **sect
         "sweep": {
             "enabled": stages,
             "thresholds": [0.3, 0.7],
+            "unscored": [None, "confidence"],
             "fixed_k": [1, 2],
             "prompts": 2,
             "eval_prompts": 2,

@@ -239,6 +239,7 @@ class ThresholdSweep(EndOfFitStage):
         eval_prompts: int = 0,
         min_candidates: int = 2,
         max_candidates: int = 20,
+        unscored: list[str | None] = [None],  # noqa: B006 (jsonargparse reads the default)
         select: Literal["modeled", "measured"] = "modeled",
         seed: int = 0,
         progress: bool = True,
@@ -254,6 +255,9 @@ class ThresholdSweep(EndOfFitStage):
                 sweep did not see; 0 reuses the sweep's rows.
             min_candidates: Candidates SpecDec++ always drafts per round (the official evaluation forces 2).
             max_candidates: Cap on candidates per round (the paper: 20).
+            unscored: HeadThreshold variants swept with every h: ``null`` is Alg. 2 (the newest, unscored candidate
+                is ignored, so rounds submit at least two); ``confidence`` counts its draft probability instead.
+                h* and the variant are chosen together.
             select: Pick h* (and the best K) by ``modeled`` latency (cost model, eq. 2.3) or ``measured`` tokens/s.
             seed: Seed of the per-prompt sampling generators (the same for every policy).
             progress: Show a progress bar.
@@ -270,6 +274,7 @@ class ThresholdSweep(EndOfFitStage):
         self.enabled, self.thresholds, self.fixed_k = enabled, [float(h) for h in thresholds], list(fixed_k)
         self.prompts, self.max_new_tokens, self.eval_prompts = prompts, max_new_tokens, eval_prompts
         self.min_candidates, self.max_candidates = min_candidates, max_candidates
+        self.unscored = list(unscored) or [None]
         self.select, self.seed, self.progress = select, seed, progress
 
     def _run(
@@ -308,13 +313,22 @@ class ThresholdSweep(EndOfFitStage):
             print(f"sweep: the validation split has only {len(prompts)} prompts (asked for {self.prompts})")
         by = self.select if report.cost_model is not None else "measured"
         result = self._run(
-            dm, pl_module, report, prompts, "threshold sweep", thresholds=self.thresholds, fixed_k=self.fixed_k
+            dm,
+            pl_module,
+            report,
+            prompts,
+            "threshold sweep",
+            thresholds=self.thresholds,
+            fixed_k=self.fixed_k,
+            unscored=self.unscored,
         )
         best = result.best("threshold", by)
-        report.sweep, report.threshold = result, float(best.param)
+        report.sweep, report.threshold, report.unscored = result, float(best.param), best.variant
         report.min_candidates, report.max_candidates = self.min_candidates, self.max_candidates
         report.threshold_selection = (
-            f"lowest {by} latency per token over h in {self.thresholds} on {len(prompts)} held-out validation "
+            f"lowest {by} latency per token over h in {self.thresholds}"
+            + (f" × unscored in {self.unscored}" if self.unscored != [None] else "")
+            + f" on {len(prompts)} held-out validation "
             f"prompts, up to {self.max_new_tokens} new tokens each"
         )
         report.artifacts["pareto"] = str(pareto_plot(result, folder / "pareto.png"))
@@ -322,7 +336,8 @@ class ThresholdSweep(EndOfFitStage):
         self._log_table(trainer, result.to_records())
         baseline = result.family("autoregressive")[0] if result.family("autoregressive") else None
         print(format_table(result.rows, baseline, title=f"threshold sweep ({len(prompts)} validation prompts)"))
-        print(f"h* = {report.threshold:g} ({by} latency)", flush=True)
+        variant = f", unscored={report.unscored}" if report.unscored else ""
+        print(f"h* = {report.threshold:g}{variant} ({by} latency)", flush=True)
 
         best_k = result.best("fixed_k", by) if result.family("fixed_k") else None
         held = dm.val_prompts(self.eval_prompts, offset=len(prompts)) if self.eval_prompts else []
@@ -336,6 +351,7 @@ class ThresholdSweep(EndOfFitStage):
                 held,
                 "held-out comparison",
                 thresholds=[report.threshold],
+                unscored=[report.unscored],
                 fixed_k=[int(best_k.param)] if best_k is not None else [],
             )
             report.closing = closing.rows
@@ -472,6 +488,7 @@ class ExportBundle(EndOfFitStage):
             provenance=provenance,
             target_spec=_portable_spec(dm.target_spec, bundle_dir),
             draft_spec=_portable_spec(dm.draft, bundle_dir),
+            unscored=report.unscored,
         )
         bundle.save_pretrained(bundle_dir)
         (bundle_dir / "split.json").write_text(json.dumps(dm.split_record(), indent=1) + "\n")

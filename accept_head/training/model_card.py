@@ -58,7 +58,8 @@ def model_card(
         "",
         f"A `SpecDecPP` bundle (accept-head): target {_spec(bundle.target_spec)}, draft {_spec(bundle.draft_spec)}, "
         f"a depth-{bundle.head.depth} acceptance head (width {bundle.head.hidden_size}) on the draft's final hidden "
-        f"state, stopping threshold **h\\* = {bundle.threshold:g}**, {bundle.min_candidates}–{bundle.max_candidates} "
+        f"state, stopping threshold **h\\* = {bundle.threshold:g}**{_unscored(bundle)}, "
+        f"{bundle.min_candidates}–{bundle.max_candidates} "
         "candidates per round. Decoding is lossless: the output is distributed exactly as the target's.",
         "",
         "```python",
@@ -155,3 +156,9 @@ def model_card(
         lines.append(markdown_table(report.closing, base))
     lines.append("")
     return "\n".join(lines)
+
+
+def _unscored(bundle) -> str:
+    if bundle.unscored == "confidence":
+        return " (the newest, not yet scored candidate counted by its draft probability, so a round can stop at one)"
+    return ""

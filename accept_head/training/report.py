@@ -26,6 +26,8 @@ class FitReport:
     """How h* was chosen (criterion and prompts)."""
     min_candidates: int | None = None
     max_candidates: int | None = None
+    unscored: str | None = None
+    """HeadThreshold's ``unscored`` setting chosen with h* (None: Alg. 2)."""
     closing: list[SweepRow] = field(default_factory=list)
     """Autoregressive, best fixed K and SpecDec++ at h*, on held-out prompts."""
     closing_prompts: str = ""
