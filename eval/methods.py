@@ -75,6 +75,8 @@ class MethodSpec:
             return text + (f" conf={settings.confidence_threshold:g}" if settings.confidence_threshold else "")
         parts = []
         for key, value in self.params.items():
+            if value is None:  # an explicit default (e.g. unscored: null, Alg. 2) needs no mention
+                continue
             short = _SHORT_BY_KIND.get((self.kind, key), _SHORT.get(key, key))
             parts.append(f"{short}={value:.3g}" if isinstance(value, float) else f"{short}={value}")
         return " ".join([self.family, *parts])

@@ -96,12 +96,17 @@ def head_sources(provenance: dict) -> tuple[list[PromptSource], int]:
 
 def _h_star_spec(pair: Pair, specs: list[MethodSpec]) -> list[MethodSpec]:
     """Add SpecDec++ at the bundle's h* (labelled) and drop a grid point with the same h."""
-    h = pair.bundle.threshold
-    specs = [
-        s
-        for s in specs
-        if not (s.kind == "specdecpp" and set(s.params) <= {"threshold"} and float(s.params.get("threshold", h)) == h)
-    ]
+    h, unscored = pair.bundle.threshold, pair.bundle.unscored
+
+    def same_as_h_star(s: MethodSpec) -> bool:
+        return (
+            s.kind == "specdecpp"
+            and set(s.params) <= {"threshold", "unscored"}
+            and float(s.params.get("threshold", h)) == h
+            and s.params.get("unscored", unscored) == unscored
+        )
+
+    specs = [s for s in specs if not same_as_h_star(s)]
     return specs + [MethodSpec("specdecpp", {"threshold": h}, label=f"SpecDec++ h*={h:g}")]
 
 

@@ -93,6 +93,7 @@ def test_bad_policy_grids_are_rejected_with_the_offending_value(grid: dict, matc
 def test_h_star_is_added_once_and_variants_of_it_are_kept() -> None:
     class Bundle:
         threshold = 0.7
+        unscored = None
 
     class FakePair:
         bundle = Bundle()
@@ -102,14 +103,18 @@ def test_h_star_is_added_once_and_variants_of_it_are_kept() -> None:
         MethodSpec("specdecpp", {"threshold": 0.3}),
         MethodSpec("specdecpp", {"calibrated": False}),
         MethodSpec("specdecpp", {"min_candidates": 2}),
+        MethodSpec("specdecpp", {"threshold": 0.7, "unscored": None}),  # the same as h*
+        MethodSpec("specdecpp", {"threshold": 0.7, "unscored": "confidence"}),
     ]
     out = _h_star_spec(FakePair(), specs)
     assert [s.params for s in out] == [
         {"threshold": 0.3},
         {"calibrated": False},
         {"min_candidates": 2},
+        {"threshold": 0.7, "unscored": "confidence"},
         {"threshold": 0.7},
     ]
+    assert out[3].name == "SpecDec++ h=0.7 unscored=confidence" and specs[4].name == "SpecDec++ h=0.7"
     assert out[-1].label == "SpecDec++ h*=0.7"
 
 
