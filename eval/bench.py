@@ -37,6 +37,7 @@ from .methods import (
     MethodSummary,
     Runner,
     best_of,
+    h_star_label,
     prompt_seed,
     run_interleaved,
     summarize,
@@ -250,9 +251,7 @@ def bench(
         specs = [
             MethodSpec("autoregressive"),
             MethodSpec("fixed_k", {"k": best_k}),
-            MethodSpec(
-                "specdecpp", {"threshold": pair.bundle.threshold}, label=f"SpecDec++ h*={pair.bundle.threshold:g}"
-            ),
+            MethodSpec("specdecpp", {"threshold": pair.bundle.threshold}, label=h_star_label(pair.bundle)),
             MethodSpec("heuristic", {"initial_k": heuristic_initial_k}),
             MethodSpec("confidence", {"tau": tau}),
             MethodSpec("entropy", {"threshold": validation["best_entropy_threshold"], "gamma": entropy_gamma}),

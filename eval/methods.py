@@ -358,3 +358,8 @@ def headroom_share(policy: float, best_fixed_k: float, oracle: float) -> float |
     (policy − best FixedK) / (Oracle − best FixedK) (None when the oracle is no better than fixed K)."""
     gap = oracle - best_fixed_k
     return (policy - best_fixed_k) / gap if gap > 0 else None
+
+
+def h_star_label(bundle) -> str:
+    """Display name of a bundle's own policy: ``SpecDec++ h*=0.7`` (+ its unscored variant, if any)."""
+    return f"SpecDec++ h*={bundle.threshold:g}" + (f" unscored={bundle.unscored}" if bundle.unscored else "")

@@ -29,7 +29,16 @@ from .common import (
     text_table,
     write_json,
 )
-from .methods import MethodSpec, MethodSummary, PolicyGrid, best_of, expand_grids, headroom_share, throughput
+from .methods import (
+    MethodSpec,
+    MethodSummary,
+    PolicyGrid,
+    best_of,
+    expand_grids,
+    h_star_label,
+    headroom_share,
+    throughput,
+)
 from .plots import costs_plot, pareto_plot, reliability_plot
 from .sweep import run_sweep, sweep_table, temperature_key
 
@@ -107,7 +116,7 @@ def _h_star_spec(pair: Pair, specs: list[MethodSpec]) -> list[MethodSpec]:
         )
 
     specs = [s for s in specs if not same_as_h_star(s)]
-    return specs + [MethodSpec("specdecpp", {"threshold": h}, label=f"SpecDec++ h*={h:g}")]
+    return specs + [MethodSpec("specdecpp", {"threshold": h}, label=h_star_label(pair.bundle))]
 
 
 def _h_star(summaries: Sequence[MethodSummary]) -> MethodSummary | None:
