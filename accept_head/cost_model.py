@@ -73,18 +73,21 @@ def fit_linear(ks: Sequence[float], times: Sequence[float]) -> tuple[float, floa
     return float(coef[0]), float(coef[1]), r2
 
 
-def _timed(fn, repeats: int, warmup: int, device: torch.device | None = None) -> list[float]:
-    """Wall-clock seconds of ``repeats`` calls after ``warmup``; waits for the GPU so asynchronous kernels count."""
+def _timed_interleaved(fns: dict, repeats: int, warmup: int, device: torch.device | None = None) -> dict:
+    """Wall-clock seconds of ``repeats`` calls of each function after ``warmup``, called round-robin so that machine
+    noise is shared; waits for the GPU so asynchronous kernels count."""
     sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
     for _ in range(warmup):
-        fn()
-    out = []
+        for fn in fns.values():
+            fn()
+    out: dict = {key: [] for key in fns}
     for _ in range(repeats):
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        out.append(time.perf_counter() - start)
+        for key, fn in fns.items():
+            sync()
+            start = time.perf_counter()
+            fn()
+            sync()
+            out[key].append(time.perf_counter() - start)
     return out
 
 
@@ -122,26 +125,32 @@ def measure_costs(
     def head_step():
         head.accept_prob(captured["h"][0, -1][None, :])
 
-    try:
-        draft_times = _timed(draft_step, repeats, warmup, device)
-        head_times = _timed(head_step, repeats, warmup, device) if head is not None else [0.0]
-    finally:
-        hook.remove()
     target_cache = DynamicCache()
     target(input_ids=prefix, past_key_values=target_cache, use_cache=True, logits_to_keep=1)
-    measured: dict = {"draft": _summary(draft_times), "head": _summary(head_times), "target": {}}
-    medians = []
-    for k in ks:
+    steps: dict = {"draft": draft_step}
+    if head is not None:
+        steps["head"] = head_step  # right after the draft step whose hidden state it reads
+    for k in dict.fromkeys(int(k) for k in ks):
         ids = torch.randint(0, vocab, (1, k + 1), generator=gen).to(device)
 
         def target_step(ids=ids):
             target(input_ids=ids, past_key_values=target_cache, use_cache=True)
             crop_cache(target_cache, context)
 
-        times = _timed(target_step, repeats, warmup, device)
-        measured["target"][int(k)] = _summary(times)
-        medians.append(statistics.median(times))
-    a, b, r2 = fit_linear(list(ks), medians)
+        steps[k] = target_step
+    # Round-robin (draft, head, K = 1..20, then again): a burst of load from elsewhere on a shared machine hits every
+    # measurement alike instead of bending the line fitted through them.
+    try:
+        times = _timed_interleaved(steps, repeats, warmup, device)
+    finally:
+        hook.remove()
+    draft_times, head_times = times.pop("draft"), times.pop("head", [0.0])
+    measured: dict = {"draft": _summary(draft_times), "head": _summary(head_times), "target": {}}
+    medians = []
+    for k, k_times in times.items():
+        measured["target"][k] = _summary(k_times)
+        medians.append(statistics.median(k_times))
+    a, b, r2 = fit_linear(list(times), medians)
     t_draft = statistics.median(draft_times) + statistics.median(head_times)
     return CostModel(t_draft=t_draft, t_target_a=max(a, 1e-9), t_target_b=b, r2=r2, measured=measured)
 
