@@ -562,8 +562,11 @@ def test_shipped_configs_cover_the_required_setups() -> None:
     assert names["llama2-70b-alpaca"].prompts[0].path == "hf:tatsu-lab/alpaca"
     gpu = parse_config(["--config", str(REPO / "configs/data_gen/llama2-70b-alpaca.yaml"), "--shard", "1/2"])
     assert gpu.shard_index() == (1, 2) and gpu.target.extra == {"device_map": "auto"}
-    for source in names["instructions"].prompts:  # the head split reads files that exist
-        assert (REPO / source.path).is_file(), source.path
+    shared = (REPO / "../shared/data").resolve()
+    for source in names["instructions"].prompts:  # the head split reads the shared prompt files
+        assert source.path.startswith("../shared/data/"), source.path
+        # The files themselves sit beside the checkout only on machines that have ../shared (not in every clone).
+        assert not shared.is_dir() or (REPO / source.path).is_file(), source.path
 
 
 def test_benchmark_runs_on_a_tiny_pair(pair, tmp_path: Path, capsys) -> None:
