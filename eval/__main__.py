@@ -4,6 +4,7 @@ Examples::
 
     python -m eval bench --config configs/eval/bench.yaml
     python -m eval report --config configs/eval/report.yaml
+    python -m eval ablate --config configs/eval/ablate.yaml
     python -m eval costs --bundle checkpoints/smollm2-135m-specdecpp
     python -m eval sweep --bundle B --prompts '[{path: humaneval, limit: 8}]' --temperatures '[0]'
     python -m eval calibration --bundle B --prompts '[{path: humaneval, limit: 8}]'
@@ -18,13 +19,21 @@ from collections.abc import Sequence
 
 def commands() -> dict:
     """Subcommand name → function (imported lazily, so ``--help`` of one does not load the others' dependencies)."""
+    from .ablate import ablate
     from .bench import bench
     from .calibration import calibration
     from .costs import costs
     from .report import report
     from .sweep import sweep
 
-    return {"calibration": calibration, "costs": costs, "sweep": sweep, "bench": bench, "report": report}
+    return {
+        "calibration": calibration,
+        "costs": costs,
+        "sweep": sweep,
+        "bench": bench,
+        "report": report,
+        "ablate": ablate,
+    }
 
 
 def main(argv: Sequence[str] | None = None):

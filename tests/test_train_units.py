@@ -155,6 +155,17 @@ def test_prompt_split_refuses_an_empty_validation_split():
         prompt_split(["a", "b", "c"], val_fraction=0.1, val_size=None, seed=0)
 
 
+def test_prompt_split_train_fraction_subsets_training_prompts_only():
+    ids = [f"src:{i}" for i in range(50)]
+    full = prompt_split(ids, val_fraction=0.2, val_size=None, seed=3)
+    half = prompt_split(ids, val_fraction=0.2, val_size=None, seed=3, train_fraction=0.5)
+    assert half["val"] == full["val"]  # the same validation prompts, whatever the fraction
+    assert len(half["train"]) == 20 and set(half["train"]) < set(full["train"])
+    assert half == prompt_split(ids, 0.2, None, seed=3, train_fraction=0.5)
+    with pytest.raises(ValueError, match=r"train_fraction=0 must be in \(0, 1\]"):
+        prompt_split(ids, 0.2, None, seed=3, train_fraction=0)
+
+
 def test_bucket_batches_cover_each_row_once_and_group_similar_lengths():
     lengths = [int(v) for v in torch.randint(5, 500, (103,), generator=torch.Generator().manual_seed(0))]
     sampler = EpochRandomSampler(range(103), seed=0)

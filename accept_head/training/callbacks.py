@@ -241,6 +241,7 @@ class ThresholdSweep(EndOfFitStage):
         max_candidates: int = 20,
         unscored: list[str | None] = [None],  # noqa: B006 (jsonargparse reads the default)
         select: Literal["modeled", "measured"] = "modeled",
+        autoregressive: bool = True,
         seed: int = 0,
         progress: bool = True,
     ) -> None:
@@ -259,6 +260,8 @@ class ThresholdSweep(EndOfFitStage):
                 is ignored, so rounds submit at least two); ``confidence`` counts its draft probability instead.
                 h* and the variant are chosen together.
             select: Pick h* (and the best K) by ``modeled`` latency (cost model, eq. 2.3) or ``measured`` tokens/s.
+            autoregressive: Decode with the target alone too (the reference of the speed-ups; False saves its time
+                when only the thresholds are compared, e.g. in ``python -m eval ablate``).
             seed: Seed of the per-prompt sampling generators (the same for every policy).
             progress: Show a progress bar.
         """
@@ -275,7 +278,7 @@ class ThresholdSweep(EndOfFitStage):
         self.prompts, self.max_new_tokens, self.eval_prompts = prompts, max_new_tokens, eval_prompts
         self.min_candidates, self.max_candidates = min_candidates, max_candidates
         self.unscored = list(unscored) or [None]
-        self.select, self.seed, self.progress = select, seed, progress
+        self.select, self.autoregressive, self.seed, self.progress = select, autoregressive, seed, progress
 
     def _run(
         self,
@@ -321,6 +324,7 @@ class ThresholdSweep(EndOfFitStage):
             thresholds=self.thresholds,
             fixed_k=self.fixed_k,
             unscored=self.unscored,
+            autoregressive=self.autoregressive,
         )
         best = result.best("threshold", by)
         report.sweep, report.threshold, report.unscored = result, float(best.param), best.variant
@@ -353,6 +357,7 @@ class ThresholdSweep(EndOfFitStage):
                 thresholds=[report.threshold],
                 unscored=[report.unscored],
                 fixed_k=[int(best_k.param)] if best_k is not None else [],
+                autoregressive=self.autoregressive,
             )
             report.closing = closing.rows
             report.closing_prompts = (

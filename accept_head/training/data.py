@@ -76,12 +76,23 @@ def check_draft(meta: dict, draft: ModelSpec, path: str | Path) -> None:
         )
 
 
-def prompt_split(prompt_ids: Sequence[str], val_fraction: float, val_size: int | None, seed: int) -> dict[str, Any]:
+def _check_train_fraction(train_fraction: float) -> None:
+    if not 0.0 < train_fraction <= 1.0:
+        raise ValueError(f"train_fraction={train_fraction} must be in (0, 1]; 1 trains on every training prompt.")
+
+
+def prompt_split(
+    prompt_ids: Sequence[str], val_fraction: float, val_size: int | None, seed: int, train_fraction: float = 1.0
+) -> dict[str, Any]:
     """A seeded, disjoint train/validation split of prompt ids (a permutation of the sorted ids).
 
-    Returns a JSON-ready record: ``{"seed", "val_fraction", "val_size", "train": [...], "val": [...]}``; the
-    validation ids keep the permuted order, so "the first n validation prompts" is itself a seeded sample.
+    ``train_fraction`` < 1 keeps a seeded subset of the training prompts (training-set-size experiments); the
+    validation split does not depend on it, so heads trained on different fractions are validated alike.
+    Returns a JSON-ready record: ``{"seed", "val_fraction", "val_size", "train_fraction", "train": [...],
+    "val": [...]}``; the validation ids keep the permuted order, so "the first n validation prompts" is itself a
+    seeded sample.
     """
+    _check_train_fraction(train_fraction)
     ids = sorted(set(prompt_ids))
     if len(ids) != len(prompt_ids):
         raise ValueError(f"The dataset holds duplicate prompt_ids ({len(prompt_ids) - len(ids)}); regenerate it.")
@@ -98,8 +109,20 @@ def prompt_split(prompt_ids: Sequence[str], val_fraction: float, val_size: int |
         )
     order = torch.randperm(len(ids), generator=torch.Generator().manual_seed(seed)).tolist()
     val = [ids[i] for i in order[:n_val]]
-    train = [ids[i] for i in sorted(order[n_val:])]
-    return {"seed": seed, "val_fraction": val_fraction, "val_size": val_size, "train": train, "val": val}
+    kept = order[n_val:]
+    if train_fraction < 1.0:
+        n_train = max(1, int(round(train_fraction * len(kept))))
+        subset = torch.randperm(len(kept), generator=torch.Generator().manual_seed(seed + 1))[:n_train].tolist()
+        kept = [kept[i] for i in subset]
+    train = [ids[i] for i in sorted(kept)]
+    return {
+        "seed": seed,
+        "val_fraction": val_fraction,
+        "val_size": val_size,
+        "train_fraction": train_fraction,
+        "train": train,
+        "val": val,
+    }
 
 
 # ---- mixing dataset, bucketed batches, collation -------------------------------------------------------------------
@@ -294,6 +317,7 @@ class AcceptanceDataModule(LightningDataModule):
         mix_ratio: float = 0.15,
         val_fraction: float = 0.1,
         val_size: int | None = None,
+        train_fraction: float = 1.0,
         split_seed: int = 0,
         mix_seed: int = 0,
         batch_size: int = 32,
@@ -315,6 +339,8 @@ class AcceptanceDataModule(LightningDataModule):
                 rather than the draft's Y_i (no loss there). The official code uses 0.15.
             val_fraction: Fraction of prompts held out for validation (ignored when ``val_size`` is set).
             val_size: Number of prompts held out for validation.
+            train_fraction: Train on this seeded fraction of the training prompts (in (0, 1]; for training-set-size
+                experiments: the validation split stays the same).
             split_seed: Seed of the prompt-level train/validation permutation.
             mix_seed: Seed of the token mixing (combined with the epoch and each prompt's id).
             batch_size: Prompts per batch.
@@ -333,6 +359,7 @@ class AcceptanceDataModule(LightningDataModule):
             )
         if val_size is not None and val_size < 1:
             raise ValueError(f"val_size={val_size}: the validation split would be empty; set --data.val_size >= 1.")
+        _check_train_fraction(train_fraction)
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size} must be >= 1.")
         if max_length is not None and max_length < 2:
@@ -343,6 +370,7 @@ class AcceptanceDataModule(LightningDataModule):
         self.data_gen = data_gen
         self.mix_ratio, self.mix_seed = mix_ratio, mix_seed
         self.val_fraction, self.val_size, self.split_seed = val_fraction, val_size, split_seed
+        self.train_fraction = train_fraction
         self.batch_size, self.bucket_pool, self.max_length = batch_size, bucket_pool, max_length
         self.num_workers = num_workers
         self.test_path = str(Path(test_path).expanduser()) if test_path else None
@@ -376,7 +404,9 @@ class AcceptanceDataModule(LightningDataModule):
                     f"data.target={self.target_override.path!r} is not the target the labels of {self.path} were "
                     f"made with ({labelled.get('path')!r}); data.target may change dtype/device/attention only."
                 )
-        self.split = prompt_split([row.prompt_id for row in rows], self.val_fraction, self.val_size, self.split_seed)
+        self.split = prompt_split(
+            [row.prompt_id for row in rows], self.val_fraction, self.val_size, self.split_seed, self.train_fraction
+        )
         val_ids = set(self.split["val"])
         by_id = {row.prompt_id: row for row in rows}
         train_rows = [by_id[pid] for pid in self.split["train"]]
