@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .decoding import _as_input_ids, autoregressive_generate
+from .decoding import DecodeStats, _as_input_ids, autoregressive_generate
 from .policies import RoundState, StopPolicy, _check_candidates
 
 UNBOUNDED = 2**31 - 1
@@ -279,6 +279,35 @@ class Oracle(StopPolicy):
         """Share of the continuation's positions (last excluded) where the draft's greedy token is the target's."""
         judged = max(len(self.continuation) - 1, 1)
         return 1.0 - len(self.mismatches) / judged
+
+    def rounds(self) -> list[int]:
+        """Candidates per round of the oracle's decoding (Lemma 2.1): each run of matching positions is drafted and
+        accepted, and the target writes the mismatch (or the final token) that ends it; 0 for a round that starts on
+        a mismatch."""
+        end = self.prompt_length + len(self.continuation)
+        out, position = [], self.prompt_length
+        while position < end:
+            k = 0
+            while position + k < end - 1 and position + k not in self.mismatches:
+                k += 1
+            out.append(k)
+            position += k + 1
+        return out
+
+    def limit_stats(self) -> DecodeStats:
+        """The counters of decoding with this oracle exactly as Lemma 2.1 defines it: N_target = |S| + 1 rounds,
+        one draft step per candidate, zero discards (no timing). Decoding in bf16 can drift from the greedy
+        continuation the oracle was built on (verifying several tokens at once may flip a near-tie argmax); these
+        counts are the limit itself, free of that drift."""
+        rounds = self.rounds()
+        return DecodeStats(
+            generated=len(self.continuation),
+            target_calls=len(rounds),
+            draft_calls=sum(rounds),
+            discarded=0,
+            proposed=list(rounds),
+            accepted=list(rounds),
+        )
 
     def should_stop(self, state: RoundState) -> bool:
         end = self.prompt_length + len(self.continuation)

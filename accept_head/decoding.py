@@ -265,12 +265,14 @@ def speculative_generate(
             candidates: list[int] = []
             q_rows: list[torch.Tensor] = []
             t0 = time.perf_counter()
-            logits = _forward(draft, torch.tensor([draft_pending], device=device), draft_cache, last_only=True)
-            stats.draft_calls += 1
-            draft_pending = []
-            # Ask once before the first candidate (a policy may submit none); then after each new candidate y_n,
-            # when scores of y_1..y_{n-1} are known: the score of y_n arrives with the pass that drafts y_{n+1}.
+            # Ask once before the first candidate (a policy may submit none: then the draft is not run this round and
+            # catches up next round); then after each new candidate y_n, when scores of y_1..y_{n-1} are known: the
+            # score of y_n arrives with the pass that drafts y_{n+1}.
             drafting = limit > 0 and not policy.should_stop(state)
+            if drafting:
+                logits = _forward(draft, torch.tensor([draft_pending], device=device), draft_cache, last_only=True)
+                stats.draft_calls += 1
+                draft_pending = []
             while drafting:
                 q = probabilities(logits[-1], sampling)
                 y = int(sample(q[None, :], generator)[0])

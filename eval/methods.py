@@ -195,6 +195,20 @@ class Runner:
             )
         return self._oracles[key]
 
+    def _decode_oracle(self, ids: Sequence[int], generator: torch.Generator, common: dict) -> GenerationResult:
+        """Decode with the prompt's oracle for the wall time; count as Lemma 2.1 does (see :meth:`Oracle.limit_stats`:
+        bf16 verification can drift from the greedy continuation the oracle was built on, and the limit is defined
+        on that continuation)."""
+        oracle = self.oracle(ids)
+        result = speculative_generate(
+            self.pair.target, self.pair.draft, ids, oracle, self.max_new_tokens, generator=generator, **common
+        )
+        timed = result.stats
+        counts = oracle.limit_stats()
+        counts.draft_time, counts.head_time = timed.draft_time, timed.head_time
+        counts.target_time, counts.total_time = timed.target_time, timed.total_time
+        return GenerationResult(result.sequences, counts)
+
     def decoder(self, spec: MethodSpec) -> Decoder:
         """A function (prompt ids, generator) → :class:`GenerationResult` running ``spec``."""
         reason = self.supports(spec)
@@ -215,9 +229,7 @@ class Runner:
         if spec.kind == "oracle":
             if spec.params:
                 raise ValueError(f"oracle takes no parameters, got {spec.params}.")
-            return lambda ids, gen: speculative_generate(
-                target, draft, ids, self.oracle(ids), self.max_new_tokens, generator=gen, **common
-            )
+            return lambda ids, gen: self._decode_oracle(ids, gen, common)
         policy = self.policy(spec)
         return lambda ids, gen: speculative_generate(
             target, draft, ids, policy, self.max_new_tokens, generator=gen, **common

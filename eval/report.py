@@ -431,6 +431,9 @@ def render_markdown(payload: dict, figures_dir: str) -> str:
         f"{settings['select_by']} tokens/s. Temperatures: "
         + ", ".join("greedy" if t == 0 else f"{t:g}" for t in settings["temperatures"])
         + ".",
+        "- Oracle (greedy): the hindsight limit of SpecDec++ Lemma 2.1 on the target's greedy continuation — its "
+        "counts (N_target = |S| + 1, zero discards, one draft step per candidate) and modeled tokens/s are the limit "
+        "itself; its tokens/s is the wall time of decoding with it.",
         "",
         "## Prompt sets",
         "",

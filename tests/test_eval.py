@@ -220,6 +220,21 @@ def write_config(path: Path, config: dict) -> str:
     return str(path)
 
 
+def test_oracle_method_counts_lemma_2_1_and_times_the_real_decoding(tiny) -> None:
+    from eval.common import load_pair
+    from eval.methods import Runner
+
+    pair = load_pair(tiny["bundle"])
+    runner = Runner(pair, max_new_tokens=12, temperature=0.0)
+    ids = pair.tokenizer.encode("write a short poem about two")
+    result = runner.decoder(MethodSpec("oracle"))(ids, torch.Generator().manual_seed(0))
+    oracle = runner.oracle(ids)
+    stats = result.stats
+    assert stats.target_calls == len(oracle.mismatches) + 1 and stats.discarded == 0
+    assert stats.proposed == oracle.rounds() and stats.draft_calls == sum(oracle.rounds())
+    assert stats.total_time > 0 and stats.target_time > 0  # the wall time is the decoding's
+
+
 def test_costs_command_writes_json_and_plot(tiny, tmp_path) -> None:
     out = tmp_path / "costs"
     payload = main(

@@ -230,6 +230,12 @@ def test_oracle_reaches_lemma_2_1_target_calls_with_zero_discards(pair, prompt: 
     assert result.stats.target_calls == len(oracle.mismatches) + 1
     assert result.stats.discarded == 0
     assert sum(result.stats.accepted) == result.stats.generated - result.stats.target_calls
+    # Decoding with the oracle costs exactly what Lemma 2.1 counts: one draft step per candidate (a round that starts
+    # on a mismatch runs no draft pass), the same rounds, nothing discarded.
+    limit = oracle.limit_stats()
+    assert 0 in limit.proposed  # these prompts have rounds that submit no candidate
+    for field in ("generated", "target_calls", "draft_calls", "discarded", "proposed", "accepted"):
+        assert getattr(result.stats, field) == getattr(limit, field), field
 
 
 def test_oracle_beats_every_fixed_k_on_target_calls_and_discards(pair) -> None:
