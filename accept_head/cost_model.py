@@ -73,6 +73,51 @@ def fit_linear(ks: Sequence[float], times: Sequence[float]) -> tuple[float, floa
     return float(coef[0]), float(coef[1]), r2
 
 
+@dataclass
+class DecodeCostFit:
+    """Costs read back from real decoding runs: wall time ≈ intercept(prompt set) + per_round · target calls +
+    per_candidate · drafted candidates (see :func:`fit_decode_costs`)."""
+
+    per_round: float
+    """Seconds per target call (the verification pass and the round's bookkeeping)."""
+    per_candidate: float
+    """Seconds per drafted candidate (the draft step, the head, and the candidate's share of verification)."""
+    r2: float
+    runs: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def fit_decode_costs(runs: Sequence[tuple[str, float, int, float]]) -> DecodeCostFit:
+    """Least-squares fit of decoding wall times to the counts that the cost model prices.
+
+    ``runs``: (group, seconds, target calls, drafted candidates) per decoding run, a group being one prompt set
+    decoded by every run in it (it gets its own intercept: prompt prefill and per-prompt overhead). With a draft step
+    per candidate, per_candidate compares with t_draft + t_target_b of :class:`CostModel` and per_round with
+    t_target_a — the check that a synthetic measurement prices real decoding. Needs more runs than groups + 2.
+    """
+    groups = sorted({group for group, *_ in runs})
+    if len(runs) < len(groups) + 3:
+        raise ValueError(
+            f"fit_decode_costs needs at least {len(groups) + 3} runs for {len(groups)} group(s), got {len(runs)}."
+        )
+    rows = [
+        [1.0 if group == g else 0.0 for g in groups] + [float(calls), float(cand)] for group, _, calls, cand in runs
+    ]
+    x = torch.tensor(rows, dtype=torch.float64)
+    y = torch.tensor([float(seconds) for _, seconds, *_ in runs], dtype=torch.float64)
+    coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0]
+    ss_res = float(((y - x @ coef) ** 2).sum())
+    ss_tot = float(((y - y.mean()) ** 2).sum())
+    return DecodeCostFit(
+        per_round=float(coef[-2]),
+        per_candidate=float(coef[-1]),
+        r2=1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
+        runs=len(runs),
+    )
+
+
 def _timed_interleaved(fns: dict, repeats: int, warmup: int, device: torch.device | None = None) -> dict:
     """Wall-clock seconds of ``repeats`` calls of each function after ``warmup``, called round-robin so that machine
     noise is shared; waits for the GPU so asynchronous kernels count."""

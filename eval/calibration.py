@@ -1,6 +1,7 @@
 """``python -m eval calibration``: how well the head's acceptance probabilities match what happens.
 
-Two views, each raw and after the bundle's calibration map:
+Two views, each raw and after the bundle's calibration map, beside the draft's own probability of the candidate
+q(y) (the training-free predictor ConfidenceThreshold stops on) scored as a predictor of the same labels:
 
 * **offline** — on a ``data_gen`` dataset, scored as in training: the draft reads (prompt, Z) with Z the token-mixed
   response (Z_i = X_i with probability r, else the draft's Y_i) and the head scores every position holding a Y_i
@@ -80,8 +81,9 @@ def _calibrate(calibration: Calibration | None, probs: Sequence[float]) -> list[
 @torch.inference_mode()
 def offline_predictions(
     pair: Pair, dataset: str, mix_ratio: float = 0.15, seed: int = 0, max_rows: int | None = 200
-) -> tuple[list[float], list[float]]:
-    """Raw head probabilities and soft labels on a data_gen dataset, with training's token mixing (ratio r).
+) -> tuple[list[float], list[float], list[float]]:
+    """Raw head probabilities, soft labels and the draft's own probability q_i(Y_i) (the training-free predictor
+    ConfidenceThreshold uses) on a data_gen dataset, with training's token mixing (ratio r).
 
     For each row the draft reads (prompt, Z) once; the hidden state at the position whose input is Z_i = Y_i is the
     head's input e_i (the state SpecDec++ scores y_i with). Mixing is seeded per row from (seed, prompt id).
@@ -99,6 +101,7 @@ def offline_predictions(
     rows = range(len(data)) if max_rows is None else range(min(len(data), max_rows))
     probs: list[float] = []
     labels: list[float] = []
+    confidence: list[float] = []
     for index in rows:
         row = data[index]
         prompt = torch.tensor(row["prompt_ids"], dtype=torch.long)
@@ -113,21 +116,36 @@ def offline_predictions(
         scored = head.accept_prob(hidden[from_draft.to(device)]).float().cpu()
         probs += scored.tolist()
         labels += torch.tensor(row["accept_prob"], dtype=torch.float32)[from_draft].tolist()
-    return probs, labels
+        confidence += torch.tensor(row["draft_logp"], dtype=torch.float32)[from_draft].exp().tolist()
+    return probs, labels, confidence
 
 
 class RecordingHeadThreshold(HeadThreshold):
-    """SpecDec++'s policy that also records, for every scored candidate, its raw and calibrated predicted acceptance
-    and — after verification — whether it was accepted (1), the first rejected one (0), or never judged (dropped)."""
+    """SpecDec++'s policy that also records, for every scored candidate, its raw and calibrated predicted acceptance,
+    the draft's probability of it, and — after verification — whether it was accepted (1), the first rejected one
+    (0), or never judged (dropped)."""
 
     def __init__(self, base: HeadThreshold) -> None:
-        super().__init__(base.head, base.threshold, base.min_candidates, base.max_candidates, base.calibration)
+        super().__init__(
+            base.head,
+            base.threshold,
+            base.min_candidates,
+            base.max_candidates,
+            base.calibration,
+            unscored=base.unscored,
+        )
         self.raw: list[float] = []
         self.calibrated: list[float] = []
+        self.confidence: list[float] = []
         self.labels: list[float] = []
         self.index: list[int] = []
         """1-based position of the candidate in its round."""
         self._round: list[tuple[float, float]] = []
+        self._token_probs: list[float] = []
+
+    def should_stop(self, state) -> bool:
+        self._token_probs = state.token_probs  # this round's q(y_1), q(y_2), ...
+        return super().should_stop(state)
 
     def score(self, hidden: torch.Tensor) -> float:
         with torch.inference_mode():
@@ -142,6 +160,7 @@ class RecordingHeadThreshold(HeadThreshold):
                 break
             self.raw.append(raw)
             self.calibrated.append(calibrated)
+            self.confidence.append(self._token_probs[i])
             self.labels.append(1.0 if i < accepted else 0.0)
             self.index.append(i + 1)
         self._round = []
@@ -151,6 +170,7 @@ class RecordingHeadThreshold(HeadThreshold):
 class OnPolicy:
     raw: list[float] = field(default_factory=list)
     calibrated: list[float] = field(default_factory=list)
+    confidence: list[float] = field(default_factory=list)
     labels: list[float] = field(default_factory=list)
     index: list[int] = field(default_factory=list)
 
@@ -197,7 +217,7 @@ def on_policy_records(
             eos_token_id=pair.eos_token_id,
             generator=generator,
         )
-    return OnPolicy(policy.raw, policy.calibrated, policy.labels, policy.index)
+    return OnPolicy(policy.raw, policy.calibrated, policy.confidence, policy.labels, policy.index)
 
 
 def calibration_views(
@@ -215,13 +235,18 @@ def calibration_views(
     calibration = pair.bundle.calibration if pair.bundle is not None else None
     views: dict = {}
     if dataset is not None:
-        probs, labels = offline_predictions(pair, dataset, mix_ratio, seed, max_rows)
-        views["offline"] = {"raw": (probs, labels), "calibrated": (_calibrate(calibration, probs), labels)}
+        probs, labels, confidence = offline_predictions(pair, dataset, mix_ratio, seed, max_rows)
+        views["offline"] = {
+            "raw": (probs, labels),
+            "calibrated": (_calibrate(calibration, probs), labels),
+            "draft confidence": (confidence, labels),
+        }
     if prompt_set is not None:
         records = on_policy_records(pair, prompt_set, temperature, max_new_tokens, threshold, seed)
         views["on_policy"] = {
             "raw": (records.raw, records.labels),
             "calibrated": (records.calibrated, records.labels),
+            "draft confidence": (records.confidence, records.labels),
             "by_position": records.by_position(),
         }
     out: dict = {}
@@ -244,7 +269,7 @@ def calibration_views(
 def calibration_rows(views: dict) -> list[list[str]]:
     rows = []
     for view, variants in views.items():
-        for variant in ("raw", "calibrated"):
+        for variant in ("raw", "calibrated", "draft confidence"):
             if variant not in variants:
                 continue
             m = variants[variant]["metrics"]

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from accept_head.cost_model import DecodeCostFit, fit_decode_costs
 from accept_head.pairs import ModelSpec
 from accept_head.prompts import PromptSource
 
@@ -465,6 +466,7 @@ def render_markdown(payload: dict, figures_dir: str) -> str:
     ]
     if "costs" in payload["figures"]:
         lines += [f"![cost model]({figures_dir}/{payload['figures']['costs']})", ""]
+    lines += _cost_check(payload)
     lines += _table_one(payload)
     lines += _goals(payload)
     for set_name, by_temperature in payload["results"].items():
@@ -713,6 +715,42 @@ def _diagnostics(payload: dict) -> list[str]:
             ["set", "setting", "greedy agreement", "SpecDec++ h* accepted/proposed", "best swept h", "h* efficiency"],
             rows,
         ),
+        "",
+    ]
+
+
+# Families whose decoding loop is this package's (HF assisted generation has its own overheads; the oracle's counts
+# are Lemma 2.1's, not its decoding's).
+_OWN_LOOP = ("autoregressive", "fixed_k", "specdecpp", "heuristic", "confidence", "entropy")
+
+
+def decode_cost_check(payload: dict) -> DecodeCostFit | None:
+    """Per-round and per-candidate costs fitted to the wall times of this run's own decoding runs (one intercept per
+    prompt set and temperature); None when there are too few runs."""
+    runs = []
+    for set_name, by_temperature in payload["results"].items():
+        for key, result in by_temperature.items():
+            for row in result["methods"]:
+                if row["kind"] in _OWN_LOOP:
+                    candidates = row["mean_proposed"] * row["rounds"]
+                    runs.append((f"{set_name}/{key}", row["seconds"], row["target_calls"], candidates))
+    try:
+        return fit_decode_costs(runs)
+    except ValueError:
+        return None
+
+
+def _cost_check(payload: dict) -> list[str]:
+    fit, cost = decode_cost_check(payload), payload["cost_model"]
+    if fit is None:
+        return []
+    return [
+        "Check against real decoding: a least-squares fit of the wall time of every decoding run on this page "
+        f"(our own loop, {fit.runs} runs, an intercept per prompt set and temperature for prefill) gives "
+        f"{fit.per_round * 1e3:.2f} ms per target call and {fit.per_candidate * 1e3:.2f} ms per drafted candidate "
+        f"(R² {fit.r2:.3f}); the model above prices them at t_target(1) = "
+        f"{(cost['t_target_a'] + cost['t_target_b']) * 1e3:.2f} ms and t_draft + b = "
+        f"{(cost['t_draft'] + cost['t_target_b']) * 1e3:.2f} ms.",
         "",
     ]
 

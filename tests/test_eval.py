@@ -13,7 +13,7 @@ import yaml
 from tiny_models import make_llama, make_tokenizer, perturbed_copy
 
 from accept_head import AcceptanceHead, Calibration, SpecDecPP
-from accept_head.cost_model import CostModel, latency_per_token
+from accept_head.cost_model import CostModel, fit_decode_costs, latency_per_token
 from accept_head.decoding import DecodeStats
 from accept_head.labels import FORMAT, FORMAT_VERSION, label_features
 from accept_head.pairs import ModelSpec
@@ -50,6 +50,19 @@ def test_modeled_tokens_per_second_is_the_inverse_of_eq_2_3_with_the_papers_cost
     assert modeled == pytest.approx(1.0 / latency_per_token(PAPER_T_DRAFT, PAPER_T_TARGET, rounds / n, discarded / n))
     # By hand (eq. 2.1): T = 0.0234·125 + 0.112·25 = 2.925 + 2.8 = 5.725 s for 100 tokens.
     assert modeled == pytest.approx(100 / 5.725)
+
+
+def test_fit_decode_costs_recovers_per_round_and_per_candidate_costs() -> None:
+    # Two prompt sets with different prefill overheads; 30 ms per target call, 4 ms per drafted candidate.
+    runs = []
+    for group, intercept in (("a", 0.5), ("b", 1.5)):
+        for calls, candidates in ((100, 0), (80, 79), (60, 150), (70, 120), (90, 40)):
+            runs.append((group, intercept + 0.030 * calls + 0.004 * candidates, calls, candidates))
+    fit = fit_decode_costs(runs)
+    assert fit.per_round == pytest.approx(0.030) and fit.per_candidate == pytest.approx(0.004)
+    assert fit.r2 == pytest.approx(1.0) and fit.runs == 10
+    with pytest.raises(ValueError, match="needs at least 4 runs"):
+        fit_decode_costs(runs[:3])
 
 
 def test_oracle_headroom_share() -> None:
@@ -322,6 +335,24 @@ def test_calibration_command_reports_offline_and_on_policy_views(tiny, tmp_path)
     positions = views["on_policy"]["by_position"]
     assert positions and positions[0]["candidate"] == 1
     assert (out / "reliability.png").is_file()
+    # The draft's own q(y) is scored beside the head, on the same positions and labels.
+    for view in ("offline", "on_policy"):
+        confidence = views[view]["draft confidence"]["metrics"]
+        assert confidence["n"] == views[view]["raw"]["metrics"]["n"]
+        assert confidence["mean_label"] == pytest.approx(views[view]["raw"]["metrics"]["mean_label"])
+        assert 0.0 < confidence["mean_pred"] <= 1.0
+
+
+def test_on_policy_records_decode_with_the_bundles_own_policy(tiny) -> None:
+    from accept_head.policies import HeadThreshold
+    from eval.calibration import RecordingHeadThreshold
+    from eval.common import load_pair
+
+    pair = load_pair(tiny["bundle"])
+    base = HeadThreshold(pair.bundle.head, 0.4, 1, 7, calibration=pair.bundle.calibration, unscored="confidence")
+    recorder = RecordingHeadThreshold(base)
+    kept = ("threshold", "min_candidates", "max_candidates", "calibration", "unscored")
+    assert all(getattr(recorder, name) == getattr(base, name) for name in kept)
 
 
 @pytest.mark.slow
