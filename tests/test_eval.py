@@ -444,6 +444,15 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
     assert f"{star['tokens_per_second']['median']:.1f}" in text  # numbers in the page come from results.json
     goals = {g["goal"] for g in stored["goals"]}
     assert any("oracle headroom" in g for g in goals) and any("best FixedK" in g for g in goals)
+    # Each greedy goal row carries the oracle's own ratio against the same baseline: the limit for this draft.
+    vs_fixed = next(
+        g
+        for g in stored["goals"]
+        if "best FixedK" in g["goal"] and g["set"] == "in-distribution" and g["temperature"] == "greedy"
+    )
+    assert vs_fixed["oracle_modeled"] == pytest.approx(
+        oracle["modeled_tokens_per_second"] / fixed["modeled_tokens_per_second"]
+    )
     assert stored["calibration"]["offline"]["raw"]["metrics"]["n"] > 0
 
 
