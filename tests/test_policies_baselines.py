@@ -206,6 +206,8 @@ def test_oracle_stops_right_before_each_mismatch() -> None:
     assert decisions == [False, False, True, True, False, True]
     assert oracle.should_stop(RoundState(n=1, position=8))  # the final token is always the target's
     assert oracle.expected_target_calls == 3
+    # A decoding that drifted past the continuation (bf16) gets no candidates, not an error.
+    assert oracle.should_stop(RoundState(n=0, position=9)) and oracle.should_stop(RoundState(n=0, position=40))
 
 
 def test_oracle_refuses_another_prompt_and_sampling(pair) -> None:
