@@ -150,7 +150,8 @@ def bench(
     """Benchmark SpecDec++ against every simpler way of choosing the candidate length, on the same prompts.
 
     Methods: the autoregressive target; FixedK at the K best on the validation set; SpecDec++ at the bundle's h*;
-    Heuristic (HF's schedule); ConfidenceThreshold at HF's ROC-tuned τ; EntropyStop (AdaEDL) at the λ best on
+    Heuristic (HF's schedule); ConfidenceThreshold at HF's ROC-tuned τ and with HF's online auto-tuning from
+    τ = 0.4; EntropyStop (AdaEDL) at the λ best on
     validation; HF transformers' own assisted generation (``hf_settings``); and the greedy hindsight Oracle. Writes
     bench.json and bench.png and prints one table per temperature.
 
@@ -254,6 +255,8 @@ def bench(
             MethodSpec("specdecpp", {"threshold": pair.bundle.threshold}, label=h_star_label(pair.bundle)),
             MethodSpec("heuristic", {"initial_k": heuristic_initial_k}),
             MethodSpec("confidence", {"tau": tau}),
+            # HF's own rule: start from τ = 0.4 and re-tune it online after every round (fpr + 3·fnr).
+            MethodSpec("confidence", {"tau": 0.4, "auto_tune": True}),
             MethodSpec("entropy", {"threshold": validation["best_entropy_threshold"], "gamma": entropy_gamma}),
         ]
         for s in settings:

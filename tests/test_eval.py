@@ -376,13 +376,15 @@ def test_bench_command_end_to_end(tiny, tmp_path, capsys) -> None:
     assert (out / "bench.png").is_file()
     greedy, sampled = stored["results"]["greedy"], stored["results"]["T=1"]
     kinds = [m["kind"] for m in greedy["methods"]]
-    assert kinds == ["autoregressive", "fixed_k", "specdecpp", "heuristic", "confidence", "entropy"] + [
+    assert kinds == ["autoregressive", "fixed_k", "specdecpp", "heuristic", "confidence", "confidence", "entropy"] + [
         "hf_assisted"
     ] * 3 + ["oracle"]
     assert "oracle" not in [m["kind"] for m in sampled["methods"]]
     best_k = greedy["validation"]["best_k"]
     assert greedy["methods"][1]["params"] == {"k": best_k}
-    assert greedy["methods"][6]["params"]["num_assistant_tokens"] == best_k  # HF constant at the best K
+    assert greedy["methods"][4]["params"] == {"tau": greedy["validation"]["confidence"]["tau"]}  # ROC on validation
+    assert greedy["methods"][5]["params"] == {"tau": 0.4, "auto_tune": True}  # HF's online rule
+    assert greedy["methods"][7]["params"]["num_assistant_tokens"] == best_k  # HF constant at the best K
     for method in greedy["methods"] + sampled["methods"]:
         tps = method["tokens_per_second"]
         assert len(tps["per_repeat"]) == 2 and tps["min"] <= tps["median"] <= tps["max"]
