@@ -55,6 +55,26 @@ def test_heuristic_follows_hf_schedule_plus_two_on_full_acceptance_minus_one_oth
     assert policy.k == 6
 
 
+def test_heuristic_on_stub_models_grows_by_two_after_full_rounds_and_shrinks_by_one_after_a_rejection() -> None:
+    """Greedy stub pair: the draft agrees with the target except on the token after 3, so a round that reaches
+    that position is rejected there; K follows HF's schedule round by round (5, 7, 6, ...)."""
+    vocab = 6
+    target_next = [(t + 1) % vocab for t in range(vocab)]
+    draft_next = list(target_next)
+    draft_next[3] = 0  # after token 3 the target writes 4, the draft proposes 0
+    target = TableLM.bigram(bigram_table(vocab, target_next, [0.9] * vocab), 64)
+    draft = TableLM.bigram(bigram_table(vocab, draft_next, [0.9] * vocab), 64)
+    policy = Heuristic(initial_k=2)
+    result = speculative_generate(target, draft, [0], policy, 16, temperature=0.0)
+    assert result.sequences[0].tolist() == [t % vocab for t in range(17)]  # lossless: the target's cycle
+    # Round 1 (K=2): 1 2 accepted, bonus 3 -> K=4. Round 2 from 3: 0 1 2 3 proposed, 0 rejected (the target writes 4)
+    # -> K=3. Round 3 from 4: 5 0 1 accepted, bonus 2 -> K=5. Round 4 from 2: 3 0 1 2 3 proposed, 3 accepted, 0
+    # rejected -> K=4. Round 5 from 4: 5 0 1 2 accepted, bonus 3 -> K=6. Round 6: one token left, no candidate.
+    assert result.stats.proposed == [2, 4, 3, 5, 4, 0]
+    assert result.stats.accepted == [2, 0, 3, 1, 4, 0]
+    assert policy.k == 6  # a round without candidates teaches nothing
+
+
 def test_heuristic_floor_is_one_and_budget_cut_rounds_teach_nothing() -> None:
     policy = Heuristic(initial_k=2)
     for _ in range(5):
@@ -238,6 +258,23 @@ def test_oracle_reaches_lemma_2_1_target_calls_with_zero_discards(pair, prompt: 
     assert 0 in limit.proposed  # these prompts have rounds that submit no candidate
     for field in ("generated", "target_calls", "draft_calls", "discarded", "proposed", "accepted"):
         assert getattr(result.stats, field) == getattr(limit, field), field
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_oracle_mismatch_set_matches_a_step_by_step_greedy_draft(pair, prompt: list[int]) -> None:
+    """S recomputed independently: the draft run one position at a time (no cache, no batching) on the target's own
+    greedy continuation; S holds exactly the positions where its argmax is not the target's next token."""
+    target, draft = pair
+    oracle = Oracle.from_models(target, draft, prompt, MAX_NEW, eos_token_id=EOS)
+    sequence = autoregressive_generate(target, prompt, MAX_NEW, temperature=0.0, eos_token_id=EOS).sequences[0]
+    assert sequence[len(prompt) :].tolist() == oracle.continuation
+    expected = set()
+    with torch.no_grad():
+        for position in range(len(prompt), len(sequence) - 1):  # the final token is the target's, never judged
+            logits = draft(input_ids=sequence[None, :position]).logits[0, -1]
+            if int(logits.argmax()) != int(sequence[position]):
+                expected.add(position)
+    assert oracle.mismatches == expected
 
 
 def test_oracle_beats_every_fixed_k_on_target_calls_and_discards(pair) -> None:
