@@ -151,9 +151,9 @@ def bench(
 
     Methods: the autoregressive target; FixedK at the K best on the validation set; SpecDec++ at the bundle's h*;
     Heuristic (HF's schedule); ConfidenceThreshold at HF's ROC-tuned τ and with HF's online auto-tuning from
-    τ = 0.4; EntropyStop (AdaEDL) at the λ best on
-    validation; HF transformers' own assisted generation (``hf_settings``); and the greedy hindsight Oracle. Writes
-    bench.json and bench.png and prints one table per temperature.
+    τ = 0.4; EntropyStop (AdaEDL) at the λ best on validation; HF transformers' own assisted generation
+    (``hf_settings``); and the greedy hindsight Oracle. Writes bench.json and bench.png and prints one table per
+    temperature.
 
     Args:
         bundle: SpecDecPP bundle folder (the pair, the head and h*).

@@ -57,7 +57,7 @@ def test_heuristic_follows_hf_schedule_plus_two_on_full_acceptance_minus_one_oth
 
 def test_heuristic_on_stub_models_grows_by_two_after_full_rounds_and_shrinks_by_one_after_a_rejection() -> None:
     """Greedy stub pair: the draft agrees with the target except on the token after 3, so a round that reaches
-    that position is rejected there; K follows HF's schedule round by round (5, 7, 6, ...)."""
+    that position is rejected there; K follows HF's schedule round by round (2, 4, 3, 5, 4)."""
     vocab = 6
     target_next = [(t + 1) % vocab for t in range(vocab)]
     draft_next = list(target_next)
