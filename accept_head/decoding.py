@@ -7,13 +7,15 @@ prefix) and return the sequences and statistics as values. Batch size 1.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 
 import torch
 from transformers import DynamicCache
 
 from ._hf_compat import crop_cache
+from .drafters import Drafter, as_drafter, last_hidden_capture
 from .policies import RoundState, StopPolicy
 from .sampling import SamplingConfig, probabilities, sample
 
@@ -77,21 +79,6 @@ class GenerationResult:
     stats: DecodeStats
 
 
-class _LastHidden:
-    """Captures the input of a model's output embedding (the final, normed hidden state) during forward — no extra
-    pass and no copy of the other layers' states."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.value: torch.Tensor | None = None
-        self._handle = model.get_output_embeddings().register_forward_pre_hook(self._hook)
-
-    def _hook(self, module, args) -> None:
-        self.value = args[0]
-
-    def close(self) -> None:
-        self._handle.remove()
-
-
 def _as_input_ids(input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     ids = torch.as_tensor(input_ids, dtype=torch.long)
     if ids.ndim == 1:
@@ -105,22 +92,20 @@ def _as_input_ids(input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     return ids
 
 
-def _context_limit(model: torch.nn.Module) -> int | None:
-    return getattr(model.config, "max_position_embeddings", None)
-
-
-def _check_lengths(prompt_len: int, max_new_tokens: int, *models: torch.nn.Module) -> int:
-    """Validate the prompt against each model's context and return the usable number of new tokens."""
+def _check_lengths(prompt_len: int, max_new_tokens: int, *models) -> int:
+    """Validate the prompt against each model's (or drafter's) context and return the usable number of new tokens."""
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0.")
     budget = max_new_tokens
     for model in models:
-        limit = _context_limit(model)
+        config = getattr(model, "config", None)
+        limit = getattr(model, "context_limit", None) or getattr(config, "max_position_embeddings", None)
         if limit is None:
             continue
         if prompt_len >= limit:
+            name = type(model.model if isinstance(model, Drafter) else model).__name__
             raise ValueError(
-                f"The prompt has {prompt_len} tokens but {type(model).__name__} has a context of {limit}; "
+                f"The prompt has {prompt_len} tokens but {name} has a context of {limit}; "
                 "shorten or left-truncate the prompt."
             )
         budget = min(budget, limit - prompt_len)
@@ -204,10 +189,91 @@ def verify(
     return k, int(sample(p[k : k + 1], generator)[0])
 
 
+@contextmanager
+def _timed(stats: DecodeStats, field_name: str) -> Iterator[None]:
+    """Add the wall time of the ``with`` block to ``stats.<field_name>``."""
+    t0 = time.perf_counter()
+    try:
+        yield
+    finally:
+        setattr(stats, field_name, getattr(stats, field_name) + time.perf_counter() - t0)
+
+
+def _target_pass(target, ids: torch.Tensor, cache: DynamicCache, with_features: bool) -> tuple[torch.Tensor, ...]:
+    """Run ``ids`` (1, T) through the target with its cache: logits (T, V) and, if asked, its final hidden states
+    (T, d) from the same pass."""
+    if not with_features:
+        return _forward(target, ids, cache, last_only=False), None
+    box, handle = last_hidden_capture(target)
+    try:
+        logits = _forward(target, ids, cache, last_only=False)
+    finally:
+        handle.remove()
+    return logits, box[0][0]
+
+
+def _check_pair(drafter: Drafter, policy: StopPolicy, sampling: SamplingConfig) -> None:
+    head = getattr(policy, "head", None)
+    if head is not None and head.hidden_size != drafter.hidden_size:
+        raise ValueError(
+            f"The acceptance head expects hidden size {head.hidden_size} but the draft's is "
+            f"{drafter.hidden_size}; train a head for this draft."
+        )
+    if policy.requires_greedy and not sampling.greedy:
+        raise ValueError(
+            f"{policy.describe()} is only defined for greedy decoding but temperature={sampling.temperature}; "
+            "pass temperature=0 or pick another policy."
+        )
+
+
+def draft_round(
+    drafter: Drafter,
+    policy: StopPolicy,
+    sampling: SamplingConfig,
+    limit: int,
+    position: int,
+    generator: torch.Generator | None,
+    stats: DecodeStats,
+) -> tuple[list[int], list[torch.Tensor]]:
+    """Draft up to ``limit`` candidates, asking ``policy`` before each one. Returns the candidates and the draft
+    distributions q_1..q_K (each (V,)) they were sampled from.
+
+    The policy is asked once before the first candidate (it may submit none) and then after each candidate y_n,
+    when the scores of y_1..y_{n-1} are known: the score of y_n arrives with the step that drafts y_{n+1}.
+    """
+    # A one-hot q carries no confidence: greedy confidence/entropy rules read the draft's untempered softmax.
+    untempered = sampling.greedy and (policy.uses_confidence or policy.uses_entropy)
+    state = RoundState(position=position)
+    candidates: list[int] = []
+    q_rows: list[torch.Tensor] = []
+    if limit <= 0 or policy.should_stop(state):
+        return candidates, q_rows
+    step = drafter.propose(None)
+    while step is not None:
+        stats.draft_calls += 1
+        q = probabilities(step.logits, sampling)
+        y = int(sample(q[None, :], generator)[0])
+        candidates.append(y)
+        q_rows.append(q)
+        state.n += 1
+        state.position += 1
+        confidence = step.logits.float().softmax(-1) if untempered else q
+        state.token_probs.append(float(confidence[y]))
+        if policy.uses_entropy:
+            state.entropies.append(float(-(confidence * confidence.clamp_min(1e-30).log()).sum()))
+        if state.n >= limit or policy.should_stop(state):
+            break
+        step = drafter.propose(y)  # reads y_n: the next candidate's logits and y_n's hidden state
+        if policy.uses_hidden:
+            with _timed(stats, "head_time"):
+                state.accept_probs.append(policy.score(step.hidden))
+    return candidates, q_rows
+
+
 @torch.inference_mode()
 def speculative_generate(
     target: torch.nn.Module,
-    draft: torch.nn.Module,
+    draft: torch.nn.Module | Drafter,
     input_ids: torch.Tensor | Sequence[int],
     policy: StopPolicy,
     max_new_tokens: int,
@@ -219,110 +285,57 @@ def speculative_generate(
 ) -> GenerationResult:
     """Lossless speculative decoding whose candidate length per round is chosen by ``policy``.
 
-    Each round: the draft proposes y_1..y_K (the policy decides K, scoring hidden states when it uses them), the
-    target scores all of them in one pass, :func:`verify` accepts a prefix and adds one token of its own.
+    ``draft`` is a Hugging Face causal LM sharing the target's tokenizer, a
+    :class:`~accept_head.feature_draft.FeatureDraft`, or any :class:`~accept_head.drafters.Drafter`. Each round:
+    the drafter proposes y_1..y_K (the policy decides K), the target scores them in one pass, :func:`verify`
+    accepts a prefix and adds one token of its own, and both sides keep only what was accepted.
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
     ids = _as_input_ids(input_ids)
-    if target.config.vocab_size != draft.config.vocab_size:
-        raise ValueError(
-            f"target vocab_size={target.config.vocab_size} != draft vocab_size={draft.config.vocab_size}: "
-            "the pair must share one tokenizer."
-        )
-    head = getattr(policy, "head", None)
-    if head is not None and head.hidden_size != draft.config.hidden_size:
-        raise ValueError(
-            f"The acceptance head expects hidden size {head.hidden_size} but the draft's is "
-            f"{draft.config.hidden_size}; train a head for this draft."
-        )
-    if policy.requires_greedy and not sampling.greedy:
-        raise ValueError(
-            f"{policy.describe()} is only defined for greedy decoding but temperature={temperature}; "
-            "pass temperature=0 or pick another policy."
-        )
-    # A one-hot q carries no confidence: greedy confidence/entropy rules read the draft's untempered softmax.
-    untempered_features = sampling.greedy and (policy.uses_confidence or policy.uses_entropy)
+    drafter = as_drafter(draft, target, with_hidden=policy.uses_hidden)
+    _check_pair(drafter, policy, sampling)
     device = next(target.parameters()).device
-    budget = _check_lengths(ids.shape[1], max_new_tokens, target, draft)
+    budget = _check_lengths(ids.shape[1], max_new_tokens, target, drafter)
     eos = _eos_set(eos_token_id)
+    with_features = drafter.needs_target_features
     stats = DecodeStats()
     policy.reset()
-    hidden = _LastHidden(draft) if policy.uses_hidden else None
     start = time.perf_counter()
-    try:
-        tokens = ids[0].tolist()
-        target_cache, draft_cache = DynamicCache(), DynamicCache()
-        if len(tokens) > 1:  # prefill the target with all but the last prompt token
-            t0 = time.perf_counter()
-            _forward(target, ids[:, :-1].to(device), target_cache, last_only=True)
-            stats.target_time += time.perf_counter() - t0
-        draft_pending = list(tokens)  # tokens the draft has not consumed yet
-        done = budget == 0
-        while not done:
-            remaining = budget - stats.generated
-            limit = min(policy.max_candidates, remaining - 1)  # the target always adds one token
-            state = RoundState(position=len(tokens))
-            candidates: list[int] = []
-            q_rows: list[torch.Tensor] = []
-            t0 = time.perf_counter()
-            # Ask once before the first candidate (a policy may submit none: then the draft is not run this round and
-            # catches up next round); then after each new candidate y_n, when scores of y_1..y_{n-1} are known: the
-            # score of y_n arrives with the pass that drafts y_{n+1}.
-            drafting = limit > 0 and not policy.should_stop(state)
-            if drafting:
-                logits = _forward(draft, torch.tensor([draft_pending], device=device), draft_cache, last_only=True)
-                stats.draft_calls += 1
-                draft_pending = []
-            while drafting:
-                q = probabilities(logits[-1], sampling)
-                y = int(sample(q[None, :], generator)[0])
-                candidates.append(y)
-                q_rows.append(q)
-                state.n += 1
-                state.position += 1
-                features = logits[-1].float().softmax(-1) if untempered_features else q
-                state.token_probs.append(float(features[y]))
-                if policy.uses_entropy:
-                    state.entropies.append(float(-(features * features.clamp_min(1e-30).log()).sum()))
-                if state.n >= limit or policy.should_stop(state):
-                    break
-                logits = _forward(draft, torch.tensor([[y]], device=device), draft_cache, last_only=True)
-                stats.draft_calls += 1
-                if hidden is not None:
-                    t1 = time.perf_counter()
-                    state.accept_probs.append(policy.score(hidden.value[0, -1]))
-                    stats.head_time += time.perf_counter() - t1
-            stats.draft_time += time.perf_counter() - t0
-            # The last candidate was not fed to the draft (its hidden state is never needed this round).
-            k = len(candidates)
-            t0 = time.perf_counter()
+    tokens = ids[0].tolist()
+    cache = DynamicCache()  # the target's: it always lacks the last token, which the next pass feeds
+    features = ids.new_zeros((0, 0)) if with_features else None
+    with _timed(stats, "target_time"):
+        if len(tokens) > 1:
+            _, features = _target_pass(target, ids[:, :-1].to(device), cache, with_features)
+    drafter.start(tokens, features)
+    while stats.generated < budget:
+        # 1. Draft: the target always adds a token of its own, so at most budget - generated - 1 candidates.
+        limit = min(policy.max_candidates, budget - stats.generated - 1)
+        with _timed(stats, "draft_time"):
+            candidates, q_rows = draft_round(drafter, policy, sampling, limit, len(tokens), generator, stats)
+        # 2. Verify: one target pass over [last token, y_1..y_K] gives p_1..p_{K+1}.
+        with _timed(stats, "target_time"):
             verify_ids = torch.tensor([[tokens[-1], *candidates]], device=device)
-            p = probabilities(_forward(target, verify_ids, target_cache, last_only=False), sampling)
-            q_mat = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
-            m, next_token = verify(p, q_mat, torch.tensor(candidates, device=device, dtype=torch.long), generator)
-            stats.target_time += time.perf_counter() - t0
-            stats.target_calls += 1
-            policy.update(k, m)
-            new = candidates[:m] + [next_token]
-            for i, token in enumerate(new):  # EOS inside an accepted run ends generation there
-                if token in eos:
-                    new = new[: i + 1]
-                    done = True
-                    break
-            stats.proposed.append(k)
-            stats.accepted.append(min(m, len(new)))
-            stats.discarded += k - min(m, len(new))
-            stats.generated += len(new)
-            # Caches: the target holds the old prefix plus [tokens[-1], y_1..y_m]; the draft everything it consumed.
-            crop_cache(target_cache, len(tokens) + m)
-            draft_len = draft_cache.get_seq_length()
-            keep = min(draft_len, len(tokens) + m)
-            crop_cache(draft_cache, keep)
-            tokens.extend(new)
-            draft_pending = tokens[keep:]
-            done = done or stats.generated >= budget
-    finally:
-        if hidden is not None:
-            hidden.close()
+            logits, hidden = _target_pass(target, verify_ids, cache, with_features)
+            p = probabilities(logits, sampling)
+            q = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
+            m, next_token = verify(p, q, torch.tensor(candidates, device=device, dtype=torch.long), generator)
+        stats.target_calls += 1
+        policy.update(len(candidates), m)
+        # 3. Commit: accepted candidates and the target's token (up to an EOS), then crop both sides to them.
+        new = candidates[:m] + [next_token]
+        ended = next((i for i, t in enumerate(new) if t in eos), None)
+        if ended is not None:
+            new = new[: ended + 1]
+        stats.proposed.append(len(candidates))
+        stats.accepted.append(min(m, len(new)))
+        stats.discarded += len(candidates) - min(m, len(new))
+        stats.generated += len(new)
+        crop_cache(cache, len(tokens) + m)  # the target holds the old prefix plus [tokens[-1], y_1..y_m]
+        with _timed(stats, "draft_time"):
+            drafter.commit(new, None if hidden is None else hidden[: len(new)])
+        tokens.extend(new)
+        if ended is not None:
+            break
     stats.total_time = time.perf_counter() - start
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)
