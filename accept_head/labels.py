@@ -118,6 +118,7 @@ def position_labels(
     *,
     transform: SamplingConfig,
     uniforms: torch.Tensor | None,
+    draft_ids: torch.Tensor | None = None,
 ) -> PositionLabels:
     """Acceptance labels at N positions from the two models' logits there.
 
@@ -125,7 +126,10 @@ def position_labels(
         target_logits: (N, V) target logits, position i conditioned on the same context as ``draft_logits[i]``.
         draft_logits: (N, V) draft logits.
         transform: the sampling transform applied to both (see :func:`label_transform`).
-        uniforms: (N,) uniforms in [0, 1) used to draw Y_i ~ q_i; ignored (may be None) when ``transform`` is greedy.
+        uniforms: (N,) uniforms in [0, 1) used to draw Y_i ~ q_i; ignored (may be None) when ``transform`` is greedy
+            or ``draft_ids`` is given.
+        draft_ids: (N,) LongTensor of tokens already drawn from q_i (e.g. the candidates of a speculative round,
+            :mod:`accept_head.rollout`) to label instead of drawing new ones; each must have q_i(Y_i) > 0.
     """
     if target_logits.shape != draft_logits.shape:
         raise ValueError(
@@ -134,7 +138,11 @@ def position_labels(
         )
     p = probabilities(target_logits, transform)  # (N, V) float32
     q = probabilities(draft_logits, transform)
-    if transform.greedy:
+    if draft_ids is not None:
+        if draft_ids.shape != q.shape[:1]:
+            raise ValueError(f"need one draft token per position ({q.shape[0]}), got {tuple(draft_ids.shape)}.")
+        draft_ids = draft_ids.to(device=q.device, dtype=torch.long)
+    elif transform.greedy:
         draft_ids = q.argmax(-1)
     else:
         if uniforms is None or uniforms.shape != q.shape[:1]:

@@ -168,11 +168,18 @@ def local_folder(spec: ModelSpec) -> str:
 
 
 def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
-    """Load a causal LM in eval mode on ``spec.device`` with ``spec.dtype`` (weights from safetensors only)."""
+    """Load a causal LM in eval mode on ``spec.device`` with ``spec.dtype`` (weights from safetensors only).
+
+    A folder written by :meth:`~accept_head.feature_draft.FeatureDraft.save_pretrained` loads as that draft (not a
+    standalone LM); :func:`~accept_head.speculative_generate` binds it to the target it is paired with."""
     from transformers import AutoModelForCausalLM
 
     spec = ModelSpec.coerce(spec)
     source = local_folder(spec)
+    from .feature_draft import FeatureDraft, is_feature_draft_folder
+
+    if is_feature_draft_folder(source):  # a draft that reads the target: bind it with draft.bind(target)
+        return FeatureDraft.from_pretrained(source, dtype=spec.torch_dtype, device=spec.device)
     extra = dict(spec.extra)
     if spec.attn_implementation is not None:
         extra["attn_implementation"] = (

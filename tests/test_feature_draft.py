@@ -1,0 +1,440 @@
+"""The Drafter interface and the feature draft (EAGLE-style, reading the target's final hidden states).
+
+* Greedy speculative decoding through a :class:`FeatureDraft` or a pruned-vocabulary :class:`ModelDrafter` returns
+  exactly the target's greedy continuation (1-token prompts included).
+* At temperature 1 the output follows the target's exact distribution — also for tokens outside the pruned draft
+  vocabulary, which the draft never proposes — checked by χ² against probabilities enumerated from the target, with
+  broken verifiers as negative controls.
+* After every round the drafter receives the target's final hidden states of exactly the accepted positions
+  (compared with one full forward pass over the final sequence).
+* Bad inputs (another target, a foreign vocabulary map, another width, corrupt folders, a head of another width)
+  raise errors that name the value or file; a draft folder round-trips through ``save_pretrained`` / ``load_model``.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from test_lossless import accept_every_candidate, goodness_of_fit
+from tiny_models import make_llama, perturbed_copy
+
+import accept_head.decoding as decoding
+from accept_head import AcceptanceHead, FixedK, HeadThreshold, autoregressive_generate, load_model, speculative_generate
+from accept_head.decoding import verify as correct_verify
+from accept_head.drafters import ModelDrafter, last_hidden_capture
+from accept_head.feature_draft import FeatureDraft, FeatureDrafter, model_fingerprint
+from accept_head.sampling import SamplingConfig, probabilities, sample
+
+# --- tiny models ----------------------------------------------------------------------------------------------------
+
+
+def small_llama(seed: int, vocab: int = 8, hidden: int = 16, layers: int = 2):
+    """A random float32 Llama over a vocabulary of ``vocab`` (small enough to enumerate its joint distribution)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=2 * hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).eval()
+
+
+def silence_layers(layers) -> None:
+    """Zero every decoder layer's output projections: each layer becomes the identity on its residual stream."""
+    with torch.no_grad():
+        for layer in layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+
+
+def bigram_target(seed: int = 2):
+    """A make_llama target whose layers are the identity: its final hidden state at t is norm(emb(x_t))."""
+    target = make_llama(seed=seed)
+    silence_layers(target.model.layers)
+    return target
+
+
+def exact_feature_draft(target, kept_ids: torch.Tensor) -> FeatureDraft:
+    """For a :func:`bigram_target`: fc([f_t; e_{t+1}]) = e_{t+1} and an identity layer, so f̂_{t+1} = f_{t+1} exactly
+    and q equals p on ``kept_ids`` — the draft's candidate is accepted whenever the target's token is kept."""
+    draft = FeatureDraft.from_target(target, kept_ids)
+    d = target.config.hidden_size
+    with torch.no_grad():
+        draft.fc.weight.copy_(torch.cat([torch.zeros(d, d), torch.eye(d)], dim=1))
+        draft.fc.bias.zero_()
+    silence_layers(draft.decoder.layers)
+    return draft
+
+
+def random_kept(vocab: int, size: int, seed: int) -> torch.Tensor:
+    return torch.randperm(vocab, generator=torch.Generator().manual_seed(seed))[:size].sort().values
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return make_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def kept(llama) -> torch.Tensor:
+    return random_kept(llama.config.vocab_size, llama.config.vocab_size // 2, seed=0)
+
+
+# --- 1. greedy equality ---------------------------------------------------------------------------------------------
+
+GREEDY_PROMPTS = [[2], [2, 12, 40, 9], [5, 30, 31, 40, 8, 9, 20, 11, 50]]
+GREEDY_NEW = 16
+
+
+@pytest.fixture(scope="module")
+def greedy_settings(llama, kept) -> dict:
+    """name → (target, a factory of fresh drafts, whether the draft must get candidates accepted)."""
+    bigram = bigram_target()
+    return {
+        "feature": (llama, lambda: FeatureDraft.from_target(llama, kept), False),
+        "feature-exact": (bigram, lambda: exact_feature_draft(bigram, kept), True),
+        "model-pruned": (llama, lambda: ModelDrafter(perturbed_copy(llama, 0.1), kept_ids=kept), True),
+    }
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+@pytest.mark.parametrize("setting", ["feature", "feature-exact", "model-pruned"])
+def test_greedy_speculative_equals_autoregressive(greedy_settings, kept, setting, k) -> None:
+    target, make_draft, must_accept = greedy_settings[setting]
+    draft = make_draft()
+    accepted, outside_kept = 0, 0
+    for prompt in GREEDY_PROMPTS:
+        expected = autoregressive_generate(target, prompt, GREEDY_NEW, temperature=0).sequences
+        result = speculative_generate(target, draft, prompt, FixedK(k), GREEDY_NEW, temperature=0)
+        assert torch.equal(result.sequences, expected), (prompt, result.sequences, expected)
+        assert result.stats.generated == GREEDY_NEW
+        accepted += sum(result.stats.accepted)
+        outside_kept += sum(int(t) not in kept.tolist() for t in expected[0, len(prompt) :])
+    assert outside_kept > 0  # the target writes tokens the pruned draft can never propose
+    if must_accept:
+        assert accepted > 0
+
+
+def test_greedy_with_head_threshold_on_feature_draft(llama, kept) -> None:
+    """An acceptance head reads the feature draft's predicted features (width d) and varies K per round."""
+    head = AcceptanceHead(llama.config.hidden_size, depth=1)
+    draft = FeatureDraft.from_target(llama, kept)
+    for prompt in GREEDY_PROMPTS:
+        expected = autoregressive_generate(llama, prompt, GREEDY_NEW, temperature=0).sequences
+        result = speculative_generate(llama, draft, prompt, HeadThreshold(head, 0.5), GREEDY_NEW, temperature=0)
+        assert torch.equal(result.sequences, expected)
+
+
+# --- 2. the exact target distribution at temperature 1 --------------------------------------------------------------
+
+VOCAB = 8
+PROMPT = [0, 3, 5]
+NEW_TOKENS = 4
+SAMPLES = 2000
+CONTROL_SAMPLES = 400
+ALPHA = 1e-3
+Z_LIMIT = 4.5
+"""Binomial z-score bound on the frequency of tokens outside the draft vocabulary (seeds fixed: deterministic)."""
+
+
+@torch.no_grad()
+def exact_joint(model, prompt: list[int], n: int) -> torch.Tensor:
+    """P(first n generated tokens) under target-only sampling at temperature 1: a (V,)*n float64 tensor."""
+    joint = torch.ones((), dtype=torch.float64)
+    for length in range(n):
+        prefixes = torch.tensor([prompt + list(p) for p in itertools.product(range(VOCAB), repeat=length)])
+        probs = probabilities(model(prefixes).logits[:, -1], SamplingConfig(1.0)).double()
+        joint = joint[..., None] * probs.view(*([VOCAB] * length), VOCAB)
+    return joint
+
+
+@pytest.fixture(scope="module")
+def chi2_setup() -> tuple:
+    """A target, its exact joint distribution of 4 tokens, and a draft vocabulary that leaves out the two likeliest
+    first tokens (so a large share of the output must come from outside the draft vocabulary)."""
+    target = small_llama(seed=3)
+    joint = exact_joint(target, PROMPT, NEW_TOKENS)
+    outside = joint.sum(dim=(1, 2, 3)).argsort(descending=True)[:2].tolist()
+    kept = torch.tensor([t for t in range(VOCAB) if t not in outside])
+    return target, joint, kept
+
+
+def chi2_drafter(name: str, target, kept: torch.Tensor):
+    if name == "feature":
+        return FeatureDraft.from_target(target, kept)
+    return ModelDrafter(perturbed_copy(target, 0.5, seed=1), kept_ids=kept)
+
+
+def sample_outputs(target, draft, samples: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1234)
+    rows = [
+        speculative_generate(target, draft, PROMPT, FixedK(3), NEW_TOKENS, generator=generator).sequences[0]
+        for _ in range(samples)
+    ]
+    return torch.stack(rows)[:, len(PROMPT) :]
+
+
+def fit_pvalues(tokens: torch.Tensor, joint: torch.Tensor) -> list[float]:
+    """χ² p-values of the (token 1, token 2) and (token 3, token 4) pairs against the exact joint."""
+    out = []
+    for first, marginal in ((0, joint.sum(dim=(2, 3))), (2, joint.sum(dim=(0, 1)))):
+        counts = torch.bincount(tokens[:, first] * VOCAB + tokens[:, first + 1], minlength=VOCAB * VOCAB)
+        out.append(goodness_of_fit(counts.view(VOCAB, VOCAB), marginal))
+    return out
+
+
+def outside_z_scores(tokens: torch.Tensor, joint: torch.Tensor, kept: torch.Tensor) -> list[float]:
+    """Per generated position: (observed − exact) frequency of tokens outside ``kept``, in binomial std units."""
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[kept] = False
+    scores = []
+    for position in range(NEW_TOKENS):
+        others = tuple(d for d in range(NEW_TOKENS) if d != position)
+        p = float(joint.sum(dim=others)[outside].sum())
+        assert p > 0.1  # the target really puts mass outside the draft vocabulary
+        observed = float(outside[tokens[:, position]].double().mean())
+        scores.append((observed - p) / math.sqrt(p * (1 - p) / tokens.shape[0]))
+    return scores
+
+
+@pytest.mark.parametrize("drafter", ["feature", "model-pruned"])
+def test_sampling_matches_exact_target_distribution_with_pruned_vocabulary(chi2_setup, monkeypatch, drafter) -> None:
+    target, joint, kept = chi2_setup
+    rounds: list[tuple[list[int], int]] = []
+
+    def recording_verify(p, q, candidates, generator):
+        m, token = correct_verify(p, q, candidates, generator)
+        rounds.append((candidates.tolist(), m))
+        return m, token
+
+    monkeypatch.setattr(decoding, "verify", recording_verify)
+    tokens = sample_outputs(target, chi2_drafter(drafter, target, kept), SAMPLES)
+    p_values = fit_pvalues(tokens, joint)
+    assert min(p_values) > ALPHA, p_values
+    z = outside_z_scores(tokens, joint, kept)
+    assert max(abs(s) for s in z) < Z_LIMIT, z
+    # Both paths of the verifier ran, and the draft never proposed a token outside its vocabulary.
+    assert any(m > 0 for _, m in rounds) and any(m < len(c) for c, m in rounds)
+    assert {t for c, _ in rounds for t in c} <= set(kept.tolist())
+
+
+def residual_within_draft_vocabulary(p, q, candidates, generator):
+    """A broken verifier for pruned drafts: right acceptance test, but the residual only covers tokens with q > 0."""
+    m, token = correct_verify(p, q, candidates, generator)
+    if m == candidates.shape[0]:
+        return m, token
+    residual = (p[m] - q[m]).clamp(min=0) * (q[m] > 0)
+    residual = residual if residual.sum() > 0 else q[m]
+    return m, int(sample((residual / residual.sum())[None], generator)[0])
+
+
+@pytest.mark.parametrize("drafter", ["feature", "model-pruned"])
+def test_distribution_checks_reject_broken_verifiers(chi2_setup, monkeypatch, drafter) -> None:
+    target, joint, kept = chi2_setup
+    draft = chi2_drafter(drafter, target, kept)
+    monkeypatch.setattr(decoding, "verify", accept_every_candidate)
+    assert min(fit_pvalues(sample_outputs(target, draft, CONTROL_SAMPLES), joint)) < 1e-6
+    monkeypatch.setattr(decoding, "verify", residual_within_draft_vocabulary)
+    tokens = sample_outputs(target, draft, CONTROL_SAMPLES)
+    assert max(abs(s) for s in outside_z_scores(tokens, joint, kept)) > 3 * Z_LIMIT
+
+
+# --- 3. the drafter receives the target's features of exactly the accepted positions ------------------------------
+
+
+class RecordingDrafter(FeatureDrafter):
+    """Records what the decoder hands the drafter."""
+
+    def start(self, prompt, features) -> None:
+        self.starts = [(list(prompt), features.clone())]
+        self.commits: list[tuple[list[int], torch.Tensor]] = []
+        super().start(prompt, features)
+
+    def commit(self, tokens, features) -> None:
+        self.commits.append((list(tokens), features.clone()))
+        super().commit(tokens, features)
+
+
+@pytest.mark.parametrize("prompt", [[3], [0, 3, 5, 1]])
+def test_drafter_receives_target_features_of_accepted_positions(monkeypatch, prompt) -> None:
+    target, eos = small_llama(seed=5), 7
+    drafter = RecordingDrafter(FeatureDraft.from_target(target, torch.arange(VOCAB)), target)
+    rounds: list[tuple[list[int], int]] = []
+
+    def recording_verify(p, q, candidates, generator):
+        m, token = correct_verify(p, q, candidates, generator)
+        rounds.append((candidates.tolist(), m))
+        return m, token
+
+    monkeypatch.setattr(decoding, "verify", recording_verify)
+    for seed in range(300):  # the first seed whose generation has every kind of round
+        rounds.clear()
+        generator = torch.Generator().manual_seed(seed)
+        result = speculative_generate(target, drafter, prompt, FixedK(3), 40, eos_token_id=eos, generator=generator)
+        rejection = any(m < len(c) for c, m in rounds)
+        bonus = any(m == len(c) > 0 for c, m in rounds)
+        last_candidates, last_m = rounds[-1]
+        eos_mid_round = eos in last_candidates[:last_m]  # tokens accepted after the EOS are dropped
+        if rejection and bonus and eos_mid_round:
+            break
+    else:
+        pytest.fail("no seed produced a rejection, a bonus token and an EOS inside the accepted candidates")
+
+    sequence = result.sequences[0]
+    generated = sequence[len(prompt) :].tolist()
+    assert generated[-1] == eos and eos not in generated[:-1]
+    box, handle = last_hidden_capture(target)
+    try:
+        with torch.no_grad():
+            target(result.sequences)
+    finally:
+        handle.remove()
+    states = box[0][0]  # (T, d): row t predicted token t + 1
+
+    ((start_prompt, start_features),) = drafter.starts
+    assert start_prompt == prompt
+    assert start_features.shape[0] == len(prompt) - 1
+    if len(prompt) > 1:
+        assert torch.allclose(start_features, states[: len(prompt) - 1], atol=1e-4)
+    assert len(drafter.commits) == len(rounds)
+    assert [t for tokens, _ in drafter.commits for t in tokens] == generated
+    position = len(prompt)
+    for tokens, features in drafter.commits:
+        assert features.shape == (len(tokens), target.config.hidden_size)
+        assert tokens == sequence[position : position + len(tokens)].tolist()
+        expected = states[position - 1 : position - 1 + len(tokens)]
+        assert torch.allclose(features, expected, atol=1e-4), (position, tokens)
+        position += len(tokens)
+
+
+# --- 4. bad inputs --------------------------------------------------------------------------------------------------
+
+
+def test_feature_draft_for_another_target_is_refused(tmp_path, llama, kept) -> None:
+    other = make_llama(seed=1)  # same shapes and tokenizer, other weights
+    draft = FeatureDraft.from_target(llama, kept)
+    with pytest.raises(ValueError, match="fingerprint"):
+        speculative_generate(other, draft, [2, 5], FixedK(2), 4, temperature=0)
+    loaded = FeatureDraft.from_pretrained(draft.save_pretrained(tmp_path / "draft"))
+    with pytest.raises(
+        ValueError, match=f"fingerprint {model_fingerprint(llama)}.*fingerprint {model_fingerprint(other)}"
+    ):
+        loaded.bind(other)
+    loaded.bind(llama)  # its own target is accepted
+
+
+def test_kept_ids_outside_the_vocabulary_are_refused(llama) -> None:
+    vocab = llama.config.vocab_size
+    with pytest.raises(ValueError, match=f"token id {vocab}, outside the tokenizer's vocabulary"):
+        FeatureDraft.from_target(llama, torch.tensor([0, 1, vocab]))
+    with pytest.raises(ValueError, match=f"token id {vocab + 5}, outside the tokenizer's vocabulary"):
+        ModelDrafter(perturbed_copy(llama), kept_ids=[3, vocab + 5])
+    with pytest.raises(ValueError, match="token id -1, outside the tokenizer's vocabulary"):
+        ModelDrafter(perturbed_copy(llama), kept_ids=[-1, 3])
+
+
+def test_feature_draft_for_another_width_is_refused(llama, kept) -> None:
+    narrow = make_llama(seed=0, hidden_size=16)
+    draft = FeatureDraft.from_target(llama, kept)
+    with pytest.raises(ValueError, match="width 32 but the target's hidden size is 16"):
+        speculative_generate(narrow, draft, [2, 5], FixedK(2), 4, temperature=0)
+
+
+def test_corrupt_draft_folders_name_the_file(tmp_path, llama, kept) -> None:
+    draft = FeatureDraft.from_target(llama, kept)
+
+    bad_json = draft.save_pretrained(tmp_path / "bad-json")
+    (bad_json / "config.json").write_text('{"format": "accept_head.feature_draft", ')
+    with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
+        FeatureDraft.from_pretrained(bad_json)
+    with pytest.raises((OSError, ValueError), match=r"bad-json/config\.json"):  # not recognised: HF's own message
+        load_model({"path": str(bad_json), "dtype": "float32"})
+
+    truncated = draft.save_pretrained(tmp_path / "truncated")
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    for load in (FeatureDraft.from_pretrained, lambda f: load_model({"path": str(f), "dtype": "float32"})):
+        with pytest.raises(ValueError, match=r"truncated/model\.safetensors could not be read"):
+            load(truncated)
+
+    missing = draft.save_pretrained(tmp_path / "missing")
+    (missing / "model.safetensors").unlink()
+    for load in (FeatureDraft.from_pretrained, lambda f: load_model({"path": str(f), "dtype": "float32"})):
+        with pytest.raises(FileNotFoundError, match=r"missing/model\.safetensors is missing"):
+            load(missing)
+
+    foreign = draft.save_pretrained(tmp_path / "foreign")
+    config = json.loads((foreign / "config.json").read_text())
+    (foreign / "config.json").write_text(json.dumps({**config, "format": "something-else"}))
+    with pytest.raises(ValueError, match=r"config\.json has format='something-else'"):
+        FeatureDraft.from_pretrained(foreign)
+
+
+def test_acceptance_head_of_another_width_is_refused(llama, kept) -> None:
+    draft = FeatureDraft.from_target(llama, kept)
+    head = AcceptanceHead(llama.config.hidden_size + 8, depth=1)
+    with pytest.raises(ValueError, match="acceptance head expects hidden size 40 but the draft's is 32"):
+        speculative_generate(llama, draft, [2, 5], HeadThreshold(head, 0.5), 4, temperature=0)
+
+
+# --- 5. folders and fingerprints ------------------------------------------------------------------------------------
+
+
+def test_save_load_round_trip(tmp_path, llama, kept) -> None:
+    draft = FeatureDraft.from_target(llama, kept)
+    with torch.no_grad():  # move every trainable weight off its initial value so the round trip has content
+        for param in draft.parameters():
+            param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())))
+    folder = draft.save_pretrained(tmp_path / "draft")
+    loaded = FeatureDraft.from_pretrained(folder)
+    via_spec = load_model({"path": str(folder), "dtype": "float32"})
+    assert isinstance(via_spec, FeatureDraft)
+    # The layer stack's own 1-row embedding table is never read (inputs arrive as embeddings) and is not saved.
+    reference = {k: v for k, v in draft.state_dict().items() if not k.startswith("decoder.embed")}
+    for copy_ in (loaded, via_spec):
+        assert copy_.config == draft.config
+        assert torch.equal(copy_.kept_ids, kept)
+        state = {k: v for k, v in copy_.state_dict().items() if not k.startswith("decoder.embed")}
+        assert state.keys() == reference.keys()
+        assert all(torch.equal(state[k], reference[k]) for k in reference)
+    for prompt in GREEDY_PROMPTS:
+        expected = speculative_generate(llama, draft, prompt, FixedK(3), GREEDY_NEW, temperature=0)
+        sampled = speculative_generate(
+            llama, draft, prompt, FixedK(3), GREEDY_NEW, generator=torch.Generator().manual_seed(7)
+        )
+        for copy_ in (loaded, via_spec):
+            result = speculative_generate(llama, copy_, prompt, FixedK(3), GREEDY_NEW, temperature=0)
+            assert torch.equal(result.sequences, expected.sequences)
+            assert result.stats.accepted == expected.stats.accepted  # the same candidates were proposed
+            again = speculative_generate(
+                llama, copy_, prompt, FixedK(3), GREEDY_NEW, generator=torch.Generator().manual_seed(7)
+            )
+            assert torch.equal(again.sequences, sampled.sequences)
+
+
+def test_fingerprint_ignores_dtype_and_tells_models_apart(tmp_path, llama, kept) -> None:
+    half = copy.deepcopy(llama).to(torch.bfloat16)
+    assert model_fingerprint(half) == model_fingerprint(llama)
+    assert model_fingerprint(make_llama(seed=1)) != model_fingerprint(llama)
+    folder = FeatureDraft.from_target(llama, kept).save_pretrained(tmp_path / "draft")
+    draft = load_model({"path": str(folder), "dtype": "bfloat16"})
+    assert draft.fc.weight.dtype == torch.bfloat16
+    result = speculative_generate(half, draft, [2, 12, 40], FixedK(3), 8, temperature=0)  # binds to the bf16 copy
+    assert result.sequences.shape == (1, 11)

@@ -1,0 +1,414 @@
+"""The recipe behind ``checkpoints/smollm2-135m-feature-draft``: a draft that reads the target (EAGLE-style).
+
+Stages, each resumable, all driven by one YAML::
+
+    python -m train.distill_draft generate --config <distill yaml>            # the target answers prompts (token ids)
+    python -m train.feature_draft features --config configs/distill/smollm2-135m-feature-draft.yaml
+    python -m train.feature_draft vocab    --config ...   # token frequencies; the target's mass covered per V
+    python -m train.feature_draft fit      --config ...   # Lightning Trainer; resumes from checkpoints/last.ckpt
+    python -m train.feature_draft evaluate --config ...   # per-step acceptance 1..8, cost ratio -> eval.json
+
+``features`` teacher-forces the target over prompt + response in batched passes and stores its final hidden state
+and log-normaliser at every position (safetensors shards); ``fit`` trains :class:`~accept_head.feature_draft.
+FeatureDraft` on them (:mod:`accept_head.training.feature_draft`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from accept_head.feature_draft import FeatureDraft, FeatureDraftConfig
+from accept_head.features import decoder_matches_lm_head_input, final_hidden_states
+from accept_head.pairs import ModelSpec, load_model
+
+
+@dataclass
+class FeatureDraftRecipe:
+    target: ModelSpec
+    """The target whose features the draft reads."""
+    generations_dir: str
+    """Folder of ``python -m train.distill_draft generate`` (its ``shards/{eval,train}-*.pt`` hold the responses)."""
+    work_dir: str = "~/.cache/accept_head/feature_draft/smollm2-135m"
+    """Feature shards, vocabulary statistics, Lightning checkpoints and logs (outside the repository: ~1 GB)."""
+    output_dir: str = "checkpoints/smollm2-135m-feature-draft"
+    """The exported draft folder (config.json + model.safetensors + eval.json + README.md)."""
+    kept_vocab: int = 8192
+    """Rows of the draft's LM head: the most frequent tokens of the target's training responses."""
+    vocab_sizes: list[int] = field(default_factory=lambda: [2048, 4096, 8192, 12288, 16384, 24576, 32768])
+    """Vocabulary sizes whose held-out coverage ``vocab`` measures."""
+    features_batch_tokens: int = 8192
+    """Padded tokens per teacher-forced target pass."""
+    batch_tokens: int = 4096
+    """Padded tokens per optimizer step."""
+    max_steps: int = 3000
+    val_every_steps: int = 250
+    lr: float = 1e-3
+    warmup_steps: int = 100
+    unroll: int = 3
+    """Drafting steps simulated in training (step k ≥ 2 reads the draft's own predicted features)."""
+    step_decay: float = 0.8
+    feature_weight: float = 0.1
+    """Weight of the SmoothL1 feature-regression loss beside the soft cross-entropy."""
+    noise: float = 0.1
+    """Uniform input-feature noise, as a fraction of the features' RMS (0 turns it off)."""
+    train_lm_head: bool = False
+    """Train the LM head rows (else they stay the target's own rows)."""
+    loss_from: int | None = None
+    """First position that carries loss (None: after the longest token prefix all sequences share, e.g. a system
+    prompt the chat template adds)."""
+    seed: int = 0
+    threads: int | None = None
+    eval_starts: int = 1500
+    """Held-out start positions for the per-step acceptance of ``evaluate`` (sampled, seeded)."""
+    eval_steps: int = 8
+    timing_rounds: int = 7
+
+
+def _dir(path: str) -> Path:
+    return Path(os.path.expanduser(path))
+
+
+def _setup(cfg: FeatureDraftRecipe) -> None:
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+
+
+def _shards(cfg: FeatureDraftRecipe, kind: str) -> list[Path]:
+    return sorted((_dir(cfg.generations_dir) / "shards").glob(f"{kind}-*.pt"))
+
+
+def _feature_paths(cfg: FeatureDraftRecipe, kind: str) -> list[Path]:
+    return sorted((_dir(cfg.work_dir) / "features").glob(f"{kind}-*.safetensors"))
+
+
+@torch.inference_mode()
+def features(cfg: FeatureDraftRecipe) -> dict:
+    """Stage 1: teacher-force the target over every (prompt, response) and store its final hidden states and
+    log-normalisers; one safetensors shard per generation shard. Returns the measured throughput."""
+    _setup(cfg)
+    target = load_model(cfg.target)
+    use_decoder = decoder_matches_lm_head_input(target)
+    lm_head = target.get_output_embeddings()
+    out_dir = _dir(cfg.work_dir) / "features"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokens_done, seconds = 0, 0.0
+    for kind in ("eval", "train"):
+        for path in _shards(cfg, kind):
+            dest = out_dir / f"{path.stem}.safetensors"
+            if dest.exists():
+                continue
+            shard = torch.load(path, weights_only=True)
+            seqs = [(p.long(), r.long()) for p, r in zip(shard["prompt_ids"], shard["response_ids"]) if len(r)]
+            start = time.perf_counter()
+            rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
+            order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) + len(seqs[i][1]))
+            i = 0
+            while i < len(order):
+                width = len(seqs[order[i]][0]) + len(seqs[order[i]][1])
+                j = i
+                while j < len(order) and (j - i + 1) * (len(seqs[order[j]][0]) + len(seqs[order[j]][1])) <= max(
+                    cfg.features_batch_tokens, width
+                ):
+                    j += 1
+                batch = [torch.cat(seqs[k]) for k in order[i:j]]
+                ids = torch.nn.utils.rnn.pad_sequence(batch, batch_first=True, padding_value=0)
+                mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(b) for b in batch], batch_first=True)
+                hidden = final_hidden_states(target, ids, mask, use_decoder=use_decoder)
+                for row, k in enumerate(order[i:j]):
+                    n = len(batch[row])
+                    h = hidden[row, :n]
+                    lse = torch.cat([lm_head(c).float().logsumexp(-1) for c in h.split(1024)])
+                    rows.append((batch[row], h.to(torch.bfloat16), lse, len(seqs[k][0])))
+                i = j
+            seconds += time.perf_counter() - start
+            tokens_done += sum(len(r[0]) for r in rows)
+            offsets = torch.tensor([0] + [len(r[0]) for r in rows]).cumsum(0)
+            tmp = dest.with_suffix(".tmp")
+            save_file(
+                {
+                    "tokens": torch.cat([r[0] for r in rows]).to(torch.int32),
+                    "features": torch.cat([r[1] for r in rows]).contiguous(),
+                    "lse": torch.cat([r[2] for r in rows]),
+                    "offsets": offsets,
+                    "prompt_lengths": torch.tensor([r[3] for r in rows]),
+                },
+                str(tmp),
+            )
+            os.replace(tmp, dest)
+            print(f"[features] {dest.name}: {tokens_done / max(seconds, 1e-9):.0f} tok/s so far", flush=True)
+    meta_path = out_dir / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"tokens": 0, "seconds": 0.0}
+    meta["tokens"] += tokens_done
+    meta["seconds"] += seconds
+    meta["tokens_per_second"] = meta["tokens"] / max(meta["seconds"], 1e-9)
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    return meta
+
+
+def vocab(cfg: FeatureDraftRecipe) -> dict:
+    """Stage 2: token frequencies over the training responses; the target's probability mass that the top-V
+    tokens hold on held-out positions, for each V in ``vocab_sizes``. Writes ``<work_dir>/vocab.json``."""
+    _setup(cfg)
+    counts = torch.zeros(0, dtype=torch.long)
+    for path in _shards(cfg, "train"):
+        shard = torch.load(path, weights_only=True)
+        for response in shard["response_ids"]:
+            counts = _bincount_add(counts, response.long())
+    target = load_model(cfg.target)
+    vocab_size = target.config.vocab_size
+    counts = torch.nn.functional.pad(counts, (0, vocab_size - len(counts)))
+    order = torch.sort(counts, descending=True, stable=True).indices
+    rank = torch.empty_like(order)
+    rank[order] = torch.arange(vocab_size)
+    weight = target.get_output_embeddings().weight
+    mass = {v: 0.0 for v in cfg.vocab_sizes}
+    positions = 0
+    with torch.inference_mode():
+        for path in _feature_paths(cfg, "eval"):
+            shard = load_file(str(path))
+            for h, lse in zip(shard["features"].split(1024), shard["lse"].split(1024)):
+                p = (torch.nn.functional.linear(h.to(weight.dtype), weight).float() - lse[:, None]).exp()
+                by_rank = torch.zeros_like(p).index_copy_(1, rank, p).cumsum(-1)
+                for v in cfg.vocab_sizes:
+                    mass[v] += float(by_rank[:, v - 1].sum())
+                positions += len(h)
+    result = {
+        "train_response_tokens": int(counts.sum()),
+        "heldout_positions": positions,
+        "coverage": {str(v): mass[v] / max(positions, 1) for v in cfg.vocab_sizes},
+        "order": order[: max(cfg.vocab_sizes + [cfg.kept_vocab])].tolist(),
+    }
+    (_dir(cfg.work_dir) / "vocab.json").write_text(json.dumps(result) + "\n")
+    for v in cfg.vocab_sizes:
+        print(f"[vocab] V={v}: held-out coverage of the target's mass {result['coverage'][str(v)]:.4f}", flush=True)
+    return result
+
+
+def _bincount_add(counts: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    new = torch.bincount(ids)
+    if len(new) > len(counts):
+        counts = torch.nn.functional.pad(counts, (0, len(new) - len(counts)))
+    counts[: len(new)] += new
+    return counts
+
+
+def _kept_ids(cfg: FeatureDraftRecipe) -> torch.Tensor:
+    path = _dir(cfg.work_dir) / "vocab.json"
+    if not path.exists():
+        raise FileNotFoundError(f"{path} is missing: run `python -m train.feature_draft vocab` first.")
+    return torch.tensor(json.loads(path.read_text())["order"][: cfg.kept_vocab])
+
+
+def _common_prefix(paths: list[Path]) -> int:
+    first = None
+    length = None
+    for path in paths:
+        shard = load_file(str(path))
+        offsets = shard["offsets"].tolist()
+        for a, b in zip(offsets[:-1], offsets[1:]):
+            seq = shard["tokens"][a:b]
+            if first is None:
+                first, length = seq, len(seq)
+                continue
+            n = min(length, len(seq))
+            diff = (first[:n] != seq[:n]).nonzero()
+            length = int(diff[0]) if len(diff) else n
+    return length or 0
+
+
+def fit(cfg: FeatureDraftRecipe) -> Path:
+    """Stage 3: train with Lightning (checkpoints every validation; resumes from ``last.ckpt``), export the draft."""
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
+
+    from accept_head.training.feature_draft import FeatureDataModule, FeatureDraftModule
+
+    _setup(cfg)
+    seed_everything(cfg.seed, workers=True)
+    work = _dir(cfg.work_dir)
+    target = load_model(cfg.target)
+    kept = _kept_ids(cfg)
+    train_paths, val_paths = _feature_paths(cfg, "train"), _feature_paths(cfg, "eval")
+    if not train_paths:
+        raise FileNotFoundError(f"No feature shards under {work / 'features'}: run the `features` stage first.")
+    loss_from = cfg.loss_from if cfg.loss_from is not None else _common_prefix(train_paths[:4])
+    config = FeatureDraftConfig.for_target(
+        target, len(kept), target_name=cfg.target.path, train_lm_head=cfg.train_lm_head, extra={}
+    )
+    module = FeatureDraftModule(
+        config,
+        lr=cfg.lr,
+        warmup_steps=cfg.warmup_steps,
+        unroll=cfg.unroll,
+        step_decay=cfg.step_decay,
+        feature_weight=cfg.feature_weight,
+        noise=cfg.noise,
+        seed=cfg.seed,
+    )
+    module.init_from_target(target, kept)
+    data = FeatureDataModule(train_paths, val_paths[:1], cfg.batch_tokens, cfg.seed, loss_from)
+    checkpoints = ModelCheckpoint(dirpath=work / "checkpoints", save_last=True, save_top_k=0)
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        precision="bf16-mixed",
+        max_steps=cfg.max_steps,
+        max_epochs=-1,
+        val_check_interval=cfg.val_every_steps,
+        check_val_every_n_epoch=None,
+        limit_val_batches=16,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        callbacks=[checkpoints],
+        logger=CSVLogger(work, name="logs", version=0),
+        log_every_n_steps=10,
+        enable_progress_bar=False,
+    )
+    last = work / "checkpoints" / "last.ckpt"
+    trainer.fit(module, datamodule=data, ckpt_path=str(last) if last.exists() else None)
+    draft = module.draft
+    draft.config.extra = {
+        "recipe": {k: v for k, v in asdict(cfg).items() if k != "target"},
+        "loss_from": loss_from,
+        "steps": int(trainer.global_step),
+    }
+    draft = draft.to(torch.bfloat16)
+    out = draft.save_pretrained(cfg.output_dir)
+    print(f"[fit] exported {out} after {trainer.global_step} steps", flush=True)
+    return out
+
+
+@torch.inference_mode()
+def per_step_acceptance(
+    draft: FeatureDraft, target: torch.nn.Module, paths: list[Path], starts: int, steps: int, seed: int
+) -> list[dict]:
+    """Exact per-step acceptance along held-out target responses, decoding as :class:`FeatureDrafter` does.
+
+    At each sampled start t (inside a response) the draft has read the pairs up to t with the target's own
+    features, then drafts ``steps`` tokens feeding back its own features while the candidate tokens are the
+    target's own next tokens. Step k scores Σ min(p, q_k) against the target's distribution at that position
+    (exact, from the stored features) and whether argmax q_k = argmax p."""
+    from transformers import DynamicCache
+
+    from accept_head._hf_compat import crop_cache
+    from accept_head.training.feature_draft import read_feature_shards
+
+    sequences = read_feature_shards(paths)
+    generator = torch.Generator().manual_seed(seed)
+    candidates = [
+        (i, t) for i, s in enumerate(sequences) for t in range(max(s.prompt_length - 2, 0), len(s.tokens) - steps - 1)
+    ]
+    picked = sorted(candidates[j] for j in torch.randperm(len(candidates), generator=generator)[:starts].tolist())
+    weight = target.get_output_embeddings().weight
+    sums = [{"accept": 0.0, "agree": 0.0, "n": 0} for _ in range(steps)]
+    by_seq: dict[int, list[int]] = {}
+    for i, t in picked:
+        by_seq.setdefault(i, []).append(t)
+    dtype = next(draft.parameters()).dtype
+    for i, starts_here in by_seq.items():
+        s = sequences[i]
+        feats = s.features.to(dtype)
+        cache = DynamicCache()
+        read = 0  # pairs in the cache
+        for t in starts_here:
+            if t > read:  # pairs read..t-1 with the target's features
+                pos = torch.arange(read, t)[None]
+                draft(feats[None, read:t], s.tokens[None, read + 1 : t + 1], cache, position_ids=pos, use_cache=True)
+                read = t
+            feature = feats[t]
+            for k in range(steps):
+                pos = torch.tensor([[t + k]])
+                predicted = draft(
+                    feature[None, None], s.tokens[None, t + k + 1 : t + k + 2], cache, position_ids=pos, use_cache=True
+                )[0, -1]
+                q = draft.full_logits(predicted).float().softmax(-1)
+                p = (torch.nn.functional.linear(s.features[t + k + 1].float(), weight.float()) - s.lse[t + k + 1]).exp()
+                sums[k]["accept"] += float(torch.minimum(p, q).sum())
+                sums[k]["agree"] += float(q.argmax() == p.argmax())
+                sums[k]["n"] += 1
+                feature = predicted
+            crop_cache(cache, read)
+    return [
+        {"step": k + 1, "expected_accept": v["accept"] / v["n"], "greedy_agreement": v["agree"] / v["n"], "n": v["n"]}
+        for k, v in enumerate(sums)
+    ]
+
+
+def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> dict:
+    """Stage 4: per-step acceptance 1..``eval_steps`` on held-out responses (per source group), and the draft step
+    (with a depth-3 acceptance head) against a single-token target forward, interleaved, medians. Writes
+    ``eval.json`` into the draft folder."""
+    from accept_head.feature_draft import FeatureDrafter
+    from accept_head.head import AcceptanceHead
+
+    _setup(cfg)
+    folder = Path(draft_dir or cfg.output_dir)
+    target = load_model(cfg.target)
+    draft = FeatureDraft.from_pretrained(folder, dtype=cfg.target.torch_dtype).bind(target)
+    paths = _feature_paths(cfg, "eval")
+    result: dict = {"per_step": per_step_acceptance(draft, target, paths, cfg.eval_starts, cfg.eval_steps, cfg.seed)}
+    vocab_info = json.loads((_dir(cfg.work_dir) / "vocab.json").read_text())
+    result["coverage"] = vocab_info["coverage"]
+    result["kept_vocab"] = draft.config.kept_vocab_size
+    result["timing"] = time_draft_step(target, FeatureDrafter(draft, target), cfg.timing_rounds)
+    head = AcceptanceHead(draft.config.hidden_size, depth=3).to(cfg.target.torch_dtype)
+    result["timing_with_head"] = time_draft_step(target, FeatureDrafter(draft, target), cfg.timing_rounds, head=head)
+    (folder / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+    for row in result["per_step"]:
+        print(
+            f"[evaluate] step {row['step']}: acceptance {row['expected_accept']:.3f}, "
+            f"greedy {row['greedy_agreement']:.3f}"
+        )
+    print(f"[evaluate] timing: {result['timing_with_head']}")
+    return result
+
+
+@torch.inference_mode()
+def time_draft_step(target, drafter, rounds: int, head=None, context: int = 128, steps: int = 30) -> dict:
+    """Median seconds of one drafting step (``drafter.propose``, plus ``head`` on its hidden state) and of one
+    single-token target forward with a KV cache at ``context`` tokens, in interleaved rounds."""
+    from transformers import DynamicCache
+
+    from accept_head._hf_compat import crop_cache
+    from accept_head.decoding import _target_pass
+
+    ids = torch.randint(0, target.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    draft_times, target_times = [], []
+    for _ in range(rounds):
+        cache = DynamicCache()
+        _, feats = _target_pass(target, ids[:, :-1], cache, drafter.needs_target_features)
+        drafter.start(ids[0].tolist(), feats)
+        drafter.propose(None)
+        token = int(ids[0, -1])
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step = drafter.propose(token)
+            if head is not None:
+                head(step.hidden[None])
+            draft_times.append(time.perf_counter() - t0)
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            target(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            target_times.append(time.perf_counter() - t0)
+            crop_cache(cache, cache.get_seq_length() - 1)
+    d, t = statistics.median(draft_times), statistics.median(target_times)
+    return {"draft_ms": 1e3 * d, "target_ms": 1e3 * t, "ratio": d / t, "samples_each": len(draft_times)}
+
+
+def main() -> None:
+    from jsonargparse import CLI
+
+    CLI({"features": features, "vocab": vocab, "fit": fit, "evaluate": evaluate}, as_positional=False)
+
+
+if __name__ == "__main__":
+    main()
