@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from .decoding import DecodeStats, _as_input_ids, autoregressive_generate
+from .features import lm_head_input
 from .policies import RoundState, StopPolicy, _check_candidates
 
 UNBOUNDED = 2**31 - 1
@@ -241,6 +242,28 @@ class EntropyStop(StopPolicy):
         return f"EntropyStop(lambda={self.threshold:g}, gamma={self.gamma:g})"
 
 
+def teacher_forced_argmax(
+    target: torch.nn.Module, draft: torch.nn.Module, sequence: torch.Tensor, n: int
+) -> torch.Tensor:
+    """The draft's greedy prediction of each of the ``n`` tokens before the last one of ``sequence`` (1, L), reading
+    the true prefix (teacher forcing) — for a feature draft, with the target's own features: (n,) on the CPU."""
+    from .feature_draft import FeatureDraft
+
+    device = next(draft.parameters()).device
+    length = sequence.shape[1]
+    if isinstance(draft, FeatureDraft):
+        # Pair t reads (f_t, x_{t+1}) and predicts x_{t+2}: tokens L-1-n .. L-2 come from pairs L-3-n .. L-4.
+        if length - 3 - n < 0:
+            raise ValueError(f"A feature draft needs a prompt of at least 2 tokens to predict {n} tokens.")
+        draft.bind(target)
+        features = lm_head_input(target, sequence[:, : length - 3].to(device))  # f_0 .. f_{L-4}
+        predicted = draft(features, sequence[:, 1 : length - 2].to(device))[0, -n:]
+        return draft.full_logits(predicted).argmax(-1).cpu()
+    # Logits at positions L-2-n .. L-3 predict tokens L-1-n .. L-2.
+    logits = draft(input_ids=sequence[:, :-2].to(device), logits_to_keep=n).logits[0]
+    return logits.argmax(-1).cpu()
+
+
 class Oracle(StopPolicy):
     """The greedy hindsight oracle (SpecDec++ Lemma 2.1) for one prompt.
 
@@ -345,9 +368,6 @@ class Oracle(StopPolicy):
         n = continuation.shape[0]
         if n <= 1:
             return cls(prompt_length, continuation.tolist(), ())
-        device = next(draft.parameters()).device
-        # Logits at positions P-1 .. P+N-2 predict the continuation; the last one (the final token) is not judged.
-        logits = draft(input_ids=sequence[:, :-1].to(device), logits_to_keep=n).logits[0, :-1]  # (N-1, V)
-        predicted = logits.argmax(-1).cpu()
+        predicted = teacher_forced_argmax(target, draft, sequence, n - 1)
         wrong = torch.nonzero(predicted != continuation[:-1]).reshape(-1)
         return cls(prompt_length, continuation.tolist(), (prompt_length + wrong).tolist())

@@ -156,22 +156,22 @@ def measure_costs(
     gen = torch.Generator().manual_seed(seed)
     vocab = target.config.vocab_size
     prefix = torch.randint(0, vocab, (1, context), generator=gen).to(device)
-    one = prefix[:, :1]
+    from .decoding import _target_pass
+    from .drafters import as_drafter
 
-    draft_cache = DynamicCache()
-    draft(input_ids=prefix, past_key_values=draft_cache, use_cache=True, logits_to_keep=1)
-    captured = {}
-    hook = draft.get_output_embeddings().register_forward_pre_hook(lambda m, a: captured.__setitem__("h", a[0]))
+    drafter = as_drafter(draft, target)
+    target_cache = DynamicCache()
+    _, features = _target_pass(target, prefix[:, :-1], target_cache, drafter.needs_target_features)
+    drafter.start(prefix[0].tolist(), features)
+    last = {"step": drafter.propose(None)}
+    token = int(prefix[0, -1])
 
-    def draft_step():
-        draft(input_ids=one, past_key_values=draft_cache, use_cache=True, logits_to_keep=1)
-        crop_cache(draft_cache, context)
+    def draft_step():  # one candidate (the drafter's cache grows by one position per call: negligible here)
+        last["step"] = drafter.propose(token)
 
     def head_step():
-        head.accept_prob(captured["h"][0, -1][None, :])
+        head.accept_prob(last["step"].hidden[None, :])
 
-    target_cache = DynamicCache()
-    target(input_ids=prefix, past_key_values=target_cache, use_cache=True, logits_to_keep=1)
     steps: dict = {"draft": draft_step}
     if head is not None:
         steps["head"] = head_step  # right after the draft step whose hidden state it reads
@@ -180,15 +180,12 @@ def measure_costs(
 
         def target_step(ids=ids):
             target(input_ids=ids, past_key_values=target_cache, use_cache=True)
-            crop_cache(target_cache, context)
+            crop_cache(target_cache, context - 1)
 
         steps[k] = target_step
     # Round-robin (draft, head, K = 1..20, then again): a burst of load from elsewhere on a shared machine hits every
     # measurement alike instead of bending the line fitted through them.
-    try:
-        times = _timed_interleaved(steps, repeats, warmup, device)
-    finally:
-        hook.remove()
+    times = _timed_interleaved(steps, repeats, warmup, device)
     draft_times, head_times = times.pop("draft"), times.pop("head", [0.0])
     measured: dict = {"draft": _summary(draft_times), "head": _summary(head_times), "target": {}}
     medians = []

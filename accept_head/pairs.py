@@ -209,6 +209,13 @@ def load_tokenizer(spec: ModelSpec | str | dict):
     from transformers import AutoTokenizer
 
     spec = ModelSpec.coerce(spec)
+    from .feature_draft import is_feature_draft_folder, read_config
+
+    if is_feature_draft_folder(spec.path):  # it has none of its own: it speaks its target's tokens
+        name = read_config(Path(spec.path)).target_name
+        if name is None:
+            raise ValueError(f"{spec.path} records no target_name: load the tokenizer from the target instead.")
+        return load_tokenizer(ModelSpec(path=name))
     return AutoTokenizer.from_pretrained(
         local_folder(spec), revision=spec.revision, trust_remote_code=spec.trust_remote_code
     )

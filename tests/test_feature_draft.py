@@ -126,7 +126,14 @@ def test_greedy_speculative_equals_autoregressive(greedy_settings, kept, setting
         assert torch.equal(result.sequences, expected), (prompt, result.sequences, expected)
         assert result.stats.generated == GREEDY_NEW
         accepted += sum(result.stats.accepted)
-        outside_kept += sum(int(t) not in kept.tolist() for t in expected[0, len(prompt) :])
+        generated = expected[0, len(prompt) :].tolist()
+        outside_kept += sum(t not in kept.tolist() for t in generated)
+        if setting == "feature-exact":  # q = p on kept: a round accepts exactly the run of kept target tokens
+            position = 0
+            for proposed, m in zip(result.stats.proposed, result.stats.accepted):
+                window = generated[position : position + proposed]
+                assert m == next((i for i, t in enumerate(window) if t not in kept.tolist()), proposed)
+                position += m + 1
     assert outside_kept > 0  # the target writes tokens the pruned draft can never propose
     if must_accept:
         assert accepted > 0
@@ -260,22 +267,42 @@ def test_distribution_checks_reject_broken_verifiers(chi2_setup, monkeypatch, dr
 
 
 class RecordingDrafter(FeatureDrafter):
-    """Records what the decoder hands the drafter."""
+    """Records what the decoder hands the drafter, and the logits of each round's first candidate together with the
+    length of the sequence known when it was drafted."""
 
     def start(self, prompt, features) -> None:
         self.starts = [(list(prompt), features.clone())]
         self.commits: list[tuple[list[int], torch.Tensor]] = []
+        self.first_steps: list[tuple[int, torch.Tensor]] = []
+        self.known = len(prompt)
         super().start(prompt, features)
+
+    def propose(self, token):
+        step = super().propose(token)
+        if token is None and step is not None:
+            self.first_steps.append((self.known, step.logits.clone()))
+        return step
 
     def commit(self, tokens, features) -> None:
         self.commits.append((list(tokens), features.clone()))
+        self.known += len(tokens)
         super().commit(tokens, features)
+
+
+def lively_feature_draft(target) -> FeatureDraft:
+    """A feature draft whose layer weights are large enough that attention to a stale or missing position shows."""
+    draft = FeatureDraft.from_target(target, torch.arange(VOCAB))
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in [*draft.fc.parameters(), *draft.decoder.layers.parameters()]:
+            param.copy_(0.3 * torch.randn(param.shape, generator=generator))
+    return draft
 
 
 @pytest.mark.parametrize("prompt", [[3], [0, 3, 5, 1]])
 def test_drafter_receives_target_features_of_accepted_positions(monkeypatch, prompt) -> None:
     target, eos = small_llama(seed=5), 7
-    drafter = RecordingDrafter(FeatureDraft.from_target(target, torch.arange(VOCAB)), target)
+    drafter = RecordingDrafter(lively_feature_draft(target), target)
     rounds: list[tuple[list[int], int]] = []
 
     def recording_verify(p, q, candidates, generator):
@@ -322,6 +349,13 @@ def test_drafter_receives_target_features_of_accepted_positions(monkeypatch, pro
         expected = states[position - 1 : position - 1 + len(tokens)]
         assert torch.allclose(features, expected, atol=1e-4), (position, tokens)
         position += len(tokens)
+    # The drafter uses them right: each round's first candidate has the logits of a fresh, cache-free draft pass over
+    # the pairs (f_t, x_{t+1}) of the whole known sequence — the target's true features, no stale candidate entries.
+    assert len(drafter.first_steps) >= len(rounds) - 1
+    with torch.no_grad():
+        for known, logits in drafter.first_steps:
+            predicted = drafter.model(states[None, : known - 1], sequence[None, 1:known])[0, -1]
+            assert torch.allclose(drafter.model.full_logits(predicted), logits, atol=1e-4), known
 
 
 # --- 4. bad inputs --------------------------------------------------------------------------------------------------
