@@ -33,6 +33,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -146,8 +147,9 @@ class RolloutLabels:
         """(C,) q_k(y_k)."""
         return self.draft_logp.exp()
 
-    def row(self, hidden_dtype: str = "float16") -> dict[str, list]:
-        """The per-candidate lists of a rollout dataset row (:data:`ROLLOUT_COLUMNS`), ``hidden`` flattened."""
+    def row(self, hidden_dtype: str = "float16") -> dict[str, list | np.ndarray]:
+        """The per-candidate lists of a rollout dataset row (:data:`ROLLOUT_COLUMNS`); ``hidden`` is the (C·d,)
+        array of ``hidden_dtype`` (the (C, d) states flattened row-major)."""
         out = {name: getattr(self, name).tolist() for name in ROLLOUT_PER_CANDIDATE}
         out["hidden"] = self.hidden.to(getattr(torch, hidden_dtype)).reshape(-1).numpy()
         return out
@@ -340,8 +342,6 @@ def read_hidden(dataset, hidden_size: int, counts: Sequence[int] | None = None) 
     column = dataset.select_columns(["hidden"]).with_format("arrow")[:]["hidden"]
     chunks = column.chunks if hasattr(column, "chunks") else [column]
     flats = [chunk.flatten().to_numpy(zero_copy_only=False) for chunk in chunks if len(chunk)]
-    import numpy as np
-
     flat = np.concatenate(flats) if flats else np.zeros(0, dtype=np.float16)
     total = sum(counts)
     if flat.size != total * hidden_size:

@@ -9,10 +9,17 @@ from typing import Any, Literal
 from accept_head.labels import LABEL_MODES
 from accept_head.pairs import ModelSpec
 from accept_head.prompts import PromptSource
+from accept_head.rollout import HIDDEN_DTYPES, check_k_max
 from accept_head.sampling import SamplingConfig
 
 RUN_ONLY_KEYS = ("output_dir", "overwrite", "merge", "progress", "threads")
 """Keys that change how a run goes, not what it produces: left out of the fingerprint that guards resumption."""
+
+ROLLOUT = "rollout"
+DATA_GEN_LABEL_MODES = (*LABEL_MODES, ROLLOUT)
+ROLLOUT_ONLY_KEYS = ("k_max", "hidden_dtype")
+"""Keys that only matter with ``label_mode: rollout``: left out of the fingerprint of other modes, so datasets made
+before they existed keep their fingerprint."""
 
 
 @dataclass
@@ -22,7 +29,9 @@ class DataGenConfig:
     target: ModelSpec
     """The target model p: writes the responses and gives p_i (path, dtype, device, attn_implementation, ...)."""
     draft: ModelSpec
-    """The draft model q whose candidates are labelled; must share the target's tokenizer."""
+    """The draft model q whose candidates are labelled; must share the target's tokenizer. A feature-draft folder
+    (:class:`~accept_head.feature_draft.FeatureDraft`, which reads the target's hidden states and uses its
+    tokenizer) needs ``label_mode: rollout``."""
     prompts: list[PromptSource]
     """Prompt sources, e.g. [{path: humaneval}, {path: data.jsonl, field: instruction, limit: 500, split: head}]."""
     output_dir: str
@@ -39,8 +48,17 @@ class DataGenConfig:
     """Seeds the prompt shuffle, the target's sampling and the draws Y_i ~ q_i: same config, same dataset."""
     batch_size: int = 16
     """Prompts per generation batch; one batch is one unit of resumable work."""
-    label_mode: Literal["sample", "greedy"] = "sample"
-    """sample: Y_i ~ q_i, label min(1, p_i(Y_i)/q_i(Y_i)). greedy: Y_i = argmax q_i, label 1[Y_i = argmax p_i]."""
+    label_mode: Literal["sample", "greedy", "rollout"] = "sample"
+    """sample: Y_i ~ q_i, label min(1, p_i(Y_i)/q_i(Y_i)). greedy: Y_i = argmax q_i, label 1[Y_i = argmax p_i].
+    rollout: on-policy labels (:mod:`accept_head.rollout`): real speculative rounds of ``k_max`` candidates, one
+    prompt at a time; each candidate is labelled min(1, p_k(y_k)/q_k(y_k)) under the sampling flags (greedy when
+    temperature is 0) from its round's verification pass, and the drafter's hidden state of each candidate is
+    stored, so head training needs no draft forward."""
+    k_max: int = 8
+    """rollout: candidates drafted (and labelled) per speculative round (FixedK(k_max))."""
+    hidden_dtype: Literal["float16", "float32"] = "float16"
+    """rollout: storage type of the hidden states (float16 halves the size; float32 if the draft's states exceed
+    float16's range)."""
     prompt_mode: Literal["chat", "raw"] = "chat"
     """chat: wrap each prompt in the target tokenizer's chat template (if it has one); raw: tokenize the text as is."""
     system_prompt: str | None = None
@@ -89,8 +107,11 @@ class DataGenConfig:
             raise ValueError(f"--max_prompt_tokens must be >= 1 (or null), got {self.max_prompt_tokens}.")
         if self.threads is not None and self.threads < 1:
             raise ValueError(f"--threads must be >= 1 (or null), got {self.threads}.")
-        if self.label_mode not in LABEL_MODES:
-            raise ValueError(f"--label_mode={self.label_mode!r} must be one of {LABEL_MODES}.")
+        if self.label_mode not in DATA_GEN_LABEL_MODES:
+            raise ValueError(f"--label_mode={self.label_mode!r} must be one of {DATA_GEN_LABEL_MODES}.")
+        check_k_max(self.k_max, flag="--k_max")
+        if self.hidden_dtype not in HIDDEN_DTYPES:
+            raise ValueError(f"--hidden_dtype={self.hidden_dtype!r} must be one of {HIDDEN_DTYPES}.")
         if self.prompt_mode not in ("chat", "raw"):
             raise ValueError(f"--prompt_mode={self.prompt_mode!r} must be chat or raw.")
         if self.scoring not in ("lockstep", "teacher_forced"):
@@ -106,6 +127,11 @@ class DataGenConfig:
             self.sampling()
         except ValueError as err:
             raise ValueError(f"Invalid sampling flags (--temperature/--top_k/--top_p): {err}") from err
+
+    @property
+    def rollout(self) -> bool:
+        """Whether this run writes on-policy rollout labels (``label_mode: rollout``)."""
+        return self.label_mode == ROLLOUT
 
     def sampling(self) -> SamplingConfig:
         """The sampling transform of the responses and, in sample mode, of p and q."""
@@ -130,7 +156,7 @@ class DataGenConfig:
     def fingerprint(self) -> dict[str, Any]:
         """What determines the dataset: the config without :data:`RUN_ONLY_KEYS`."""
         config = self.to_dict()
-        for key in RUN_ONLY_KEYS:
+        for key in RUN_ONLY_KEYS + (() if self.rollout else ROLLOUT_ONLY_KEYS):
             config.pop(key, None)
         return config
 

@@ -4,6 +4,11 @@ Every batch is written to a temporary folder and renamed into ``_work/batches/<b
 :mod:`data_gen.output`), so a killed run leaves only whole batches and rerunning the same command skips them. Batch
 b is generated and labelled with generators seeded from (seed, b) only, so resuming, or splitting the batches over
 shards, gives the same dataset as one uninterrupted run.
+
+With ``label_mode: rollout`` a batch is ``batch_size`` prompts decoded one at a time by real speculative rounds of
+``k_max`` candidates (:func:`accept_head.rollout.rollout_labels`), each prompt with a generator seeded from (seed,
+its row index); the rows hold per-candidate lists and the drafter's hidden states, flattened into a ``hidden``
+column (:data:`accept_head.rollout.ROLLOUT_COLUMNS`; its width and dtype are in ``meta.json["rollout"]``).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from accept_head.batch_generate import sample_batch
@@ -32,8 +38,16 @@ from accept_head.labels import (
     label_responses,
     label_transform,
 )
-from accept_head.pairs import check_same_tokenizer, check_same_vocab, load_model, load_tokenizer
+from accept_head.pairs import (
+    ModelSpec,
+    check_same_tokenizer,
+    check_same_vocab,
+    load_model,
+    load_tokenizer,
+    local_folder,
+)
 from accept_head.prompts import Prompt, PromptStats, chat_prompt_ids, load_prompts
+from accept_head.rollout import rollout_features, rollout_labels
 
 from .config import DataGenConfig
 from .output import (
@@ -177,22 +191,43 @@ def eos_token_ids(tokenizer, model: torch.nn.Module) -> list[int]:
 
 
 TOTAL_KEYS = ("rows", "tokens", "eos_responses", "sum_accept_prob", "sum_expected_accept", "generation_s", "scoring_s")
+ROLLOUT_TOTAL_KEYS = ("candidates", "rounds", "accepted_candidates")
+"""Totals only rollout batches have: labelled candidates, speculative rounds (target passes), accepted candidates."""
+
+
+def total_keys(rollout: bool) -> tuple[str, ...]:
+    """The keys summed over batches (and shards) for a run of this label mode."""
+    return TOTAL_KEYS + (ROLLOUT_TOTAL_KEYS if rollout else ())
 
 
 def summary_stats(totals: dict[str, float]) -> dict[str, float]:
-    """Means and rates for meta.json and the summary, from summed per-batch totals (:data:`TOTAL_KEYS`)."""
+    """Means and rates for meta.json and the summary, from summed per-batch totals (:func:`total_keys`).
+
+    Label means are per labelled position: per response token, or per candidate for rollout labels.
+    """
     rows, tokens = totals["rows"], totals["tokens"]
+    rollout = "candidates" in totals
+    labelled = totals["candidates"] if rollout else tokens
     compute = totals["generation_s"] + totals["scoring_s"]
-    return {
+    stats = {
         "rows": int(rows),
         "tokens": int(tokens),
         "mean_response_tokens": tokens / rows if rows else 0.0,
         "eos_fraction": totals["eos_responses"] / rows if rows else 0.0,
-        "mean_accept_prob": totals["sum_accept_prob"] / tokens if tokens else 0.0,
-        "mean_expected_accept": totals["sum_expected_accept"] / tokens if tokens else 0.0,
+        "mean_accept_prob": totals["sum_accept_prob"] / labelled if labelled else 0.0,
+        "mean_expected_accept": totals["sum_expected_accept"] / labelled if labelled else 0.0,
         "scoring_fraction": totals["scoring_s"] / compute if compute else 0.0,
-        "labelled_tokens_per_s": tokens / compute if compute else 0.0,
+        "labelled_tokens_per_s": labelled / compute if compute else 0.0,
     }
+    if rollout:
+        rounds = totals["rounds"]
+        stats.update(
+            candidates=int(labelled),
+            rounds=int(rounds),
+            mean_candidates_per_round=labelled / rounds if rounds else 0.0,
+            mean_accepted_per_round=totals["accepted_candidates"] / rounds if rounds else 0.0,
+        )
+    return stats
 
 
 def batch_range(n_prompts: int, batch_size: int, shard: tuple[int, int] | None) -> range:
@@ -239,6 +274,7 @@ class LoadedPair:
 
     target: torch.nn.Module
     draft: torch.nn.Module
+    """An HF causal LM, or a :class:`~accept_head.feature_draft.FeatureDraft` bound to ``target`` (rollout only)."""
     tokenizer: Any
     eos: list[int]
     """Token ids that end a response (tokenizer EOS plus the target's generation_config EOS ids)."""
@@ -252,13 +288,22 @@ def load_run(cfg: DataGenConfig) -> tuple[PromptPlan, LoadedPair]:
     """
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
+    feature_draft = is_feature_draft(cfg.draft)
+    if feature_draft and not cfg.rollout:
+        raise ValueError(
+            f"--draft.path={cfg.draft.path!r} is a feature draft (it reads the target's hidden states), which "
+            f"--label_mode={cfg.label_mode} cannot run (it feeds the draft tokens alone); use --label_mode rollout."
+        )
     stats = PromptStats()
     prompts = load_prompts(cfg.prompts, seed=cfg.seed, split_seed=cfg.split_seed, stats=stats)
     tokenizer = load_tokenizer(cfg.target)
-    check_same_tokenizer(tokenizer, load_tokenizer(cfg.draft), cfg.target.path, cfg.draft.path)
+    if not feature_draft:  # a feature draft has no tokenizer of its own: binding checks it was made for the target
+        check_same_tokenizer(tokenizer, load_tokenizer(cfg.draft), cfg.target.path, cfg.draft.path)
     ids = tokenize_prompts(cfg, prompts, tokenizer)
     target = load_model(cfg.target)
     draft = load_model(cfg.draft)
+    if feature_draft:
+        draft.bind(target)  # refuses a draft trained for another target (fingerprint of its embeddings)
     check_same_vocab(target, draft)
     plan = fit_prompts(cfg, prompts, ids, stats, context_length(target, draft))
     eos = eos_token_ids(tokenizer, target)
@@ -266,13 +311,23 @@ def load_run(cfg: DataGenConfig) -> tuple[PromptPlan, LoadedPair]:
     return plan, LoadedPair(target, draft, tokenizer, eos, pad)
 
 
+def is_feature_draft(spec: ModelSpec) -> bool:
+    """Whether ``spec`` names a :class:`~accept_head.feature_draft.FeatureDraft` folder (not a standalone LM)."""
+    from accept_head.feature_draft import is_feature_draft_folder
+
+    return is_feature_draft_folder(local_folder(spec))
+
+
 @dataclass
 class LabelledBatch:
     response_ids: list[list[int]]
     labels: list[dict[str, list]]
-    """Per row, the per-position label lists of :func:`accept_head.labels.label_responses`."""
+    """Per row, the per-position label lists of :func:`accept_head.labels.label_responses` (per-candidate lists and
+    ``hidden`` for rollout batches, :meth:`accept_head.rollout.RolloutLabels.row`)."""
     generation_s: float
     scoring_s: float
+    totals: dict[str, float] = field(default_factory=dict)
+    """Extra batch totals (:data:`ROLLOUT_TOTAL_KEYS` for rollout batches)."""
 
 
 def label_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]], index: int) -> LabelledBatch:
@@ -283,6 +338,8 @@ def label_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]
     (cfg.seed, index) alone, so a batch comes out the same whether it is labelled in one run, after a restart or in a
     shard.
     """
+    if cfg.rollout:
+        return rollout_batch(cfg, pair, prompt_ids, index)
     sampling = cfg.sampling()
     labels_generator = torch.Generator().manual_seed(derive_seed(cfg.seed, "labels", index))
     labeller = None
@@ -323,6 +380,40 @@ def label_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]
         score_tokens=cfg.score_tokens,
     )
     return LabelledBatch(response_ids, labels, t1 - t0, time.perf_counter() - t1)
+
+
+def rollout_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]], index: int) -> LabelledBatch:
+    """Batch ``index`` in rollout mode: each prompt decoded alone by speculative rounds of ``k_max`` candidates, every
+    candidate labelled from its round's verification pass (:func:`accept_head.rollout.rollout_labels`).
+
+    Prompt ``i`` of the batch (row ``index * batch_size + i`` of the run) uses a generator seeded from (seed, row),
+    so its row does not depend on the batching, a restart or the shard it falls in.
+    """
+    sampling = cfg.sampling()
+    responses: list[list[int]] = []
+    rows: list[dict[str, Any]] = []
+    generation_s = scoring_s = 0.0
+    totals = dict.fromkeys(ROLLOUT_TOTAL_KEYS, 0.0)
+    for offset, ids in enumerate(prompt_ids):
+        row_index = index * cfg.batch_size + offset
+        generator = torch.Generator().manual_seed(derive_seed(cfg.seed, "rollout", row_index))
+        result = rollout_labels(
+            pair.target, pair.draft, ids, cfg.max_new_tokens, cfg.k_max, sampling, pair.eos, generator
+        )
+        row = result.row(cfg.hidden_dtype)
+        if not np.isfinite(row["hidden"]).all():
+            raise ValueError(
+                f"The draft's hidden states do not fit --hidden_dtype={cfg.hidden_dtype} (largest magnitude "
+                f"{float(result.hidden.abs().max()):.4g}); rerun with --hidden_dtype float32."
+            )
+        rows.append(row)
+        responses.append(result.response_ids.tolist())
+        generation_s += result.stats.total_time - result.label_seconds
+        scoring_s += result.label_seconds
+        totals["candidates"] += len(result.accept_prob)
+        totals["rounds"] += result.stats.target_calls
+        totals["accepted_candidates"] += int(result.accepted.sum())
+    return LabelledBatch(responses, rows, generation_s, scoring_s, totals)
 
 
 def _open_work(out: Path, status: str, cfg: DataGenConfig, digest: str) -> Path:
@@ -372,7 +463,8 @@ def _generate(cfg: DataGenConfig, out: Path, status: str, started: float) -> dic
             rows = _batch_slice(plan, b, cfg.batch_size)
             prompt_ids = [plan.ids[i] for i in rows]
             batch = label_batch(cfg, pair, prompt_ids, b)
-            _write_batch(batch_root, b, [plan.prompts[i] for i in rows], prompt_ids, batch, pair.eos)
+            features = dataset_features(cfg)
+            _write_batch(batch_root, b, [plan.prompts[i] for i in rows], prompt_ids, batch, pair.eos, features=features)
             tokens += sum(len(r) for r in batch.response_ids)
             seconds += batch.generation_s + batch.scoring_s
             bar.update(len(rows))
@@ -386,8 +478,19 @@ def _batch_slice(plan: PromptPlan, b: int, batch_size: int) -> range:
     return range(b * batch_size, min(len(plan.prompts), (b + 1) * batch_size))
 
 
+def dataset_features(cfg: DataGenConfig):
+    """The ``datasets.Features`` this run writes: token-level labels, or rollout labels with hidden states."""
+    return rollout_features(cfg.hidden_dtype) if cfg.rollout else label_features()
+
+
 def _write_batch(
-    batch_root: Path, b: int, prompts: list[Prompt], prompt_ids: list[list[int]], batch: LabelledBatch, eos: list[int]
+    batch_root: Path,
+    b: int,
+    prompts: list[Prompt],
+    prompt_ids: list[list[int]],
+    batch: LabelledBatch,
+    eos: list[int],
+    features=None,
 ) -> None:
     """Write one finished batch atomically: a temporary folder renamed to ``batches/<b>``."""
     import datasets
@@ -410,10 +513,12 @@ def _write_batch(
         "generation_s": batch.generation_s,
         "scoring_s": batch.scoring_s,
         "rows_per_source": dict(Counter(p.source for p in prompts)),
+        **batch.totals,
     }
     tmp = batch_root / f".tmp-{b:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    datasets.Dataset.from_dict(columns, features=label_features()).save_to_disk(str(tmp))
+    features = label_features() if features is None else features
+    datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
     write_json_atomic(tmp / "batch.json", totals)
     os.replace(tmp, batch_root / f"{b:06d}")
 
@@ -434,19 +539,20 @@ def _finalize(
     dirs = [batch_root / f"{b:06d}" for b in batches]
     missing = [d.name for d in dirs if not d.is_dir()]
     assert not missing, f"batches {missing} missing after the loop"
-    totals: dict[str, float] = dict.fromkeys(TOTAL_KEYS, 0.0)
+    keys = total_keys(cfg.rollout)
+    totals: dict[str, float] = dict.fromkeys(keys, 0.0)
     rows_per_source: Counter = Counter()
     for d in dirs:
         batch = read_json(d / "batch.json") or {}
-        for key in TOTAL_KEYS:
+        for key in keys:
             totals[key] += batch.get(key, 0.0)
         rows_per_source.update(batch.get("rows_per_source", {}))
     with quiet_datasets():
         parts = [datasets.load_from_disk(str(d)) for d in dirs]
-        dataset = datasets.concatenate_datasets(parts) if parts else empty_dataset()
+        dataset = datasets.concatenate_datasets(parts) if parts else empty_dataset(dataset_features(cfg))
         save_dataset(dataset, out)
     shard = cfg.shard_index()
-    transform = label_transform(cfg.sampling(), cfg.label_mode)
+    transform = cfg.sampling() if cfg.rollout else label_transform(cfg.sampling(), cfg.label_mode)
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
@@ -503,9 +609,23 @@ def _finalize(
         "config": cfg.to_dict(),
         "fingerprint": cfg.fingerprint(),
     }
+    if cfg.rollout:
+        meta["rollout"] = rollout_meta(cfg, pair)
     write_json_atomic(out / META, meta)
     shutil.rmtree(out / WORK, ignore_errors=True)
     return meta
+
+
+def rollout_meta(cfg: DataGenConfig, pair: LoadedPair) -> dict[str, Any]:
+    """``meta.json["rollout"]``: how the rollout ran and how its ``hidden`` column is laid out."""
+    return {
+        "k_max": cfg.k_max,
+        "drafter": type(pair.draft).__name__,
+        "hidden_size": int(pair.draft.config.hidden_size),
+        "hidden_dtype": cfg.hidden_dtype,
+        "hidden_layout": "per row: (candidates, hidden_size) row-major, flattened into one list",
+        "label_unit": "candidate",
+    }
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -519,6 +639,13 @@ def format_summary(meta: dict[str, Any]) -> str:
     sources = ", ".join(f"{s['name']} {s['rows']}/{s['loaded']}" for s in meta["sources"])
     shard = meta.get("shard")
     title = "data_gen summary" + (f" (shard {shard['index']}/{shard['count']})" if shard else "")
+    labels = f"{stats['tokens']} tokens"
+    if "candidates" in stats:
+        k_max = (meta.get("rollout") or {}).get("k_max")
+        labels = (
+            f"{stats['candidates']} candidates in {stats['rounds']} rounds (k_max {k_max}, "
+            f"{stats['mean_accepted_per_round']:.2f} accepted per round)"
+        )
     lines = [
         title,
         f"  prompts   {stats['rows']} labelled of {meta['prompts_total']} after filtering  [{sources}]",
@@ -526,7 +653,7 @@ def format_summary(meta: dict[str, Any]) -> str:
         f"{skipped['too_long']} too long (> {meta['max_prompt_tokens']} tokens); {meta['truncated']} truncated",
         f"  responses {stats['rows']}, mean {stats['mean_response_tokens']:.1f} tokens, "
         f"{100 * stats['eos_fraction']:.0f}% ended with EOS (max_new_tokens {meta['max_new_tokens']})",
-        f"  labels    {stats['tokens']} tokens, mode {meta['label_mode']}, mean accept_prob "
+        f"  labels    {labels}, mode {meta['label_mode']}, mean accept_prob "
         f"{stats['mean_accept_prob']:.3f}, mean expected_accept {stats['mean_expected_accept']:.3f}",
         f"  time      generation {timing['generation_s']:.1f}s + scoring {timing['scoring_s']:.1f}s "
         f"({100 * stats['scoring_fraction']:.0f}% scoring), {stats['labelled_tokens_per_s']:.0f} labelled tok/s, "

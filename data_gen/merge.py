@@ -15,7 +15,7 @@ from typing import Any
 from accept_head.labels import load_label_dataset
 
 from .config import DataGenConfig, config_differences
-from .generate import TOTAL_KEYS, code_version, format_summary, summary_stats
+from .generate import code_version, format_summary, summary_stats, total_keys
 from .output import (
     META,
     SHARD_NAME,
@@ -109,7 +109,8 @@ def merge(cfg: DataGenConfig) -> dict[str, Any]:
 
 def _merged_meta(cfg: DataGenConfig, metas: list[dict[str, Any]], started: float) -> dict[str, Any]:
     """meta.json of the merged dataset: shard 0's description, summed counts and times, this config."""
-    totals = {key: sum(m["totals"][key] for m in metas) for key in TOTAL_KEYS}
+    keys = total_keys(metas[0].get("label_mode") == "rollout")
+    totals = {key: sum(m["totals"].get(key, 0.0) for m in metas) for key in keys}
     merged = dict(metas[0])
     merged.update(
         created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),

@@ -174,11 +174,11 @@ def quiet_datasets() -> Iterator[None]:
             ds_logging.enable_progress_bar()
 
 
-def empty_dataset():
-    """A label dataset with no rows (a shard that got no batch)."""
+def empty_dataset(features=None):
+    """A label dataset with no rows (a shard that got no batch); ``features`` default to :func:`label_features`."""
     import datasets
 
-    features = label_features()
+    features = label_features() if features is None else features
     return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
 
 

@@ -5,6 +5,11 @@ A training example is one prompt x with the target's response X, the draft's sam
 ℓ_i = min(1, p_i(Y_i)/q_i(Y_i)) (see :mod:`accept_head.labels`). Each epoch builds Z by token mixing
 (:mod:`accept_head.mixing`) and feeds (x, Z) to the frozen draft; the loss applies where Z_i = Y_i, at the hidden
 state whose input token is Z_i.
+
+Rollout datasets (``label_mode: rollout`` in ``meta.json``, :mod:`accept_head.rollout`) are detected automatically:
+they store the drafter's hidden state of every candidate next to its on-policy label, so an example is one prompt's
+(hidden, label) pairs (:class:`StoredHiddenDataset`) — no draft forward and no token mixing (``mix_ratio`` and
+``max_length`` do not apply). The prompt split is the same.
 """
 
 from __future__ import annotations
@@ -23,6 +28,9 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, S
 from ..mixing import check_ratio, mix_tokens, mixing_seed
 from ..pairs import ModelSpec, load_model, load_tokenizer, local_folder
 from ..sampling import SamplingConfig
+
+ROLLOUT = "rollout"
+"""``meta.json["label_mode"]`` of a dataset with stored hidden states (:mod:`accept_head.rollout`)."""
 
 VALIDATION_EPOCH = -1
 """The mixing 'epoch' of validation examples: fixed, so validation metrics are comparable across epochs."""
@@ -47,6 +55,34 @@ class LabelRow:
 
     def __len__(self) -> int:
         return len(self.prompt_ids) + len(self.response_ids)
+
+
+@dataclass
+class HiddenRow:
+    """One prompt of a rollout dataset: the drafter's stored hidden states of its candidates and their labels."""
+
+    prompt_id: str
+    prompt_ids: torch.Tensor
+    """(P,) prompt tokens (for the end-of-fit sweep's held-out prompts)."""
+    hidden: torch.Tensor
+    """(C, d) the drafter's hidden state of each candidate (float16 or float32, as stored)."""
+    accept_prob: torch.Tensor
+    """(C,) on-policy soft labels min(1, p_k(y_k)/q_k(y_k))."""
+
+    def __len__(self) -> int:
+        return len(self.accept_prob)
+
+
+def is_rollout(meta: dict) -> bool:
+    """Whether a dataset's ``meta.json`` describes rollout labels with stored hidden states."""
+    return meta.get("label_mode") == ROLLOUT
+
+
+def is_feature_draft(spec: ModelSpec) -> bool:
+    """Whether ``spec`` names a :class:`~accept_head.feature_draft.FeatureDraft` folder."""
+    from ..feature_draft import is_feature_draft_folder
+
+    return is_feature_draft_folder(local_folder(spec))
 
 
 def _same_model(a: ModelSpec, b: ModelSpec) -> bool:
@@ -245,6 +281,44 @@ class BucketBatchSampler(BatchSampler):
         return full * per_pool + last
 
 
+class StoredHiddenDataset(Dataset):
+    """Examples for the head from stored hidden states: ``dataset[(row, epoch)]`` is row ``row``'s candidates.
+
+    Items: ``hidden`` (C, d), ``labels`` (C,), ``row`` the row index. The epoch is accepted (and ignored) so the same
+    :class:`BucketBatchSampler` drives both kinds of dataset.
+    """
+
+    def __init__(self, rows: Sequence[HiddenRow]) -> None:
+        self.rows = list(rows)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(row) for row in self.rows]
+
+    def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
+        index = key[0] if isinstance(key, tuple) else key
+        row = self.rows[index]
+        return {"hidden": row.hidden, "labels": row.accept_prob, "row": torch.tensor(index)}
+
+
+def collate_hidden(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Zero-pad stored-hidden examples into a batch: hidden (B, C, d), loss_mask / labels (B, C), row (B,)."""
+    width = max(len(item["labels"]) for item in items)
+    batch, size = len(items), items[0]["hidden"].shape[-1]
+    hidden = torch.zeros((batch, width, size), dtype=items[0]["hidden"].dtype)
+    loss_mask = torch.zeros((batch, width), dtype=torch.bool)
+    labels = torch.zeros((batch, width), dtype=torch.float32)
+    for b, item in enumerate(items):
+        n = len(item["labels"])
+        hidden[b, :n] = item["hidden"]
+        loss_mask[b, :n] = True
+        labels[b, :n] = item["labels"]
+    return {"hidden": hidden, "loss_mask": loss_mask, "labels": labels, "row": torch.stack([i["row"] for i in items])}
+
+
 def collate(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad examples into a batch: input_ids / attention_mask / loss_mask / labels (B, L), row (B,)."""
     width = max(len(item["input_ids"]) for item in items)
@@ -306,6 +380,11 @@ class AcceptanceDataModule(LightningDataModule):
     The prompts are split into train / validation by a seeded permutation (recorded in ``split.json`` next to the
     logs and in the bundle). Every epoch re-mixes the training responses (token mixing, ratio ``mix_ratio``);
     validation uses one fixed mixing. Batches group prompts of similar length.
+
+    A rollout dataset (``meta.json["label_mode"] == "rollout"``, written by ``python -m data_gen --label_mode
+    rollout``) is recognised from its meta.json: the head then trains on the stored (hidden state, label) pairs of
+    each prompt's candidates, with the same split, batches of ``batch_size`` prompts and no draft forward
+    (``mix_ratio``, ``mix_seed``'s mixing and ``max_length`` are unused). ``rollout`` tells which kind was loaded.
     """
 
     def __init__(
@@ -328,9 +407,10 @@ class AcceptanceDataModule(LightningDataModule):
     ) -> None:
         """
         Args:
-            path: Folder of the label dataset written by ``python -m data_gen`` (``save_to_disk`` + ``meta.json``).
+            path: Folder of the label dataset written by ``python -m data_gen`` (``save_to_disk`` + ``meta.json``);
+                a ``label_mode: rollout`` dataset trains on its stored hidden states (detected from meta.json).
             draft: The frozen draft whose hidden states feed the head; must be the draft the labels were made with
-                (dtype and device may differ).
+                (dtype and device may differ). A feature-draft folder needs a rollout dataset.
             target: Overrides the target recorded in the dataset's ``meta.json`` (e.g. another device or dtype);
                 used after training for the cost model, the threshold sweep and the bundle.
             data_gen: Run data_gen into ``path`` in ``prepare_data`` when the dataset does not exist yet: the path
@@ -346,7 +426,7 @@ class AcceptanceDataModule(LightningDataModule):
             batch_size: Prompts per batch.
             bucket_pool: Batches per length-sorted pool (1 = no bucketing).
             max_length: Truncate each (prompt + response) to this many tokens (the response's tail is cut);
-                prompts that alone reach it are dropped. None keeps everything.
+                prompts that alone reach it are dropped. None keeps everything. Unused for rollout datasets.
             num_workers: DataLoader worker processes.
             test_path: Another label dataset (same draft) for ``python -m train test``; default: the validation split.
         """
@@ -379,9 +459,11 @@ class AcceptanceDataModule(LightningDataModule):
         self.meta: dict = {}
         self.split: dict = {}
         self.dropped: dict[str, int] = {}
-        self.train_set: MixedTokenDataset | None = None
-        self.val_set: MixedTokenDataset | None = None
-        self.test_set: MixedTokenDataset | None = None
+        self.rollout = False
+        """Whether ``path`` holds rollout labels with stored hidden states (set by ``setup``)."""
+        self.train_set: MixedTokenDataset | StoredHiddenDataset | None = None
+        self.val_set: MixedTokenDataset | StoredHiddenDataset | None = None
+        self.test_set: MixedTokenDataset | StoredHiddenDataset | None = None
         self._target: torch.nn.Module | None = None
         self._tokenizer: Any = None
         self.save_hyperparameters()
@@ -411,19 +493,26 @@ class AcceptanceDataModule(LightningDataModule):
         by_id = {row.prompt_id: row for row in rows}
         train_rows = [by_id[pid] for pid in self.split["train"]]
         val_rows = [by_id[pid] for pid in self.split["val"]]
-        if not any(len(row.response_ids) for row in val_rows):
+        if not any(len(row) if isinstance(row, HiddenRow) else len(row.response_ids) for row in val_rows):
             raise ValueError(f"The validation split of {self.path} holds no response tokens; raise the split size.")
         assert not val_ids.intersection(self.split["train"]), "train and validation prompts overlap"
-        self.train_set = MixedTokenDataset(train_rows, self.mix_ratio, self.mix_seed)
-        self.val_set = MixedTokenDataset(val_rows, self.mix_ratio, self.mix_seed)
+        self.rollout = is_rollout(self.meta)
+        self.train_set = self._examples(train_rows)
+        self.val_set = self._examples(val_rows)
         if self.test_path is not None:
             test_rows, _ = self._load(self.test_path)
-            self.test_set = MixedTokenDataset(test_rows, self.mix_ratio, self.mix_seed)
+            self.test_set = self._examples(test_rows)
         else:
             self.test_set = self.val_set
         self._record_split()
 
-    def _load(self, path: str) -> tuple[list[LabelRow], dict]:
+    def _examples(self, rows: Sequence[LabelRow | HiddenRow]) -> MixedTokenDataset | StoredHiddenDataset:
+        """The torch dataset of ``rows``: stored hidden states, or token mixing."""
+        if rows and isinstance(rows[0], HiddenRow):
+            return StoredHiddenDataset(rows)
+        return MixedTokenDataset(rows, self.mix_ratio, self.mix_seed)
+
+    def _load(self, path: str) -> tuple[list[LabelRow] | list[HiddenRow], dict]:
         from ..labels import load_label_dataset
 
         if not Path(path).exists():
@@ -434,6 +523,14 @@ class AcceptanceDataModule(LightningDataModule):
             raise FileNotFoundError(f"data.path={path!r} does not exist: {hint}.")
         dataset, meta = load_label_dataset(path)
         check_draft(meta, self.draft, path)
+        if is_rollout(meta):
+            return self._load_rollout(path, dataset, meta), meta
+        if is_feature_draft(self.draft):
+            raise ValueError(
+                f"data.draft={self.draft.path!r} is a feature draft, whose hidden states depend on the target's and "
+                f"cannot be recomputed from the tokens of {path}; label it with `python -m data_gen ... "
+                "--label_mode rollout` and train on that dataset."
+            )
         columns = dataset.select_columns(["prompt_id", "prompt_ids", "response_ids", "draft_ids", "accept_prob"])
         rows, dropped = [], {"empty_response": 0, "prompt_too_long": 0, "truncated": 0}
         for record in columns.to_list():
@@ -469,6 +566,38 @@ class AcceptanceDataModule(LightningDataModule):
             raise ValueError(f"{path} holds no prompt with a response to train on ({dropped}).")
         return rows, meta
 
+    def _load_rollout(self, path: str, dataset, meta: dict) -> list[HiddenRow]:
+        """Rows of a rollout dataset: each prompt's stored hidden states (C, d) and labels (C,)."""
+        from ..rollout import read_hidden
+
+        width = (meta.get("rollout") or {}).get("hidden_size")
+        if width != self.hidden_size:
+            raise ValueError(
+                f"{path} stores hidden states of width {width} but data.draft {self.draft.path!r} has hidden size "
+                f"{self.hidden_size}; regenerate the rollout labels for this draft."
+            )
+        records = dataset.select_columns(["prompt_id", "prompt_ids", "accept_prob"]).to_list()
+        counts = [len(record["accept_prob"]) for record in records]
+        hidden = read_hidden(dataset, width, counts)
+        rows, dropped = [], {"no_candidates": 0}
+        for record, states in zip(records, hidden, strict=True):
+            if not len(states):
+                dropped["no_candidates"] += 1
+                continue
+            rows.append(
+                HiddenRow(
+                    prompt_id=record["prompt_id"],
+                    prompt_ids=torch.tensor(record["prompt_ids"], dtype=torch.long),
+                    hidden=states,
+                    accept_prob=torch.tensor(record["accept_prob"], dtype=torch.float32),
+                )
+            )
+        if path == self.path:
+            self.dropped = dropped
+        if not rows:
+            raise ValueError(f"{path} holds no prompt with a labelled candidate to train on ({dropped}).")
+        return rows
+
     def _record_split(self) -> None:
         trainer = getattr(self, "_trainer", None)
         log_dir = trainer.log_dir if trainer is not None else None
@@ -482,13 +611,14 @@ class AcceptanceDataModule(LightningDataModule):
             "dataset": self.path,
             "n_train": len(self.split.get("train", [])),
             "n_val": len(self.split.get("val", [])),
+            "rollout": self.rollout,
             "mix_ratio": self.mix_ratio,
             "mix_seed": self.mix_seed,
             "dropped": self.dropped,
             **self.split,
         }
 
-    def _loader(self, dataset: MixedTokenDataset | None, train: bool) -> DataLoader:
+    def _loader(self, dataset: MixedTokenDataset | StoredHiddenDataset | None, train: bool) -> DataLoader:
         if dataset is None:
             raise RuntimeError("The data module is not set up: call setup() first.")
         sampler = EpochRandomSampler(dataset, seed=self.mix_seed) if train else SequentialSampler(dataset)
@@ -505,7 +635,7 @@ class AcceptanceDataModule(LightningDataModule):
         return DataLoader(
             dataset,
             batch_sampler=batches,
-            collate_fn=collate,
+            collate_fn=collate_hidden if isinstance(dataset, StoredHiddenDataset) else collate,
             num_workers=self.num_workers,
             persistent_workers=False,
         )
@@ -573,6 +703,10 @@ def draft_hidden_size(draft: ModelSpec) -> int:
     """The hidden size of ``draft`` read from its config (no weights are loaded)."""
     from transformers import AutoConfig
 
+    from ..feature_draft import is_feature_draft_folder, read_config
+
+    if is_feature_draft_folder(local_folder(draft)):
+        return int(read_config(Path(local_folder(draft))).hidden_size)
     try:
         config = AutoConfig.from_pretrained(local_folder(draft), revision=draft.revision)
     except OSError as err:

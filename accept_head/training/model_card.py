@@ -84,7 +84,13 @@ def model_card(
         )
     if stats:
         lines.append(
-            f"- {stats.get('rows')} responses, {stats.get('tokens')} labelled tokens, mean soft label "
+            f"- {stats.get('rows')} responses, "
+            + (
+                f"{stats['candidates']} labelled candidates in {stats.get('rounds')} speculative rounds"
+                if "candidates" in stats
+                else f"{stats.get('tokens')} labelled tokens"
+            )
+            + ", mean soft label "
             f"{_fmt(stats.get('mean_accept_prob'))}, mean expected acceptance "
             f"{_fmt(stats.get('mean_expected_accept'))}."
         )
@@ -96,7 +102,10 @@ def model_card(
         f"{split.get('n_val')} validation prompts ("
         + (f"val_size {split['val_size']}" if split.get("val_size") else f"val_fraction {split.get('val_fraction')}")
         + f"); the ids are in `split.json`. Rows dropped: {split.get('dropped')}.",
-        f"- Token mixing ratio r = {split.get('mix_ratio')}, resampled every epoch (mix_seed {split.get('mix_seed')}).",
+        f"- Token mixing ratio r = {split.get('mix_ratio')}, resampled every epoch (mix_seed {split.get('mix_seed')})."
+        if not split.get("rollout")
+        else "- On-policy rollout labels: the head read the drafter's stored hidden states of each candidate "
+        "(no token mixing).",
         "",
         "## Training",
         "",

@@ -4,6 +4,10 @@ Per batch: the frozen draft reads (prompt, Z) — Z the token-mixed response —
 positions holding draft tokens go through the head; the loss is the weighted BCE against the soft labels there
 (:mod:`accept_head.loss`). Only the head is trained and only the head is checkpointed: the draft's weights are
 reloaded from its spec, never copied into Lightning checkpoints.
+
+Batches of a rollout dataset (:class:`~accept_head.training.data.StoredHiddenDataset`) carry the drafter's stored
+hidden states (``hidden``, (B, C, d)) instead of tokens: the head reads them directly and the draft does not run.
+The draft is still loaded, for the hidden-size check and the end-of-fit stages (cost model, sweep, bundle).
 """
 
 from __future__ import annotations
@@ -119,7 +123,13 @@ class AcceptanceHeadModule(LightningModule):
     # -- forward
 
     def hidden_states(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The draft's final hidden state at every loss position: (M, H) for M = loss_mask.sum()."""
+        """The draft's final hidden state at every loss position: (M, H) for M = loss_mask.sum().
+
+        Stored states (a ``hidden`` (B, C, H) entry, rollout data) are taken as they are; otherwise the frozen
+        draft reads ``input_ids`` (B, L).
+        """
+        if "hidden" in batch:
+            return batch["hidden"][batch["loss_mask"]]
         assert self.draft is not None, "configure_model() loads the draft"
         with torch.no_grad():
             hidden = final_hidden_states(
@@ -135,7 +145,7 @@ class AcceptanceHeadModule(LightningModule):
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         logits, labels = self(batch)
         loss = weighted_bce(logits, labels, self.hparams.w_acc, self.hparams.w_rej)
-        size = int(batch["input_ids"].shape[0])
+        size = int(batch["loss_mask"].shape[0])
         self.log("train/loss", loss, prog_bar=True, batch_size=size)
         self.log("train/positions", float(labels.numel()), batch_size=size)
         return loss

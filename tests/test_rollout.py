@@ -1,0 +1,265 @@
+"""On-policy rollout labels (:mod:`accept_head.rollout`), ``data_gen --label_mode rollout`` and head training on the
+stored hidden states, on tiny random Llama pairs (and a tiny random feature draft)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from tiny_models import make_llama, make_pair, make_tokenizer, perturbed_copy
+from train_helpers import TinySetup, run_data_gen, train_config, write_config, write_prompts
+
+from accept_head import FixedK, autoregressive_generate, speculative_generate
+from accept_head.feature_draft import FeatureDraft
+from accept_head.features import lm_head_input
+from accept_head.labels import load_label_dataset
+from accept_head.pairs import load_model
+from accept_head.rollout import read_hidden, rollout_labels
+from accept_head.sampling import SamplingConfig, probabilities
+from data_gen import generate as generate_module
+from data_gen.cli import main, parse_config
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+PROMPT = [2, 10, 11, 12, 13, 14]
+SAMPLINGS = {
+    "t1": SamplingConfig(temperature=1.0),
+    "t0.8-top_k20-top_p0.9": SamplingConfig(temperature=0.8, top_k=20, top_p=0.9),
+    "greedy": SamplingConfig(temperature=0.0),
+}
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[torch.nn.Module, torch.nn.Module]:
+    """A tiny target and a draft that agrees with it often but not always (a perturbed copy)."""
+    target = make_llama(tokenizer=make_tokenizer(), seed=0, num_layers=3)
+    return target, perturbed_copy(target, relative_noise=0.3, seed=1)
+
+
+@pytest.fixture(scope="module")
+def feature_draft(models) -> FeatureDraft:
+    target = models[0]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(3)
+        return FeatureDraft.from_target(target, torch.arange(target.config.vocab_size - 20)).eval()
+
+
+# ---- the library ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(SAMPLINGS))
+def test_rollout_labels_equal_an_independent_recomputation(models, name: str) -> None:
+    """Every candidate's label, features and hidden state equal what the two models give on its prefix directly:
+    the prompt, the text committed by earlier rounds and the round's earlier candidates."""
+    target, draft = models
+    sampling = SAMPLINGS[name]
+    result = rollout_labels(target, draft, PROMPT, 18, 3, sampling, None, torch.Generator().manual_seed(0))
+    stats = result.stats
+    assert len(stats.proposed) >= 4 and sum(stats.proposed) == len(result.draft_ids)
+    assert 0 < sum(stats.accepted) < sum(stats.proposed)  # both accept and reject paths ran
+    assert len(result.response_ids) == 18 and result.hidden.shape == (len(result.draft_ids), 32)
+    response = result.response_ids.tolist()
+    start, c = 0, 0
+    for r, (k, m) in enumerate(zip(stats.proposed, stats.accepted, strict=True)):
+        candidates = result.draft_ids[c : c + k].tolist()
+        assert result.round[c : c + k].tolist() == [r] * k and result.step[c : c + k].tolist() == list(range(1, k + 1))
+        assert result.accepted[c : c + k].tolist() == [True] * m + [False] * (k - m)
+        assert response[start : start + m] == candidates[:m]
+        for j, y in enumerate(candidates):
+            context = torch.tensor([PROMPT + response[:start] + candidates[:j]])
+            with torch.no_grad():
+                p_logits, q_logits = target(context).logits[0, -1], draft(context).logits[0, -1]
+                hidden = lm_head_input(draft, torch.tensor([[*context[0].tolist(), y]]))[0, -1]
+            p, q = probabilities(p_logits, sampling), probabilities(q_logits, sampling)
+            assert q[y] > 0
+            expected = min(1.0, float(p[y] / q[y]))
+            if sampling.greedy:
+                assert y == int(q_logits.argmax()) and expected == float(y == int(p_logits.argmax()))
+                q = q_logits.float().softmax(-1)  # features of the untransformed softmax
+            assert float(result.accept_prob[c + j]) == pytest.approx(expected, abs=1e-5)
+            assert float(result.draft_logp[c + j]) == pytest.approx(float(q[y].log()), abs=1e-4)
+            assert float(result.draft_entropy[c + j]) == pytest.approx(float(torch.special.entr(q).sum()), abs=1e-4)
+            assert float(result.expected_accept[c + j]) == pytest.approx(
+                float(torch.minimum(probabilities(p_logits, sampling), probabilities(q_logits, sampling)).sum()),
+                abs=1e-5,
+            )
+            torch.testing.assert_close(result.hidden[c + j], hidden.float(), atol=1e-4, rtol=1e-4)
+        start += m + 1
+        c += k
+    assert start == len(response)
+
+
+@pytest.mark.parametrize("drafter", ["model", "feature"])
+def test_greedy_rollout_writes_the_targets_greedy_text(models, feature_draft, drafter: str) -> None:
+    target = models[0]
+    draft = models[1] if drafter == "model" else feature_draft
+    result = rollout_labels(target, draft, PROMPT, 20, 4, SamplingConfig(temperature=0.0), None, None)
+    reference = autoregressive_generate(target, PROMPT, 20, temperature=0)
+    assert result.response_ids.tolist() == reference.sequences[0, len(PROMPT) :].tolist()
+    assert len(result.draft_ids) == sum(result.stats.proposed) > 0
+
+
+@pytest.mark.parametrize("drafter", ["model", "feature"])
+def test_sampled_rollout_is_speculative_decoding_with_fixed_k(models, feature_draft, drafter: str) -> None:
+    """Same generator, same sequence as speculative_generate(FixedK(k_max)): the extra propose(y_K) per round
+    leaves the drafter's state exactly as the decoder expects it after commit."""
+    target = models[0]
+    draft = models[1] if drafter == "model" else feature_draft
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95)
+    result = rollout_labels(target, draft, PROMPT, 24, 3, sampling, [3], torch.Generator().manual_seed(7))
+    reference = speculative_generate(
+        target, draft, PROMPT, FixedK(3), 24, temperature=0.9, top_p=0.95, eos_token_id=3,
+        generator=torch.Generator().manual_seed(7),
+    )  # fmt: skip
+    assert result.response_ids.tolist() == reference.sequences[0, len(PROMPT) :].tolist()
+    assert result.stats.proposed == reference.stats.proposed and result.stats.accepted == reference.stats.accepted
+    width = feature_draft.config.hidden_size if drafter == "feature" else 32
+    assert result.hidden.shape == (sum(result.stats.proposed), width) and torch.isfinite(result.hidden).all()
+
+
+def test_bad_k_max_is_refused(models) -> None:
+    with pytest.raises(ValueError, match=r"k_max=0 must be an integer >= 1"):
+        rollout_labels(*models, PROMPT, 8, 0, SamplingConfig(), None, None)
+
+
+# ---- data_gen ------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> TinySetup:
+    """The tiny pair of the train tests, 16 prompts and their rollout labels (k_max 3)."""
+    root = tmp_path_factory.mktemp("rollout")
+    target, draft = make_pair(root)
+    prompts = write_prompts(root / "prompts.jsonl", 16)
+    setup = TinySetup(root=root, target=target, draft=draft, prompts=prompts, labels=root / "rollout-labels")
+    run_data_gen(rollout_config(setup), setup.labels)
+    return setup
+
+
+def rollout_config(setup: TinySetup, **overrides) -> dict:
+    return setup.data_gen_config(label_mode="rollout", k_max=3, batch_size=5, max_new_tokens=12, **overrides)
+
+
+def test_data_gen_rollout_writes_a_dataset_whose_rows_are_the_library_rollouts(tiny: TinySetup) -> None:
+    dataset, meta = load_label_dataset(tiny.labels)
+    assert meta["label_mode"] == "rollout" and len(dataset) == 16
+    assert meta["rollout"]["k_max"] == 3 and meta["rollout"]["hidden_size"] == 16
+    assert meta["rollout"]["hidden_dtype"] == "float16" and meta["config"]["k_max"] == 3
+    assert meta["stats"]["candidates"] == sum(len(r) for r in dataset["accept_prob"]) > 0
+    hidden = read_hidden(dataset, 16)
+    for row, states in zip(dataset, hidden, strict=True):
+        assert states.shape == (len(row["draft_ids"]), 16) and states.dtype == torch.float16
+        assert all(len(row[name]) == len(row["draft_ids"]) for name in ("step", "round", "accepted", "accept_prob"))
+    # Row i is rollout_labels on its prompt with the generator seeded from (seed, "rollout", i).
+    target = load_model({"path": str(tiny.target), "dtype": "float32"})
+    draft = load_model({"path": str(tiny.draft), "dtype": "float32"})
+    for i in (0, 7):
+        row = dataset[i]
+        generator = torch.Generator().manual_seed(generate_module.derive_seed(0, "rollout", i))
+        eos = meta["tokenizer"]["eos_token_ids"]
+        expected = rollout_labels(target, draft, row["prompt_ids"], 12, 3, SamplingConfig(), eos, generator)
+        assert row["response_ids"] == expected.response_ids.tolist()
+        assert row["draft_ids"] == expected.draft_ids.tolist()
+        torch.testing.assert_close(torch.tensor(row["accept_prob"]), expected.accept_prob)
+        torch.testing.assert_close(hidden[i].float(), expected.hidden, atol=2e-3, rtol=2e-3)
+
+
+def test_interrupted_rollout_run_resumes_to_the_uninterrupted_dataset(tiny: TinySetup, tmp_path, monkeypatch) -> None:
+    real_write, calls = generate_module._write_batch, []
+
+    def crash_on_second(batch_root: Path, b: int, *a, **k) -> None:
+        calls.append(b)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        real_write(batch_root, b, *a, **k)
+
+    monkeypatch.setattr(generate_module, "_write_batch", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        run_data_gen(rollout_config(tiny), tmp_path / "resumed")
+    monkeypatch.setattr(generate_module, "_write_batch", real_write)
+    assert sorted(p.name for p in (tmp_path / "resumed" / "_work" / "batches").iterdir()) == ["000000"]
+    run_data_gen(rollout_config(tiny), tmp_path / "resumed")
+    full, _ = load_label_dataset(tiny.labels)
+    resumed, _ = load_label_dataset(tmp_path / "resumed")
+    assert full.to_list() == resumed.to_list()
+
+
+def test_k_max_is_only_in_the_fingerprint_of_rollout_runs(tiny: TinySetup, tmp_path) -> None:
+    argv = ["--config", json.dumps({**tiny.data_gen_config(), "output_dir": str(tmp_path / "o")})]
+    assert "k_max" not in parse_config(argv).fingerprint()  # datasets made before rollout keep their fingerprint
+    assert parse_config([*argv, "--label_mode", "rollout"]).fingerprint()["k_max"] == 8
+
+
+@pytest.mark.parametrize("value", ["0", "-2"])
+def test_bad_k_max_names_the_flag(tiny: TinySetup, tmp_path, value: str, capsys) -> None:
+    argv = ["--config", json.dumps({**rollout_config(tiny), "output_dir": str(tmp_path / "o")}), "--k_max", value]
+    with pytest.raises(ValueError, match=rf"--k_max={value} must be an integer >= 1"):
+        parse_config(argv)
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2 and "--k_max" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture(scope="module")
+def feature_setup(tiny: TinySetup) -> TinySetup:
+    """A feature draft for the tiny target (its folder has no tokenizer) and its rollout labels."""
+    folder = tiny.root / "feature-draft"
+    target = load_model({"path": str(tiny.target), "dtype": "float32"})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        FeatureDraft.from_target(target, torch.arange(60)).save_pretrained(folder)
+    setup = TinySetup(tiny.root, tiny.target, folder, tiny.prompts, tiny.root / "feature-rollout-labels")
+    run_data_gen(rollout_config(setup), setup.labels)
+    return setup
+
+
+def test_data_gen_rollout_with_a_feature_draft(feature_setup: TinySetup, tmp_path) -> None:
+    dataset, meta = load_label_dataset(feature_setup.labels)
+    assert meta["rollout"]["drafter"] == "FeatureDraft" and meta["rollout"]["hidden_size"] == 32
+    assert [h.shape[0] for h in read_hidden(dataset, 32)] == [len(r) for r in dataset["draft_ids"]]
+    with pytest.raises(ValueError, match=r"is a feature draft .*--label_mode rollout"):
+        run_data_gen(feature_setup.data_gen_config(), tmp_path / "token-labels")
+    assert not (tmp_path / "token-labels").exists()
+
+
+# ---- head training on stored hidden states -------------------------------------------------------------------------
+
+
+def fit(config: dict, tmp_path: Path):
+    from train.cli import cli_main
+
+    return cli_main(["fit", "--config", str(write_config(config, tmp_path / "fit.yaml"))])
+
+
+def test_train_fit_on_rollout_labels_trains_on_stored_hidden_states(tiny: TinySetup, tmp_path, monkeypatch) -> None:
+    import accept_head.training.module as module
+
+    def no_draft_forward(*args, **kwargs):
+        raise AssertionError("the draft must not run on rollout data")
+
+    monkeypatch.setattr(module, "final_hidden_states", no_draft_forward)
+    config = train_config(tiny, tmp_path, stages=True, trainer={"max_epochs": 2})
+    cli = fit(config, tmp_path)
+    dm = cli.datamodule
+    assert dm.rollout and cli.trainer.global_step == 2 * 3  # 10 training prompts in batches of 4, two epochs
+    split = dm.split_record()
+    assert split["rollout"] and len(split["val"]) == 6 and set(split["val"]).isdisjoint(split["train"])
+    metrics = cli.trainer.callback_metrics
+    assert torch.isfinite(metrics["val/weighted_bce"]) and torch.isfinite(metrics["train/loss"])
+    report = cli.model.fit_report
+    assert report.calibration_choice is not None  # calibration read the stored-state batches
+    assert report.threshold in (0.3, 0.7) and (tmp_path / "bundle" / "head.safetensors").is_file()
+    card = (tmp_path / "bundle" / "README.md").read_text()
+    assert "On-policy rollout labels" in card and "labelled candidates" in card
+
+
+def test_train_fit_on_feature_draft_rollout_labels(feature_setup: TinySetup, tmp_path) -> None:
+    """A head for a feature draft trains on its rollout labels, and the end-of-fit stages (cost model, sweep, bundle
+    export with its from_pretrained + generate check) run with the feature draft."""
+    config = train_config(feature_setup, tmp_path, stages=True, trainer={"max_epochs": 1})
+    cli = fit(config, tmp_path)
+    assert cli.datamodule.rollout and cli.model.head.hidden_size == 32 and cli.trainer.global_step > 0
+    assert (tmp_path / "bundle" / "head.safetensors").is_file() and cli.model.fit_report.threshold is not None
