@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+from transformers import PreTrainedModel
 
 from accept_head.baselines import ConfidenceThreshold, confidence_pairs_from_dataset, roc_threshold
 from accept_head.cost_model import CostModel
@@ -134,6 +135,7 @@ def bench(
     confidence_dataset: str | None = None,
     heuristic_initial_k: int = 5,
     hf_settings: list[HFSetting] | None = None,
+    comparison_draft: ModelSpec | None = None,
     oracle: bool = True,
     select_by: str = "modeled",
     cost_model: str = "bundle",
@@ -172,7 +174,11 @@ def bench(
         confidence_dataset: A data_gen dataset to tune τ on (its draft_logp / accept_prob) instead of validation.
         heuristic_initial_k: Start K of the Heuristic schedule (HF used 5 before transformers 4.45).
         hf_settings: HF assisted-generation settings; default: constant at the best K, heuristic from 5, and HF's
-            out-of-the-box default (K=20 with confidence threshold 0.4).
+            out-of-the-box default (K=20 with confidence threshold 0.4). They run with the pair's draft when it is
+            a Hugging Face model, else with ``comparison_draft``.
+        comparison_draft: A standalone Hugging Face draft to compare against (e.g. the one a feature draft
+            replaced): FixedK rows with it (``draft=standalone``, K chosen on validation) and, when the pair's draft
+            is a feature draft, with its pruned vocabulary too (``draft=standalone-pruned``).
         oracle: Include the greedy hindsight oracle (greedy only).
         select_by: Choose the validation winners by ``modeled`` (cost model; robust to machine noise) or
             ``measured`` tokens/s.
@@ -207,6 +213,8 @@ def bench(
         raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup}).")
     folder = output_folder(output_dir)
     pair = load_pair(bundle, target, draft, device, dtype)
+    if comparison_draft is not None:
+        add_comparison_drafts(pair, ModelSpec.coerce(comparison_draft))
     encode = dict(
         tokenizer=pair.tokenizer,
         prompt_mode=prompt_mode,
@@ -252,6 +260,7 @@ def bench(
         specs = [
             MethodSpec("autoregressive"),
             MethodSpec("fixed_k", {"k": best_k}),
+            *[MethodSpec("fixed_k", {"k": k, "draft": name}) for name, k in validation["best_k_by_draft"].items()],
             MethodSpec("specdecpp", {"threshold": pair.bundle.threshold}, label=h_star_label(pair.bundle)),
             MethodSpec("heuristic", {"initial_k": heuristic_initial_k}),
             MethodSpec("confidence", {"tau": tau}),
@@ -259,12 +268,19 @@ def bench(
             MethodSpec("confidence", {"tau": 0.4, "auto_tune": True}),
             MethodSpec("entropy", {"threshold": validation["best_entropy_threshold"], "gamma": entropy_gamma}),
         ]
+        hf_draft = None if isinstance(pair.draft, PreTrainedModel) else "standalone"
         for s in settings:
+            if hf_draft is not None and hf_draft not in pair.comparison_drafts:
+                print(f"skipping HF assisted generation: the pair's draft is a {type(pair.draft).__name__}")
+                break
+            k_default = best_k if hf_draft is None else validation["best_k_by_draft"][hf_draft]
             params = {
-                "num_assistant_tokens": best_k if s.num_assistant_tokens is None else s.num_assistant_tokens,
+                "num_assistant_tokens": k_default if s.num_assistant_tokens is None else s.num_assistant_tokens,
                 "schedule": s.schedule,
                 "confidence_threshold": s.confidence_threshold,
             }
+            if hf_draft is not None:
+                params["draft"] = hf_draft
             specs.append(MethodSpec("hf_assisted", params))
         if oracle and temperature == 0:
             specs.append(MethodSpec("oracle"))
@@ -308,6 +324,19 @@ def bench(
     return payload
 
 
+def add_comparison_drafts(pair: Pair, spec: ModelSpec) -> None:
+    """Load the standalone draft ``spec`` as comparison draft ``standalone`` and, when the pair's draft is a feature
+    draft, the same model restricted to that draft's pruned vocabulary as ``standalone-pruned``."""
+    from accept_head.drafters import ModelDrafter
+    from accept_head.pairs import load_model
+
+    standalone = load_model(spec)
+    pair.comparison_drafts["standalone"] = standalone
+    kept = getattr(pair.draft, "kept_ids", None)
+    if kept is not None:
+        pair.comparison_drafts["standalone-pruned"] = ModelDrafter(standalone, kept.cpu(), with_hidden=False)
+
+
 def _title(key: str, test_set: PromptSet, repeats: int, validation: dict) -> str:
     conf = validation["confidence"]
     return (
@@ -331,17 +360,24 @@ def _validate(
 ) -> dict:
     """Run the FixedK and EntropyStop grids on the validation prompts and pick the best of each."""
     specs = [MethodSpec("fixed_k", {"k": k}) for k in fixed_k]
+    specs += [MethodSpec("fixed_k", {"k": k, "draft": name}) for name in pair.comparison_drafts for k in fixed_k]
     specs += [MethodSpec("entropy", {"threshold": lam, "gamma": entropy_gamma}) for lam in entropy_thresholds]
     runner = Runner(pair, max_new_tokens, temperature)
     runs = run_interleaved(
         runner, specs, val_set.prompts, seed, progress=progress, desc=f"validation {temperature_key(temperature)}"
     )
     summaries = summarize(specs, runs, cost_model)
-    best_k = best_of(summaries, select_by, "fixed_k")
-    best_entropy = best_of(summaries, select_by, "entropy")
+    own = [s for s in summaries if "draft" not in s.spec.params]
+    best_k = best_of(own, select_by, "fixed_k")
+    best_entropy = best_of(own, select_by, "entropy")
+    by_draft = {}
+    for name in pair.comparison_drafts:  # by measured tok/s: the cost model prices the pair's own draft only
+        theirs = [s for s in summaries if s.spec.params.get("draft") == name]
+        by_draft[name] = int(best_of(theirs, "measured", "fixed_k").spec.params["k"])
     return {
         "select_by": select_by,
         "best_k": int(best_k.spec.params["k"]),
+        "best_k_by_draft": by_draft,
         "best_entropy_threshold": float(best_entropy.spec.params["threshold"]),
         "methods": [s.to_dict() | {"selection_tokens_per_second": throughput(s, select_by)} for s in summaries],
     }
@@ -349,7 +385,11 @@ def _validate(
 
 def _with_ratios(summaries: Sequence[MethodSummary]) -> list[dict]:
     """Method dicts with ratios of median measured (and modeled) tokens/s to the autoregressive and fixed-K rows."""
-    by_kind = {s.spec.kind: s for s in summaries if s.spec.kind in ("autoregressive", "fixed_k")}
+    by_kind = {
+        s.spec.kind: s
+        for s in summaries
+        if s.spec.kind in ("autoregressive", "fixed_k") and "draft" not in s.spec.params
+    }
     ar, fk = by_kind.get("autoregressive"), by_kind.get("fixed_k")
     out = []
     for s in summaries:

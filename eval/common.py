@@ -35,6 +35,17 @@ class Pair:
     bundle_path: str | None = None
     target_spec: ModelSpec | None = None
     draft_spec: ModelSpec | None = None
+    comparison_drafts: dict[str, Any] = field(default_factory=dict)
+    """Further drafts (HF models or :class:`~accept_head.drafters.Drafter` objects) that methods name with a
+    ``draft: <name>`` parameter, e.g. the standalone draft beside a feature draft."""
+
+    def draft_for(self, name: str | None):
+        """The pair's own draft (``name`` None) or the comparison draft called ``name``."""
+        if name is None:
+            return self.draft
+        if name not in self.comparison_drafts:
+            raise ValueError(f"no comparison draft named {name!r}; known: {sorted(self.comparison_drafts)}.")
+        return self.comparison_drafts[name]
 
     @property
     def eos_token_id(self) -> int | list[int] | None:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from transformers import PreTrainedModel
 
 from accept_head.baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle
 from accept_head.benchmark import PolicyResult, aggregate
@@ -151,6 +152,10 @@ class Runner:
             return "the oracle is defined for greedy decoding only"
         if spec.kind == "specdecpp" and self.pair.bundle is None:
             return "SpecDec++ needs a bundle with a trained head (--bundle)"
+        if spec.kind == "hf_assisted" and not isinstance(
+            self.pair.draft_for(spec.params.get("draft")), PreTrainedModel
+        ):
+            return "HF assisted generation needs a Hugging Face draft model (name a comparison draft)"
         return None
 
     def policy(self, spec: MethodSpec) -> StopPolicy:
@@ -190,7 +195,7 @@ class Runner:
     def oracle(self, ids: Sequence[int]) -> Oracle:
         key = tuple(ids)
         if key not in self._oracles:
-            self._oracles[key] = Oracle.from_models(
+            self._oracles[key] = Oracle.from_models(  # the oracle of the pair's own draft
                 self.pair.target, self.pair.draft, list(ids), self.max_new_tokens, self.pair.eos_token_id
             )
         return self._oracles[key]
@@ -214,7 +219,10 @@ class Runner:
         reason = self.supports(spec)
         if reason:
             raise ValueError(f"{spec.name} cannot run at temperature={self.temperature}: {reason}.")
-        target, draft, eos = self.pair.target, self.pair.draft, self.pair.eos_token_id
+        target, eos = self.pair.target, self.pair.eos_token_id
+        params = dict(spec.params)
+        draft = self.pair.draft_for(params.pop("draft", None))
+        spec = MethodSpec(spec.kind, params, label=spec.name)
         common = dict(temperature=self.temperature, eos_token_id=eos, **self.sampling)
         if spec.kind == "autoregressive":
             if spec.params:
