@@ -4,6 +4,8 @@ from .baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle, roc_
 from .bundle import SpecDecOutput, SpecDecPP
 from .calibration import Calibration
 from .decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate, verify
+from .drafters import Drafter, DraftStep, ModelDrafter
+from .feature_draft import FeatureDraft, FeatureDrafter
 from .head import AcceptanceHead, from_official_state_dict
 from .hf_assisted import AssistedSettings, HFAssisted
 from .pairs import ModelSpec, check_same_tokenizer, load_model, load_tokenizer
@@ -16,12 +18,17 @@ __all__ = [
     "Calibration",
     "ConfidenceThreshold",
     "DecodeStats",
+    "DraftStep",
+    "Drafter",
     "EntropyStop",
+    "FeatureDraft",
+    "FeatureDrafter",
     "FixedK",
     "GenerationResult",
     "HFAssisted",
     "HeadThreshold",
     "Heuristic",
+    "ModelDrafter",
     "ModelSpec",
     "Oracle",
     "RoundState",

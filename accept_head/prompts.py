@@ -41,6 +41,8 @@ class PromptSource:
     """Name used in prompt ids; defaults to the file stem (or dataset id)."""
     limit: int | None = None
     """Keep at most this many prompts of this source (after the split filter, in shuffled order)."""
+    offset: int = 0
+    """Skip the first this many prompts of the shuffled order (e.g. those another run already used)."""
     split: str | None = None
     """Keep only prompts whose hash split is this one (``distill``, ``head`` or ``eval``); None keeps all."""
     hf_config: str | None = None
@@ -55,6 +57,8 @@ class PromptSource:
             raise ValueError(f"split={self.split!r} is not one of {sorted(SPLITS)} (or null for all prompts).")
         if self.limit is not None and self.limit < 0:
             raise ValueError(f"limit={self.limit} must be >= 0.")
+        if self.offset < 0:
+            raise ValueError(f"offset={self.offset} must be >= 0.")
 
     @property
     def display_name(self) -> str:
@@ -168,7 +172,7 @@ def load_prompts(
             rows.append(Prompt(prompt_id, name, text))
         random.Random(f"{seed}:{name}").shuffle(rows)
         kept = 0
-        for prompt in rows:
+        for prompt in rows[source.offset :]:
             if source.limit is not None and kept >= source.limit:
                 break
             if prompt.text in seen:

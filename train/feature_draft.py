@@ -70,6 +70,9 @@ class FeatureDraftRecipe:
     """Held-out start positions for the per-step acceptance of ``evaluate`` (sampled, seeded)."""
     eval_steps: int = 8
     timing_rounds: int = 7
+    standalone: ModelSpec | None = None
+    """A standalone draft of the same target, timed beside this one with its full and with this draft's pruned
+    vocabulary (what pruning alone does to its cost ratio)."""
 
 
 def _dir(path: str) -> Path:
@@ -347,6 +350,7 @@ def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> dict:
     """Stage 4: per-step acceptance 1..``eval_steps`` on held-out responses (per source group), and the draft step
     (with a depth-3 acceptance head) against a single-token target forward, interleaved, medians. Writes
     ``eval.json`` into the draft folder."""
+    from accept_head.drafters import ModelDrafter
     from accept_head.feature_draft import FeatureDrafter
     from accept_head.head import AcceptanceHead
 
@@ -362,6 +366,11 @@ def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> dict:
     result["timing"] = time_draft_step(target, FeatureDrafter(draft, target), cfg.timing_rounds)
     head = AcceptanceHead(draft.config.hidden_size, depth=3).to(cfg.target.torch_dtype)
     result["timing_with_head"] = time_draft_step(target, FeatureDrafter(draft, target), cfg.timing_rounds, head=head)
+    if cfg.standalone is not None:
+        standalone = load_model(cfg.standalone)
+        for name, kept in (("standalone", None), ("standalone_pruned", draft.kept_ids)):
+            drafter = ModelDrafter(standalone, kept_ids=kept, with_hidden=False)
+            result[f"timing_{name}"] = time_draft_step(target, drafter, cfg.timing_rounds)
     (folder / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     for row in result["per_step"]:
         print(
@@ -513,7 +522,7 @@ the acceptance at that V):
 
 Speed (context 128, bf16, interleaved, medians of {t["samples_each"]}): one drafting step {t["draft_ms"]:.2f} ms
 (with a depth-3 acceptance head {th["draft_ms"]:.2f} ms) against a single-token target forward
-{th["target_ms"]:.2f} ms — cost ratio c = {t["ratio"]:.3f} ({th["ratio"]:.3f} with the head).
+{th["target_ms"]:.2f} ms — cost ratio c = {t["ratio"]:.3f} ({th["ratio"]:.3f} with the head).{_standalone_timing(ev)}
 
 ## Learning curve (validation on 16 batches of one held-out shard, kept-vocabulary acceptance, parallel unroll)
 
@@ -530,6 +539,17 @@ Derived from SmolLM2-135M-Instruct (Apache-2.0) outputs and weights; same licens
     (folder / "README.md").write_text(text)
     print(f"[model_card] wrote {folder / 'README.md'}")
     return text
+
+
+def _standalone_timing(ev: dict) -> str:
+    if "timing_standalone" not in ev:
+        return ""
+    full, pruned = ev["timing_standalone"], ev["timing_standalone_pruned"]
+    return (
+        f" For comparison, the standalone 2-layer draft (`checkpoints/smollm2-135m-draft`) in the same harness: "
+        f"{full['draft_ms']:.2f} ms per step (c = {full['ratio']:.3f}) with its full 49,152-token head, "
+        f"{pruned['draft_ms']:.2f} ms (c = {pruned['ratio']:.3f}) restricted to this draft's kept vocabulary."
+    )
 
 
 def main() -> None:

@@ -197,8 +197,10 @@ class FeatureDraftModule(LightningModule):
         target = batch["features"][:, 1:].float()
         m = batch["loss_mask"]
         n = m.sum().clamp(min=1)
-        with torch.autocast(target.device.type, enabled=False):  # the target's probabilities stay exact (fp32)
-            log_p = target @ self.target_rows.T - batch["lse"][:, 1:, None]  # (B, T-1, V_kept), ≤ 0
+        # Training reads the target's probabilities through bf16 autocast (cheap, slightly noisy); validation keeps
+        # them exact in fp32.
+        with torch.autocast(target.device.type, enabled=train and torch.is_autocast_enabled(target.device.type)):
+            log_p = (target @ self.target_rows.T).float() - batch["lse"][:, 1:, None]  # (B, T-1, V_kept), ≤ 0
         p = log_p.exp()
         total = torch.zeros((), device=target.device)
         per_step = []
