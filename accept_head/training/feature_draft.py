@@ -193,7 +193,9 @@ class FeatureDraftModule(LightningModule):
         self, batch: dict[str, torch.Tensor], train: bool
     ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
         h = self.hparams
-        steps = unrolled_predictions(self.draft, batch, h.unroll, h.noise if train else 0.0, self.generator)
+        # Validation always scores steps 1-3, so variants trained with fewer unrolled steps stay comparable.
+        depth = h.unroll if train else max(h.unroll, 3)
+        steps = unrolled_predictions(self.draft, batch, depth, h.noise if train else 0.0, self.generator)
         target = batch["features"][:, 1:].float()
         m = batch["loss_mask"]
         n = m.sum().clamp(min=1)
@@ -209,7 +211,8 @@ class FeatureDraftModule(LightningModule):
             ce = -(p * log_q).sum(-1)
             feat = torch.nn.functional.smooth_l1_loss(predicted.float(), target, reduction="none").mean(-1)
             loss_k = ((ce + h.feature_weight * feat) * m).sum() / n
-            total = total + h.step_decay**k * loss_k
+            if k < h.unroll:
+                total = total + h.step_decay**k * loss_k
             with torch.no_grad():
                 accept = (torch.minimum(p, log_q.exp()).sum(-1) * m).sum() / n
                 agree = ((log_q.argmax(-1) == log_p.argmax(-1)).float() * m).sum() / n
