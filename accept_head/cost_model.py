@@ -55,6 +55,23 @@ class CostModel:
         return cls(**raw)
 
 
+def expected_fixed_k_speedup(step_acceptance: Sequence[float], k: int, cost: CostModel) -> float:
+    """Modeled speed-up over the target alone of drafting exactly ``k`` candidates per round, when candidate j is
+    accepted with probability ``step_acceptance[j-1]`` given the earlier ones were (independent across rounds).
+
+    Tokens per round: 1 + Σ_{j≤k} Π_{i≤j} α_i (accepted run plus the target's own token); seconds per round:
+    k·t_draft + t_target(k); the target alone writes one token per t_target(0). This is the ceiling the measured α
+    and c allow a fixed-K rule, to print beside a measured speed-up.
+    """
+    if not 1 <= k <= len(step_acceptance):
+        raise ValueError(f"k={k} needs 1..{len(step_acceptance)} per-step acceptance values.")
+    run, tokens = 1.0, 1.0
+    for alpha in step_acceptance[:k]:
+        run *= alpha
+        tokens += run
+    return (tokens / (k * cost.t_draft + cost.t_target(k))) * cost.t_target(0)
+
+
 def latency_per_token(t_draft: float, t_target: float, verification_rate: float, discard_rate: float) -> float:
     """Eq. 2.3: t_draft + t_draft · N_discarded/N + (t_target − t_draft) · N_target/N (seconds per token)."""
     return t_draft + t_draft * discard_rate + (t_target - t_draft) * verification_rate

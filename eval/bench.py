@@ -290,6 +290,13 @@ def bench(
         summaries = summarize(specs, runs, model)
         methods = _with_ratios(summaries)
         results[key] = {"temperature": temperature, "validation": validation, "methods": methods}
+        ceiling = fixed_k_ceiling(pair, temperature, best_k, model)
+        if ceiling is not None:
+            results[key]["ceiling"] = ceiling
+            print(
+                f"what the draft's measured per-step acceptance and the cost model allow FixedK(k={best_k}): "
+                f"{ceiling['expected_speedup']:.2f}x autoregressive (from {ceiling['source']})"
+            )
         panels[key] = methods
         print(text_table(BENCH_HEADER, _method_rows(methods), title=_title(key, test_set, repeats, validation)))
     plot = bench_plot(
@@ -322,6 +329,32 @@ def bench(
     write_json(folder / "bench.json", payload)
     print(f"wrote {folder / 'bench.json'} and {plot}")
     return payload
+
+
+def fixed_k_ceiling(pair: Pair, temperature: float, k: int, cost: CostModel) -> dict | None:
+    """The speed-up the draft's own held-out per-step acceptance (``eval.json`` in its folder, written by
+    ``python -m train.feature_draft evaluate``) and ``cost`` allow FixedK(k), to print beside the measurement:
+    greedy agreement per step for greedy decoding, expected acceptance Σ min(p, q) at temperature 1."""
+    import json
+    from pathlib import Path
+
+    from accept_head.cost_model import expected_fixed_k_speedup
+
+    spec = pair.draft_spec
+    path = Path(spec.path) / "eval.json" if spec is not None else None
+    if path is None or not path.is_file() or temperature not in (0.0, 1.0):
+        return None
+    per_step = json.loads(path.read_text()).get("per_step")
+    if not per_step or k > len(per_step):
+        return None
+    column = "greedy_agreement" if temperature == 0 else "expected_accept"
+    alphas = [row[column] for row in per_step]
+    return {
+        "source": f"{path} ({column})",
+        "alphas": alphas,
+        "k": k,
+        "expected_speedup": expected_fixed_k_speedup(alphas, k, cost),
+    }
 
 
 def add_comparison_drafts(pair: Pair, spec: ModelSpec) -> None:

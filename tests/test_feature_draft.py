@@ -472,3 +472,17 @@ def test_fingerprint_ignores_dtype_and_tells_models_apart(tmp_path, llama, kept)
     assert draft.fc.weight.dtype == torch.bfloat16
     result = speculative_generate(half, draft, [2, 12, 40], FixedK(3), 8, temperature=0)  # binds to the bf16 copy
     assert result.sequences.shape == (1, 11)
+
+
+def test_fixed_k_ceiling_counts_the_accepted_run_plus_the_targets_token() -> None:
+    """Eq. 2.1 with independent per-step acceptance: tokens per round 1 + Σ_j Π_{i≤j} α_i over k·t_draft + t(k)."""
+    from accept_head.cost_model import CostModel, expected_fixed_k_speedup
+
+    cost = CostModel(t_draft=0.1, t_target_a=1.0, t_target_b=0.05)
+    # α = (0.5, 0.5): tokens = 1 + 0.5 + 0.25 = 1.75 per round of 2·0.1 + 1.1 = 1.3 s; the target alone: 1 token/s.
+    assert expected_fixed_k_speedup([0.5, 0.5, 0.9], 2, cost) == pytest.approx(1.75 / 1.3)
+    # A draft that is always right and free: k + 1 tokens per target call of cost t(k).
+    free = CostModel(t_draft=0.0, t_target_a=1.0)
+    assert expected_fixed_k_speedup([1.0] * 4, 4, free) == pytest.approx(5.0)
+    with pytest.raises(ValueError, match="k=5 needs 1..4"):
+        expected_fixed_k_speedup([1.0] * 4, 5, free)
