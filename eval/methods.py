@@ -71,9 +71,11 @@ class MethodSpec:
         if self.label:
             return self.label
         if self.kind == "hf_assisted":
-            settings = AssistedSettings(**self.params)
+            draft = self.params.get("draft")  # a comparison draft's name (Runner resolves it), not an HF setting
+            settings = AssistedSettings(**{k: v for k, v in self.params.items() if k != "draft"})
             text = f"HF {settings.schedule} K={settings.num_assistant_tokens}"
-            return text + (f" conf={settings.confidence_threshold:g}" if settings.confidence_threshold else "")
+            text += f" conf={settings.confidence_threshold:g}" if settings.confidence_threshold else ""
+            return text + (f" draft={draft}" if draft is not None else "")
         parts = []
         for key, value in self.params.items():
             if value is None:  # an explicit default (e.g. unscored: null, Alg. 2) needs no mention

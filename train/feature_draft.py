@@ -259,7 +259,11 @@ def fit(cfg: FeatureDraftRecipe) -> Path:
     )
     module.init_from_target(target, kept)
     data = FeatureDataModule(train_paths, val_paths[:1], cfg.batch_tokens, cfg.seed, loss_from)
-    checkpoints = ModelCheckpoint(dirpath=work / "checkpoints", save_last=True, save_top_k=0)
+    # No version counter: a resumed run (also from a moved work_dir, whose checkpoint names another dirpath) must
+    # overwrite last.ckpt rather than write last-v1.ckpt beside it, or the next resume would go back to the old one.
+    checkpoints = ModelCheckpoint(
+        dirpath=work / "checkpoints", save_last=True, save_top_k=0, enable_version_counter=False
+    )
     trainer = Trainer(
         accelerator="cpu",
         devices=1,
@@ -272,7 +276,7 @@ def fit(cfg: FeatureDraftRecipe) -> Path:
         num_sanity_val_steps=0,
         gradient_clip_val=1.0,
         callbacks=[checkpoints],
-        logger=CSVLogger(work, name="logs", version=0),
+        logger=CSVLogger(work, name="logs"),  # a new logs/version_N per run: a fixed version's CSV is wiped on resume
         log_every_n_steps=10,
         enable_progress_bar=False,
     )
@@ -465,15 +469,25 @@ def ablate(
 
 
 def learning_curve(cfg: FeatureDraftRecipe) -> list[dict]:
-    """Validation rows of the Lightning CSV log (step, val/accept_k, val/agree_k, ...), one per validation."""
+    """Validation rows of the Lightning CSV logs (step, val/accept_k, val/agree_k, ...), one per validation, by step.
+
+    Each ``fit`` run (a resume included) logs to its own ``logs/version_N``; the runs are read in order and a later
+    run's row replaces an earlier one at the same step."""
     import csv
 
-    path = _dir(cfg.work_dir) / "logs" / "version_0" / "metrics.csv"
-    if not path.exists():
-        return []
-    with path.open() as f:
-        rows = [r for r in csv.DictReader(f) if r.get("val/accept_1")]
-    return [{k: float(v) for k, v in r.items() if v not in ("", None)} for r in rows]
+    logs = _dir(cfg.work_dir) / "logs"
+    versions = [p for p in logs.glob("version_*") if p.name.removeprefix("version_").isdigit()]
+    by_step: dict[float, dict] = {}
+    for folder in sorted(versions, key=lambda p: int(p.name.removeprefix("version_"))):
+        path = folder / "metrics.csv"
+        if not path.exists():
+            continue
+        with path.open() as f:
+            for r in csv.DictReader(f):
+                if r.get("val/accept_1"):
+                    row = {k: float(v) for k, v in r.items() if v not in ("", None)}
+                    by_step[row["step"]] = row
+    return [by_step[step] for step in sorted(by_step)]
 
 
 def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> str:

@@ -1,0 +1,167 @@
+"""``python -m eval bench`` with a ``comparison_draft``: a standalone draft benchmarked beside the pair's own.
+
+On tiny models, through the real CLI, for a bundle whose draft is a Hugging Face model and one whose draft is a
+:class:`~accept_head.feature_draft.FeatureDraft`:
+
+* FixedK rows with ``draft=standalone`` (and ``draft=standalone-pruned``, the standalone model restricted to the
+  feature draft's kept vocabulary, for the feature-draft bundle) exist with the K chosen for that draft on validation;
+* ``ratio_to_best_fixed_k`` is taken against the pair's own FixedK row, never a comparison row;
+* HF assisted rows run with the pair's draft when it is an HF model and with the standalone draft otherwise;
+* a method's ``draft`` parameter reaches the decoder (``Runner`` → ``Pair.draft_for``), and every comparison-draft
+  method is lossless: its greedy output equals the target's autoregressive greedy output.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from tiny_models import make_llama, make_tokenizer, perturbed_copy
+
+import eval.methods as methods
+from accept_head import AcceptanceHead, SpecDecPP
+from accept_head.drafters import ModelDrafter
+from accept_head.feature_draft import FeatureDraft
+from accept_head.pairs import ModelSpec
+from eval.__main__ import main
+from eval.bench import add_comparison_drafts
+from eval.common import load_pair
+from eval.methods import MethodSpec, Runner
+
+WORDS = "write a short poem about the number two . explain why python code is fun please give me one answer".split()
+NEW_TOKENS = 10
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> dict:
+    """A target; an HF draft (perturbed copy) and a feature draft, each bundled with a head; a standalone draft;
+    test and validation prompts; a fixed cost model."""
+    root = tmp_path_factory.mktemp("bench_comparison")
+    tokenizer = make_tokenizer()
+    target = make_llama(root / "target", tokenizer=tokenizer, seed=0)
+    draft = perturbed_copy(target, relative_noise=0.05, seed=1)
+    for name, model in (("draft", draft), ("standalone", perturbed_copy(target, relative_noise=0.2, seed=2))):
+        model.save_pretrained(root / name)
+        tokenizer.save_pretrained(root / name)
+    feature_draft = FeatureDraft.from_target(target, torch.arange(3, 60), target_name=str(root / "target"))
+    feature_draft.save_pretrained(root / "feature_draft")
+    for name, model, path in (("hf", draft, "draft"), ("feature", feature_draft, "feature_draft")):
+        with torch.random.fork_rng():
+            torch.manual_seed(0)
+            head = AcceptanceHead(model.config.hidden_size, depth=1)
+        SpecDecPP(
+            target,
+            model,
+            head,
+            threshold=0.5,
+            tokenizer=tokenizer,
+            target_spec=ModelSpec(path=str(root / "target"), dtype="float32"),
+            draft_spec=ModelSpec(path=str(root / path), dtype="float32"),
+        ).save_pretrained(root / f"bundle_{name}")
+    generator = torch.Generator().manual_seed(0)
+    for name in ("test", "val"):
+        with (root / f"{name}.jsonl").open("w") as f:
+            for i in range(2):
+                picks = torch.randint(0, len(WORDS), (6,), generator=generator).tolist()
+                f.write(json.dumps({"instruction": f"{name} {i} " + " ".join(WORDS[j] for j in picks)}) + "\n")
+    (root / "costs.json").write_text(json.dumps({"cost_model": {"t_draft": 1e-3, "t_target_a": 1e-2}}))
+    return {"root": root, "target": target, "feature_draft": feature_draft}
+
+
+def run_bench(tiny: dict, bundle: str, tmp_path: Path) -> dict:
+    root = tiny["root"]
+    config = {
+        "bundle": str(root / f"bundle_{bundle}"),
+        "prompts": [{"path": str(root / "test.jsonl")}],
+        "validation_prompts": [{"path": str(root / "val.jsonl")}],
+        "comparison_draft": {"path": str(root / "standalone"), "dtype": "float32"},
+        "max_new_tokens": NEW_TOKENS,
+        "temperatures": [0.0],
+        "repeats": 1,
+        "warmup": 0,
+        "fixed_k": [1, 3],
+        "entropy_thresholds": [0.5],
+        "confidence_tau": 0.4,
+        "hf_settings": [{"num_assistant_tokens": None, "schedule": "constant"}],
+        "cost_model": str(root / "costs.json"),
+        "output_dir": str(tmp_path / "bench"),
+        "progress": False,
+    }
+    path = tmp_path / "bench.yaml"
+    path.write_text(yaml.safe_dump(config))
+    main(["bench", "--config", str(path)])
+    return json.loads((tmp_path / "bench" / "bench.json").read_text())["results"]["greedy"]
+
+
+@pytest.mark.parametrize("bundle", ["hf", "feature"])
+def test_bench_adds_comparison_rows_and_ratios_use_the_pairs_own_fixed_k(tiny, tmp_path, bundle) -> None:
+    greedy = run_bench(tiny, bundle, tmp_path)
+    names = ["standalone", "standalone-pruned"] if bundle == "feature" else ["standalone"]
+    by_draft = greedy["validation"]["best_k_by_draft"]
+    assert sorted(by_draft) == sorted(names) and all(k in (1, 3) for k in by_draft.values())
+    # Validation ran every K with every comparison draft.
+    validated = [m["params"] for m in greedy["validation"]["methods"] if m["kind"] == "fixed_k"]
+    assert [p for p in validated if "draft" in p] == [{"k": k, "draft": n} for n in names for k in (1, 3)]
+    own = [m for m in greedy["methods"] if m["kind"] == "fixed_k" and "draft" not in m["params"]]
+    assert len(own) == 1 and own[0]["params"] == {"k": greedy["validation"]["best_k"]}
+    own = own[0]
+    assert own["ratio_to_best_fixed_k"] == pytest.approx(1.0)
+    assert own["modeled_ratio_to_best_fixed_k"] == pytest.approx(1.0)
+    for name in names:
+        (row,) = [m for m in greedy["methods"] if m["kind"] == "fixed_k" and m["params"].get("draft") == name]
+        assert row["params"] == {"k": by_draft[name], "draft": name}
+        assert row["generated"] > 0 and row["draft_calls"] > 0
+        expected = row["tokens_per_second"]["median"] / own["tokens_per_second"]["median"]
+        assert row["ratio_to_best_fixed_k"] == pytest.approx(expected)
+    drafts_named = {m["params"].get("draft") for m in greedy["methods"]}
+    assert drafts_named == {None, *names}
+    (hf,) = [m for m in greedy["methods"] if m["kind"] == "hf_assisted"]
+    if bundle == "hf":  # the pair's own HF draft, at the pair's best K
+        assert hf["params"]["num_assistant_tokens"] == greedy["validation"]["best_k"] and "draft" not in hf["params"]
+    else:  # a feature draft cannot run in HF's assisted generation: the standalone draft does, at its best K
+        assert hf["params"]["draft"] == "standalone"
+        assert hf["params"]["num_assistant_tokens"] == by_draft["standalone"]
+        assert hf["name"] == f"HF constant K={by_draft['standalone']} draft=standalone"
+    assert hf["generated"] > 0 and hf["ratio_to_best_fixed_k"] > 0
+
+
+def test_comparison_drafts_reach_the_decoder_and_decode_losslessly(tiny, monkeypatch) -> None:
+    pair = load_pair(str(tiny["root"] / "bundle_feature"))
+    assert isinstance(pair.draft, FeatureDraft)
+    add_comparison_drafts(pair, ModelSpec(path=str(tiny["root"] / "standalone"), dtype="float32"))
+    standalone, pruned = pair.comparison_drafts["standalone"], pair.comparison_drafts["standalone-pruned"]
+    assert isinstance(pruned, ModelDrafter) and pruned.model is standalone
+    assert torch.equal(pruned.kept_ids.cpu(), pair.draft.kept_ids.cpu())
+    used = []
+    original = methods.speculative_generate
+
+    def spy(target, draft, *args, **kwargs):
+        used.append(draft)
+        return original(target, draft, *args, **kwargs)
+
+    monkeypatch.setattr(methods, "speculative_generate", spy)
+    runner = Runner(pair, NEW_TOKENS, 0.0)
+    autoregressive = runner.decoder(MethodSpec("autoregressive"))
+    specs = {
+        None: MethodSpec("fixed_k", {"k": 3}),
+        "standalone": MethodSpec("fixed_k", {"k": 3, "draft": "standalone"}),
+        "standalone-pruned": MethodSpec("fixed_k", {"k": 2, "draft": "standalone-pruned"}),
+    }
+    hf = runner.decoder(MethodSpec("hf_assisted", {"num_assistant_tokens": 3, "draft": "standalone"}))
+    prompts = [pair.tokenizer.encode(text) for text in ("write a short poem", "explain why python code is fun")]
+    for ids in prompts:
+        expected = autoregressive(ids, torch.Generator().manual_seed(0)).sequences
+        for name, spec in specs.items():
+            used.clear()
+            result = runner.decoder(spec)(ids, torch.Generator().manual_seed(0))
+            assert used == [pair.draft_for(name)]
+            assert torch.equal(result.sequences, expected), (name, ids)
+            assert result.stats.draft_calls > 0
+        assert torch.equal(hf(ids, torch.Generator().manual_seed(0)).sequences, expected)
+    with pytest.raises(ValueError, match="no comparison draft named 'other'"):
+        runner.decoder(MethodSpec("fixed_k", {"k": 2, "draft": "other"}))
+    # A feature draft is not an HF model: HF assisted generation needs a comparison draft named.
+    assert "Hugging Face draft" in runner.supports(MethodSpec("hf_assisted", {"num_assistant_tokens": 3}))

