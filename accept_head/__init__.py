@@ -8,6 +8,7 @@ from .drafters import Drafter, DraftStep, ModelDrafter
 from .feature_draft import FeatureDraft, FeatureDrafter
 from .head import AcceptanceHead, from_official_state_dict
 from .hf_assisted import AssistedSettings, HFAssisted
+from .hf_generate import SpecDecGenerate, make_custom_generate
 from .pairs import ModelSpec, check_same_tokenizer, load_model, load_tokenizer
 from .policies import FixedK, HeadThreshold, RoundState, StopPolicy
 from .sampling import SamplingConfig
@@ -33,6 +34,7 @@ __all__ = [
     "Oracle",
     "RoundState",
     "SamplingConfig",
+    "SpecDecGenerate",
     "SpecDecOutput",
     "SpecDecPP",
     "StopPolicy",
@@ -41,6 +43,7 @@ __all__ = [
     "from_official_state_dict",
     "load_model",
     "load_tokenizer",
+    "make_custom_generate",
     "roc_threshold",
     "speculative_generate",
     "verify",

@@ -68,3 +68,38 @@ def register_gqa_eager() -> str:
     AttentionInterface.register(GQA_EAGER, _gqa_eager_attention)
     AttentionMaskInterface.register(GQA_EAGER, eager_mask)
     return GQA_EAGER
+
+
+CALLABLE_CUSTOM_GENERATE = TRANSFORMERS_VERSION >= Version("4.56.0")
+"""Whether ``generate(custom_generate=<callable>)`` exists (it hands the decoding loop to the callable)."""
+
+
+def enclosing_generate_arguments(names: tuple[str, ...] = ("streamer", "assistant_model")) -> dict:
+    """The values of ``names`` in the innermost ``GenerationMixin.generate`` call on the current stack ({} if none).
+
+    transformers 5.x (checked on 5.23) hands a ``custom_generate`` callable only the keyword arguments named in its
+    signature that are *not* parameters of ``GenerationMixin._sample``: ``streamer`` (a ``_sample`` parameter) and
+    ``assistant_model`` (an explicit ``generate`` parameter) are dropped, although ``generate`` itself already fed the
+    prompt to the streamer. The callable reads them back from ``generate``'s frame, found by identity of its code
+    object (never by name), so a user's ``generate(..., streamer=...)`` reaches the decoding loop. Pinned by
+    ``tests/test_hf_generate.py``, which fails if transformers changes either behaviour.
+    """
+    if not CALLABLE_CUSTOM_GENERATE:
+        raise ImportError(
+            f"generate(custom_generate=<callable>) needs transformers >= 4.56 (found {TRANSFORMERS_VERSION})."
+        )
+    import inspect
+    import sys
+
+    from transformers.generation.utils import GenerationMixin
+
+    code = inspect.unwrap(GenerationMixin.generate).__code__
+    frame = sys._getframe(1)
+    try:
+        while frame is not None:
+            if frame.f_code is code:
+                return {name: frame.f_locals.get(name) for name in names}
+            frame = frame.f_back
+        return {}
+    finally:
+        del frame  # no reference cycle through the frame

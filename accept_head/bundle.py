@@ -7,6 +7,7 @@ Layout (``save_pretrained`` / ``from_pretrained`` are exact inverses)::
                          # candidates, sampling temperature the head was trained for, calibration, cost model,
                          # provenance
       head.safetensors   # the head's weights
+      custom_generate/generate.py  # hub convention: `generate(model, ...)` runs SpecDec++ with this bundle
       README.md          # model card (optional, written by training)
 
 Relative model paths in ``config.json`` are resolved against the bundle folder, so a bundle can be moved together
@@ -29,12 +30,14 @@ from safetensors.torch import load_file, save_file
 from .calibration import Calibration
 from .decoding import DecodeStats, speculative_generate
 from .head import HEAD_WEIGHTS, AcceptanceHead
-from .pairs import ModelSpec, check_same_tokenizer, load_model, load_tokenizer
-from .policies import HeadThreshold
+from .hf_generate import CUSTOM_GENERATE_SOURCE, SpecDecGenerateOutput, run_custom_generate
+from .pairs import ModelSpec, check_same_tokenizer, load_model, load_tokenizer, normalize_device, normalize_dtype
+from .policies import HeadThreshold, StopPolicy
 from .prompts import chat_prompt_ids
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
+CUSTOM_GENERATE = "custom_generate/generate.py"
 KNOWN_KEYS = {
     "format_version",
     "target",
@@ -136,6 +139,8 @@ class SpecDecPP:
         self.cost_model = cost_model
         self.provenance = provenance or {}
         self.target_spec, self.draft_spec = target_spec, draft_spec
+        self.last_stats: DecodeStats | None = None
+        """Counters of the latest :meth:`custom_generate` call (``generate`` returns only token ids)."""
 
     def policy(self, threshold: float | None = None) -> HeadThreshold:
         """The stop policy this bundle decodes with (``threshold`` overrides the stored h*)."""
@@ -208,6 +213,43 @@ class SpecDecPP:
         text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None
         return SpecDecOutput(text=text, sequences=result.sequences, new_token_ids=new, stats=result.stats)
 
+    def custom_generate(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        streamer=None,
+        threshold: float | None = None,
+        policy: StopPolicy | None = None,
+        generator: torch.Generator | None = None,
+        **model_kwargs,
+    ) -> torch.Tensor | SpecDecGenerateOutput:
+        """SpecDec++ as the decoding loop of ``transformers`` ``generate``, bound to this bundle's draft and head::
+
+            specdec.target.generate(**inputs, custom_generate=specdec.custom_generate, max_new_tokens=64,
+                                    do_sample=True, temperature=0.7, top_p=0.9, streamer=streamer)
+
+        transformers calls it with the prepared prompt ``input_ids`` (1, L), logits processors, stopping criteria
+        and generation config (see :mod:`accept_head.hf_generate`); ``threshold=``, ``policy=`` (any stop policy
+        instead of the head) and ``generator=`` may be passed to ``generate`` as extra keyword arguments. Returns
+        (1, L + N) token ids, or a ``GenerateDecoderOnlyOutput`` with ``stats`` when ``return_dict_in_generate``.
+        """
+        output, self.last_stats = run_custom_generate(
+            model,
+            self.draft,
+            policy if policy is not None else self.policy(threshold),
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            streamer=streamer,
+            generator=generator,
+            **model_kwargs,
+        )
+        return output
+
     # ---- persistence -------------------------------------------------------------------------------------------
 
     def to_config(self, folder: Path) -> dict:
@@ -227,7 +269,8 @@ class SpecDecPP:
         }
 
     def save_pretrained(self, folder: str | Path) -> None:
-        """Write ``config.json`` and ``head.safetensors`` (models are referenced by their specs, not copied)."""
+        """Write ``config.json``, ``head.safetensors`` and ``custom_generate/generate.py`` (models are referenced by
+        their specs, not copied)."""
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
         config = self.to_config(folder)
@@ -237,6 +280,7 @@ class SpecDecPP:
         tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tmp_weights.replace(folder / HEAD_WEIGHTS)
         tmp_config.replace(folder / CONFIG_NAME)
+        write_custom_generate(folder)
 
     @staticmethod
     def read_config(folder: str | Path) -> dict:
@@ -274,11 +318,19 @@ class SpecDecPP:
         target: torch.nn.Module | None = None,
         draft: torch.nn.Module | None = None,
         tokenizer: Any = None,
-        device: str | None = None,
-        dtype: str | None = None,
+        device: str | torch.device | int | None = None,
+        dtype: str | torch.dtype | None = None,
+        device_map: str | dict | None = None,
     ) -> SpecDecPP:
-        """Load a bundle. Models are loaded from the stored specs unless passed in (``device``/``dtype`` override
-        the specs)."""
+        """Load a bundle. Models are loaded from the stored specs unless passed in.
+
+        ``dtype`` (a ``torch.dtype``, its name, or ``"auto"`` for the dtype stored with each model), ``device`` (a
+        string, ``torch.device`` or accelerator index) and ``device_map`` (accelerate's placement, e.g. ``"auto"``; not
+        together with ``device``) override the specs, as in transformers' ``from_pretrained``."""
+        if device is not None and device_map is not None:
+            raise ValueError("Pass device or device_map, not both (device_map places the weights itself).")
+        device = None if device is None else normalize_device(device)
+        dtype = None if dtype is None else normalize_dtype(dtype)
         folder = Path(folder)
         config = cls.read_config(folder)
         weights = folder / HEAD_WEIGHTS
@@ -297,6 +349,8 @@ class SpecDecPP:
             if spec is not None:
                 spec.device = device or spec.device
                 spec.dtype = dtype or spec.dtype
+                if device_map is not None:
+                    spec.extra = {**spec.extra, "device_map": device_map}
         if target is None and target_spec is None:
             raise ValueError(f"{folder / CONFIG_NAME} names no target model; pass target=... explicitly.")
         if draft is None and draft_spec is None:
@@ -328,3 +382,13 @@ class SpecDecPP:
             draft_spec=draft_spec,
             unscored=config.get("unscored"),
         )
+
+
+def write_custom_generate(folder: str | Path) -> Path:
+    """Write ``custom_generate/generate.py`` into a bundle folder (atomically) and return its path."""
+    path = Path(folder) / CUSTOM_GENERATE
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(CUSTOM_GENERATE_SOURCE)
+    tmp.replace(path)
+    return path

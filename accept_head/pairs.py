@@ -32,6 +32,36 @@ KNOWN_PACKAGES: dict[str, str] = {
 }
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+AUTO = "auto"
+"""``dtype="auto"``: each model's own stored dtype, as in transformers (GGUF files and feature drafts: float32)."""
+
+
+def normalize_dtype(dtype: str | torch.dtype) -> str:
+    """The canonical name (a key of :data:`DTYPES`, or ``"auto"``) for a ``torch.dtype`` or a dtype name as
+    transformers accepts them (``torch.float32``, ``"float32"``, ``"torch.float32"``, ``"auto"``)."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    elif isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        alias = getattr(torch, name, None)
+        if isinstance(alias, torch.dtype):  # torch.half, "half", "float" ... → their canonical names
+            name = str(alias).removeprefix("torch.")
+    else:
+        raise TypeError(f"dtype={dtype!r} must be a torch.dtype or a string such as 'bfloat16' or 'auto'.")
+    if name != AUTO and name not in DTYPES:
+        raise ValueError(f"dtype={dtype!r} is not supported; use a torch.dtype or one of {sorted(DTYPES) + [AUTO]}.")
+    return name
+
+
+def normalize_device(device: str | torch.device | int) -> str:
+    """A device string (``"cpu"``, ``"cuda:0"``) for a string, ``torch.device`` or accelerator index, as transformers
+    accepts them."""
+    if isinstance(device, bool) or not isinstance(device, (str, torch.device, int)):
+        raise TypeError(f"device={device!r} must be a string, a torch.device or an accelerator index.")
+    try:
+        return str(torch.device(device))
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device={device!r} is not a valid torch device ({err}).") from None
 
 
 @dataclass
@@ -45,9 +75,11 @@ class ModelSpec:
     adapter: str | None = None
     """Optional PEFT adapter folder applied on top of the model (merged at load time)."""
     dtype: str = "bfloat16"
-    """One of float32, bfloat16, float16. bf16 is the fast path on CPUs with AMX."""
+    """One of float32, bfloat16, float16 or auto (a ``torch.dtype`` is accepted and stored by name). bf16 is the
+    fast path on CPUs with AMX."""
     device: str = "cpu"
-    """torch device string, e.g. cpu or cuda:0."""
+    """torch device string, e.g. cpu or cuda:0 (a ``torch.device`` or accelerator index is accepted, stored as one).
+    ``extra={"device_map": ...}`` places the weights with accelerate instead."""
     revision: str | None = None
     """Hub revision (branch, tag or commit) when ``path`` is a hub id."""
     trust_remote_code: bool = False
@@ -59,12 +91,19 @@ class ModelSpec:
     """Extra keyword arguments for ``from_pretrained``."""
 
     def __post_init__(self) -> None:
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not supported; use one of {sorted(DTYPES)}.")
+        self.dtype = normalize_dtype(self.dtype)
+        self.device = normalize_device(self.device)
 
     @property
     def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+        """The concrete dtype (float32 for ``"auto"``, used where no stored dtype exists: GGUF, feature drafts)."""
+        return DTYPES.get(normalize_dtype(self.dtype), torch.float32)
+
+    @property
+    def load_dtype(self) -> torch.dtype | str:
+        """What ``from_pretrained(dtype=...)`` receives: a ``torch.dtype`` or ``"auto"``."""
+        name = normalize_dtype(self.dtype)
+        return AUTO if name == AUTO else DTYPES[name]
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -163,7 +202,7 @@ def local_folder(spec: ModelSpec) -> str:
     """The folder or hub id ``from_pretrained`` should read for ``spec`` (GGUF files go through the cache)."""
     gguf = resolve_gguf(spec)
     if gguf is not None:
-        return str(_dequantized_folder(gguf, spec.dtype))
+        return str(_dequantized_folder(gguf, "float32" if spec.dtype == AUTO else spec.dtype))
     return spec.path
 
 
@@ -187,7 +226,7 @@ def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
         )
     model = AutoModelForCausalLM.from_pretrained(
         source,
-        dtype=spec.torch_dtype,
+        dtype=spec.load_dtype if source == spec.path else spec.torch_dtype,  # a dequantized GGUF has no stored dtype
         revision=spec.revision,
         trust_remote_code=spec.trust_remote_code,
         use_safetensors=True if Path(source).is_dir() else None,

@@ -12,7 +12,7 @@ import torch
 from tiny_models import make_pair
 
 from accept_head import AcceptanceHead, Calibration, HeadThreshold, ModelSpec, SpecDecPP, load_model, load_tokenizer
-from accept_head.bundle import CONFIG_NAME, FORMAT_VERSION
+from accept_head.bundle import CONFIG_NAME, CUSTOM_GENERATE, FORMAT_VERSION
 from accept_head.head import HEAD_WEIGHTS
 
 
@@ -88,7 +88,8 @@ def test_bundle_keeps_the_unscored_variant_of_its_stop_rule(bundle: SpecDecPP, t
 
 def test_bundle_config_is_sorted_versioned_and_complete(bundle: SpecDecPP, tmp_path: Path) -> None:
     bundle.save_pretrained(tmp_path / "bundle")
-    assert sorted(p.name for p in (tmp_path / "bundle").iterdir()) == [CONFIG_NAME, HEAD_WEIGHTS]  # no temp files
+    files = sorted(str(p.relative_to(tmp_path / "bundle")) for p in (tmp_path / "bundle").rglob("*") if p.is_file())
+    assert files == [CONFIG_NAME, CUSTOM_GENERATE, HEAD_WEIGHTS]  # no temp files
     text = (tmp_path / "bundle" / CONFIG_NAME).read_text()
     config = json.loads(text)
     assert list(config) == sorted(config)

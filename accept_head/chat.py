@@ -1,0 +1,212 @@
+"""``python -m accept_head chat|overhead``: a terminal chat on a bundle, and the cost of going through ``generate``.
+
+``chat`` streams each answer as its tokens are accepted (a transformers ``TextStreamer`` on
+``target.generate(custom_generate=...)``), then prints the answer's tokens/s, the mean number of candidates accepted
+per round and the speed-up over a plain ``target.generate`` pass on the same prompt, timed the same way.
+``--prompt`` runs one turn and exits (scripts, tests); without it the chat reads turns from stdin until EOF or
+``/exit``.
+
+``overhead`` times the same greedy generations through ``speculative_generate`` directly and through
+``target.generate(custom_generate=specdec.custom_generate)``, interleaved, and prints the relative overhead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Sequence
+from typing import TextIO
+
+import torch
+from transformers import TextStreamer
+
+from .baselines import ConfidenceThreshold, EntropyStop, Heuristic
+from .bundle import SpecDecPP
+from .decoding import speculative_generate
+from .hf_generate import make_custom_generate
+from .policies import FixedK, StopPolicy
+
+POLICIES = "head[:h], fixed:K, heuristic[:K0], confidence[:tau], entropy[:lambda]"
+
+DEFAULT_PROMPTS = (
+    "What is the capital of France?",
+    "Write a Python function that returns the sum of a list of numbers.",
+    "Explain in two sentences why the sky is blue.",
+)
+
+
+def parse_policy(text: str, specdec: SpecDecPP) -> StopPolicy:
+    """A stop policy from ``--policy`` (one of :data:`POLICIES`); ``head`` is the bundle's own head and h*."""
+    name, _, arg = text.partition(":")
+    try:
+        if name == "head":
+            return specdec.policy(float(arg) if arg else None)
+        if name == "fixed":
+            return FixedK(int(arg))
+        if name == "heuristic":
+            return Heuristic(int(arg) if arg else 5, persistent=False)
+        if name == "confidence":
+            return ConfidenceThreshold(float(arg) if arg else 0.4)
+        if name == "entropy":
+            return EntropyStop(float(arg) if arg else 0.5)
+    except ValueError as err:
+        raise ValueError(f"--policy {text!r}: {err}") from None
+    raise ValueError(f"--policy {text!r} is not one of {POLICIES}.")
+
+
+def generation_kwargs(args: argparse.Namespace, specdec: SpecDecPP) -> dict:
+    """``generate`` keyword arguments shared by the SpecDec++ and the autoregressive pass."""
+    temperature = specdec.temperature if args.temperature is None else args.temperature
+    kwargs: dict = {"max_new_tokens": args.max_new_tokens, "do_sample": temperature > 0}
+    if temperature > 0:
+        kwargs.update(temperature=temperature, top_p=args.top_p, top_k=args.top_k)
+    if args.repetition_penalty is not None:
+        kwargs["repetition_penalty"] = args.repetition_penalty
+    tokenizer = specdec.tokenizer
+    if tokenizer is not None:
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        kwargs.update(pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+    return kwargs
+
+
+def _timed_generate(target: torch.nn.Module, input_ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, float]:
+    start = time.perf_counter()
+    out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+    return out, time.perf_counter() - start
+
+
+def answer(specdec: SpecDecPP, messages: list[dict], policy: StopPolicy, args: argparse.Namespace, out: TextIO) -> str:
+    """Stream one answer to ``out`` and print its statistics line; returns the answer's text."""
+    tokenizer = specdec.tokenizer
+    input_ids = torch.tensor([specdec.encode(messages)])
+    kwargs = generation_kwargs(args, specdec)
+    fn = make_custom_generate(specdec.draft, policy)
+    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
+    if out is not sys.stdout:  # TextStreamer prints to stdout; tests and redirects pass their own stream
+        streamer.on_finalized_text = lambda text, stream_end=False: out.write(text + ("\n" if stream_end else ""))
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    sequences, seconds = _timed_generate(specdec.target, input_ids, custom_generate=fn, streamer=streamer, **kwargs)
+    stats = fn.last_stats
+    new = sequences[0, input_ids.shape[1] :]
+    line = (
+        f"[{len(new)} tokens in {seconds:.2f} s: {len(new) / seconds:.1f} tok/s · {stats.mean_accepted:.2f} "
+        f"accepted/round of {statistics.fmean(stats.proposed or [0]):.2f} drafted · {policy.describe()}"
+    )
+    if not args.no_baseline:
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        plain, plain_seconds = _timed_generate(specdec.target, input_ids, **kwargs)
+        plain_tps = (plain.shape[1] - input_ids.shape[1]) / plain_seconds
+        line += f" · autoregressive {plain_tps:.1f} tok/s → {len(new) / seconds / plain_tps:.2f}×"
+        if not kwargs["do_sample"]:
+            line += " (same tokens)" if torch.equal(plain, sequences) else " (TOKENS DIFFER)"
+    out.write(line + "]\n")
+    out.flush()
+    return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def chat(args: argparse.Namespace, out: TextIO = sys.stdout, inp: TextIO = sys.stdin) -> int:
+    specdec = SpecDecPP.from_pretrained(args.bundle, device=args.device, dtype=args.dtype)
+    if specdec.tokenizer is None:
+        raise SystemExit(f"{args.bundle} names no tokenizer (its target spec); chat needs one.")
+    policy = parse_policy(args.policy, specdec)
+    messages = [{"role": "system", "content": args.system}] if args.system else []
+    turns = [args.prompt] if args.prompt is not None else None
+    if turns is None:
+        out.write(f"SpecDec++ chat on {args.bundle} ({policy.describe()}); /exit or Ctrl-D to quit.\n")
+    while True:
+        if turns is not None:
+            if not turns:
+                return 0
+            text = turns.pop(0)
+        else:
+            out.write("you> ")
+            out.flush()
+            text = inp.readline()
+            if not text or text.strip() == "/exit":
+                return 0
+            text = text.strip()
+            if not text:
+                continue
+        messages.append({"role": "user", "content": text})
+        reply = answer(specdec, messages, policy, args, out)
+        messages.append({"role": "assistant", "content": reply})
+
+
+def overhead(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Median wall time of greedy generations through ``speculative_generate`` and through ``generate``."""
+    specdec = SpecDecPP.from_pretrained(args.bundle, device=args.device, dtype=args.dtype)
+    policy = parse_policy(args.policy, specdec)
+    prompts = args.prompt or list(DEFAULT_PROMPTS)
+    eos = specdec.tokenizer.eos_token_id if specdec.tokenizer is not None else None
+    direct, through = [], []
+    for _ in range(args.repeats):
+        for prompt in prompts:
+            ids = torch.tensor([specdec.encode(prompt)])
+            start = time.perf_counter()
+            ref = speculative_generate(
+                specdec.target, specdec.draft, ids, policy, args.max_new_tokens, temperature=0, eos_token_id=eos
+            )
+            direct.append(time.perf_counter() - start)
+            seq, seconds = _timed_generate(
+                specdec.target,
+                ids,
+                custom_generate=specdec.custom_generate,
+                policy=policy,
+                max_new_tokens=args.max_new_tokens,
+                do_sample=False,
+                eos_token_id=eos,
+                pad_token_id=eos,
+            )
+            through.append(seconds)
+            if not torch.equal(seq.cpu(), ref.sequences):
+                out.write(f"warning: different tokens for {prompt!r}\n")
+    a, b = statistics.median(direct), statistics.median(through)
+    out.write(
+        f"speculative_generate {a * 1e3:.1f} ms, generate(custom_generate=...) {b * 1e3:.1f} ms "
+        f"(medians of {len(direct)}): overhead {100 * (b / a - 1):+.1f}%\n"
+    )
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m accept_head", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name, help_text in (("chat", "terminal chat streaming SpecDec++ answers"), ("overhead", "generate overhead")):
+        p = sub.add_parser(name, help=help_text)
+        p.add_argument("--bundle", required=True, help="SpecDecPP bundle folder")
+        p.add_argument("--policy", default="head", help=f"stop policy: {POLICIES} (default: the bundle's head)")
+        p.add_argument("--max_new_tokens", type=int, default=256 if name == "chat" else 64)
+        p.add_argument("--device", default=None, help="override the bundle's device (e.g. cuda:0)")
+        p.add_argument("--dtype", default=None, help="override the bundle's dtype (float32, bfloat16, auto, ...)")
+        p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+        if name == "chat":
+            p.add_argument("--prompt", default=None, help="run this one turn and exit (non-interactive)")
+            p.add_argument("--system", default=None, help="system prompt")
+            p.add_argument("--temperature", type=float, default=None, help="0 = greedy (default: the bundle's)")
+            p.add_argument("--top_p", type=float, default=None)
+            p.add_argument("--top_k", type=int, default=None)
+            p.add_argument("--repetition_penalty", type=float, default=None)
+            p.add_argument("--seed", type=int, default=None)
+            p.add_argument("--no_baseline", action="store_true", help="skip the autoregressive comparison pass")
+        else:
+            p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+            p.add_argument("--repeats", type=int, default=3)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout, inp: TextIO = sys.stdin) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    try:
+        if args.command == "chat":
+            return chat(args, out, inp)
+        return overhead(args, out)
+    except ValueError as err:
+        parser.error(str(err))
+    return 2
