@@ -49,22 +49,12 @@ from .decoding import (
     verify,
 )
 from .drafters import Drafter, DraftStep, as_drafter
-from .labels import PER_POSITION, position_labels
+from .labels import COLUMNS, PER_POSITION, position_labels
 from .policies import FixedK
 from .sampling import SamplingConfig, probabilities
 
 ROLLOUT_COLUMNS: dict[str, str] = {
-    "prompt_id": "string",
-    "source": "string",
-    "prompt_ids": "int32",
-    "response_ids": "int32",
-    "draft_ids": "int32",
-    "target_logp": "float32",
-    "draft_logp": "float32",
-    "accept_prob": "float32",
-    "expected_accept": "float32",
-    "draft_entropy": "float32",
-    "draft_top1": "float32",
+    **COLUMNS,
     "round": "int32",
     "step": "int32",
     "accepted": "bool",
