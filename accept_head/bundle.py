@@ -31,7 +31,15 @@ from .calibration import Calibration
 from .decoding import DecodeStats, speculative_generate
 from .head import HEAD_WEIGHTS, AcceptanceHead
 from .hf_generate import CUSTOM_GENERATE_SOURCE, SpecDecGenerateOutput, run_custom_generate
-from .pairs import ModelSpec, check_same_tokenizer, load_model, load_tokenizer, normalize_device, normalize_dtype
+from .pairs import (
+    ModelSpec,
+    check_same_tokenizer,
+    eos_token_ids,
+    load_model,
+    load_tokenizer,
+    normalize_device,
+    normalize_dtype,
+)
 from .policies import HeadThreshold, StopPolicy
 from .prompts import chat_prompt_ids
 
@@ -192,11 +200,7 @@ class SpecDecPP:
         ids = self.encode(prompt)
         if generator is None:
             generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**63)
-        eos = None
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            eos = self.tokenizer.eos_token_id
-        elif getattr(self.target, "generation_config", None) is not None:
-            eos = self.target.generation_config.eos_token_id
+        eos = self.eos_token_ids
         result = speculative_generate(
             self.target,
             self.draft,
@@ -212,6 +216,15 @@ class SpecDecPP:
         new = result.sequences[0, len(ids) :].tolist()
         text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None
         return SpecDecOutput(text=text, sequences=result.sequences, new_token_ids=new, stats=result.stats)
+
+    @property
+    def eos_token_ids(self) -> list[int] | None:
+        """Ids that end a response (:func:`~accept_head.pairs.eos_token_ids`; None when neither the tokenizer nor
+        the target defines one)."""
+        try:
+            return eos_token_ids(self.tokenizer, self.target)
+        except ValueError:
+            return None
 
     def custom_generate(
         self,

@@ -67,7 +67,7 @@ def generation_kwargs(args: argparse.Namespace, specdec: SpecDecPP) -> dict:
     tokenizer = specdec.tokenizer
     if tokenizer is not None:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        kwargs.update(pad_token_id=pad, eos_token_id=tokenizer.eos_token_id)
+        kwargs.update(pad_token_id=pad, eos_token_id=specdec.eos_token_ids)
     return kwargs
 
 
@@ -141,7 +141,7 @@ def overhead(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     specdec = SpecDecPP.from_pretrained(args.bundle, device=args.device, dtype=args.dtype)
     policy = parse_policy(args.policy, specdec)
     prompts = args.prompt or list(DEFAULT_PROMPTS)
-    eos = specdec.tokenizer.eos_token_id if specdec.tokenizer is not None else None
+    eos = specdec.eos_token_ids
     direct, through = [], []
     for _ in range(args.repeats):
         for prompt in prompts:

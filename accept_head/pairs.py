@@ -283,6 +283,20 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str = "target", dra
         )
 
 
+def eos_token_ids(tokenizer, model: torch.nn.Module | None = None) -> list[int]:
+    """The token ids that end a response: the tokenizer's EOS plus the model's ``generation_config`` EOS ids (chat
+    models often add an end-of-turn id there). Every decoder, label generator and benchmark stops on these."""
+    ids = {int(tokenizer.eos_token_id)} if tokenizer is not None and tokenizer.eos_token_id is not None else set()
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if isinstance(configured, int):
+        ids.add(configured)
+    elif configured:
+        ids.update(int(i) for i in configured)
+    if not ids:
+        raise ValueError("Neither the tokenizer nor the target's generation_config defines an EOS token.")
+    return sorted(ids)
+
+
 def check_same_vocab(target: torch.nn.Module, draft: torch.nn.Module) -> None:
     """Raise ValueError unless the two models' output layers cover the same vocabulary size."""
     vt, vd = target.config.vocab_size, draft.config.vocab_size

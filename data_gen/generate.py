@@ -42,6 +42,7 @@ from accept_head.pairs import (
     ModelSpec,
     check_same_tokenizer,
     check_same_vocab,
+    eos_token_ids,
     load_model,
     load_tokenizer,
     local_folder,
@@ -170,19 +171,6 @@ def code_version() -> dict[str, Any]:
     except (OSError, subprocess.SubprocessError):
         pass
     return info
-
-
-def eos_token_ids(tokenizer, model: torch.nn.Module) -> list[int]:
-    """EOS ids of the tokenizer and of the model's generation config (chat models often add an end-of-turn id)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    if isinstance(configured, int):
-        ids.add(configured)
-    elif configured:
-        ids.update(int(i) for i in configured)
-    if not ids:
-        raise ValueError("Neither the tokenizer nor the target's generation_config defines an EOS token.")
-    return sorted(ids)
 
 
 # ----------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import torch
 
 from accept_head.bundle import SpecDecPP
 from accept_head.cost_model import CostModel, measure_costs
-from accept_head.pairs import ModelSpec, check_same_tokenizer, load_model, load_tokenizer
+from accept_head.pairs import ModelSpec, check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
 from accept_head.prompts import PromptSource, PromptStats, chat_prompt_ids, load_prompts
 
 
@@ -48,12 +48,12 @@ class Pair:
         return self.comparison_drafts[name]
 
     @property
-    def eos_token_id(self) -> int | list[int] | None:
-        """EOS ids: the tokenizer's, else the target's generation config."""
-        if self.tokenizer is not None and self.tokenizer.eos_token_id is not None:
-            return int(self.tokenizer.eos_token_id)
-        config = getattr(self.target, "generation_config", None)
-        return None if config is None else config.eos_token_id
+    def eos_token_id(self) -> list[int] | None:
+        """EOS ids: the tokenizer's and the target's generation config's (:func:`accept_head.pairs.eos_token_ids`)."""
+        try:
+            return eos_token_ids(self.tokenizer, self.target)
+        except ValueError:
+            return None
 
     def describe(self) -> dict:
         out: dict[str, Any] = {

@@ -177,3 +177,21 @@ def test_loading_a_bundle_never_writes_into_it(bundle: SpecDecPP, tmp_path: Path
         warnings.simplefilter("error")  # a clean bundle loads without warnings
         SpecDecPP.from_pretrained(tmp_path / "bundle")
     assert {p: p.stat().st_mtime_ns for p in (tmp_path / "bundle").rglob("*")} == before
+
+
+def test_bundle_eval_and_data_gen_stop_on_the_same_eos_ids(tmp_path) -> None:
+    """One definition of "end of response": the tokenizer's EOS plus the generation config's end-of-turn ids."""
+    from tiny_models import make_llama, make_tokenizer
+
+    from accept_head import AcceptanceHead, SpecDecPP
+    from accept_head.pairs import eos_token_ids
+    from eval.common import Pair
+
+    tokenizer = make_tokenizer()
+    target = make_llama(tokenizer=tokenizer)
+    target.generation_config.eos_token_id = [tokenizer.eos_token_id, 6]  # an end-of-turn id besides <eos>
+    expected = sorted({tokenizer.eos_token_id, 6})
+    assert eos_token_ids(tokenizer, target) == expected  # what data_gen stops on
+    specdec = SpecDecPP(target=target, draft=target, head=AcceptanceHead(32, 0), threshold=0.5, tokenizer=tokenizer)
+    assert specdec.eos_token_ids == expected
+    assert Pair(target=target, draft=target, tokenizer=tokenizer).eos_token_id == expected
