@@ -9,9 +9,12 @@ from .feature_draft import FeatureDraft, FeatureDrafter
 from .head import AcceptanceHead, from_official_state_dict
 from .hf_assisted import AssistedSettings, HFAssisted
 from .hf_generate import SpecDecGenerate, make_custom_generate
+from .lookahead import NgramPool, lookahead_generate
+from .ngrammys import ModelBigram, ngrammys_generate
 from .pairs import ModelSpec, check_same_tokenizer, load_model, load_tokenizer
 from .policies import FixedK, HeadThreshold, RoundState, StopPolicy
 from .sampling import SamplingConfig
+from .tree_verify import TreeDecodeStats
 
 __all__ = [
     "AcceptanceHead",
@@ -29,8 +32,10 @@ __all__ = [
     "HFAssisted",
     "HeadThreshold",
     "Heuristic",
+    "ModelBigram",
     "ModelDrafter",
     "ModelSpec",
+    "NgramPool",
     "Oracle",
     "RoundState",
     "SamplingConfig",
@@ -38,12 +43,15 @@ __all__ = [
     "SpecDecOutput",
     "SpecDecPP",
     "StopPolicy",
+    "TreeDecodeStats",
     "autoregressive_generate",
     "check_same_tokenizer",
     "from_official_state_dict",
     "load_model",
     "load_tokenizer",
+    "lookahead_generate",
     "make_custom_generate",
+    "ngrammys_generate",
     "roc_threshold",
     "speculative_generate",
     "verify",

@@ -5,6 +5,9 @@ Everything else drives models through ``forward(past_key_values=..., use_cache=T
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
+import torch
 import transformers
 from packaging.version import Version
 
@@ -28,6 +31,39 @@ def crop_cache(cache, length: int) -> None:
     if length == current:
         return
     cache.crop(length - current if _NEGATIVE_CROP else length)
+
+
+def keep_cache_positions(cache, keep: int, extra: Sequence[int]) -> None:
+    """Keep the first ``keep`` positions of a ``DynamicCache`` followed by the positions ``extra``; drop the rest.
+
+    In place. ``extra`` must be strictly increasing, each in [keep, cache length). After a tree-shaped verification
+    pass (one sequence through the model with a custom 4D attention mask) the accepted branch's keys and values sit
+    at scattered positions; this moves them next to the prefix, copying only ``len(extra)`` positions per layer (a
+    plain crop when they already follow it). Layers must be full-attention ``DynamicLayer``s (5.x
+    ``cache.layers[i].keys`` / ``.values``, (B, heads, S, head_dim)): a sliding-window layer holds no stable
+    position index, so it is refused.
+    """
+    extra = [int(i) for i in extra]
+    current = cache.get_seq_length()
+    if any(b <= a for a, b in zip(extra, extra[1:])) or (extra and (extra[0] < keep or extra[-1] >= current)):
+        raise ValueError(f"extra={extra} must be strictly increasing positions in [{keep}, {current}).")
+    if extra != list(range(keep, keep + len(extra))):
+        from transformers.cache_utils import DynamicLayer
+
+        layers = getattr(cache, "layers", None)
+        if layers is None or any(not isinstance(x, DynamicLayer) or x.is_sliding for x in layers):
+            raise NotImplementedError(
+                "keep_cache_positions needs a DynamicCache of full-attention DynamicLayers (transformers >= 5); "
+                f"got {type(cache).__name__} with layers {sorted({type(x).__name__ for x in layers or []})}."
+            )
+        for layer in layers:
+            if not layer.is_initialized or layer.keys.numel() == 0:
+                continue
+            index = torch.tensor(extra, device=layer.keys.device)
+            # index_select materializes the source first, so the overlapping in-place write is safe.
+            layer.keys[..., keep : keep + len(extra), :] = layer.keys.index_select(-2, index)
+            layer.values[..., keep : keep + len(extra), :] = layer.values.index_select(-2, index)
+    crop_cache(cache, keep + len(extra))
 
 
 GQA_EAGER = "accept_head_gqa_eager"
