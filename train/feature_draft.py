@@ -262,7 +262,11 @@ def fit(cfg: FeatureDraftRecipe) -> Path:
     # No version counter: a resumed run (also from a moved work_dir, whose checkpoint names another dirpath) must
     # overwrite last.ckpt rather than write last-v1.ckpt beside it, or the next resume would go back to the old one.
     checkpoints = ModelCheckpoint(
-        dirpath=work / "checkpoints", save_last=True, save_top_k=0, enable_version_counter=False
+        dirpath=work / "checkpoints",
+        save_last=True,
+        every_n_train_steps=cfg.val_every_steps,  # without it, save_top_k=0 writes no checkpoint until the end
+        save_top_k=0,
+        enable_version_counter=False,
     )
     trainer = Trainer(
         accelerator="cpu",
@@ -364,6 +368,14 @@ def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> dict:
     draft = FeatureDraft.from_pretrained(folder, dtype=cfg.target.torch_dtype).bind(target)
     paths = _feature_paths(cfg, "eval")
     result: dict = {"per_step": per_step_acceptance(draft, target, paths, cfg.eval_starts, cfg.eval_steps, cfg.seed)}
+    # The same per source: the generation shards name their prompts (humaneval:* or an instruction set).
+    result["per_source"] = {}
+    for path in paths:
+        ids = torch.load(_dir(cfg.generations_dir) / "shards" / f"{path.stem}.pt", weights_only=True)["prompt_id"]
+        sources = sorted({i.split(":")[0] for i in ids})
+        name = f"{path.stem} ({', '.join(sources)})"
+        starts = max(cfg.eval_starts // len(paths), 1)
+        result["per_source"][name] = per_step_acceptance(draft, target, [path], starts, cfg.eval_steps, cfg.seed)
     vocab_info = json.loads((_dir(cfg.work_dir) / "vocab.json").read_text())
     result["coverage"] = vocab_info["coverage"]
     result["kept_vocab"] = draft.config.kept_vocab_size
@@ -576,7 +588,7 @@ tokens are the target's own; exact target distributions from the stored features
 |---|---|---|---|
 {steps_rows}
 
-Mean expected acceptance over steps 1–4: {mean_1_4:.3f}.
+Mean expected acceptance over steps 1–4: {mean_1_4:.3f}.{_per_source_rows(ev)}
 
 Held-out coverage of the target's probability mass by the top-V tokens (V chosen = {ev["kept_vocab"]:,}; this bounds
 the acceptance at that V):
@@ -604,6 +616,25 @@ Derived from SmolLM2-135M-Instruct (Apache-2.0) outputs and weights; same licens
     (folder / "README.md").write_text(text)
     print(f"[model_card] wrote {folder / 'README.md'}")
     return text
+
+
+def _per_source_rows(ev: dict) -> str:
+    if not ev.get("per_source"):
+        return ""
+    lines = [
+        "",
+        "",
+        "Per held-out shard (step 1 / step 2 / step 4 expected acceptance; greedy agreement at step 1):",
+        "",
+    ]
+    lines += ["| shard | step 1 | step 2 | step 4 | greedy, step 1 | positions |", "|---|---|---|---|---|---|"]
+    for name, rows in ev["per_source"].items():
+        a = [r["expected_accept"] for r in rows]
+        lines.append(
+            f"| {name} | {a[0]:.3f} | {a[1]:.3f} | {a[min(3, len(a) - 1)]:.3f} | "
+            f"{rows[0]['greedy_agreement']:.3f} | {rows[0]['n']} |"
+        )
+    return "\n".join(lines)
 
 
 def _ablation_section(folder: Path) -> str:
