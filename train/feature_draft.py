@@ -319,7 +319,7 @@ def per_step_acceptance(
         (i, t) for i, s in enumerate(sequences) for t in range(max(s.prompt_length - 2, 0), len(s.tokens) - steps - 1)
     ]
     picked = sorted(candidates[j] for j in torch.randperm(len(candidates), generator=generator)[:starts].tolist())
-    weight = target.get_output_embeddings().weight
+    weight = target.get_output_embeddings().weight.float()  # (V, d), once: exact target probabilities
     sums = [{"accept": 0.0, "agree": 0.0, "n": 0} for _ in range(steps)]
     by_seq: dict[int, list[int]] = {}
     for i, t in picked:
@@ -342,7 +342,7 @@ def per_step_acceptance(
                     feature[None, None], s.tokens[None, t + k + 1 : t + k + 2], cache, position_ids=pos, use_cache=True
                 )[0, -1]
                 q = draft.full_logits(predicted).float().softmax(-1)
-                p = (torch.nn.functional.linear(s.features[t + k + 1].float(), weight.float()) - s.lse[t + k + 1]).exp()
+                p = (torch.nn.functional.linear(s.features[t + k + 1].float(), weight) - s.lse[t + k + 1]).exp()
                 sums[k]["accept"] += float(torch.minimum(p, q).sum())
                 sums[k]["agree"] += float(q.argmax() == p.argmax())
                 sums[k]["n"] += 1
