@@ -609,7 +609,13 @@ Speed (context 128, bf16, interleaved, medians of {t["samples_each"]}): one draf
 |---|---|---|---|
 {curve_rows}
 
-{_ablation_section(folder)}## License
+{_ablation_section(folder)}## Limits
+
+Trained on what one 2-core CPU session could generate (target responses at ~330 tok/s). On so little data the draft
+fits its training text far better than new text: compare the held-out numbers above with the training curve's
+acceptance in `docs/findings.md`. More target-written text is the first lever; the recipe resumes at every stage.
+
+## License
 
 Derived from SmolLM2-135M-Instruct (Apache-2.0) outputs and weights; same license.
 """
