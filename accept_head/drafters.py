@@ -101,6 +101,9 @@ class ModelDrafter(Drafter):
         base = getattr(model, "base_model", model)
         self._pruned_head = self.kept_ids is not None and base is not model
         self._base = base
+        # The kept rows of the LM head, gathered once (a copy: re-create the drafter if the model is trained further).
+        weight = model.get_output_embeddings().weight
+        self._kept_weight = weight[self.kept_ids].detach() if self._pruned_head else None
         self.with_hidden = with_hidden
         self.cache = DynamicCache()
         self.committed: list[int] = []
@@ -115,9 +118,8 @@ class ModelDrafter(Drafter):
         x = torch.tensor([ids], device=self.device)
         if self._pruned_head:
             hidden = self._base(input_ids=x, past_key_values=self.cache, use_cache=True).last_hidden_state[0, -1]
-            weight = self.model.get_output_embeddings().weight
             logits = torch.full((self.vocab_size,), float("-inf"), device=self.device, dtype=hidden.dtype)
-            logits[self.kept_ids] = torch.nn.functional.linear(hidden, weight[self.kept_ids])
+            logits[self.kept_ids] = torch.nn.functional.linear(hidden, self._kept_weight)
             return DraftStep(logits, hidden)
         box, handle = last_hidden_capture(self.model) if self.with_hidden else ([None], None)
         try:

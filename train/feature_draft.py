@@ -354,7 +354,7 @@ def per_step_acceptance(
     ]
 
 
-def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> dict:
+def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None, timing_only: bool = False) -> dict:
     """Stage 4: per-step acceptance 1..``eval_steps`` on held-out responses (per source group), and the draft step
     (with a depth-3 acceptance head) against a single-token target forward, interleaved, medians. Writes
     ``eval.json`` into the draft folder."""
@@ -367,18 +367,24 @@ def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> dict:
     target = load_model(cfg.target)
     draft = FeatureDraft.from_pretrained(folder, dtype=cfg.target.torch_dtype).bind(target)
     paths = _feature_paths(cfg, "eval")
-    result: dict = {"per_step": per_step_acceptance(draft, target, paths, cfg.eval_starts, cfg.eval_steps, cfg.seed)}
-    # The same per source: the generation shards name their prompts (humaneval:* or an instruction set).
-    result["per_source"] = {}
-    for path in paths:
-        ids = torch.load(_dir(cfg.generations_dir) / "shards" / f"{path.stem}.pt", weights_only=True)["prompt_id"]
-        sources = sorted({i.split(":")[0] for i in ids})
-        name = f"{path.stem} ({', '.join(sources)})"
-        starts = max(cfg.eval_starts // len(paths), 1)
-        result["per_source"][name] = per_step_acceptance(draft, target, [path], starts, cfg.eval_steps, cfg.seed)
-    vocab_info = json.loads((_dir(cfg.work_dir) / "vocab.json").read_text())
-    result["coverage"] = vocab_info["coverage"]
-    result["kept_vocab"] = draft.config.kept_vocab_size
+    if timing_only:  # re-time the drafters, keep the acceptance numbers of the last full run
+        result = json.loads((folder / "eval.json").read_text())
+    else:
+        result = {"per_step": per_step_acceptance(draft, target, paths, cfg.eval_starts, cfg.eval_steps, cfg.seed)}
+        # The same per source: the generation shards name their prompts (humaneval:* or an instruction set).
+        result["per_source"] = {}
+        for path in paths:
+            ids = torch.load(_dir(cfg.generations_dir) / "shards" / f"{path.stem}.pt", weights_only=True)["prompt_id"]
+            name = f"{path.stem} ({', '.join(sorted({i.split(':')[0] for i in ids}))})"
+            starts = max(cfg.eval_starts // len(paths), 1)
+            result["per_source"][name] = per_step_acceptance(draft, target, [path], starts, cfg.eval_steps, cfg.seed)
+        result["coverage"] = json.loads((_dir(cfg.work_dir) / "vocab.json").read_text())["coverage"]
+        result["kept_vocab"] = draft.config.kept_vocab_size
+        for row in result["per_step"]:
+            print(
+                f"[evaluate] step {row['step']}: acceptance {row['expected_accept']:.3f}, "
+                f"greedy {row['greedy_agreement']:.3f}"
+            )
     result["timing"] = time_draft_step(target, FeatureDrafter(draft, target), cfg.timing_rounds)
     head = AcceptanceHead(draft.config.hidden_size, depth=3).to(cfg.target.torch_dtype)
     result["timing_with_head"] = time_draft_step(target, FeatureDrafter(draft, target), cfg.timing_rounds, head=head)
@@ -388,11 +394,6 @@ def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> dict:
             drafter = ModelDrafter(standalone, kept_ids=kept, with_hidden=False)
             result[f"timing_{name}"] = time_draft_step(target, drafter, cfg.timing_rounds)
     (folder / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-    for row in result["per_step"]:
-        print(
-            f"[evaluate] step {row['step']}: acceptance {row['expected_accept']:.3f}, "
-            f"greedy {row['greedy_agreement']:.3f}"
-        )
     print(f"[evaluate] timing: {result['timing_with_head']}")
     return result
 
