@@ -205,7 +205,8 @@ def bundle_dir(stubs, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
-    return {p.name: p.read_bytes() for p in sorted(folder.iterdir())}
+    """Every file under ``folder`` (a bundle also holds ``custom_generate/generate.py``) and its bytes."""
+    return {str(p.relative_to(folder)): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
 def test_bundle_without_head_weights_names_the_missing_file(bundle_dir: Path) -> None:
