@@ -546,7 +546,7 @@ def test_load_label_dataset_explains_what_is_wrong(tmp_path: Path) -> None:
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.name for c in CONFIGS])
 def test_every_shipped_config_parses_through_the_real_cli(config: Path, capsys) -> None:
     cfg = parse_config(["--config", str(config)])
-    assert cfg.prompts and cfg.output_dir and cfg.label_mode in ("sample", "greedy")
+    assert cfg.prompts and cfg.output_dir and cfg.label_mode in ("sample", "greedy", "rollout")
     with pytest.raises(SystemExit) as exit_info:
         build_parser().parse_args(["--config", str(config), "--max_new_tokens", "7", "--print_config"])
     assert exit_info.value.code == 0
