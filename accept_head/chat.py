@@ -159,7 +159,7 @@ def overhead(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
                 max_new_tokens=args.max_new_tokens,
                 do_sample=False,
                 eos_token_id=eos,
-                pad_token_id=eos,
+                pad_token_id=eos[0] if eos else None,
             )
             through.append(seconds)
             if not torch.equal(seq.cpu(), ref.sequences):
