@@ -11,6 +11,7 @@ from .hf_assisted import AssistedSettings, HFAssisted
 from .hf_generate import SpecDecGenerate, make_custom_generate
 from .lookahead import NgramPool, lookahead_generate
 from .ngrammys import ModelBigram, ngrammys_generate
+from .ouroboros import OuroborosStats, PhrasePool, ouroboros_generate
 from .pairs import ModelSpec, check_same_tokenizer, load_model, load_tokenizer
 from .policies import FixedK, HeadThreshold, RoundState, StopPolicy
 from .sampling import SamplingConfig
@@ -37,6 +38,8 @@ __all__ = [
     "ModelSpec",
     "NgramPool",
     "Oracle",
+    "OuroborosStats",
+    "PhrasePool",
     "RoundState",
     "SamplingConfig",
     "SpecDecGenerate",
@@ -52,6 +55,7 @@ __all__ = [
     "lookahead_generate",
     "make_custom_generate",
     "ngrammys_generate",
+    "ouroboros_generate",
     "roc_threshold",
     "speculative_generate",
     "verify",
