@@ -29,14 +29,15 @@ fingerprint) and :meth:`PhrasePool.load` it for another session.
 
 Simplifications against the paper, all of which cost speed only, never exactness (the target verifies everything):
 
-- The pool is keyed by a single start token (as Lookahead decoding's n-gram pool); the paper's reference code
-  retrieves phrases in the same way.
-- Phrases come from the target's verification (inspiration), warm start and, optionally, the prompt; the reference
-  implementation also runs a Jacobi (lookahead) window inside the draft model to mint phrases, which is left out.
-- Only the phrases starting with the draft's *last* token lengthen it (no retrieval on longer suffixes).
-- Refinement removes a rejected phrase instead of editing it in place; its replacement comes from inspiration.
-- Drafting is always greedy (as in the paper). Sampling at temperature > 0 is an addition: the rows are verified by
-  Alg. 4 sample verification, which is lossless for any deterministic candidates.
+- The pool is keyed by a single start token (as Lookahead decoding's n-gram pool), and only the phrases starting
+  with the draft's *last* token lengthen it (no retrieval on longer suffixes).
+- Phrases come from the target's verification (inspiration), earlier generations (warm start) and, optionally, the
+  prompt. Other phrase sources of the paper's implementation (such as n-grams the draft model mints itself) are not
+  reproduced.
+- Refinement, which the paper does with the target's verification results, is reduced to removing a phrase whose
+  first appended token the target rejected; the target's own version of it arrives through inspiration.
+- Drafting is always greedy. Sampling at temperature > 0 is an addition: the rows are verified by Alg. 4 sample
+  verification, which is lossless for any candidates fixed before the target's draw.
 - Batch size 1; a ``DynamicCache`` for both models (no static cache or CUDA graphs).
 
 transformers API: ``forward(attention_mask=<(1, 1, T, L + T) float mask>, position_ids=(1, T), past_key_values=
@@ -218,6 +219,9 @@ class PhrasePool:
         if not isinstance(data, dict) or data.get("format") != POOL_FORMAT:
             found = data.get("format") if isinstance(data, dict) else None
             raise ValueError(f"{path} is not an Ouroboros phrase pool (format {found!r}, expected {POOL_FORMAT!r}).")
+        missing = [k for k in ("phrase_length", "phrases_per_token", "vocab_size", "phrases") if k not in data]
+        if missing:
+            raise ValueError(f"{path} lacks {missing}: it was not written by PhrasePool.save.")
         pool = cls(data["phrase_length"], data["phrases_per_token"], data["vocab_size"], data.get("fingerprint"))
         for key, phrases in data["phrases"].items():
             if len(phrases) > pool.phrases_per_token:
@@ -394,6 +398,8 @@ def ouroboros_generate(
     ``draft``: a Hugging Face causal LM sharing the target's tokenizer. ``pool``: a :class:`PhrasePool` to warm-start
     from and keep filling (a fresh one if None). ``prompt_phrases``: also insert the prompt's β-token windows.
     Returns the sequences and :class:`OuroborosStats` (``proposed`` / ``accepted``: the winning row).
+    Here a pool is checked for β, W and the vocabulary size; its tokenizer fingerprint is checked when it is read,
+    by ``PhrasePool.load(path, tokenizer=...)``.
     """
     check_ouroboros_params(gamma, phrase_length, phrases_per_token, candidates)
     sampling = SamplingConfig(temperature, top_k, top_p)
