@@ -1,4 +1,4 @@
-"""Command line of ``python -m data_gen`` (jsonargparse over :class:`data_gen.config.DataGenConfig`).
+"""Command line of ``python -m data_gen`` (the parser is :func:`accept_head.labelgen.run.build_parser`).
 
 Examples::
 
@@ -16,66 +16,18 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from .config import DataGenConfig
+from accept_head.labelgen.run import build_parser, parse_arguments, run
 
 
-def build_parser(prog: str = "python -m data_gen"):
-    """The argument parser: every :class:`DataGenConfig` field is a top-level flag / YAML key."""
-    from jsonargparse import ActionConfigFile, ArgumentParser, set_parsing_settings
-
-    # The field docstrings of the config dataclasses are the --help text.
-    set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = ArgumentParser(
-        prog=prog,
-        description=(
-            "Run a target/draft pair on prompt sets and write token-level acceptance labels (SpecDec++ §3.3) as a "
-            "Hugging Face dataset with a meta.json. Every key can come from --config YAML files or the command line."
-        ),
-        default_config_files=None,
-    )
-    parser.add_argument("--config", action=ActionConfigFile, help="YAML config file (later flags override it).")
-    parser.add_class_arguments(DataGenConfig, nested_key=None, as_group=False, fail_untyped=True)
-    return parser
-
-
-BOOLEAN_FLAGS = ("--merge", "--overwrite", "--progress")
-
-
-def expand_bare_flags(argv: Sequence[str]) -> list[str]:
-    """Let boolean flags stand alone: ``--merge`` means ``--merge true`` (jsonargparse wants the value)."""
-    out: list[str] = []
-    for i, arg in enumerate(argv):
-        out.append(arg)
-        following = argv[i + 1].lower() if i + 1 < len(argv) else None
-        if arg in BOOLEAN_FLAGS and following not in ("true", "false", "yes", "no", "1", "0"):
-            out.append("true")
-    return out
-
-
-def parse_config(argv: Sequence[str] | None = None) -> DataGenConfig:
-    """Parse command-line arguments (and config files) into a validated :class:`DataGenConfig`."""
-    parser = build_parser()
-    namespace = parser.parse_args(expand_bare_flags(sys.argv[1:] if argv is None else argv))
-    init = parser.instantiate(namespace)
-    fields = {name: init[name] for name in DataGenConfig.__dataclass_fields__}
-    cfg = DataGenConfig(**fields)
-    cfg.validate()
-    return cfg
-
-
-def run(cfg: DataGenConfig) -> dict:
-    """Merge shard outputs (``--merge true``) or generate labels; return the dataset's meta dict."""
-    from .generate import generate
-    from .merge import merge
-
-    return merge(cfg) if cfg.merge else generate(cfg)
-
-
-def main(argv: Sequence[str] | None = None) -> dict:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m data_gen") -> dict:
     """Parse, run (generate or merge) and return the dataset's meta dict; user errors exit with a one-line message."""
     try:
-        cfg = parse_config(argv)
-        return run(cfg)
+        return run(parse_arguments(build_parser(prog), argv)[1])
     except (ValueError, FileNotFoundError) as err:
-        print(f"python -m data_gen: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
+
+
+def script() -> None:
+    """The ``accept-head-data-gen`` console script: :func:`main` under that name."""
+    main(prog="accept-head-data-gen")

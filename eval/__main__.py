@@ -36,7 +36,7 @@ def commands() -> dict:
     }
 
 
-def main(argv: Sequence[str] | None = None):
+def main(argv: Sequence[str] | None = None, prog: str = "python -m eval"):
     """Parse the subcommand and its flags (``--config`` YAML files allowed) and run it; user errors exit with a
     one-line message."""
     from jsonargparse import CLI, set_parsing_settings
@@ -47,12 +47,20 @@ def main(argv: Sequence[str] | None = None):
             commands(),
             args=list(argv) if argv is not None else None,
             as_positional=False,
-            prog="python -m eval",
+            prog=prog,
             description=__doc__.split("\n\n")[0] if __doc__ else None,
         )
     except (ValueError, FileNotFoundError) as err:
-        print(f"python -m eval: error: {err}", file=sys.stderr)
+        print(f"{prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from err
+
+
+def script() -> None:
+    """The ``accept-head-eval`` console script: :func:`main` under that name.
+
+    Returns nothing: a console script exits with its function's return value, and a command's result is not a status.
+    """
+    main(prog="accept-head-eval")
 
 
 if __name__ == "__main__":

@@ -111,7 +111,7 @@ def run_variant(args: list[str]) -> dict[str, Any]:
     """Fit one variant in this process and read its :class:`~accept_head.training.report.FitReport`."""
     import torch
 
-    from train.cli import cli_main
+    from accept_head.training.cli import cli_main
 
     threads = torch.get_num_threads()
     cli = cli_main(args)

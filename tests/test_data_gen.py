@@ -15,6 +15,8 @@ import pytest
 import torch
 from tiny_models import WORDS, make_llama, make_pair, make_tokenizer
 
+from accept_head.labelgen import generate as generate_module
+from accept_head.labelgen.run import build_parser, parse_config, run
 from accept_head.labels import (
     COLUMNS,
     inverse_cdf_sample,
@@ -24,8 +26,7 @@ from accept_head.labels import (
     position_labels,
 )
 from accept_head.sampling import SamplingConfig, probabilities
-from data_gen import generate as generate_module
-from data_gen.cli import build_parser, main, parse_config, run
+from data_gen.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((REPO / "configs" / "data_gen").glob("*.yaml"))
@@ -482,7 +483,7 @@ def test_a_folder_that_is_not_data_gen_output_is_never_written(pair, tmp_path: P
 
 
 def test_two_processes_never_write_the_same_output(pair, tmp_path: Path) -> None:
-    from data_gen.output import exclusive
+    from accept_head.labelgen.output import exclusive
 
     out = tmp_path / "out"
     out.mkdir()

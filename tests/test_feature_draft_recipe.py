@@ -323,8 +323,8 @@ def test_committed_recipe_config_parses_through_the_cli(capsys, monkeypatch) -> 
 
 
 def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None:
-    from data_gen.cli import parse_config
-    from train.cli import cli_main
+    from accept_head.labelgen.run import parse_config
+    from accept_head.training.cli import cli_main
 
     monkeypatch.chdir(REPO)
     labels = parse_config(["--config", "configs/data_gen/instructions-rollout.yaml"])

@@ -14,12 +14,13 @@ from train_helpers import TinySetup, run_data_gen, train_config, write_config, w
 from accept_head import FixedK, autoregressive_generate, speculative_generate
 from accept_head.feature_draft import FeatureDraft
 from accept_head.features import lm_head_input
+from accept_head.labelgen import generate as generate_module
+from accept_head.labelgen.run import parse_config
 from accept_head.labels import load_label_dataset
 from accept_head.pairs import load_model
 from accept_head.rollout import read_hidden, rollout_labels
 from accept_head.sampling import SamplingConfig, probabilities
-from data_gen import generate as generate_module
-from data_gen.cli import main, parse_config
+from data_gen.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -229,7 +230,7 @@ def test_data_gen_rollout_with_a_feature_draft(feature_setup: TinySetup, tmp_pat
 
 
 def fit(config: dict, tmp_path: Path):
-    from train.cli import cli_main
+    from accept_head.training.cli import cli_main
 
     return cli_main(["fit", "--config", str(write_config(config, tmp_path / "fit.yaml"))])
 

@@ -14,7 +14,7 @@ import yaml
 from train_helpers import REPO, TinySetup, other_draft, tiny_setup, train_config, write_config
 
 from accept_head import SpecDecPP
-from train.cli import cli_main
+from accept_head.training.cli import cli_main
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 

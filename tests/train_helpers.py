@@ -51,7 +51,7 @@ def write_prompts(path: Path, n: int, seed: int = 0) -> Path:
 
 
 def run_data_gen(config: dict[str, Any], output_dir: Path) -> Path:
-    from data_gen.cli import parse_config, run
+    from accept_head.labelgen.run import parse_config, run
 
     run(parse_config(["--config", json.dumps({**config, "output_dir": str(output_dir)})]))
     return output_dir

@@ -1,6 +1,6 @@
 """``python -m train fit --config configs/<name>.yaml`` (see :mod:`train.cli`)."""
 
-from .cli import cli_main
+from .cli import main
 
 if __name__ == "__main__":
-    cli_main()
+    main()

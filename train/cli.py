@@ -8,85 +8,14 @@ Examples::
     python -m train validate --config configs/demo.yaml --ckpt_path <checkpoint>
     python -m train fit --config configs/demo.yaml --print_config
 
-The YAML sections are the ``__init__`` arguments of :class:`~accept_head.training.AcceptanceHeadModule`
-(``model:``), :class:`~accept_head.training.AcceptanceDataModule` (``data:``), Lightning's ``trainer:`` and the
-end-of-fit stages ``calibration:``, ``cost_model:``, ``sweep:`` and ``export:`` (each with ``enabled``).
+The CLI is :func:`accept_head.training.cli.cli_main`; its YAML sections are described there.
 """
 
 from __future__ import annotations
 
-import shlex
-import sys
-
-from lightning.pytorch.cli import ArgsType, LightningArgumentParser, LightningCLI
-
-from accept_head.training import (
-    AcceptanceDataModule,
-    AcceptanceHeadModule,
-    CalibrateHead,
-    ExportBundle,
-    MeasureCosts,
-    ThresholdSweep,
-)
-from accept_head.training.callbacks import closing_table
+from accept_head.training.cli import cli_main
 
 
-class AcceptHeadCLI(LightningCLI):
-    """LightningCLI with the head width and the draft linked from the data module and the end-of-fit stages."""
-
-    argv: list[str] | None = None
-    """The command-line arguments of this run (for the model card)."""
-
-    def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        # The draft is configured once, under data: (the data module checks it against the labels), and the head's
-        # width is the draft's hidden size, read by the data module from the draft's config.
-        parser.link_arguments("data.draft", "model.draft", apply_on="instantiate")
-        parser.link_arguments("data.hidden_size", "model.hidden_size", apply_on="instantiate")
-        parser.add_lightning_class_args(CalibrateHead, "calibration")
-        parser.add_lightning_class_args(MeasureCosts, "cost_model")
-        parser.add_lightning_class_args(ThresholdSweep, "sweep")
-        parser.add_lightning_class_args(ExportBundle, "export")
-
-    def parse_arguments(self, parser: LightningArgumentParser, args: ArgsType) -> None:
-        """Parse as LightningCLI does, remembering the command line for the bundle's model card."""
-        self.argv = list(args) if isinstance(args, list | tuple) else sys.argv[1:] if args is None else None
-        super().parse_arguments(parser, args)
-
-    def before_fit(self) -> None:
-        """Hand the parsed configuration and the command line to the export stage (bundle provenance)."""
-        import yaml
-
-        config = self.config[self.subcommand]
-        dumped = yaml.safe_load(self._parser(self.subcommand).dump(config, skip_none=False, skip_check=True))
-        for callback in self.trainer.callbacks:
-            if isinstance(callback, ExportBundle):
-                callback.run_config = dumped
-                callback.command = "python -m train " + shlex.join(self.argv) if self.argv is not None else None
-
-    def after_fit(self) -> None:
-        """Print the closing comparison of the threshold sweep last, below Lightning's progress bar."""
-        table = closing_table(self.model.fit_report)
-        if table and self.trainer.is_global_zero:
-            print("\n" + table, flush=True)
-
-
-def cli_main(args: ArgsType = None, run: bool = True) -> AcceptHeadCLI:
-    """Build the CLI and run its subcommand (``fit``, ``validate``, ``test``); ``args`` overrides ``sys.argv``."""
-    import warnings
-
-    from jsonargparse import lazy_instance
-    from lightning.pytorch.loggers import CSVLogger
-
-    # The frozen draft is in eval mode on purpose (no dropout); Lightning would warn about it at every fit.
-    warnings.filterwarnings("ignore", message=r"Found \d+ module\(s\) in eval mode at the start of training")
-
-    return AcceptHeadCLI(
-        AcceptanceHeadModule,
-        AcceptanceDataModule,
-        seed_everything_default=0,
-        trainer_defaults={"logger": lazy_instance(CSVLogger, save_dir="runs", name="train")},
-        save_config_kwargs={"overwrite": True},
-        auto_configure_optimizers=False,
-        args=args,
-        run=run,
-    )
+def main() -> None:
+    """Run the subcommand given on the command line (``python -m train`` and the ``accept-head-train`` script)."""
+    cli_main()

@@ -352,7 +352,7 @@ def run_data_gen(config: str | dict, output_dir: str | Path, draft: ModelSpec) -
     ``config`` is the path of a data_gen YAML file or a mapping of its keys (``draft`` defaults to ``draft``);
     ``output_dir`` always comes from the data module. A draft other than ``draft`` is refused before any work.
     """
-    from data_gen.cli import parse_config, run
+    from ..labelgen.run import parse_config, run
 
     if isinstance(config, str):
         if not Path(config).is_file():

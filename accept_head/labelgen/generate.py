@@ -1,7 +1,7 @@
-"""The data_gen pipeline: prompts → batched target responses, labelled as sampled → resumable batches → dataset.
+"""The label-generation pipeline: prompts → batched target responses, labelled as sampled → resumable batches → dataset.
 
 Every batch is written to a temporary folder and renamed into ``_work/batches/<b>`` when done (see
-:mod:`data_gen.output`), so a killed run leaves only whole batches and rerunning the same command skips them. Batch
+:mod:`.output`), so a killed run leaves only whole batches and rerunning the same command skips them. Batch
 b is generated and labelled with generators seeded from (seed, b) only, so resuming, or splitting the batches over
 shards, gives the same dataset as one uninterrupted run.
 
@@ -29,8 +29,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from accept_head.batch_generate import sample_batch
-from accept_head.labels import (
+from ..batch_generate import sample_batch
+from ..labels import (
     FORMAT,
     FORMAT_VERSION,
     LockstepLabeller,
@@ -38,7 +38,7 @@ from accept_head.labels import (
     label_responses,
     label_transform,
 )
-from accept_head.pairs import (
+from ..pairs import (
     ModelSpec,
     check_same_tokenizer,
     check_same_vocab,
@@ -47,9 +47,8 @@ from accept_head.pairs import (
     load_tokenizer,
     local_folder,
 )
-from accept_head.prompts import Prompt, PromptStats, chat_prompt_ids, load_prompts
-from accept_head.rollout import rollout_features, rollout_labels
-
+from ..prompts import Prompt, PromptStats, chat_prompt_ids, load_prompts
+from ..rollout import rollout_features, rollout_labels
 from .config import DataGenConfig
 from .output import (
     META,
@@ -301,7 +300,7 @@ def load_run(cfg: DataGenConfig) -> tuple[PromptPlan, LoadedPair]:
 
 def is_feature_draft(spec: ModelSpec) -> bool:
     """Whether ``spec`` names a :class:`~accept_head.feature_draft.FeatureDraft` folder (not a standalone LM)."""
-    from accept_head.feature_draft import is_feature_draft_folder
+    from ..feature_draft import is_feature_draft_folder
 
     return is_feature_draft_folder(local_folder(spec))
 

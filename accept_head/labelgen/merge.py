@@ -12,8 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from accept_head.labels import load_label_dataset
-
+from ..labels import load_label_dataset
 from .config import DataGenConfig, config_differences
 from .generate import code_version, format_summary, summary_stats, total_keys
 from .output import (

@@ -1,4 +1,4 @@
-"""The ``python -m data_gen`` configuration: one dataclass whose fields are the CLI flags and the YAML keys."""
+"""The label-generation configuration: one dataclass whose fields are the ``python -m data_gen`` flags and YAML keys."""
 
 from __future__ import annotations
 
@@ -6,11 +6,11 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from accept_head.labels import LABEL_MODES
-from accept_head.pairs import ModelSpec
-from accept_head.prompts import PromptSource
-from accept_head.rollout import HIDDEN_DTYPES, check_k_max
-from accept_head.sampling import SamplingConfig
+from ..labels import LABEL_MODES
+from ..pairs import ModelSpec
+from ..prompts import PromptSource
+from ..rollout import HIDDEN_DTYPES, check_k_max
+from ..sampling import SamplingConfig
 
 RUN_ONLY_KEYS = ("output_dir", "overwrite", "merge", "progress", "threads")
 """Keys that change how a run goes, not what it produces: left out of the fingerprint that guards resumption."""

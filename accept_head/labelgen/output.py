@@ -1,4 +1,4 @@
-"""The output folder of ``python -m data_gen``: checks before any model is loaded, atomic writes, the run lock.
+"""The output folder of label generation: checks before any model is loaded, atomic writes, the run lock.
 
 Layout::
 
@@ -22,8 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from accept_head.labels import FORMAT, label_features
-
+from ..labels import FORMAT, label_features
 from .config import config_differences
 
 META = "meta.json"
