@@ -7,7 +7,8 @@ per round and the speed-up over a plain ``target.generate`` pass on the same pro
 ``/exit``.
 
 ``overhead`` times the same greedy generations through ``speculative_generate`` directly and through
-``target.generate(custom_generate=specdec.custom_generate)``, interleaved, and prints the relative overhead.
+``target.generate(custom_generate=specdec.custom_generate)``, paired and interleaved, and prints the median relative
+overhead over pairs.
 """
 
 from __future__ import annotations
@@ -137,37 +138,56 @@ def chat(args: argparse.Namespace, out: TextIO = sys.stdout, inp: TextIO = sys.s
 
 
 def overhead(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
-    """Median wall time of greedy generations through ``speculative_generate`` and through ``generate``."""
+    """Greedy generations through ``speculative_generate`` and through ``generate``, paired and interleaved.
+
+    Each (prompt, repeat) runs both paths back to back, alternating which goes first so neither always meets a warm or
+    a cold cache; the overhead is the median over pairs of (time through ``generate``) / (time direct) - 1, printed
+    with its interquartile range. Both paths must produce the same tokens (checked for every pair).
+    """
     specdec = SpecDecPP.from_pretrained(args.bundle, device=args.device, dtype=args.dtype)
     policy = parse_policy(args.policy, specdec)
     prompts = args.prompt or list(DEFAULT_PROMPTS)
     eos = specdec.eos_token_ids
-    direct, through = [], []
-    for _ in range(args.repeats):
-        for prompt in prompts:
+
+    def direct(ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+        start = time.perf_counter()
+        ref = speculative_generate(
+            specdec.target, specdec.draft, ids, policy, args.max_new_tokens, temperature=0, eos_token_id=eos
+        )
+        return ref.sequences, time.perf_counter() - start
+
+    def through(ids: torch.Tensor) -> tuple[torch.Tensor, float]:
+        return _timed_generate(
+            specdec.target,
+            ids,
+            custom_generate=specdec.custom_generate,
+            policy=policy,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=eos[0] if eos else None,
+        )
+
+    ratios, times = [], {"direct": [], "generate": []}
+    for repeat in range(args.repeats):
+        for i, prompt in enumerate(prompts):
             ids = torch.tensor([specdec.encode(prompt)])
-            start = time.perf_counter()
-            ref = speculative_generate(
-                specdec.target, specdec.draft, ids, policy, args.max_new_tokens, temperature=0, eos_token_id=eos
-            )
-            direct.append(time.perf_counter() - start)
-            seq, seconds = _timed_generate(
-                specdec.target,
-                ids,
-                custom_generate=specdec.custom_generate,
-                policy=policy,
-                max_new_tokens=args.max_new_tokens,
-                do_sample=False,
-                eos_token_id=eos,
-                pad_token_id=eos[0] if eos else None,
-            )
-            through.append(seconds)
-            if not torch.equal(seq.cpu(), ref.sequences):
-                out.write(f"warning: different tokens for {prompt!r}\n")
-    a, b = statistics.median(direct), statistics.median(through)
+            order = [("direct", direct), ("generate", through)]
+            if (repeat + i) % 2:
+                order.reverse()
+            results = {name: fn(ids) for name, fn in order}
+            (a_seq, a), (b_seq, b) = results["direct"], results["generate"]
+            if not torch.equal(b_seq.cpu(), a_seq.cpu()):
+                raise RuntimeError(f"generate(custom_generate=...) and speculative_generate differ on {prompt!r}")
+            times["direct"].append(a)
+            times["generate"].append(b)
+            ratios.append(b / a)
+    q1, med, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     out.write(
-        f"speculative_generate {a * 1e3:.1f} ms, generate(custom_generate=...) {b * 1e3:.1f} ms "
-        f"(medians of {len(direct)}): overhead {100 * (b / a - 1):+.1f}%\n"
+        f"speculative_generate median {statistics.median(times['direct']) * 1e3:.1f} ms, "
+        f"generate(custom_generate=...) median {statistics.median(times['generate']) * 1e3:.1f} ms per generation; "
+        f"paired overhead over {len(ratios)} pairs: median {100 * (med - 1):+.1f}% "
+        f"(IQR {100 * (q1 - 1):+.1f}% .. {100 * (q3 - 1):+.1f}%), same tokens on every pair\n"
     )
     return 0
 

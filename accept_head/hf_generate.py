@@ -98,11 +98,19 @@ class ProcessedLogits:
         self.buffer = buffer
 
     def __call__(self, logits: torch.Tensor, length: int) -> torch.Tensor:
-        """logits (V,) raw → (V,) float32 processed scores (a fresh tensor: processors may work in place)."""
+        """logits (V,) raw → (V,) float32 processed scores (a fresh tensor when processors run: they may work in
+        place; without processors, the logits themselves when already float32)."""
+        if not self.processors:
+            return logits.to(device=self.buffer.device, dtype=torch.float32)
         scores = logits.to(device=self.buffer.device, dtype=torch.float32, copy=True)[None, :]
-        if self.processors:
-            scores = self.processors(self.buffer[:, :length], scores)
-        return scores[0]
+        return self.processors(self.buffer[:, :length], scores)[0]
+
+    def rows(self, logits: torch.Tensor, start: int) -> torch.Tensor:
+        """logits (R, V) of the positions whose contexts are buffer[:start], buffer[:start + 1], … → (R, V) float32
+        processed scores; one conversion for all rows when there are no processors."""
+        if not self.processors:
+            return logits.to(device=self.buffer.device, dtype=torch.float32)
+        return torch.stack([self(logits[i], start + i) for i in range(logits.shape[0])])
 
 
 class ProcessedDrafter(Drafter):
@@ -135,7 +143,7 @@ class ProcessedDrafter(Drafter):
         if step is None:
             return None
         scores = self.process(step.logits, self.length + self.fed)
-        if not bool(torch.isfinite(scores).any()):
+        if self.process.processors and not bool(torch.isfinite(scores).any()):
             return None
         return DraftStep(scores, step.hidden)
 
@@ -272,7 +280,7 @@ def speculative_decode(
         with _timed(stats, "target_time"):
             buffer[0, n : n + k] = torch.tensor(candidates, dtype=torch.long)
             logits, hidden = _target_pass(target, buffer[:, n - 1 : n + k], cache, drafter.needs_target_features)
-            scores = torch.stack([process(logits[i], n + i) for i in range(k + 1)])  # (K+1, V)
+            scores = process.rows(logits[: k + 1], n)  # (K+1, V)
             p = probabilities(scores, sampling)
             q = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
             m, next_token = verify(p, q, buffer[0, n : n + k], generator)
