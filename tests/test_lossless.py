@@ -14,20 +14,17 @@ import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from stats_helpers import ALPHA, accept_every_candidate, goodness_of_fit, resample_from_target_on_rejection
 from tiny_models import TableLM
 
 import accept_head.decoding as decoding
 from accept_head import AcceptanceHead, FixedK, HeadThreshold, autoregressive_generate, speculative_generate
-from accept_head.decoding import verify as correct_verify
-from accept_head.sampling import SamplingConfig, probabilities, sample
+from accept_head.sampling import SamplingConfig, probabilities
 
 VOCAB, POSITIONS = 8, 8
 PROMPT = [0, 3, 5]
 NEW_TOKENS = 4
 SAMPLES = 2000
-ALPHA = 1e-3
-"""A correct decoder passes at this level; the seeds are fixed, so the outcome is deterministic."""
 
 SAMPLINGS = {"T=1": SamplingConfig(1.0), "T=0.7,top_p=0.8": SamplingConfig(0.7, top_p=0.8)}
 
@@ -61,23 +58,6 @@ def exact_distribution(model: torch.nn.Module, prompt: list[int], sampling: Samp
             steps[prefix] = probabilities(logits, sampling).double()
         joint = joint[..., None] * steps
     return joint
-
-
-def goodness_of_fit(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """χ² p-value of observed ``counts`` against exact ``probs`` (same shape); 0 if an impossible outcome occurred.
-
-    Cells whose expected count is below 5 are pooled into one, as the χ² approximation requires.
-    """
-    observed, probs = counts.flatten().double(), probs.flatten() / probs.sum()
-    if observed[probs == 0].sum() > 0:
-        return 0.0
-    expected = probs * observed.sum()
-    large = expected >= 5
-    observed = torch.cat([observed[large], observed[~large & (probs > 0)].sum()[None]])
-    expected = torch.cat([expected[large], expected[~large & (probs > 0)].sum()[None]])
-    if expected[-1] == 0:
-        observed, expected = observed[:-1], expected[:-1]
-    return float(chisquare(observed.numpy(), expected.numpy()).pvalue)
 
 
 def sample_tokens(decode, samples: int = SAMPLES) -> tuple[torch.Tensor, list[int]]:
@@ -149,18 +129,6 @@ def test_autoregressive_sampling_matches_exact_target_distribution(models, exact
         )
     )
     assert_matches_target(tokens, exact["T=0.7,top_p=0.8"])
-
-
-def accept_every_candidate(p, q, candidates, generator):
-    """A broken verifier: keeps all K candidates and samples the bonus token (the output follows the draft)."""
-    k = candidates.shape[0]
-    return k, int(sample(p[k : k + 1], generator)[0])
-
-
-def resample_from_target_on_rejection(p, q, candidates, generator):
-    """A subtly broken verifier: right acceptance test, but it redraws from p instead of Norm[(p − q)+]."""
-    m, _ = correct_verify(p, q, candidates, generator)
-    return m, int(sample(p[m : m + 1], generator)[0])
 
 
 @pytest.mark.parametrize("broken_verify", [accept_every_candidate, resample_from_target_on_rejection])

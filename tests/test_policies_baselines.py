@@ -1,5 +1,6 @@
 """Baseline stop policies (Heuristic, ConfidenceThreshold + HF's ROC tuning, EntropyStop, Oracle) and HF's own
-assisted generation: hand-built rounds, stub models with fixed logits, greedy parity with the target, Lemma 2.1."""
+assisted generation: hand-built rounds, stub models with fixed logits, greedy parity with the target, Lemma 2.1, and
+the target's distribution at temperature 1 (the χ² check of ``stats_helpers``, which rejects broken verifiers)."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from stats_helpers import ALPHA, accept_every_candidate, goodness_of_fit, resample_from_target_on_rejection
 from tiny_models import SPECIAL_TOKENS, TableLM, make_llama, perturbed_copy
 
+import accept_head.decoding as decoding
 from accept_head import autoregressive_generate, speculative_generate
 from accept_head.baselines import (
     ConfidenceThreshold,
@@ -310,26 +313,57 @@ def test_greedy_output_of_new_policies_equals_target_generate(pair, reference, p
         assert result.sequences.tolist() == expected.tolist()
 
 
-@pytest.mark.parametrize("policy_name", ["Heuristic", "ConfidenceThreshold(0.5)", "EntropyStop(0.8)"])
-def test_sampled_tokens_follow_the_target_distribution(policy_name: str) -> None:
-    """Losslessness at temperature 1 on a stub pair whose policies draft 1 or 2 candidates depending on the draft:
-    the empirical law of the first three tokens matches p, computed exactly from the target's table."""
-    vocab = 3
+# ---- losslessness at temperature 1: the χ² check of test_lossless.py, with its broken-verifier controls --------------
+
+SAMPLED_VOCAB, SAMPLED_TOKENS, SAMPLED_RUNS, CONTROL_RUNS = 4, 3, 2000, 500
+
+
+@pytest.fixture(scope="module")
+def sampled_pair() -> tuple[TableLM, TableLM, torch.Tensor]:
+    """A bigram stub pair over 4 tokens whose draft overlaps the target's but differs markedly (candidates are both
+    accepted and rejected), and the target's exact law of the first three tokens after token 0, (V, V, V) float64."""
+    vocab = SAMPLED_VOCAB
     generator = torch.Generator().manual_seed(0)
     target_table = torch.randn(vocab, vocab, generator=generator)
     draft_table = target_table + 1.5 * torch.randn(vocab, vocab, generator=generator)
-    target, draft = TableLM.bigram(target_table, 8), TableLM.bigram(draft_table, 8)
-    p = target_table.softmax(-1)
-    exact = (p[0][:, None, None] * p[:, :, None] * p[None, :, :]).reshape(-1)  # P(x1, x2, x3 | token 0)
-    counts = torch.zeros(vocab**3)
-    runs = 4000
-    policy = NEW_POLICIES[policy_name]()
+    p = target_table.double().softmax(-1)
+    exact = p[0][:, None, None] * p[:, :, None] * p[None, :, :]  # P(x1, x2, x3 | token 0) = p(x1|0) p(x2|x1) p(x3|x2)
+    return TableLM.bigram(target_table, 8), TableLM.bigram(draft_table, 8), exact
+
+
+def sampled_counts(target, draft, policy, runs: int) -> tuple[torch.Tensor, set[tuple[int, ...]]]:
+    """(V, V, V) counts of the first three sampled tokens over ``runs`` seeded generations (one policy object for all,
+    so persistent state such as Heuristic's K carries over), and the distinct per-round candidate counts seen."""
+    counts = torch.zeros((SAMPLED_VOCAB,) * SAMPLED_TOKENS)
+    rounds = set()
     for i in range(runs):
-        gen = torch.Generator().manual_seed(1000 + i)
-        seq = speculative_generate(target, draft, [0], policy, 3, temperature=1.0, generator=gen).sequences[0]
-        counts[int(seq[1]) * vocab**2 + int(seq[2]) * vocab + int(seq[3])] += 1
-    tv = 0.5 * (counts / runs - exact).abs().sum().item()
-    assert tv < 0.06, f"total variation {tv:.3f} between sampled and target distributions"
+        generator = torch.Generator().manual_seed(1000 + i)
+        result = speculative_generate(target, draft, [0], policy, SAMPLED_TOKENS, temperature=1.0, generator=generator)
+        counts[tuple(result.sequences[0, 1:].tolist())] += 1
+        rounds.add(tuple(result.stats.proposed))
+    return counts, rounds
+
+
+@pytest.mark.parametrize("policy_name", ["Heuristic", "ConfidenceThreshold(0.5)", "EntropyStop(0.8)"])
+def test_sampled_tokens_follow_the_target_distribution(sampled_pair, policy_name: str) -> None:
+    """Losslessness at temperature 1: the empirical law of the first three tokens matches p (χ² goodness of fit
+    against the law computed exactly from the target's table)."""
+    target, draft, exact = sampled_pair
+    counts, rounds = sampled_counts(target, draft, NEW_POLICIES[policy_name](), SAMPLED_RUNS)
+    assert len(rounds) > 1  # rounds differ between runs: rejections and the policy's stops depend on the draws
+    p_value = goodness_of_fit(counts, exact)
+    assert p_value > ALPHA, p_value
+
+
+@pytest.mark.parametrize("broken_verify", [accept_every_candidate, resample_from_target_on_rejection])
+def test_the_distribution_check_rejects_a_broken_verifier(sampled_pair, monkeypatch, broken_verify) -> None:
+    """Negative controls: the same check, with the baseline that submits the fewest candidates per round here (so the
+    verifier's mistakes reach the fewest tokens) and a quarter of the runs, fails a verifier that keeps every candidate
+    and one that redraws from p instead of the residual."""
+    target, draft, exact = sampled_pair
+    monkeypatch.setattr(decoding, "verify", broken_verify)
+    counts, _ = sampled_counts(target, draft, NEW_POLICIES["EntropyStop(0.8)"](), CONTROL_RUNS)
+    assert goodness_of_fit(counts, exact) < 1e-6
 
 
 # ---- HF's own assisted generation -----------------------------------------------------------------------------------
