@@ -65,10 +65,20 @@ def test_single_vector_fast_path_equals_batched_accept_prob() -> None:
             assert head.accept_prob_one(row) == pytest.approx(float(expected), abs=1e-6)
 
 
-def test_head_reads_bfloat16_hidden_states() -> None:
+def test_head_reads_bfloat16_hidden_states_in_its_own_float32() -> None:
+    """A bf16 draft's hidden states go through a float32 head: the logit is the residual maths written out by hand in
+    float32 on the bf16 values (exactly representable in float32), for the batched and the single-vector paths."""
     head = seeded_head(depth=1)
-    hidden = torch.randn(3, 16)
-    torch.testing.assert_close(head(hidden.bfloat16()), head(hidden.bfloat16().float()))
+    hidden = torch.randn(3, 16).bfloat16()
+    x = hidden.float()
+    block = head.blocks[0].linear
+    x = x + nn.functional.silu(x @ block.weight.T + block.bias)
+    expected = (x @ head.out.weight.T + head.out.bias).squeeze(-1)
+    logits = head(hidden)
+    assert logits.dtype == torch.float32
+    torch.testing.assert_close(logits, expected)
+    with torch.inference_mode():
+        assert head.accept_prob_one(hidden[0]) == pytest.approx(float(torch.sigmoid(expected[0])), abs=1e-6)
 
 
 # ---- the official SpecDec++ checkpoint format ------------------------------------------------------------------------
