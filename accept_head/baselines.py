@@ -51,11 +51,11 @@ class Heuristic(StopPolicy):
     def should_stop(self, state: RoundState) -> bool:
         return state.n >= self.k
 
-    def update(self, proposed: int, accepted: int) -> None:
-        if proposed == 0:  # the token budget left no room for candidates: nothing was learned
+    def update(self, state: RoundState, accepted: int) -> None:
+        if state.n == 0:  # the token budget left no room for candidates: nothing was learned
             return
         # HF: `if num_matches == len(scores[0]) - 1: K += 2 else: K = max(1, K - 1)`.
-        self.k = min(self.k + 2, self.max_candidates) if accepted >= proposed else max(1, self.k - 1)
+        self.k = min(self.k + 2, self.max_candidates) if accepted >= state.n else max(1, self.k - 1)
 
     def reset(self) -> None:
         if not self.persistent:
@@ -168,27 +168,25 @@ class ConfidenceThreshold(StopPolicy):
         self.min_pairs = min_pairs
         self.probs: list[float] = []
         self.matches: list[int] = []
-        self._round: RoundState | None = None
 
     def should_stop(self, state: RoundState) -> bool:
-        self._round = state
         if state.n < max(self.min_candidates, 1):
             return False
         return state.token_probs[-1] < self.tau
 
-    def update(self, proposed: int, accepted: int) -> None:
-        if not self.auto_tune or self._round is None or proposed == 0:
+    def update(self, state: RoundState, accepted: int) -> None:
+        if not self.auto_tune or state.n == 0:
             return
         # HF: every accepted candidate is a match, the first rejected one a miss; later ones were never judged.
-        judged = min(accepted + 1, proposed)
-        self.probs.extend(self._round.token_probs[:judged])
+        judged = min(accepted + 1, state.n)
+        self.probs.extend(state.token_probs[:judged])
         self.matches.extend([1] * accepted + [0] * (judged - accepted))
         if len(self.probs) > self.min_pairs and 0 in self.matches and 1 in self.matches:
             self.tau = roc_threshold(self.probs, self.matches, self.fn_cost)
 
     def reset(self) -> None:
         self.tau = self.initial_tau
-        self.probs, self.matches, self._round = [], [], None
+        self.probs, self.matches = [], []
 
     def describe(self) -> str:
         return f"ConfidenceThreshold(tau={self.initial_tau:g}{', auto' if self.auto_tune else ''})"

@@ -3,10 +3,13 @@
 Total time T = t_draft · N_draft + Σ_rounds t_target(K_r). With a constant t_target this is eq. 2.3 per generated
 token: latency = t_draft + t_draft · N_discarded/N + (t_target − t_draft) · N_target/N. Where verifying K
 candidates costs more than one token (CPU fp32, large batches) t_target grows with K: t_target(K) = a + b·K.
+The tree decoders price a call by the tokens it is fed, through a measured curve (:class:`TreeCost`).
 """
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import statistics
 import time
 from collections.abc import Sequence
@@ -173,13 +176,12 @@ def measure_costs(
     gen = torch.Generator().manual_seed(seed)
     vocab = target.config.vocab_size
     prefix = torch.randint(0, vocab, (1, context), generator=gen).to(device)
-    from .decoding import _target_pass
+    from .decoding import prefill
     from .drafters import as_drafter
 
     drafter = as_drafter(draft, target)
     target_cache = DynamicCache()
-    _, features = _target_pass(target, prefix[:, :-1], target_cache, drafter.needs_target_features)
-    drafter.start(prefix[0].tolist(), features)
+    prefill(target, drafter, prefix, target_cache)
     last = {"step": drafter.propose(None)}
     token = int(prefix[0, -1])
 
@@ -216,3 +218,82 @@ def measure_costs(
 
 def _summary(times: Sequence[float]) -> dict:
     return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times)}
+
+
+@dataclass
+class TreeCost:
+    """Seconds of one target call as a function of the tokens it is fed (the root, every guessed row and any
+    window): piecewise-linear through measured medians, extended past the last size by the slope of the last two.
+
+    Where :class:`CostModel`'s straight line a + b·K misprices the flat start of the curve (on a CPU in bf16, feeding
+    up to ~20 tokens costs about as much as feeding one), the tree decoders' stop rules and benchmarks price a call
+    by this curve instead.
+    """
+
+    sizes: list[int]
+    """Tokens fed, strictly increasing, all >= 1."""
+    seconds: list[float]
+    """Median seconds of a call fed ``sizes[i]`` tokens."""
+
+    def __post_init__(self) -> None:
+        self.sizes, self.seconds = [int(n) for n in self.sizes], [float(t) for t in self.seconds]
+        if not self.sizes or len(self.sizes) != len(self.seconds):
+            raise ValueError(f"TreeCost needs equally long, non-empty sizes and seconds (got {self.sizes}).")
+        if self.sizes[0] < 1 or any(b <= a for a, b in zip(self.sizes, self.sizes[1:])):
+            raise ValueError(f"TreeCost sizes={self.sizes} must be strictly increasing and >= 1.")
+        if any(not t > 0 for t in self.seconds):
+            raise ValueError(f"TreeCost seconds={self.seconds} must all be > 0.")
+
+    def __call__(self, fed: int | float) -> float:
+        sizes, seconds = self.sizes, self.seconds
+        if len(sizes) == 1 or fed <= sizes[0]:
+            return seconds[0]
+        i = min(max(bisect.bisect_right(sizes, fed), 1), len(sizes) - 1)  # the segment holding fed (or the last)
+        slope = (seconds[i] - seconds[i - 1]) / (sizes[i] - sizes[i - 1])
+        return max(seconds[i - 1] + slope * (fed - sizes[i - 1]), seconds[0])
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: dict) -> TreeCost:
+        return cls(sizes=raw["sizes"], seconds=raw["seconds"])
+
+
+@torch.inference_mode()
+def measure_tree_costs(
+    target: torch.nn.Module,
+    sizes: Sequence[int] = (1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 80),
+    context: int = 128,
+    repeats: int = 15,
+    warmup: int = 3,
+    seed: int = 0,
+) -> TreeCost:
+    """Time one tree-masked target call (:func:`~accept_head.tree_verify.tree_forward`, as the tree decoders make it)
+    fed each of ``sizes`` tokens on a cache of ``context`` positions, cropped back after every call; medians over
+    ``repeats`` after ``warmup``, sizes timed round-robin; a median below a smaller size's (noise) is raised to it."""
+    from .tree_verify import tree_forward
+
+    sizes = sorted({int(n) for n in sizes})
+    if not sizes or sizes[0] < 1 or context < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(
+            f"need sizes >= 1, context >= 1, repeats >= 1 and warmup >= 0 (got {sizes}, {context}, {repeats}, {warmup})."
+        )
+    device = next(target.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    vocab = target.config.vocab_size
+    cache = DynamicCache()
+    target(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device), past_key_values=cache)
+    steps = {}
+    for size in sizes:
+        tokens = torch.randint(0, vocab, (size,), generator=gen).tolist()
+        parents = list(range(-1, size - 1))  # one chain: the mask, not the tree's shape, is what costs
+
+        def call(tokens=tokens, parents=parents):
+            tree_forward(target, cache, tokens, parents)
+            crop_cache(cache, context)
+
+        steps[size] = call
+    times = _timed_interleaved(steps, repeats, warmup, device)
+    medians = list(itertools.accumulate((statistics.median(times[size]) for size in sizes), max))  # never falls
+    return TreeCost(sizes, medians)

@@ -62,6 +62,16 @@ class DecodeStats:
     def mean_accepted(self) -> float:
         return sum(self.accepted) / max(len(self.accepted), 1)
 
+    def record_round(self, proposed: int, accepted: int, committed: int) -> None:
+        """Count one verified round: ``proposed`` candidates, ``accepted`` of them by the accept rule, ``committed``
+        tokens kept (the accepted candidates and the target's token, cut after an EOS)."""
+        kept = min(accepted, committed)
+        self.target_calls += 1
+        self.proposed.append(proposed)
+        self.accepted.append(kept)
+        self.discarded += proposed - kept
+        self.generated += committed
+
     def to_dict(self) -> dict:
         out = asdict(self)
         out.update(
@@ -120,6 +130,12 @@ def _eos_set(eos_token_id: int | Sequence[int] | None) -> set[int]:
     return {int(e) for e in eos_token_id}
 
 
+def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
+    """``tokens`` up to and including the first EOS id (all of them if there is none)."""
+    ended = next((i for i, t in enumerate(tokens) if t in eos), None)
+    return tokens if ended is None else tokens[: ended + 1]
+
+
 def _forward(model, ids: torch.Tensor, cache: DynamicCache, last_only: bool) -> torch.Tensor:
     """Run new tokens (1, T) through ``model`` with its cache; return logits (T, V) or (1, V) if ``last_only``."""
     out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
@@ -144,22 +160,20 @@ def autoregressive_generate(
     budget = _check_lengths(ids.shape[1], max_new_tokens, target)
     eos = _eos_set(eos_token_id)
     stats = DecodeStats()
-    start = time.perf_counter()
     tokens = ids[0].tolist()
     cache = DynamicCache()
     pending = ids.to(device)
-    while stats.generated < budget:
-        t0 = time.perf_counter()
-        logits = _forward(target, pending, cache, last_only=True)
-        token = int(sample(probabilities(logits[-1:], sampling), generator)[0])
-        stats.target_time += time.perf_counter() - t0
-        stats.target_calls += 1
-        stats.generated += 1
-        tokens.append(token)
-        if token in eos:
-            break
-        pending = torch.tensor([[token]], device=device)
-    stats.total_time = time.perf_counter() - start
+    with _timed(stats, "total_time"):
+        while stats.generated < budget:
+            with _timed(stats, "target_time"):
+                logits = _forward(target, pending, cache, last_only=True)
+                token = int(sample(probabilities(logits[-1:], sampling), generator)[0])
+            stats.target_calls += 1
+            stats.generated += 1
+            tokens.append(token)
+            if token in eos:
+                break
+            pending = torch.tensor([[token]], device=device)
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)
 
 
@@ -199,7 +213,9 @@ def _timed(stats: DecodeStats, field_name: str) -> Iterator[None]:
         setattr(stats, field_name, getattr(stats, field_name) + time.perf_counter() - t0)
 
 
-def _target_pass(target, ids: torch.Tensor, cache: DynamicCache, with_features: bool) -> tuple[torch.Tensor, ...]:
+def _target_pass(
+    target, ids: torch.Tensor, cache: DynamicCache, with_features: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Run ``ids`` (1, T) through the target with its cache: logits (T, V) and, if asked, its final hidden states
     (T, d) from the same pass."""
     if not with_features:
@@ -210,6 +226,17 @@ def _target_pass(target, ids: torch.Tensor, cache: DynamicCache, with_features: 
     finally:
         handle.remove()
     return logits, box[0][0]
+
+
+def prefill(target: torch.nn.Module, drafter: Drafter, ids: torch.Tensor, cache: DynamicCache) -> None:
+    """Start a generation from the prompt ``ids`` (1, L): the target's ``cache`` takes all tokens but the last (the
+    first verification pass feeds it), and ``drafter`` starts on the prompt with the target's final hidden states
+    (L − 1, d) of that pass when it reads them."""
+    with_features = drafter.needs_target_features
+    features = ids.new_zeros((0, 0)) if with_features else None
+    if ids.shape[1] > 1:
+        _, features = _target_pass(target, ids[:, :-1], cache, with_features)
+    drafter.start(ids[0].tolist(), features)
 
 
 def _check_pair(drafter: Drafter, policy: StopPolicy, sampling: SamplingConfig) -> None:
@@ -234,9 +261,10 @@ def draft_round(
     position: int,
     generator: torch.Generator | None,
     stats: DecodeStats,
-) -> tuple[list[int], list[torch.Tensor]]:
-    """Draft up to ``limit`` candidates, asking ``policy`` before each one. Returns the candidates and the draft
-    distributions q_1..q_K (each (V,)) they were sampled from.
+) -> tuple[RoundState, list[torch.Tensor]]:
+    """Draft up to ``limit`` candidates, asking ``policy`` before each one. Returns the round (its candidates
+    ``state.candidates`` and what the policy saw, for :meth:`StopPolicy.update`) and the draft distributions
+    q_1..q_K (each (V,)) the candidates were sampled from.
 
     The policy is asked once before the first candidate (it may submit none) and then after each candidate y_n,
     when the scores of y_1..y_{n-1} are known: the score of y_n arrives with the step that drafts y_{n+1}.
@@ -244,16 +272,15 @@ def draft_round(
     # A one-hot q carries no confidence: greedy confidence/entropy rules read the draft's untempered softmax.
     untempered = sampling.greedy and (policy.uses_confidence or policy.uses_entropy)
     state = RoundState(position=position)
-    candidates: list[int] = []
     q_rows: list[torch.Tensor] = []
     if limit <= 0 or policy.should_stop(state):
-        return candidates, q_rows
+        return state, q_rows
     step = drafter.propose(None)
     while step is not None:
         stats.draft_calls += 1
         q = probabilities(step.logits, sampling)
         y = int(sample(q[None, :], generator)[0])
-        candidates.append(y)
+        state.candidates.append(y)
         q_rows.append(q)
         state.n += 1
         state.position += 1
@@ -267,7 +294,7 @@ def draft_round(
         if policy.uses_hidden:
             with _timed(stats, "head_time"):
                 state.accept_probs.append(policy.score(step.hidden))
-    return candidates, q_rows
+    return state, q_rows
 
 
 @torch.inference_mode()
@@ -297,45 +324,34 @@ def speculative_generate(
     device = next(target.parameters()).device
     budget = _check_lengths(ids.shape[1], max_new_tokens, target, drafter)
     eos = _eos_set(eos_token_id)
-    with_features = drafter.needs_target_features
     stats = DecodeStats()
     policy.reset()
-    start = time.perf_counter()
     tokens = ids[0].tolist()
     cache = DynamicCache()  # the target's: it always lacks the last token, which the next pass feeds
-    features = ids.new_zeros((0, 0)) if with_features else None
-    with _timed(stats, "target_time"):
-        if len(tokens) > 1:
-            _, features = _target_pass(target, ids[:, :-1].to(device), cache, with_features)
-    drafter.start(tokens, features)
-    while stats.generated < budget:
-        # 1. Draft: the target always adds a token of its own, so at most budget - generated - 1 candidates.
-        limit = min(policy.max_candidates, budget - stats.generated - 1)
-        with _timed(stats, "draft_time"):
-            candidates, q_rows = draft_round(drafter, policy, sampling, limit, len(tokens), generator, stats)
-        # 2. Verify: one target pass over [last token, y_1..y_K] gives p_1..p_{K+1}.
+    with _timed(stats, "total_time"):
         with _timed(stats, "target_time"):
-            verify_ids = torch.tensor([[tokens[-1], *candidates]], device=device)
-            logits, hidden = _target_pass(target, verify_ids, cache, with_features)
-            p = probabilities(logits, sampling)
-            q = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
-            m, next_token = verify(p, q, torch.tensor(candidates, device=device, dtype=torch.long), generator)
-        stats.target_calls += 1
-        policy.update(len(candidates), m)
-        # 3. Commit: accepted candidates and the target's token (up to an EOS), then crop both sides to them.
-        new = candidates[:m] + [next_token]
-        ended = next((i for i, t in enumerate(new) if t in eos), None)
-        if ended is not None:
-            new = new[: ended + 1]
-        stats.proposed.append(len(candidates))
-        stats.accepted.append(min(m, len(new)))
-        stats.discarded += len(candidates) - min(m, len(new))
-        stats.generated += len(new)
-        crop_cache(cache, len(tokens) + m)  # the target holds the old prefix plus [tokens[-1], y_1..y_m]
-        with _timed(stats, "draft_time"):
-            drafter.commit(new, None if hidden is None else hidden[: len(new)])
-        tokens.extend(new)
-        if ended is not None:
-            break
-    stats.total_time = time.perf_counter() - start
+            prefill(target, drafter, ids.to(device), cache)
+        while stats.generated < budget:
+            # 1. Draft: the target always adds a token of its own, so at most budget - generated - 1 candidates.
+            limit = min(policy.max_candidates, budget - stats.generated - 1)
+            with _timed(stats, "draft_time"):
+                state, q_rows = draft_round(drafter, policy, sampling, limit, len(tokens), generator, stats)
+            candidates = state.candidates
+            # 2. Verify: one target pass over [last token, y_1..y_K] gives p_1..p_{K+1}.
+            with _timed(stats, "target_time"):
+                verify_ids = torch.tensor([[tokens[-1], *candidates]], device=device)
+                logits, hidden = _target_pass(target, verify_ids, cache, drafter.needs_target_features)
+                p = probabilities(logits, sampling)
+                q = torch.stack(q_rows) if q_rows else p[:0]
+                m, next_token = verify(p, q, verify_ids[0, 1:], generator)
+            policy.update(state, m)
+            # 3. Commit: accepted candidates and the target's token (up to an EOS), then crop both sides to them.
+            new = _until_eos(candidates[:m] + [next_token], eos)
+            stats.record_round(len(candidates), m, len(new))
+            crop_cache(cache, len(tokens) + m)  # the target holds the old prefix plus [tokens[-1], y_1..y_m]
+            with _timed(stats, "draft_time"):
+                drafter.commit(new, None if hidden is None else hidden[: len(new)])
+            tokens.extend(new)
+            if new[-1] in eos:
+                break
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)

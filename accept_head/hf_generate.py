@@ -40,7 +40,7 @@ from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, St
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
 from ._hf_compat import cache_length, crop_cache, enclosing_generate_arguments
-from .decoding import DecodeStats, _check_lengths, _check_pair, _target_pass, _timed, draft_round, verify
+from .decoding import DecodeStats, _check_lengths, _check_pair, _target_pass, _timed, draft_round, prefill, verify
 from .drafters import Drafter, DraftStep, as_drafter
 from .policies import StopPolicy
 from .sampling import SamplingConfig, probabilities
@@ -263,38 +263,31 @@ def speculative_decode(
     policy.reset()
     start = time.perf_counter()
     cache = DynamicCache()  # the target's: it always lacks the last committed token, which the next pass feeds
-    features = input_ids.new_zeros((0, 0)) if drafter.needs_target_features else None
     with _timed(stats, "target_time"):
-        if prompt_len > 1:
-            _, features = _target_pass(target, buffer[:, : prompt_len - 1], cache, drafter.needs_target_features)
-    drafter.start(input_ids[0].tolist(), features)
+        prefill(target, drafter, buffer[:, :prompt_len], cache)
     n = prompt_len  # committed length
     while n - prompt_len < budget:
         # 1. Draft y_1..y_K from q_i = softmax(Φ_{x·y<i}(draft logits)); the target adds one token, hence the -1.
         limit = min(policy.max_candidates, budget - (n - prompt_len) - 1)
         with _timed(stats, "draft_time"):
-            candidates, q_rows = draft_round(drafter, policy, sampling, limit, n, generator, stats)
-        k = len(candidates)
+            state, q_rows = draft_round(drafter, policy, sampling, limit, n, generator, stats)
+        k = state.n
         # 2. Verify: one target pass over [x_{n-1}, y_1..y_K] gives raw logits at positions n..n+K; row i is
         #    processed at context buffer[:n+i] = x·y<i, so p_i is HF's processed distribution there (module doc).
         with _timed(stats, "target_time"):
-            buffer[0, n : n + k] = torch.tensor(candidates, dtype=torch.long)
+            buffer[0, n : n + k] = torch.tensor(state.candidates, dtype=torch.long)
             logits, hidden = _target_pass(target, buffer[:, n - 1 : n + k], cache, drafter.needs_target_features)
             scores = process.rows(logits[: k + 1], n)  # (K+1, V)
             p = probabilities(scores, sampling)
-            q = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
+            q = torch.stack(q_rows) if q_rows else p[:0]
             m, next_token = verify(p, q, buffer[0, n : n + k], generator)
-        stats.target_calls += 1
-        policy.update(k, m)
+        policy.update(state, m)
         # 3. Commit y_1..y_m and the target's token, up to the first token after which a stopping criterion fires.
         buffer[0, n + m] = next_token
         stop = _stop_index(stopping_criteria, buffer, n, scores, m + 1)
         count = m + 1 if stop is None else stop + 1
         new = buffer[0, n : n + count].tolist()
-        stats.proposed.append(k)
-        stats.accepted.append(min(m, count))
-        stats.discarded += k - min(m, count)
-        stats.generated += count
+        stats.record_round(k, m, count)
         crop_cache(cache, n + count - 1)  # all committed tokens but the last, as in HF's own loop
         if keep_scores:
             kept_scores.extend(scores[j : j + 1].clone() for j in range(count))

@@ -8,7 +8,9 @@ decoder treats them alike and benchmarks compare like with like:
 * ``score(hidden)`` (only for policies with ``uses_hidden``) turns the draft's final hidden state at the position
   whose input is the latest candidate into that candidate's predicted acceptance probability. It arrives one step
   late: after feeding y_n to the draft, the same forward pass yields q_{n+1} and e_n.
-* ``update(proposed, accepted)`` is called after verification (adaptive schedules learn from it).
+* ``update(state, accepted)`` is called after verification with the round as it was drafted (``state.n`` candidates
+  proposed, their ``token_probs``, ...) and how many of them the target accepted; adaptive schedules learn from it, so
+  no policy needs to remember the round itself.
 
 The decoder enforces ``max_candidates`` and the token budget itself.
 """
@@ -29,6 +31,8 @@ class RoundState:
 
     n: int = 0
     """Candidates drafted so far in this round."""
+    candidates: list[int] = field(default_factory=list)
+    """y_1..y_n, the candidates drafted so far."""
     position: int = 0
     """Absolute index (in the full sequence) the next candidate would take."""
     token_probs: list[float] = field(default_factory=list)
@@ -58,8 +62,9 @@ class StopPolicy:
     def score(self, hidden: torch.Tensor) -> float:
         raise NotImplementedError(f"{type(self).__name__} does not score hidden states.")
 
-    def update(self, proposed: int, accepted: int) -> None:
-        """Feedback after verification; stateless policies ignore it."""
+    def update(self, state: RoundState, accepted: int) -> None:
+        """Feedback after verification: the round as drafted (``state.n`` candidates proposed) and how many of its
+        candidates the target accepted. Stateless policies ignore it."""
 
     def reset(self) -> None:
         """Forget any cross-round state (called at the start of each generation)."""

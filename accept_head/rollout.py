@@ -45,7 +45,9 @@ from .decoding import (
     _eos_set,
     _target_pass,
     _timed,
+    _until_eos,
     draft_round,
+    prefill,
     verify,
 )
 from .drafters import Drafter, DraftStep, as_drafter
@@ -227,11 +229,8 @@ def rollout_labels(
     tokens = ids[0].tolist()
     prompt_len = len(tokens)
     cache = DynamicCache()  # the target's: it always lacks the last token, which the next pass feeds
-    features = ids.new_zeros((0, 0)) if with_features else None
     with _timed(stats, "target_time"):
-        if len(tokens) > 1:
-            _, features = _target_pass(target, ids[:, :-1].to(device), cache, with_features)
-    drafter.start(tokens, features)
+        prefill(target, drafter, ids.to(device), cache)
     parts: list[dict[str, torch.Tensor]] = []
     round_index = 0
     while stats.generated < budget:
@@ -239,8 +238,8 @@ def rollout_labels(
         limit = min(k_max, budget - stats.generated - 1)
         drafter.steps = []
         with _timed(stats, "draft_time"):
-            candidates, q_rows = draft_round(drafter, policy, sampling, limit, len(tokens), generator, stats)
-            k = len(candidates)
+            state, q_rows = draft_round(drafter, policy, sampling, limit, len(tokens), generator, stats)
+            candidates, k = state.candidates, state.n
             if k:
                 if len(drafter.steps) != k:  # the drafter returned None after y_K: no hidden state for y_K
                     raise ValueError(
@@ -257,8 +256,8 @@ def rollout_labels(
             verify_ids = torch.tensor([[tokens[-1], *candidates]], device=device)
             logits, hidden = _target_pass(target, verify_ids, cache, with_features)
             p = probabilities(logits, sampling)
-            q = torch.stack(q_rows) if q_rows else p.new_zeros((0, p.shape[-1]))
-            candidate_ids = torch.tensor(candidates, device=device, dtype=torch.long)
+            q = torch.stack(q_rows) if q_rows else p[:0]
+            candidate_ids = verify_ids[0, 1:]
             m, next_token = verify(p, q, candidate_ids, generator)
         # 3. Label every candidate from the same pass (before the accept rule, whatever it decides).
         if k:
@@ -277,21 +276,14 @@ def rollout_labels(
             parts.append(part)
             label_seconds += time.perf_counter() - t0
         # 4. Commit exactly as speculative_generate does.
-        new = candidates[:m] + [next_token]
-        ended = next((i for i, t in enumerate(new) if t in eos), None)
-        if ended is not None:
-            new = new[: ended + 1]
-        stats.target_calls += 1
-        stats.proposed.append(k)
-        stats.accepted.append(min(m, len(new)))
-        stats.discarded += k - min(m, len(new))
-        stats.generated += len(new)
+        new = _until_eos(candidates[:m] + [next_token], eos)
+        stats.record_round(k, m, len(new))
         crop_cache(cache, len(tokens) + m)  # the target holds the old prefix plus [tokens[-1], y_1..y_m]
         with _timed(stats, "draft_time"):
             drafter.commit(new, None if hidden is None else hidden[: len(new)])
         tokens.extend(new)
         round_index += 1
-        if ended is not None:
+        if new[-1] in eos:
             break
     stats.total_time = time.perf_counter() - start
     width = inner.hidden_size

@@ -29,7 +29,7 @@ from accept_head.metrics import (
     soft_auc,
 )
 from accept_head.pairs import ModelSpec
-from accept_head.policies import HeadThreshold
+from accept_head.policies import HeadThreshold, RoundState
 from accept_head.prompts import PromptSource
 
 from .common import (
@@ -140,30 +140,26 @@ class RecordingHeadThreshold(HeadThreshold):
         self.labels: list[float] = []
         self.index: list[int] = []
         """1-based position of the candidate in its round."""
-        self._round: list[tuple[float, float]] = []
-        self._token_probs: list[float] = []
-
-    def should_stop(self, state) -> bool:
-        self._token_probs = state.token_probs  # this round's q(y_1), q(y_2), ...
-        return super().should_stop(state)
+        self._raw: list[float] = []
+        """The raw scores of the round being drafted (``RoundState.accept_probs`` holds the calibrated ones)."""
 
     def score(self, hidden: torch.Tensor) -> float:
         with torch.inference_mode():
             raw = self.head.accept_prob_one(hidden)
-        calibrated = float(self.calibration(raw)) if self.calibration is not None else raw
-        self._round.append((raw, calibrated))
-        return calibrated
+        self._raw.append(raw)
+        return float(self.calibration(raw)) if self.calibration is not None else raw
 
-    def update(self, proposed: int, accepted: int) -> None:
-        for i, (raw, calibrated) in enumerate(self._round):
+    def update(self, state: RoundState, accepted: int) -> None:
+        scored = zip(self._raw, state.accept_probs, state.token_probs)
+        for i, (raw, calibrated, confidence) in enumerate(scored):
             if i > accepted:  # after the first rejection: never judged
                 break
             self.raw.append(raw)
             self.calibrated.append(calibrated)
-            self.confidence.append(self._token_probs[i])
+            self.confidence.append(confidence)
             self.labels.append(1.0 if i < accepted else 0.0)
             self.index.append(i + 1)
-        self._round = []
+        self._raw = []
 
 
 @dataclass

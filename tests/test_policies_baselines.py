@@ -51,9 +51,9 @@ def reference(pair) -> list[torch.Tensor]:
 def test_heuristic_follows_hf_schedule_plus_two_on_full_acceptance_minus_one_otherwise() -> None:
     policy = Heuristic(initial_k=5)
     ks = []
-    for proposed_accepted in [(5, 5), (7, 3), (6, 0), (5, 5), (7, 6)]:
+    for proposed, accepted in [(5, 5), (7, 3), (6, 0), (5, 5), (7, 6)]:
         ks.append(policy.k)
-        policy.update(*proposed_accepted)
+        policy.update(RoundState(n=proposed), accepted)
     assert ks == [5, 7, 6, 5, 7]
     assert policy.k == 6
 
@@ -81,9 +81,9 @@ def test_heuristic_on_stub_models_grows_by_two_after_full_rounds_and_shrinks_by_
 def test_heuristic_floor_is_one_and_budget_cut_rounds_teach_nothing() -> None:
     policy = Heuristic(initial_k=2)
     for _ in range(5):
-        policy.update(policy.k, 0)
+        policy.update(RoundState(n=policy.k), 0)
     assert policy.k == 1
-    policy.update(0, 0)  # the token budget left no room for candidates
+    policy.update(RoundState(n=0), 0)  # the token budget left no room for candidates
     assert policy.k == 1
 
 
@@ -95,14 +95,14 @@ def test_heuristic_stops_after_k_candidates() -> None:
 def test_heuristic_persistent_keeps_k_across_generations_transient_restarts() -> None:
     persistent, transient = Heuristic(5, persistent=True), Heuristic(5, persistent=False)
     for policy in (persistent, transient):
-        policy.update(5, 5)
+        policy.update(RoundState(n=5), 5)
         policy.reset()
     assert persistent.k == 7 and transient.k == 5
 
 
 def test_heuristic_respects_its_cap_and_rejects_bad_arguments() -> None:
     policy = Heuristic(initial_k=5, max_candidates=6)
-    policy.update(5, 5)
+    policy.update(RoundState(n=5), 5)
     assert policy.k == 6
     with pytest.raises(ValueError, match="initial_k"):
         Heuristic(initial_k=0)
@@ -155,7 +155,7 @@ def test_confidence_auto_tune_learns_from_judged_candidates_like_hf() -> None:
     for probs, accepted in rounds:
         state = RoundState(n=len(probs), token_probs=list(probs))
         policy.should_stop(state)
-        policy.update(len(probs), accepted)
+        policy.update(state, accepted)
     # Judged pairs: accepted candidates plus the first rejected one of each round (0.1 was never judged).
     assert policy.probs == [0.9, 0.8, 0.2, 0.95, 0.3, 0.7, 0.85, 0.25]
     assert policy.matches == [1, 1, 0, 1, 0, 1, 1, 0]

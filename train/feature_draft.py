@@ -405,14 +405,13 @@ def time_draft_step(target, drafter, rounds: int, head=None, context: int = 128,
     from transformers import DynamicCache
 
     from accept_head._hf_compat import crop_cache
-    from accept_head.decoding import _target_pass
+    from accept_head.decoding import prefill
 
     ids = torch.randint(0, target.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
     draft_times, target_times = [], []
     for _ in range(rounds):
         cache = DynamicCache()
-        _, feats = _target_pass(target, ids[:, :-1], cache, drafter.needs_target_features)
-        drafter.start(ids[0].tolist(), feats)
+        prefill(target, drafter, ids, cache)
         drafter.propose(None)
         token = int(ids[0, -1])
         for _ in range(steps):
