@@ -1,7 +1,8 @@
 """``python -m accept_head chat|overhead``: a terminal chat on a bundle, and the cost of going through ``generate``.
 
 ``chat`` streams each answer as its tokens are accepted (a transformers ``TextStreamer`` on
-``target.generate(custom_generate=...)``), then prints the answer's tokens/s, the mean number of candidates accepted
+``target.generate(custom_generate=...)``; on a terminal a live status of tokens/s and tokens per round follows the
+text while it streams), then prints the answer's tokens/s, the mean number of candidates accepted
 per round and the speed-up over a plain ``target.generate`` pass on the same prompt, timed the same way.
 ``--prompt`` runs one turn and exits (scripts, tests); without it the chat reads turns from stdin until EOF or
 ``/exit``.
@@ -72,6 +73,49 @@ def generation_kwargs(args: argparse.Namespace, specdec: SpecDecPP) -> dict:
     return kwargs
 
 
+class LiveStreamer(TextStreamer):
+    """A ``TextStreamer`` that writes to ``out`` and, on a terminal, keeps a live status after the streamed text.
+
+    ``put`` is called once per speculative round with the tokens just accepted. On a TTY the streamer writes the
+    running tokens/s and tokens per round (dimmed) after the text, and erases it (ANSI save/restore cursor, clear to
+    end of screen) before the next chunk, so the answer itself is never interleaved with statistics. Elsewhere
+    (pipes, files, tests) it writes the text alone.
+    """
+
+    def __init__(self, tokenizer, out: TextIO) -> None:
+        super().__init__(tokenizer, skip_prompt=True, skip_special_tokens=True)
+        self.out = out
+        self.live = bool(getattr(out, "isatty", lambda: False)())
+        self.tokens = self.rounds = 0
+        self.start: float | None = None
+        self._status_shown = False
+
+    def put(self, value: torch.Tensor) -> None:
+        if self.next_tokens_are_prompt:  # generate streams the prompt first; the clock starts after it
+            self.start = time.perf_counter()
+        else:
+            self.tokens += int(value.numel())
+            self.rounds += 1
+        super().put(value)
+        if self.live and self.rounds:
+            seconds = time.perf_counter() - (self.start or time.perf_counter())
+            rate = self.tokens / seconds if seconds > 0 else 0.0
+            self._clear_status()
+            self.out.write(f"\x1b7\x1b[2m  [{rate:.1f} tok/s · {self.tokens / self.rounds:.2f} tok/round]\x1b[0m")
+            self._status_shown = True
+            self.out.flush()
+
+    def _clear_status(self) -> None:
+        if self._status_shown:
+            self.out.write("\x1b8\x1b[J")
+            self._status_shown = False
+
+    def on_finalized_text(self, text: str, stream_end: bool = False) -> None:
+        self._clear_status()
+        self.out.write(text + ("\n" if stream_end else ""))
+        self.out.flush()
+
+
 def _timed_generate(target: torch.nn.Module, input_ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, float]:
     start = time.perf_counter()
     out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
@@ -84,9 +128,7 @@ def answer(specdec: SpecDecPP, messages: list[dict], policy: StopPolicy, args: a
     input_ids = torch.tensor([specdec.encode(messages)])
     kwargs = generation_kwargs(args, specdec)
     fn = make_custom_generate(specdec.draft, policy)
-    streamer = TextStreamer(tokenizer, skip_prompt=True, skip_special_tokens=True)
-    if out is not sys.stdout:  # TextStreamer prints to stdout; tests and redirects pass their own stream
-        streamer.on_finalized_text = lambda text, stream_end=False: out.write(text + ("\n" if stream_end else ""))
+    streamer = LiveStreamer(tokenizer, out)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     sequences, seconds = _timed_generate(specdec.target, input_ids, custom_generate=fn, streamer=streamer, **kwargs)
