@@ -15,7 +15,8 @@ import torch
 from transformers import DynamicCache
 
 from ._hf_compat import crop_cache
-from .drafters import Drafter, as_drafter, last_hidden_capture
+from .drafters import Drafter, as_drafter
+from .features import capture_lm_head_input
 from .policies import RoundState, StopPolicy
 from .sampling import SamplingConfig, probabilities, sample
 
@@ -220,11 +221,8 @@ def _target_pass(
     (T, d) from the same pass."""
     if not with_features:
         return _forward(target, ids, cache, last_only=False), None
-    box, handle = last_hidden_capture(target)
-    try:
+    with capture_lm_head_input(target) as box:
         logits = _forward(target, ids, cache, last_only=False)
-    finally:
-        handle.remove()
     return logits, box[0][0]
 
 

@@ -21,12 +21,14 @@ Row ``i`` of ``features`` is always the target's final hidden state (its LM head
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
 
 from ._hf_compat import crop_cache
+from .features import capture_lm_head_input
 
 
 @dataclass
@@ -69,20 +71,6 @@ class Drafter:
         raise NotImplementedError
 
 
-def last_hidden_capture(model: torch.nn.Module):
-    """A forward pre-hook on ``model``'s output embedding that keeps its input (the final, normed hidden state).
-
-    Returns ``(box, handle)``: after a forward pass ``box[0]`` holds the (B, T, d) tensor the LM head read (only the
-    positions it was asked for: ``logits_to_keep`` slices before the head). Remove the hook with ``handle.remove()``.
-    """
-    box: list[torch.Tensor | None] = [None]
-
-    def hook(module, args) -> None:
-        box[0] = args[0]
-
-    return box, model.get_output_embeddings().register_forward_pre_hook(hook)
-
-
 class ModelDrafter(Drafter):
     """A standalone Hugging Face causal LM as the drafter (classic speculative decoding).
 
@@ -121,12 +109,8 @@ class ModelDrafter(Drafter):
             logits = torch.full((self.vocab_size,), float("-inf"), device=self.device, dtype=hidden.dtype)
             logits[self.kept_ids] = torch.nn.functional.linear(hidden, self._kept_weight)
             return DraftStep(logits, hidden)
-        box, handle = last_hidden_capture(self.model) if self.with_hidden else ([None], None)
-        try:
+        with capture_lm_head_input(self.model) if self.with_hidden else nullcontext([None]) as box:
             logits = self.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
-        finally:
-            if handle is not None:
-                handle.remove()
         if self.kept_ids is not None:  # a model without a separate base: mask instead of slicing the head
             logits = torch.full_like(logits, float("-inf")).index_copy(0, self.kept_ids, logits[self.kept_ids])
         return DraftStep(logits, None if box[0] is None else box[0][0, -1])

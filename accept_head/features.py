@@ -9,23 +9,35 @@ the causal-LM wrapper, say) take the slower path that captures the LM head's inp
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+
 import torch
+
+
+@contextmanager
+def capture_lm_head_input(model: torch.nn.Module) -> Iterator[list[torch.Tensor | None]]:
+    """Within the ``with`` block a forward pre-hook on ``model``'s output embedding keeps its input (the final, normed
+    hidden state): after a forward pass the yielded ``box[0]`` holds the (B, T, d) tensor the LM head read (only the
+    positions it was asked for: ``logits_to_keep`` slices before the head). The hook is removed on exit."""
+    box: list[torch.Tensor | None] = [None]
+
+    def hook(module, args) -> None:
+        box[0] = args[0]
+
+    handle = model.get_output_embeddings().register_forward_pre_hook(hook)
+    try:
+        yield box
+    finally:
+        handle.remove()
 
 
 @torch.no_grad()
 def lm_head_input(model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
     """(B, T, H): the input of ``model.get_output_embeddings()`` at every position, captured by a pre-hook."""
-    captured: dict[str, torch.Tensor] = {}
-
-    def hook(module, args) -> None:
-        captured["hidden"] = args[0]
-
-    handle = model.get_output_embeddings().register_forward_pre_hook(hook)
-    try:
+    with capture_lm_head_input(model) as box:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, logits_to_keep=0)
-    finally:
-        handle.remove()
-    return captured["hidden"]
+    return box[0]
 
 
 @torch.no_grad()

@@ -26,8 +26,9 @@ from tiny_models import make_llama, perturbed_copy
 import accept_head.decoding as decoding
 from accept_head import AcceptanceHead, FixedK, HeadThreshold, autoregressive_generate, load_model, speculative_generate
 from accept_head.decoding import verify as correct_verify
-from accept_head.drafters import ModelDrafter, last_hidden_capture
+from accept_head.drafters import ModelDrafter
 from accept_head.feature_draft import FeatureDraft, FeatureDrafter, model_fingerprint
+from accept_head.features import lm_head_input
 from accept_head.sampling import SamplingConfig, probabilities, sample
 
 # --- tiny models ----------------------------------------------------------------------------------------------------
@@ -327,13 +328,7 @@ def test_drafter_receives_target_features_of_accepted_positions(monkeypatch, pro
     sequence = result.sequences[0]
     generated = sequence[len(prompt) :].tolist()
     assert generated[-1] == eos and eos not in generated[:-1]
-    box, handle = last_hidden_capture(target)
-    try:
-        with torch.no_grad():
-            target(result.sequences)
-    finally:
-        handle.remove()
-    states = box[0][0]  # (T, d): row t predicted token t + 1
+    states = lm_head_input(target, result.sequences)[0]  # (T, d): row t predicted token t + 1
 
     ((start_prompt, start_features),) = drafter.starts
     assert start_prompt == prompt
