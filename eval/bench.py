@@ -1,9 +1,10 @@
 """``python -m eval bench``: every way a user could pick the candidate length, side by side on one pair.
 
 For each temperature: tune what the baselines need on a separate validation set (the best fixed K, EntropyStop's λ,
-ConfidenceThreshold's τ by HF's ROC rule), then decode the test prompts with every method interleaved
-(A B C … A B C …, after a warm-up) for several repeats and report tokens/s (min / median / max over repeats), ratios
-to the autoregressive target and to the best fixed K, modeled tokens/s, verification and discard rates.
+ConfidenceThreshold's τ by HF's ROC rule, the setting of each learning-free tree decoder — N-Grammys, Lookahead,
+Ouroboros — from its grid), then decode the test prompts with every method interleaved (A B C … A B C …, after a
+warm-up) for several repeats and report tokens/s (min / median / max over repeats), ratios to the autoregressive
+target and to the best fixed K, modeled tokens/s, tokens per target call, verification and discard rates.
 """
 
 from __future__ import annotations
@@ -34,15 +35,17 @@ from .common import (
     write_json,
 )
 from .methods import (
+    TREE_DECODERS,
     MethodSpec,
     MethodSummary,
     Runner,
     best_of,
-    h_star_label,
+    h_star_spec,
     prompt_seed,
     run_interleaved,
     summarize,
     throughput,
+    tree_params,
 )
 from .plots import bench_plot
 from .sweep import temperature_key
@@ -95,6 +98,48 @@ def tune_confidence(
     return roc_threshold(probs, matches, fn_cost), len(probs)
 
 
+def tree_settings(grids: dict[str, Sequence[dict] | None]) -> dict[str, list[dict]]:
+    """The tree decoders' grids (kind → list of parameter dicts; None or [] leaves a kind out), each setting checked
+    and completed by :func:`~eval.methods.tree_params`. Needs no model. Raises ValueError naming the grid entry and
+    the bad value."""
+    out: dict[str, list[dict]] = {}
+    for kind, grid in grids.items():
+        if kind not in TREE_DECODERS:
+            raise ValueError(f"{kind!r} is not a tree decoder ({sorted(TREE_DECODERS)}).")
+        settings = []
+        for index, params in enumerate(grid or []):
+            if not isinstance(params, dict):
+                raise ValueError(f"{kind}[{index}]={params!r} must be a mapping of parameters, e.g. {{k: 10, w: 4}}.")
+            try:
+                settings.append(tree_params(kind, params))
+            except ValueError as err:
+                raise ValueError(f"{kind}[{index}]: {err}") from err
+        if settings:
+            out[kind] = settings
+    return out
+
+
+def tree_specs(pair: Pair, settings: dict[str, list[dict]]) -> tuple[list[MethodSpec], list[dict[str, str]]]:
+    """The specs of :func:`tree_settings`' output for ``pair``, and the kinds that cannot run on it with the reason.
+    Ouroboros drafts with the pair's draft when it is a Hugging Face model, else with the comparison draft
+    ``standalone``."""
+    specs: list[MethodSpec] = []
+    skipped: list[dict[str, str]] = []
+    for kind, grid in settings.items():
+        draft: dict[str, str] = {}
+        if kind == "ouroboros" and not isinstance(pair.draft, PreTrainedModel):
+            if "standalone" not in pair.comparison_drafts:
+                reason = (
+                    f"Ouroboros needs a Hugging Face draft and the pair's is a {type(pair.draft).__name__}; "
+                    "give a comparison_draft"
+                )
+                skipped.append({"kind": kind, "reason": reason})
+                continue
+            draft = {"draft": "standalone"}
+        specs += [MethodSpec(kind, {**params, **draft}) for params in grid]
+    return specs, skipped
+
+
 def _method_rows(methods: Sequence[dict]) -> list[list[str]]:
     rows = []
     for m in methods:
@@ -107,6 +152,7 @@ def _method_rows(methods: Sequence[dict]) -> list[list[str]]:
                 fmt(m["ratio_to_autoregressive"], 2, "x"),
                 fmt(m["ratio_to_best_fixed_k"], 2, "x"),
                 fmt(m["modeled_tokens_per_second"]),
+                fmt(m["tokens_per_target_call"], 2),
                 fmt(m["verification_rate"], 3),
                 fmt(m["discard_rate"], 3),
                 "–" if m["kind"] == "autoregressive" else f"{m['mean_accepted']:.2f}/{m['mean_proposed']:.2f}",
@@ -115,7 +161,18 @@ def _method_rows(methods: Sequence[dict]) -> list[list[str]]:
     return rows
 
 
-BENCH_HEADER = ["method", "tok/s", "min–max", "vs AR", "vs best K", "modeled", "verif.", "discard", "acc/prop"]
+BENCH_HEADER = [
+    "method",
+    "tok/s",
+    "min–max",
+    "vs AR",
+    "vs best K",
+    "modeled",
+    "tok/call",
+    "verif.",
+    "discard",
+    "acc/prop",
+]
 
 
 def bench(
@@ -136,6 +193,10 @@ def bench(
     heuristic_initial_k: int = 5,
     hf_settings: list[HFSetting] | None = None,
     comparison_draft: ModelSpec | None = None,
+    ngrammys: list[dict] | None = None,
+    lookahead: list[dict] | None = None,
+    ouroboros: list[dict] | None = None,
+    bigram_cache: str | None = None,
     oracle: bool = True,
     select_by: str = "modeled",
     cost_model: str = "bundle",
@@ -154,8 +215,9 @@ def bench(
     Methods: the autoregressive target; FixedK at the K best on the validation set; SpecDec++ at the bundle's h*;
     Heuristic (HF's schedule); ConfidenceThreshold at HF's ROC-tuned τ and with HF's online auto-tuning from
     τ = 0.4; EntropyStop (AdaEDL) at the λ best on validation; HF transformers' own assisted generation
-    (``hf_settings``); and the greedy hindsight Oracle. Writes bench.json and bench.png and prints one table per
-    temperature.
+    (``hf_settings``); the learning-free tree decoders N-Grammys, Lookahead and Ouroboros, each at the setting of its
+    grid best on validation; and the greedy hindsight Oracle. Writes bench.json and bench.png and prints one table
+    per temperature.
 
     Args:
         bundle: SpecDecPP bundle folder (the pair, the head and h*).
@@ -179,9 +241,21 @@ def bench(
         comparison_draft: A standalone Hugging Face draft to compare against (e.g. the one a feature draft
             replaced): FixedK rows with it (``draft=standalone``, K chosen on validation) and, when the pair's draft
             is a feature draft, with its pruned vocabulary too (``draft=standalone-pruned``).
+        ngrammys: N-Grammys settings searched on validation, e.g. ``[{k: 5, w: 4}, {k: 10, w: 6}]`` (keys: k rows of
+            w tokens, q the context n-gram length, strategy model|context|mixed; left-out keys take
+            ``ngrammys_generate``'s defaults). None or [] leaves N-Grammys out.
+        lookahead: Lookahead settings searched on validation, e.g. ``[{window: 4, ngram: 3, guess_set: 4}]``
+            (W, N, G). None or [] leaves Lookahead out.
+        ouroboros: Ouroboros settings searched on validation, e.g. ``[{gamma: 4, phrase_length: 4,
+            phrases_per_token: 8, candidates: 4}]`` (γ, β, W, K). It drafts with the pair's draft when that is a
+            Hugging Face model, else with ``comparison_draft``. None or [] leaves Ouroboros out.
+        bigram_cache: Folder of N-Grammys' model-bigram tables, keyed by the target's fingerprint; a table missing
+            there is computed once (before any timing) and written. Default ``$ACCEPT_HEAD_CACHE/bigram``.
         oracle: Include the greedy hindsight oracle (greedy only).
         select_by: Choose the validation winners by ``modeled`` (cost model; robust to machine noise) or
-            ``measured`` tokens/s.
+            ``measured`` tokens/s. Tree decoders are priced by the tokens their target calls read (see
+            :func:`~eval.methods.aggregate_runs`); Ouroboros with a comparison draft, which the cost model does not
+            price, is chosen by measured tokens/s, like FixedK with a comparison draft.
         cost_model: ``bundle``, ``measure`` or a costs.json from ``python -m eval costs``.
         prompt_mode: ``chat`` (apply the chat template) or ``raw``.
         system_prompt: Optional system message for chat prompts.
@@ -211,10 +285,14 @@ def bench(
         raise ValueError("fixed_k and entropy_thresholds must each hold at least one value.")
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup}).")
+    grids = tree_settings({"ngrammys": ngrammys, "lookahead": lookahead, "ouroboros": ouroboros})  # before loading
     folder = output_folder(output_dir)
     pair = load_pair(bundle, target, draft, device, dtype)
     if comparison_draft is not None:
         add_comparison_drafts(pair, ModelSpec.coerce(comparison_draft))
+    trees, trees_skipped = tree_specs(pair, grids)
+    for skipped in trees_skipped:
+        print(f"skipping {skipped['kind']}: {skipped['reason']}")
     encode = dict(
         tokenizer=pair.tokenizer,
         prompt_mode=prompt_mode,
@@ -247,7 +325,10 @@ def bench(
             select_by,
             seed,
             progress,
+            trees,
+            bigram_cache,
         )
+        validation["skipped"] = trees_skipped + validation["skipped"]
         if confidence_tau is not None:
             tau, tau_source, pairs = float(confidence_tau), "given", 0
         elif dataset_tau is not None:
@@ -261,7 +342,7 @@ def bench(
             MethodSpec("autoregressive"),
             MethodSpec("fixed_k", {"k": best_k}),
             *[MethodSpec("fixed_k", {"k": k, "draft": name}) for name, k in validation["best_k_by_draft"].items()],
-            MethodSpec("specdecpp", {"threshold": pair.bundle.threshold}, label=h_star_label(pair.bundle)),
+            h_star_spec(pair.bundle),
             MethodSpec("heuristic", {"initial_k": heuristic_initial_k}),
             MethodSpec("confidence", {"tau": tau}),
             # HF's own rule: start from τ = 0.4 and re-tune it online after every round (fpr + 3·fnr).
@@ -282,10 +363,12 @@ def bench(
             if hf_draft is not None:
                 params["draft"] = hf_draft
             specs.append(MethodSpec("hf_assisted", params))
+        # Each tree decoder at the setting its grid chose on validation.
+        specs += [MethodSpec(kind, chosen["params"]) for kind, chosen in validation["tree_decoders"].items()]
         if oracle and temperature == 0:
             specs.append(MethodSpec("oracle"))
         specs = list({s.name: s for s in specs}.values())  # e.g. two HF settings that coincide
-        runner = Runner(pair, max_new_tokens, temperature)
+        runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache)
         runs = run_interleaved(runner, specs, test_set.prompts, seed, repeats, warmup, progress, desc=f"bench {key}")
         summaries = summarize(specs, runs, model)
         methods = _with_ratios(summaries)
@@ -320,6 +403,7 @@ def bench(
             "entropy_thresholds": entropy_thresholds,
             "entropy_gamma": entropy_gamma,
             "hf_settings": [s.__dict__ for s in settings],
+            "tree_decoders": grids,
             "prompt_mode": prompt_mode,
         },
         "cost_model": {"source": model_source, **model.to_dict()},
@@ -390,12 +474,25 @@ def _validate(
     select_by: str,
     seed: int,
     progress: bool,
+    trees: Sequence[MethodSpec] = (),
+    bigram_cache: str | None = None,
 ) -> dict:
-    """Run the FixedK and EntropyStop grids on the validation prompts and pick the best of each."""
+    """Run the FixedK, EntropyStop and tree-decoder grids on the validation prompts and pick the best of each.
+
+    Every winner is chosen by ``select_by``, except those that decode with a comparison draft (FixedK, Ouroboros):
+    the cost model prices the pair's own draft only, so they are chosen by measured tokens/s.
+    """
     specs = [MethodSpec("fixed_k", {"k": k}) for k in fixed_k]
     specs += [MethodSpec("fixed_k", {"k": k, "draft": name}) for name in pair.comparison_drafts for k in fixed_k]
     specs += [MethodSpec("entropy", {"threshold": lam, "gamma": entropy_gamma}) for lam in entropy_thresholds]
-    runner = Runner(pair, max_new_tokens, temperature)
+    runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache)
+    skipped = []
+    for spec in trees:
+        reason = runner.supports(spec)
+        if reason:
+            skipped.append({**spec.to_dict(), "reason": reason})
+        else:
+            specs.append(spec)
     runs = run_interleaved(
         runner, specs, val_set.prompts, seed, progress=progress, desc=f"validation {temperature_key(temperature)}"
     )
@@ -407,13 +504,34 @@ def _validate(
     for name in pair.comparison_drafts:  # by measured tok/s: the cost model prices the pair's own draft only
         theirs = [s for s in summaries if s.spec.params.get("draft") == name]
         by_draft[name] = int(best_of(theirs, "measured", "fixed_k").spec.params["k"])
+    tree_decoders = {}
+    for kind in dict.fromkeys(spec.kind for spec in trees):
+        grid = [s for s in summaries if s.spec.kind == kind]
+        if grid:  # one draft per kind, so one criterion
+            by = _selected_by(grid[0].spec, select_by)
+            best = best_of(grid, by)
+            tree_decoders[kind] = {"name": best.spec.name, "params": dict(best.spec.params), "select_by": by}
     return {
         "select_by": select_by,
         "best_k": int(best_k.spec.params["k"]),
         "best_k_by_draft": by_draft,
         "best_entropy_threshold": float(best_entropy.spec.params["threshold"]),
-        "methods": [s.to_dict() | {"selection_tokens_per_second": throughput(s, select_by)} for s in summaries],
+        "tree_decoders": tree_decoders,
+        "skipped": skipped,
+        "methods": [
+            s.to_dict()
+            | {
+                "selection_tokens_per_second": throughput(s, _selected_by(s.spec, select_by)),
+                "selected_by": _selected_by(s.spec, select_by),
+            }
+            for s in summaries
+        ],
     }
+
+
+def _selected_by(spec: MethodSpec, select_by: str) -> str:
+    """The throughput a validation row competes on: ``select_by``, or measured for a comparison draft's row."""
+    return "measured" if "draft" in spec.params else select_by
 
 
 def _with_ratios(summaries: Sequence[MethodSummary]) -> list[dict]:

@@ -1,4 +1,5 @@
-"""Decoding methods compared by ``python -m eval``: every stop policy, HF's assisted generation, the target alone.
+"""Decoding methods compared by ``python -m eval``: every stop policy, HF's assisted generation, the learning-free
+tree decoders (N-Grammys, Lookahead, Ouroboros), the target alone.
 
 A :class:`MethodSpec` names one method and its parameters (``{kind: fixed_k, params: {k: 4}}``); a
 :class:`PolicyGrid` expands a parameter grid into specs; :class:`Runner` turns specs into decoders for one pair and
@@ -8,10 +9,12 @@ A B C … A B C …, so slow drifts of the machine hit every method alike.
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -22,7 +25,12 @@ from accept_head.benchmark import PolicyResult, aggregate
 from accept_head.cost_model import CostModel
 from accept_head.decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate
 from accept_head.hf_assisted import AssistedSettings, HFAssisted
+from accept_head.lookahead import check_lookahead_params, lookahead_generate
+from accept_head.ngrammys import ModelBigram, check_ngrammys_params, ngrammys_generate
+from accept_head.ouroboros import check_ouroboros_params, ouroboros_generate
+from accept_head.pairs import cache_root
 from accept_head.policies import FixedK, HeadThreshold, StopPolicy
+from accept_head.tree_verify import MASKED_ATTENTION, TreeDecodeStats
 
 from .common import EncodedPrompt, Pair
 
@@ -34,12 +42,45 @@ FAMILIES = {
     "confidence": "ConfidenceThreshold",
     "entropy": "EntropyStop",
     "hf_assisted": "HF assisted",
+    "ngrammys": "N-Grammys",
+    "lookahead": "Lookahead",
+    "ouroboros": "Ouroboros",
     "oracle": "Oracle",
 }
 """Method kinds and their display names."""
 
+TREE_DECODERS = {"ngrammys": ngrammys_generate, "lookahead": lookahead_generate, "ouroboros": ouroboros_generate}
+"""The learning-free decoders that verify many guesses in one target call (:mod:`accept_head.tree_verify`): kind →
+decoding function. Their statistics are :class:`~accept_head.tree_verify.TreeDecodeStats`."""
+
+TREE_PARAMS = {
+    "ngrammys": ("k", "w", "q", "strategy"),
+    "lookahead": ("window", "ngram", "guess_set"),
+    "ouroboros": ("gamma", "phrase_length", "phrases_per_token", "candidates"),
+}
+"""The parameters that define a tree decoder's setting (filled with the library's defaults by :func:`tree_params`,
+so a row's name states all of them)."""
+
+_TREE_STATE = ("bigram", "pool")
+"""Keyword arguments of the tree decoders that carry state, set by :class:`Runner`, never by a spec."""
+
+ROLES = ("h_star",)
+"""Roles a method can play in a comparison (see :attr:`MethodSpec.role`)."""
+
 _SHORT = {"tau": "τ", "initial_k": "k0", "num_assistant_tokens": "K", "confidence_threshold": "conf"}
-_SHORT_BY_KIND = {("specdecpp", "threshold"): "h", ("entropy", "threshold"): "λ"}
+_SHORT_BY_KIND = {
+    ("specdecpp", "threshold"): "h",
+    ("entropy", "threshold"): "λ",
+    ("lookahead", "window"): "W",
+    ("lookahead", "ngram"): "N",
+    ("lookahead", "guess_set"): "G",
+    ("ouroboros", "gamma"): "γ",
+    ("ouroboros", "phrase_length"): "β",
+    ("ouroboros", "phrases_per_token"): "W",
+    ("ouroboros", "candidates"): "K",
+}
+_BARE = {"strategy"}
+"""Parameters whose value reads well alone in a name (``N-Grammys k=10 w=4 q=2 mixed``)."""
 
 
 @dataclass
@@ -47,19 +88,31 @@ class MethodSpec:
     """One decoding method: a kind from :data:`FAMILIES` and the keyword arguments of its policy."""
 
     kind: str
-    """autoregressive, fixed_k, specdecpp, heuristic, confidence, entropy, hf_assisted or oracle."""
+    """autoregressive, fixed_k, specdecpp, heuristic, confidence, entropy, hf_assisted, ngrammys, lookahead,
+    ouroboros or oracle."""
     params: dict[str, Any] = field(default_factory=dict)
     """fixed_k: k. specdecpp: threshold (default: the bundle's h*), min_candidates, max_candidates, calibrated,
     unscored (``confidence``: see :class:`~accept_head.policies.HeadThreshold`).
     heuristic: initial_k, persistent, max_candidates. confidence: tau, auto_tune, min/max_candidates.
     entropy: threshold (λ), gamma, min/max_candidates. hf_assisted: num_assistant_tokens, schedule,
-    confidence_threshold. autoregressive and oracle take none."""
+    confidence_threshold. ngrammys: k rows of w tokens, q (context n-gram query length), strategy (model, context,
+    mixed). lookahead: window (W), ngram (N), guess_set (G), context_ngrams, seed. ouroboros: gamma (sentence-draft
+    length), phrase_length (β), phrases_per_token (W), candidates (K), prompt_phrases. Keyword arguments of
+    :func:`~accept_head.ngrammys.ngrammys_generate`, :func:`~accept_head.lookahead.lookahead_generate` and
+    :func:`~accept_head.ouroboros.ouroboros_generate`, whose defaults fill what is left out.
+    Methods with a draft (fixed_k, the stop rules, hf_assisted, ouroboros) also take ``draft``, the name of a
+    comparison draft of the pair. autoregressive and oracle take none."""
     label: str | None = None
     """Display name (default: built from kind and params)."""
+    role: str | None = None
+    """What the method stands for in a comparison, for reports to find it by: ``h_star`` is the bundle's own policy
+    (SpecDec++ at h*). None for every other method."""
 
     def __post_init__(self) -> None:
         if self.kind not in FAMILIES:
             raise ValueError(f"method kind={self.kind!r} is not one of {sorted(FAMILIES)}.")
+        if self.role is not None and self.role not in ROLES:
+            raise ValueError(f"method role={self.role!r} is not one of {ROLES} (or None).")
         self.params = dict(self.params or {})
 
     @property
@@ -80,12 +133,16 @@ class MethodSpec:
         for key, value in self.params.items():
             if value is None:  # an explicit default (e.g. unscored: null, Alg. 2) needs no mention
                 continue
+            if key in _BARE:
+                parts.append(str(value))
+                continue
             short = _SHORT_BY_KIND.get((self.kind, key), _SHORT.get(key, key))
             parts.append(f"{short}={value:.3g}" if isinstance(value, float) else f"{short}={value}")
         return " ".join([self.family, *parts])
 
     def to_dict(self) -> dict:
-        return {"kind": self.kind, "params": dict(self.params), "name": self.name, "family": self.family}
+        out = {"kind": self.kind, "params": dict(self.params), "name": self.name, "family": self.family}
+        return out | ({"role": self.role} if self.role is not None else {})
 
 
 @dataclass
@@ -104,7 +161,10 @@ class PolicyGrid:
             if not isinstance(values, list | tuple) or not values:
                 raise ValueError(f"grid[{key!r}] of {self.kind} must be a non-empty list, got {values!r}.")
         keys = list(self.grid)
-        return [MethodSpec(self.kind, dict(zip(keys, combo))) for combo in itertools.product(*self.grid.values())]
+        combos = [dict(zip(keys, combo)) for combo in itertools.product(*self.grid.values())]
+        if self.kind in TREE_DECODERS:  # checked now, and every setting parameter named in the row
+            combos = [tree_params(self.kind, combo) for combo in combos]
+        return [MethodSpec(self.kind, combo) for combo in combos]
 
 
 def expand_grids(grids: Sequence[PolicyGrid | dict]) -> list[MethodSpec]:
@@ -122,12 +182,51 @@ def expand_grids(grids: Sequence[PolicyGrid | dict]) -> list[MethodSpec]:
 Decoder = Callable[[list[int], torch.Generator], GenerationResult]
 
 
+def tree_params(kind: str, params: dict[str, Any]) -> dict[str, Any]:
+    """The parameters of tree decoder ``kind`` (:data:`TREE_DECODERS`), checked and completed: its setting
+    (:data:`TREE_PARAMS`) first, left-out values taken from the decoding function's defaults, then any other keyword
+    arguments given. Needs no model. Raises ValueError naming an unknown parameter or a bad value."""
+    if kind not in TREE_DECODERS:
+        raise ValueError(f"method {kind!r} is not a tree decoder ({sorted(TREE_DECODERS)}).")
+    signature = inspect.signature(TREE_DECODERS[kind]).parameters
+    allowed = {n for n, p in signature.items() if p.kind is inspect.Parameter.KEYWORD_ONLY} - set(_TREE_STATE)
+    if kind == "ouroboros":
+        allowed.add("draft")  # a comparison draft of the pair (Runner resolves it)
+    unknown = sorted(set(params) - allowed)
+    if unknown:
+        raise ValueError(f"method {kind!r} does not take parameters {unknown}; it takes {sorted(allowed)}.")
+    full = {name: params.get(name, signature[name].default) for name in TREE_PARAMS[kind]}
+    full |= {name: value for name, value in params.items() if name not in full}
+    for name, value in full.items():  # flags must be flags: a YAML typo like `context_ngrams: yes please` fails here
+        default = signature[name].default if name in signature else None
+        if isinstance(default, bool) and not isinstance(value, bool):
+            raise ValueError(f"{kind} parameter {name}={value!r} must be true or false.")
+    if kind == "ngrammys":
+        check_ngrammys_params(full["k"], full["w"], full["q"], full["strategy"])
+    elif kind == "lookahead":
+        check_lookahead_params(full["window"], full["ngram"], full["guess_set"])
+    else:
+        check_ouroboros_params(full["gamma"], full["phrase_length"], full["phrases_per_token"], full["candidates"])
+    return full
+
+
+BIGRAM_TOP = 32
+"""Successors per token kept in N-Grammys' model-bigram table (more when a setting asks for more rows k)."""
+
+
 class Runner:
     """Builds decoders for one pair, token budget and sampling setting.
 
     A decoder keeps its policy object across prompts (adaptive schedules such as ``heuristic`` carry their state over,
     as they would in a server); build a new :class:`Runner` for a fresh start. Oracles are built per prompt, outside
     the timed decoding.
+
+    Tree decoders start every prompt cold: N-Grammys' context n-grams, Lookahead's n-gram pool and Ouroboros' phrase
+    pool are built afresh for each prompt, as in the papers' measurements. Unlike Heuristic's K, a pool carried
+    across prompts (as a server could carry one) holds text: over the bench's repeats of the same test prompts it
+    would hand every later repeat the phrases of its own earlier output. N-Grammys' model bigram belongs to the
+    target alone: it is read from ``bigram_cache`` (keyed by the target's fingerprint) or computed and written there
+    when the decoder is built, before anything is timed, and shared by every N-Grammys setting of this runner.
     """
 
     def __init__(
@@ -137,6 +236,7 @@ class Runner:
         temperature: float,
         top_k: int | None = None,
         top_p: float | None = None,
+        bigram_cache: str | Path | None = None,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
@@ -146,10 +246,13 @@ class Runner:
         self.max_new_tokens = max_new_tokens
         self.temperature = temperature
         self.sampling = {"top_k": top_k, "top_p": top_p}
+        self.bigram_cache = Path(bigram_cache) if bigram_cache is not None else cache_root() / "bigram"
         self._oracles: dict[tuple[int, ...], Oracle] = {}
+        self._bigrams: dict[int, ModelBigram] = {}
 
     def supports(self, spec: MethodSpec) -> str | None:
-        """Why ``spec`` cannot run here (None if it can)."""
+        """Why ``spec`` cannot run here (None if it can). The tree decoders verify losslessly at every temperature
+        (greedy matching, or multi-candidate sample verification), so none is refused for its temperature."""
         if spec.kind == "oracle" and self.temperature != 0:
             return "the oracle is defined for greedy decoding only"
         if spec.kind == "specdecpp" and self.pair.bundle is None:
@@ -158,7 +261,31 @@ class Runner:
             self.pair.draft_for(spec.params.get("draft")), PreTrainedModel
         ):
             return "HF assisted generation needs a Hugging Face draft model (name a comparison draft)"
+        if spec.kind in TREE_DECODERS:
+            models = {"target": self.pair.target}
+            if spec.kind == "ouroboros":
+                draft = self.pair.draft_for(spec.params.get("draft"))
+                if not isinstance(draft, PreTrainedModel):
+                    return (
+                        f"Ouroboros drafts with a Hugging Face draft model, not a {type(draft).__name__} "
+                        "(name a comparison draft)"
+                    )
+                models["draft"] = draft
+            for which, model in models.items():
+                implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+                if implementation not in MASKED_ATTENTION:
+                    return (
+                        f"tree verification needs the {which} to apply a 4D attention mask: it uses "
+                        f"attn_implementation={implementation!r}, not one of {MASKED_ATTENTION}"
+                    )
         return None
+
+    def bigram(self, top: int = BIGRAM_TOP) -> ModelBigram:
+        """The target's model-bigram table with ``top`` successors per token: from this runner, else from
+        ``bigram_cache``, else computed (V / 512 batched forward passes) and written there."""
+        if top not in self._bigrams:
+            self._bigrams[top] = ModelBigram.load_or_build(self.pair.target, self.bigram_cache, top)
+        return self._bigrams[top]
 
     def policy(self, spec: MethodSpec) -> StopPolicy:
         """The stop policy of a speculative method (not for autoregressive, oracle or hf_assisted)."""
@@ -221,6 +348,8 @@ class Runner:
         reason = self.supports(spec)
         if reason:
             raise ValueError(f"{spec.name} cannot run at temperature={self.temperature}: {reason}.")
+        if spec.kind in TREE_DECODERS:
+            return self._tree_decoder(spec)
         target, eos = self.pair.target, self.pair.eos_token_id
         params = dict(spec.params)
         draft = self.pair.draft_for(params.pop("draft", None))
@@ -244,6 +373,18 @@ class Runner:
         return lambda ids, gen: speculative_generate(
             target, draft, ids, policy, self.max_new_tokens, generator=gen, **common
         )
+
+    def _tree_decoder(self, spec: MethodSpec) -> Decoder:
+        """N-Grammys, Lookahead or Ouroboros with a fresh pool per prompt; N-Grammys' bigram is built here."""
+        params = tree_params(spec.kind, spec.params)
+        generate, target, budget = TREE_DECODERS[spec.kind], self.pair.target, self.max_new_tokens
+        common = dict(temperature=self.temperature, eos_token_id=self.pair.eos_token_id, **self.sampling)
+        if spec.kind == "ouroboros":
+            draft = self.pair.draft_for(params.pop("draft", None))
+            return lambda ids, gen: generate(target, draft, ids, budget, generator=gen, **common, **params)
+        if spec.kind == "ngrammys" and params["strategy"] != "context":
+            params["bigram"] = self.bigram(max(BIGRAM_TOP, params["k"]))
+        return lambda ids, gen: generate(target, ids, budget, generator=gen, **common, **params)
 
 
 def prompt_seed(seed: int, repeat: int, index: int) -> int:
@@ -311,6 +452,15 @@ class MethodSummary:
     pooled: PolicyResult
     """Sums over all prompts and repeats."""
     per_repeat: list[PolicyResult]
+    tree: dict[str, float] | None = None
+    """Tree decoders only: ``mean_fed`` (tokens fed to the target per call: the root, every guessed row and, for
+    Lookahead, the Jacobi window) and ``mean_rows`` (rows verified per call); Ouroboros adds ``mean_drafted``
+    (sentence-draft tokens per round, before lengthening)."""
+
+    @property
+    def tokens_per_target_call(self) -> float:
+        """Generated tokens per target call (1 for the target alone; the inverse of the verification rate)."""
+        return self.pooled.generated / self.pooled.target_calls if self.pooled.target_calls else 0.0
 
     @property
     def tokens_per_second(self) -> list[float]:
@@ -337,23 +487,54 @@ class MethodSummary:
             "mean_proposed": self.pooled.mean_proposed,
             "generated": self.pooled.generated,
             "target_calls": self.pooled.target_calls,
+            "tokens_per_target_call": self.tokens_per_target_call,
             "draft_calls": self.pooled.draft_calls,
             "discarded": self.pooled.discarded,
             "rounds": self.pooled.rounds,
             "seconds": self.pooled.seconds,
+            **(self.tree or {}),
         }
+
+
+def aggregate_runs(name: str, stats: Sequence[DecodeStats], cost_model: CostModel | None) -> PolicyResult:
+    """:func:`~accept_head.benchmark.aggregate`, with tree decoders priced by what they feed the target.
+
+    A tree decoder's ``proposed`` holds only the winning row, but its target call reads every row (and Lookahead's
+    window): a call that fed n tokens is priced like a speculative call of n − 1 candidates, t_target(n − 1) (the
+    last committed token plus the candidates), and each of Ouroboros' draft forwards at t_draft. N-Grammys and
+    Lookahead make no draft calls; building their guesses is counted in the measured time only. Linear t_target(K)
+    is extrapolated past the measured K for wide trees, and the cost of the 4D mask is not in it.
+    """
+    result = aggregate(name, stats, cost_model)
+    if cost_model is not None and stats and all(isinstance(s, TreeDecodeStats) for s in stats):
+        fed = [n - 1 for s in stats for n in s.fed]
+        result.modeled_tokens_per_second = cost_model.modeled_tokens_per_second(
+            result.generated, result.draft_calls, fed
+        )
+    return result
+
+
+def _tree_means(stats: Sequence[DecodeStats]) -> dict[str, float] | None:
+    if not stats or not all(isinstance(s, TreeDecodeStats) for s in stats):
+        return None
+    fed, rows = [n for s in stats for n in s.fed], [r for s in stats for r in s.rows]
+    out = {"mean_fed": sum(fed) / max(len(fed), 1), "mean_rows": sum(rows) / max(len(rows), 1)}
+    drafted = [d for s in stats for d in getattr(s, "drafted", [])]
+    if drafted:
+        out["mean_drafted"] = sum(drafted) / len(drafted)
+    return out
 
 
 def summarize(
     specs: Sequence[MethodSpec], runs: dict[str, list[list[DecodeStats]]], cost_model: CostModel | None
 ) -> list[MethodSummary]:
-    """Aggregate each method's runs (per repeat and pooled) under ``cost_model``."""
+    """Aggregate each method's runs (per repeat and pooled) under ``cost_model`` (see :func:`aggregate_runs`)."""
     out = []
     for spec in specs:
         repeats = runs[spec.name]
-        per_repeat = [aggregate(spec.name, stats, cost_model) for stats in repeats]
-        pooled = aggregate(spec.name, [s for stats in repeats for s in stats], cost_model)
-        out.append(MethodSummary(spec, pooled, per_repeat))
+        per_repeat = [aggregate_runs(spec.name, stats, cost_model) for stats in repeats]
+        every = [s for stats in repeats for s in stats]
+        out.append(MethodSummary(spec, aggregate_runs(spec.name, every, cost_model), per_repeat, _tree_means(every)))
     return out
 
 
@@ -385,3 +566,8 @@ def headroom_share(policy: float, best_fixed_k: float, oracle: float) -> float |
 def h_star_label(bundle) -> str:
     """Display name of a bundle's own policy: ``SpecDec++ h*=0.7`` (+ its unscored variant, if any)."""
     return f"SpecDec++ h*={bundle.threshold:g}" + (f" unscored={bundle.unscored}" if bundle.unscored else "")
+
+
+def h_star_spec(bundle) -> MethodSpec:
+    """The bundle's own policy, SpecDec++ at its h*, labelled (:func:`h_star_label`) and with role ``h_star``."""
+    return MethodSpec("specdecpp", {"threshold": bundle.threshold}, label=h_star_label(bundle), role="h_star")

@@ -31,12 +31,13 @@ from .common import (
     write_json,
 )
 from .methods import (
+    TREE_DECODERS,
     MethodSpec,
     MethodSummary,
     PolicyGrid,
     best_of,
     expand_grids,
-    h_star_label,
+    h_star_spec,
     headroom_share,
     throughput,
 )
@@ -117,13 +118,11 @@ def _h_star_spec(pair: Pair, specs: list[MethodSpec]) -> list[MethodSpec]:
         )
 
     specs = [s for s in specs if not same_as_h_star(s)]
-    return specs + [MethodSpec("specdecpp", {"threshold": h}, label=h_star_label(pair.bundle))]
+    return specs + [h_star_spec(pair.bundle)]
 
 
 def _h_star(summaries: Sequence[MethodSummary]) -> MethodSummary | None:
-    return next(
-        (s for s in summaries if s.spec.kind == "specdecpp" and (s.spec.label or "").startswith("SpecDec++ h*")), None
-    )
+    return next((s for s in summaries if s.spec.role == "h_star"), None)
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -167,7 +166,17 @@ def analyse(summaries: Sequence[MethodSummary], select_by: str) -> dict:
     return {"rows": rows, "best": {k: v.spec.name for k, v in best.items()}, "h_star": star.spec.name if star else None}
 
 
-_ORDER = ("autoregressive", "fixed_k", "specdecpp", "heuristic", "confidence", "entropy", "hf_assisted", "oracle")
+_ORDER = (
+    "autoregressive",
+    "fixed_k",
+    "specdecpp",
+    "heuristic",
+    "confidence",
+    "entropy",
+    "hf_assisted",
+    *TREE_DECODERS,
+    "oracle",
+)
 
 
 def goal_rows(sets: dict, temperature_keys: Sequence[str], select_by: str, summaries: dict) -> list[dict]:
@@ -514,7 +523,7 @@ def _find(rows: Sequence[dict], kind: str, star: bool = False) -> dict | None:
     for row in rows:
         if row["kind"] != kind:
             continue
-        if kind == "specdecpp" and star != row["name"].startswith("SpecDec++ h*"):
+        if kind == "specdecpp" and star != (row.get("role") == "h_star"):
             continue
         if kind != "specdecpp" and not row["best_of_family"]:
             continue
@@ -554,7 +563,11 @@ def _table_one(payload: dict) -> list[str]:
             analysis = result["analysis"]["rows"]
             ar, fixed = _find(analysis, "autoregressive"), _find(analysis, "fixed_k")
             star, oracle = _find(analysis, "specdecpp", star=True), _find(analysis, "oracle")
-            others = [r for r in analysis if r["kind"] in (*TRAINING_FREE, "hf_assisted") and r["best_of_family"]]
+            others = [
+                r
+                for r in analysis
+                if r["kind"] in (*TRAINING_FREE, "hf_assisted", *TREE_DECODERS) and r["best_of_family"]
+            ]
             other = max(others, key=lambda r: r["tokens_per_second"]["median"]) if others else None
             rows.append(
                 [
@@ -697,7 +710,7 @@ def _diagnostics(payload: dict) -> list[str]:
         for key, result in by_temperature.items():
             methods = result["methods"]
             oracle = next((m for m in methods if m["kind"] == "oracle"), None)
-            star = next((m for m in methods if m["name"].startswith("SpecDec++ h*")), None)
+            star = next((m for m in methods if m.get("role") == "h_star"), None)
             swept = [m for m in methods if m["kind"] == "specdecpp"]
             best_h = max(swept, key=lambda m: m["modeled_tokens_per_second"] or 0.0) if swept else None
             prompts = payload["prompt_sets"][set_name]["prompts"]
