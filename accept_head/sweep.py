@@ -15,6 +15,7 @@ from pathlib import Path
 
 import torch
 
+from . import plots, tables
 from .benchmark import PolicyResult, aggregate, autoregressive_decoder, run_prompts, speculative_decoder
 from .calibration import Calibration
 from .cost_model import CostModel
@@ -204,67 +205,28 @@ def _cells(row: SweepRow, baseline: SweepRow | None) -> list[str]:
 
 def format_table(rows: Sequence[SweepRow], baseline: SweepRow | None = None, title: str | None = None) -> str:
     """A fixed-width text table for terminals (speedup = measured tokens/s relative to ``baseline``)."""
-    body = [list(COLUMNS)] + [_cells(row, baseline) for row in rows]
-    widths = [max(len(line[i]) for line in body) for i in range(len(COLUMNS))]
-    lines = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-        for line in body
-    ]
-    rule = "-" * len(lines[0])
-    out = [rule, lines[0], rule, *lines[1:], rule]
-    if title:
-        out.insert(0, title)
-    return "\n".join(out)
+    return tables.text_table(COLUMNS, [_cells(row, baseline) for row in rows], title)
 
 
 def markdown_table(rows: Sequence[SweepRow], baseline: SweepRow | None = None) -> str:
     """The same table as :func:`format_table` in Markdown (for model cards)."""
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join(["---"] + ["---:"] * (len(COLUMNS) - 1)) + "|"]
-    lines += ["| " + " | ".join(_cells(row, baseline)) + " |" for row in rows]
-    return "\n".join(lines)
+    return tables.markdown_table(COLUMNS, [_cells(row, baseline) for row in rows])
 
 
 def pareto_plot(result: SweepResult, path: str | Path, title: str = "SpecDec++ threshold sweep") -> Path:
-    """Save verification rate N_target/N (x) vs discard rate N_discarded/N (y) for both families as a PNG.
-
-    Lower-left is better on both axes: each point is a trade-off the cost model prices as
-    t_draft·discard + (t_target − t_draft)·verification (eq. 2.3).
-    """
-    from matplotlib.figure import Figure
-
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig = Figure(figsize=(6.4, 4.8), dpi=120)
-    ax = fig.subplots()
-    for family, marker, color in (("fixed_k", "s", "tab:blue"), ("threshold", "o", "tab:red")):
-        rows = sorted(result.family(family), key=lambda row: row.result.verification_rate)
-        if not rows:
-            continue
-        xs = [row.result.verification_rate for row in rows]
-        ys = [row.result.discard_rate for row in rows]
-        name = "fixed K" if family == "fixed_k" else "SpecDec++ threshold h"
-        ax.plot(xs, ys, marker=marker, color=color, label=name)
-        labels: dict[tuple[float, float], list[str]] = {}  # policies that land on the same point share a label
-        for row, x, y in zip(rows, xs, ys, strict=True):
-            labels.setdefault((x, y), []).append(f"{int(row.param)}" if family == "fixed_k" else f"{row.param:g}")
-        for (x, y), params in labels.items():
-            text = ("K=" if family == "fixed_k" else "h=") + ",".join(params)
-            ax.annotate(text, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color=color)
-    for row in result.family("autoregressive"):
-        ax.scatter(
-            [row.result.verification_rate],
-            [row.result.discard_rate],
-            marker="*",
-            s=120,
-            color="black",
-            label="autoregressive",
-            zorder=3,
-        )
-    ax.set_xlabel("verification rate  N_target / N")
-    ax.set_ylabel("discard rate  N_discarded / N")
-    ax.set_title(f"{title}\n{result.prompts} prompts, up to {result.max_new_tokens} new tokens", fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
+    """Save verification rate N_target/N (x) vs discard rate N_discarded/N (y) of every policy as a PNG
+    (:func:`~accept_head.plots.pareto_plot`)."""
+    styles = {  # family: legend, annotation prefix, marker, colour, marker size
+        "fixed_k": ("fixed K", "K=", "s", "tab:blue", 6.0),
+        "threshold": ("SpecDec++ threshold h", "h=", "o", "tab:red", 6.0),
+        "autoregressive": ("autoregressive", "", "*", "black", 11.0),
+    }
+    series = []
+    for family, (label, prefix, marker, color, size) in styles.items():
+        points = [
+            (row.result.verification_rate, row.result.discard_rate, f"{prefix}{row.param:g}" if prefix else "")
+            for row in result.family(family)
+        ]
+        series.append(plots.ParetoSeries(label, points, marker, color, size))
+    title = f"{title}\n{result.prompts} prompts, up to {result.max_new_tokens} new tokens"
+    return plots.pareto_plot(series, path, title)

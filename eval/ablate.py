@@ -19,7 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .common import fmt, machine_info, markdown_table, output_folder, text_table, write_json
+from accept_head.tables import markdown_table, text_table
+
+from .common import fmt, machine_info, output_folder, write_json
 
 
 @dataclass
@@ -378,10 +380,10 @@ def _page(payload: dict, header: list[str], rows: list[list[str]], figure: Path)
 
 def ablate_plot(results: list[dict], path: str | Path) -> Path:
     """Horizontal bars: SpecDec++'s modeled tokens/s per variant, with the reference run's baselines as lines."""
-    from .plots import _figure, _save
+    from accept_head.plots import new_figure, save_figure
 
     ar, best_k = _baselines(results)
-    fig = _figure(6.4, 0.45 * len(results) + 1.6)
+    fig = new_figure(6.4, 0.45 * len(results) + 1.6)
     ax = fig.subplots()
     values = [r["best"]["modeled_tokens_per_second"] or 0.0 for r in results]
     ax.barh(range(len(results)), values, color="tab:red")
@@ -397,4 +399,4 @@ def ablate_plot(results: list[dict], path: str | Path) -> Path:
     ax.set_xlabel("SpecDec++ modeled tokens/s at its best h")
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("one factor at a time", fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)

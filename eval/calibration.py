@@ -29,8 +29,10 @@ from accept_head.metrics import (
     soft_auc,
 )
 from accept_head.pairs import ModelSpec
+from accept_head.plots import reliability_plot
 from accept_head.policies import HeadThreshold, RoundState
 from accept_head.prompts import PromptSource
+from accept_head.tables import text_table
 
 from .common import (
     Pair,
@@ -40,11 +42,9 @@ from .common import (
     load_pair,
     machine_info,
     output_folder,
-    text_table,
     write_json,
 )
 from .methods import prompt_seed
-from .plots import reliability_plot
 
 N_BINS = 15
 

@@ -22,6 +22,8 @@ from accept_head.bundle import SpecDecPP
 from accept_head.cost_model import CostModel, measure_costs
 from accept_head.pairs import ModelSpec, check_same_tokenizer, eos_token_ids, load_model, load_tokenizer
 from accept_head.prompts import PromptSource, PromptStats, chat_prompt_ids, load_prompts
+from accept_head.tables import markdown_table as markdown_table  # eval.report and eval.bench import these here
+from accept_head.tables import text_table as text_table
 
 
 @dataclass
@@ -322,28 +324,6 @@ def output_folder(output_dir: str | Path) -> Path:
     except OSError as err:
         raise ValueError(f"output_dir={str(folder)!r} is not writable ({err}); pick another --output_dir.") from err
     return folder
-
-
-def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], title: str | None = None) -> str:
-    """A fixed-width terminal table: first column left-aligned, the others right-aligned."""
-    body = [list(header)] + [list(r) for r in rows]
-    widths = [max(len(line[i]) for line in body) for i in range(len(header))]
-    lines = [
-        "  ".join(cell.ljust(w) if i == 0 else cell.rjust(w) for i, (cell, w) in enumerate(zip(line, widths)))
-        for line in body
-    ]
-    rule = "-" * max(len(line) for line in lines)
-    return "\n".join(([title] if title else []) + [rule, lines[0], rule, *lines[1:], rule])
-
-
-def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], aligns: str | None = None) -> str:
-    """The same table in Markdown; ``aligns`` has one ``l``/``r`` per column (default: first left, others right)."""
-    aligns = aligns or "l" + "r" * (len(header) - 1)
-    if len(aligns) != len(header):
-        raise ValueError(f"aligns={aligns!r} must have one letter per column ({len(header)}).")
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(":---" if a == "l" else "---:" for a in aligns) + "|"]
-    lines += ["| " + " | ".join(row) + " |" for row in rows]
-    return "\n".join(lines)
 
 
 def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:

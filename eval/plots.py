@@ -1,13 +1,14 @@
-"""PNG figures of ``python -m eval``, drawn with matplotlib's object API (no pyplot state, no display needed)."""
+"""PNG figures of ``python -m eval``, over :mod:`accept_head.plots`."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from pathlib import Path
 
+from accept_head import plots
 from accept_head.cost_model import CostModel
-from accept_head.metrics import ReliabilityBins
+from accept_head.plots import ParetoSeries, new_figure, save_figure
+from accept_head.plots import reliability_plot as reliability_plot  # eval.report imports it from here
 
 from .methods import MethodSummary
 
@@ -23,59 +24,27 @@ _STYLE = {
 }
 
 
-def _figure(width: float = 6.4, height: float = 4.8):
-    from matplotlib.figure import Figure
-
-    return Figure(figsize=(width, height), dpi=120)
-
-
-def _save(fig, path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(path)
-    return path
-
-
 def pareto_plot(summaries: Sequence[MethodSummary], path: str | Path, title: str) -> Path:
-    """Verification rate N_target/N (x) against discard rate N_discarded/N (y), one series per method family —
-    the trade-off plane of SpecDec++'s Figure 4. Lower-left is better on both axes; eq. 2.3 prices a point as
-    t_draft·discard + (t_target − t_draft)·verification."""
-    fig = _figure()
-    ax = fig.subplots()
+    """Verification rate N_target/N (x) against discard rate N_discarded/N (y), one series per method family
+    (:func:`accept_head.plots.pareto_plot`)."""
     families: dict[str, list[MethodSummary]] = {}
     for summary in summaries:
         families.setdefault(summary.spec.kind, []).append(summary)
+    series = []
     for kind, members in families.items():
         marker, color = _STYLE.get(kind, ("o", None))
-        members = sorted(members, key=lambda s: s.pooled.verification_rate)
-        xs = [s.pooled.verification_rate for s in members]
-        ys = [s.pooled.discard_rate for s in members]
-        single = len(members) == 1
-        ax.plot(
-            xs,
-            ys,
-            marker=marker,
-            color=color,
-            linestyle="none" if single else "-",
-            label=members[0].spec.family,
-            markersize=10 if kind in ("oracle", "autoregressive") else 6,
-        )
-        if not single:
-            for s, x, y in zip(members, xs, ys):
-                short = s.spec.name.removeprefix(s.spec.family).strip()
-                ax.annotate(short, (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=color)
-    ax.set_xlabel("verification rate  N_target / N")
-    ax.set_ylabel("discard rate  N_discarded / N")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
-    return _save(fig, path)
+        points = [
+            (s.pooled.verification_rate, s.pooled.discard_rate, s.spec.name.removeprefix(s.spec.family).strip())
+            for s in members
+        ]
+        size = 10 if kind in ("oracle", "autoregressive") else 6
+        series.append(ParetoSeries(members[0].spec.family, points, marker, color, size))
+    return plots.pareto_plot(series, path, title)
 
 
 def costs_plot(cost_model: CostModel, path: str | Path, title: str = "measured costs") -> Path:
     """t_target(K) medians with min/max bars and the fitted a + b·K, against t_draft (per draft step, head incl.)."""
-    fig = _figure()
+    fig = new_figure()
     ax = fig.subplots()
     measured = {int(k): v for k, v in cost_model.measured.get("target", {}).items()}  # JSON keys are strings
     ks = sorted(measured)
@@ -107,14 +76,14 @@ def costs_plot(cost_model: CostModel, path: str | Path, title: str = "measured c
     ax.set_title(title, fontsize=9)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    return _save(fig, path)
+    return save_figure(fig, path)
 
 
 def bench_plot(panels: dict[str, Sequence[dict]], path: str | Path, title: str) -> Path:
     """Horizontal bars of median measured tokens/s with min–max whiskers, one panel per setting (temperature)."""
     n = max(len(panels), 1)
     rows = max((len(v) for v in panels.values()), default=1)
-    fig = _figure(6.4 * n, 0.8 + 0.35 * rows)
+    fig = new_figure(6.4 * n, 0.8 + 0.35 * rows)
     axes = fig.subplots(1, n, squeeze=False)[0]
     for ax, (name, methods) in zip(axes, panels.items()):
         labels = [m["name"] for m in methods]
@@ -130,38 +99,4 @@ def bench_plot(panels: dict[str, Sequence[dict]], path: str | Path, title: str) 
         ax.set_title(name, fontsize=9)
         ax.grid(True, axis="x", alpha=0.3)
     fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
-
-
-def reliability_plot(panels: dict[str, dict[str, ReliabilityBins]], path: str | Path, title: str) -> Path:
-    """Reliability diagrams: mean label (realised acceptance) against mean predicted probability per bin, one panel
-    per data source and one curve per variant (raw, calibrated); marker area ∝ the bin's count."""
-    n = max(len(panels), 1)
-    fig = _figure(4.8 * n, 4.8)
-    axes = fig.subplots(1, n, squeeze=False)[0]
-    for ax, (name, curves) in zip(axes, panels.items()):
-        ax.plot([0, 1], [0, 1], color="gray", linestyle=":", label="perfect")
-        for (label, bins), color in zip(curves.items(), ("tab:red", "tab:blue", "tab:green")):
-            pts = [
-                (p, y, c) for p, y, c in zip(bins.mean_pred, bins.mean_label, bins.count) if c > 0 and not math.isnan(p)
-            ]
-            if not pts:
-                continue
-            total = sum(c for _, _, c in pts)
-            ax.plot([p for p, _, _ in pts], [y for _, y, _ in pts], color=color, label=label)
-            ax.scatter(
-                [p for p, _, _ in pts],
-                [y for _, y, _ in pts],
-                s=[8 + 300 * c / total for _, _, c in pts],
-                color=color,
-                alpha=0.6,
-            )
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
-        ax.set_xlabel("predicted acceptance probability")
-        ax.set_ylabel("realised acceptance")
-        ax.set_title(name, fontsize=9)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=10)
-    return _save(fig, path)
+    return save_figure(fig, path)

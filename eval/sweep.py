@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from accept_head.cost_model import CostModel
 from accept_head.pairs import ModelSpec
 from accept_head.prompts import PromptSource
+from accept_head.tables import text_table
 
 from .common import (
     Pair,
@@ -18,7 +19,6 @@ from .common import (
     machine_info,
     output_folder,
     resolve_cost_model,
-    text_table,
     write_json,
 )
 from .methods import MethodSpec, MethodSummary, PolicyGrid, Runner, expand_grids, run_interleaved, summarize

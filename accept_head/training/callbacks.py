@@ -24,8 +24,9 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from ..bundle import SpecDecPP
 from ..calibration import CALIBRATION_METHODS, apply_calibration, choose_calibration, fit_calibration
 from ..cost_model import CostModel, measure_costs
-from ..metrics import reliability_diagram
+from ..metrics import expected_calibration_error, reliability_bins
 from ..pairs import ModelSpec
+from ..plots import reliability_plot
 from ..sweep import FIXED_K, THRESHOLDS, check_fixed_k, check_thresholds, format_table, pareto_plot, run_sweep
 from .data import AcceptanceDataModule
 from .model_card import model_card
@@ -136,13 +137,17 @@ class CalibrateHead(EndOfFitStage):
         choice = choose_calibration(logits, labels, rows, self.methods, self.folds, self.seed, self.n_bins)
         report.calibration, report.calibration_choice = choice.calibration, choice
         raw = torch.sigmoid(logits.double())
-        curves = {"raw": (raw, labels)}
+        predictions = {"raw": raw}
         for method in self.methods:  # in-sample maps, for the picture; the legend's ECE is in-sample too
-            curves[method] = (apply_calibration(fit_calibration(method, logits, labels), raw), labels)
-        path = reliability_diagram(
-            curves, str(folder / "reliability.png"), self.n_bins, "Acceptance head reliability (val)"
-        )
-        report.artifacts["reliability"] = path
+            predictions[method] = apply_calibration(fit_calibration(method, logits, labels), raw)
+        curves = {
+            f"{name} (ECE {expected_calibration_error(probs, labels, self.n_bins):.3f})": reliability_bins(
+                probs, labels, self.n_bins
+            )
+            for name, probs in predictions.items()
+        }
+        path = reliability_plot({"validation": curves}, folder / "reliability.png", "Acceptance head reliability")
+        report.artifacts["reliability"] = str(path)
         metrics = {f"calibration/{name}_{k}": v for name, s in choice.scores.items() for k, v in s.items()}
         _log(trainer, metrics)
         lines = [f"calibration ({choice.evaluation}, {len(labels)} positions): kept {choice.chosen}"]
