@@ -13,7 +13,7 @@ import itertools
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from transformers import DynamicCache
@@ -55,7 +55,14 @@ class CostModel:
 
     @classmethod
     def from_dict(cls, raw: dict) -> CostModel:
-        return cls(**raw)
+        """The inverse of :meth:`to_dict`; also reads a ``costs.json`` of ``python -m eval costs`` (the model under
+        its ``cost_model`` key). Unknown keys are ignored."""
+        if isinstance(raw.get("cost_model"), dict):
+            raw = raw["cost_model"]
+        missing = [key for key in ("t_draft", "t_target_a") if key not in raw]
+        if missing:
+            raise ValueError(f"cost model lacks {missing}; expected t_draft, t_target_a and optionally t_target_b.")
+        return cls(**{f.name: raw[f.name] for f in fields(cls) if f.name in raw})
 
 
 def expected_fixed_k_speedup(step_acceptance: Sequence[float], k: int, cost: CostModel) -> float:

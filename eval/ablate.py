@@ -249,12 +249,12 @@ def ablate(
 
 
 def _cost_model(bundle: str | None, cost_model: str | None) -> tuple[dict, str]:
-    from .common import cost_model_from_dict
+    from accept_head.cost_model import CostModel
 
     if cost_model is not None:
         if not Path(cost_model).is_file():
             raise FileNotFoundError(f"cost_model={cost_model!r} does not exist; write one with python -m eval costs.")
-        model, source = cost_model_from_dict(json.loads(Path(cost_model).read_text())), cost_model
+        model, source = CostModel.from_dict(json.loads(Path(cost_model).read_text())), cost_model
     elif bundle is not None:
         config = Path(bundle) / "config.json"
         if not config.is_file():
@@ -262,7 +262,7 @@ def _cost_model(bundle: str | None, cost_model: str | None) -> tuple[dict, str]:
         stored = json.loads(config.read_text()).get("cost_model")
         if not stored:
             raise ValueError(f"bundle={bundle!r} stores no cost model; pass --cost_model costs.json.")
-        model, source = cost_model_from_dict(stored), f"{bundle} (config.json)"
+        model, source = CostModel.from_dict(stored), f"{bundle} (config.json)"
     else:
         raise ValueError("ablate needs a fixed cost model: give --bundle or --cost_model (a costs.json).")
     return {"t_draft": model.t_draft, "t_target_a": model.t_target_a, "t_target_b": model.t_target_b}, source

@@ -220,25 +220,13 @@ def check_disjoint(a: PromptSet, b: PromptSet) -> None:
 
 # ---- cost model ----------------------------------------------------------------------------------------------------
 
-COST_FIELDS = ("t_draft", "t_target_a", "t_target_b", "r2", "measured")
-
-
-def cost_model_from_dict(raw: dict) -> CostModel:
-    """A :class:`CostModel` from its dict or from a ``costs.json`` written by ``python -m eval costs``."""
-    if "cost_model" in raw and isinstance(raw["cost_model"], dict):
-        raw = raw["cost_model"]
-    missing = [key for key in ("t_draft", "t_target_a") if key not in raw]
-    if missing:
-        raise ValueError(f"cost model lacks {missing}; expected t_draft, t_target_a and optionally t_target_b.")
-    return CostModel(**{key: raw[key] for key in COST_FIELDS if key in raw})
-
 
 def resolve_cost_model(source: str, pair: Pair, seed: int = 0) -> tuple[CostModel, str]:
     """The cost model ``source`` names: ``bundle`` (stored in the bundle; measured if absent), ``measure`` (measured
     now on this machine, head included) or a path to a ``costs.json``. Returns it and where it came from."""
     if source == "bundle":
         if pair.bundle is not None and pair.bundle.cost_model:
-            return cost_model_from_dict(pair.bundle.cost_model), "bundle"
+            return CostModel.from_dict(pair.bundle.cost_model), "bundle"
         source = "measure"
     if source == "measure":
         head = pair.bundle.head if pair.bundle is not None else None
@@ -249,7 +237,7 @@ def resolve_cost_model(source: str, pair: Pair, seed: int = 0) -> tuple[CostMode
             f"cost_model={source!r} is neither 'bundle', 'measure' nor an existing costs.json; "
             "write one with `python -m eval costs`."
         )
-    return cost_model_from_dict(json.loads(path.read_text())), str(path)
+    return CostModel.from_dict(json.loads(path.read_text())), str(path)
 
 
 # ---- output --------------------------------------------------------------------------------------------------------
