@@ -40,6 +40,7 @@ from .methods import (
     MethodSummary,
     Runner,
     best_of,
+    greedy_identity,
     h_star_spec,
     prompt_seed,
     run_interleaved,
@@ -369,10 +370,23 @@ def bench(
             specs.append(MethodSpec("oracle"))
         specs = list({s.name: s for s in specs}.values())  # e.g. two HF settings that coincide
         runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache)
-        runs = run_interleaved(runner, specs, test_set.prompts, seed, repeats, warmup, progress, desc=f"bench {key}")
+        outputs: dict = {}
+        runs = run_interleaved(
+            runner, specs, test_set.prompts, seed, repeats, warmup, progress, desc=f"bench {key}", outputs=outputs
+        )
         summaries = summarize(specs, runs, model)
         methods = _with_ratios(summaries)
         results[key] = {"temperature": temperature, "validation": validation, "methods": methods}
+        if temperature == 0:
+            identity = greedy_identity(outputs, specs[0].name)
+            results[key]["greedy_identity"] = identity
+            same = sum(v["identical"] for v in identity.values())
+            total = sum(v["decodes"] for v in identity.values())
+            differ = [f"{n} {v['identical']}/{v['decodes']}" for n, v in identity.items() if v["first_divergence"]]
+            print(
+                f"greedy outputs identical to autoregressive: {same} of {total} decodes"
+                + (f" (bf16 near-ties; not identical: {', '.join(differ)})" if differ else "")
+            )
         ceiling = fixed_k_ceiling(pair, temperature, best_k, model)
         if ceiling is not None:
             results[key]["ceiling"] = ceiling

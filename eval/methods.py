@@ -401,11 +401,13 @@ def run_interleaved(
     warmup: int = 0,
     progress: bool = True,
     desc: str = "decoding",
+    outputs: dict[str, list[list[tuple[int, ...]]]] | None = None,
 ) -> dict[str, list[list[DecodeStats]]]:
     """Decode every prompt with every method, interleaved (A B C … per prompt), ``repeats`` times.
 
     The first ``warmup`` prompts are decoded once by every method beforehand and not recorded. Returns
-    ``{method name: [repeat][prompt] DecodeStats]}``.
+    ``{method name: [repeat][prompt] DecodeStats]}``; when ``outputs`` is a dict it is filled the same way with each
+    decode's new tokens (for :func:`greedy_identity`).
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1.")
@@ -432,16 +434,46 @@ def run_interleaved(
         for repeat in range(repeats):
             for name in decoders:
                 out[name].append([])
+                if outputs is not None:
+                    outputs.setdefault(name, []).append([])
             for index, prompt in enumerate(prompts):
                 for name, decode in decoders.items():
                     generator = torch.Generator().manual_seed(prompt_seed(seed, repeat, index))
-                    out[name][repeat].append(decode(prompt.ids, generator).stats)
+                    result = decode(prompt.ids, generator)
+                    out[name][repeat].append(result.stats)
+                    if outputs is not None:
+                        outputs[name][repeat].append(tuple(result.sequences[0, len(prompt.ids) :].tolist()))
                     if bar is not None:
                         bar.update()
     finally:
         if bar is not None:
             bar.close()
     return out
+
+
+def greedy_identity(outputs: dict[str, list[list[tuple[int, ...]]]], reference: str) -> dict[str, dict]:
+    """How often each greedy method's output equals the ``reference`` method's (autoregressive) on the same prompt.
+
+    Exact arithmetic would make every lossless method identical; in bf16 a verification pass over several tokens and
+    a one-token step can round a near-tie differently, and the texts part from there. Returns ``{method: {"identical":
+    decodes with the same tokens, "decodes": n, "first_divergence": [token index of the first difference, per
+    differing decode]}}`` for every method but the reference.
+    """
+    ref = outputs[reference]
+    report = {}
+    for name, runs in outputs.items():
+        if name == reference:
+            continue
+        same, divergence, total = 0, [], 0
+        for ref_repeat, repeat in zip(ref, runs):
+            for a, b in zip(ref_repeat, repeat):
+                total += 1
+                if a == b:
+                    same += 1
+                    continue
+                divergence.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
+        report[name] = {"identical": same, "decodes": total, "first_divergence": divergence}
+    return report
 
 
 @dataclass

@@ -29,7 +29,7 @@ from accept_head.pairs import ModelSpec
 from eval.__main__ import main
 from eval.bench import add_comparison_drafts
 from eval.common import load_pair
-from eval.methods import MethodSpec, Runner
+from eval.methods import MethodSpec, Runner, greedy_identity
 
 WORDS = "write a short poem about the number two . explain why python code is fun please give me one answer".split()
 NEW_TOKENS = 10
@@ -126,6 +126,23 @@ def test_bench_adds_comparison_rows_and_ratios_use_the_pairs_own_fixed_k(tiny, t
         assert hf["params"]["num_assistant_tokens"] == by_draft["standalone"]
         assert hf["name"] == f"HF constant K={by_draft['standalone']} draft=standalone"
     assert hf["generated"] > 0 and hf["ratio_to_best_fixed_k"] > 0
+    # float32: every lossless method reproduces autoregressive greedy on every prompt.
+    identity = greedy["greedy_identity"]
+    assert sorted(identity) == sorted(m["name"] for m in greedy["methods"] if m["kind"] != "autoregressive")
+    assert all(v["identical"] == v["decodes"] > 0 and v["first_divergence"] == [] for v in identity.values())
+
+
+def test_greedy_identity_counts_differing_decodes_and_where_they_part() -> None:
+    outputs = {
+        "AR": [[(1, 2, 3), (4, 5)], [(1, 2, 3), (4, 5)]],
+        "A": [[(1, 2, 3), (4, 6)], [(1, 9, 3), (4, 5)]],
+        "B": [[(1, 2, 3), (4, 5, 7)], [(1, 2, 3), (4, 5)]],
+    }
+    report = greedy_identity(outputs, "AR")
+    assert report == {
+        "A": {"identical": 2, "decodes": 4, "first_divergence": [1, 1]},
+        "B": {"identical": 3, "decodes": 4, "first_divergence": [2]},  # a longer output parts where the shorter ends
+    }
 
 
 def test_comparison_drafts_reach_the_decoder_and_decode_losslessly(tiny, monkeypatch) -> None:
