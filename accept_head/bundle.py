@@ -17,7 +17,9 @@ with its draft.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import os
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from .pairs import (
     eos_token_ids,
     load_model,
     load_tokenizer,
+    local_path,
     normalize_device,
     normalize_dtype,
 )
@@ -74,17 +77,20 @@ class SpecDecOutput:
     stats: DecodeStats
 
 
+def portable_spec(spec: ModelSpec, folder: str | Path) -> ModelSpec:
+    """``spec`` as the bundle in ``folder`` stores it: a local model inside the bundle or next to it (e.g. both under
+    ``checkpoints/``) by its path relative to the bundle, so the two can move together; another local model by its
+    absolute path; a hub id or ``package:`` / ``hf:`` name unchanged."""
+    local = local_path(spec)
+    if local is None:
+        return spec
+    folder = Path(folder).expanduser().resolve()
+    path = os.path.relpath(local, folder) if local.is_relative_to(folder.parent) else str(local)
+    return dataclasses.replace(spec, path=path)
+
+
 def _spec_to_config(spec: ModelSpec | None, folder: Path) -> dict | None:
-    if spec is None:
-        return None
-    out = spec.to_dict()
-    path = Path(spec.path)
-    if path.is_absolute() and path.exists():
-        try:  # keep paths inside (or next to) the bundle relative, so the folder can move
-            out["path"] = str(path.relative_to(folder.resolve()))
-        except ValueError:
-            pass
-    return out
+    return None if spec is None else portable_spec(spec, folder).to_dict()
 
 
 def _spec_from_config(raw: dict | None, folder: Path) -> ModelSpec | None:

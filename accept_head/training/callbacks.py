@@ -25,7 +25,6 @@ from ..bundle import SpecDecPP
 from ..calibration import CALIBRATION_METHODS, apply_calibration, choose_calibration, fit_calibration
 from ..cost_model import CostModel, measure_costs
 from ..metrics import expected_calibration_error, reliability_bins
-from ..pairs import ModelSpec
 from ..plots import reliability_plot
 from ..sweep import FIXED_K, THRESHOLDS, check_fixed_k, check_thresholds, format_table, pareto_plot, run_sweep
 from .data import AcceptanceDataModule
@@ -426,21 +425,6 @@ def _write_sweep(records: list[dict], folder: Path) -> Path:
     return path
 
 
-def _portable_spec(spec: ModelSpec, bundle: Path) -> ModelSpec:
-    """A copy of ``spec`` whose local path is relative to the bundle when the model sits next to it (e.g. both under
-    ``checkpoints/``), so the two can move together; other paths become absolute."""
-    spec = copy.deepcopy(spec)
-    if spec.path.startswith(("package:", "hf:")):
-        return spec
-    local = Path(spec.path).expanduser()
-    if not local.exists():
-        return spec  # a hub id
-    local = local.resolve()
-    parent = bundle.resolve().parent
-    spec.path = os.path.relpath(local, bundle.resolve()) if local.is_relative_to(parent) else str(local)
-    return spec
-
-
 class ExportBundle(EndOfFitStage):
     """Write the ``SpecDecPP`` bundle (head, calibration, h*, cost model, provenance, model card) and check that it
     loads with ``SpecDecPP.from_pretrained`` and generates."""
@@ -496,8 +480,8 @@ class ExportBundle(EndOfFitStage):
             calibration=report.calibration,
             cost_model=report.cost_model.to_dict() if report.cost_model is not None else None,
             provenance=provenance,
-            target_spec=_portable_spec(dm.target_spec, bundle_dir),
-            draft_spec=_portable_spec(dm.draft, bundle_dir),
+            target_spec=dm.target_spec,
+            draft_spec=dm.draft,
             unscored=report.unscored,
         )
         bundle.save_pretrained(bundle_dir)

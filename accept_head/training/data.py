@@ -26,7 +26,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
 from ..mixing import check_ratio, mix_tokens, mixing_seed
-from ..pairs import ModelSpec, load_model, load_tokenizer, local_folder
+from ..pairs import ModelSpec, load_model, load_tokenizer, local_folder, local_path
 from ..sampling import SamplingConfig
 
 ROLLOUT = "rollout"
@@ -89,10 +89,7 @@ def _same_model(a: ModelSpec, b: ModelSpec) -> bool:
     """Whether two specs name the same weights (dtype and device may differ)."""
 
     def where(spec: ModelSpec) -> str:
-        if spec.path.startswith(("package:", "hf:")):
-            return spec.path
-        path = Path(spec.path).expanduser()
-        return str(path.resolve()) if path.exists() else spec.path
+        return str(local_path(spec) or spec.path)
 
     return (where(a), a.gguf_file, a.adapter, a.revision) == (where(b), b.gguf_file, b.adapter, b.revision)
 

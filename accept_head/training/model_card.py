@@ -6,7 +6,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..bundle import SpecDecPP
+from ..bundle import SpecDecPP, portable_spec
 from ..sweep import markdown_table
 from .report import FitReport
 
@@ -31,9 +31,11 @@ def _fmt(value: Any) -> str:
     return str(value)
 
 
-def _spec(spec) -> str:
+def _spec(spec, folder: str) -> str:
+    """A model as the bundle in ``folder`` records it."""
     if spec is None:
         return "(not recorded)"
+    spec = portable_spec(spec, folder)
     extra = f", gguf_file {spec.gguf_file}" if spec.gguf_file else ""
     return f"`{spec.path}` ({spec.dtype}{extra})"
 
@@ -56,7 +58,8 @@ def model_card(
     lines = [
         f"# {title}: SpecDec++ acceptance head",
         "",
-        f"A `SpecDecPP` bundle (accept-head): target {_spec(bundle.target_spec)}, draft {_spec(bundle.draft_spec)}, "
+        f"A `SpecDecPP` bundle (accept-head): target {_spec(bundle.target_spec, name)}, "
+        f"draft {_spec(bundle.draft_spec, name)}, "
         f"a depth-{bundle.head.depth} acceptance head (width {bundle.head.hidden_size}) on the draft's final hidden "
         f"state, stopping threshold **h\\* = {bundle.threshold:g}**{_unscored(bundle)}, "
         f"{bundle.min_candidates}–{bundle.max_candidates} "
