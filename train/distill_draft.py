@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from accept_head.batch_generate import sample_batch
-from accept_head.pairs import ModelSpec, load_model, load_tokenizer
+from accept_head.pairs import ModelSpec, eos_token_ids, load_model, load_tokenizer
 from accept_head.prompts import PromptSource, chat_prompt_ids, load_prompts
 from accept_head.sampling import SamplingConfig
 
@@ -113,7 +113,7 @@ def generate(cfg: DistillConfig) -> None:
                 ids,
                 max_new_tokens=cfg.max_new_tokens,
                 sampling=sampling,
-                eos_token_ids=[tokenizer.eos_token_id],
+                eos_token_ids=eos_token_ids(tokenizer, model),
                 pad_token_id=tokenizer.pad_token_id,
                 generator=generator,
                 capture_topk=cfg.topk,

@@ -26,7 +26,7 @@ from lightning.pytorch import LightningDataModule
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
 from ..mixing import check_ratio, mix_tokens, mixing_seed
-from ..pairs import ModelSpec, load_model, load_tokenizer, local_folder, local_path
+from ..pairs import ModelSpec, eos_token_ids, load_model, load_tokenizer, local_folder, local_path
 from ..sampling import SamplingConfig
 
 ROLLOUT = "rollout"
@@ -668,11 +668,11 @@ class AcceptanceDataModule(LightningDataModule):
 
     @property
     def eos_token_ids(self) -> list[int]:
+        """The ids label generation stopped on (recorded in meta.json; older datasets: :func:`eos_token_ids`)."""
         ids = (self.meta.get("tokenizer") or {}).get("eos_token_ids")
         if ids:
             return [int(i) for i in ids]
-        eos = self.tokenizer().eos_token_id
-        return [] if eos is None else [int(eos)]
+        return eos_token_ids(self.tokenizer(), self.target())
 
     def target(self) -> torch.nn.Module:
         """The target model, loaded once (for the cost model, the sweep and the bundle)."""
