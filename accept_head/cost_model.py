@@ -284,7 +284,8 @@ def measure_tree_costs(
     sizes = sorted({int(n) for n in sizes})
     if not sizes or sizes[0] < 1 or context < 1 or repeats < 1 or warmup < 0:
         raise ValueError(
-            f"need sizes >= 1, context >= 1, repeats >= 1 and warmup >= 0 (got {sizes}, {context}, {repeats}, {warmup})."
+            f"need sizes >= 1, context >= 1, repeats >= 1 and warmup >= 0 "
+            f"(got {sizes}, {context}, {repeats}, {warmup})."
         )
     device = next(target.parameters()).device
     gen = torch.Generator().manual_seed(seed)

@@ -38,8 +38,11 @@ from transformers import DynamicCache
 from .decoding import GenerationResult, _as_input_ids, _check_lengths, _eos_set, _timed
 from .sampling import SamplingConfig, probabilities
 from .tree_verify import (
+    RowOrigin,
+    RowStop,
     TreeDecodeStats,
     add_rows,
+    apply_stop,
     check_masked_attention,
     commit_nodes,
     tree_forward,
@@ -172,11 +175,14 @@ def lookahead_generate(
     pool: NgramPool | None = None,
     context_ngrams: bool = False,
     seed: int = 0,
+    stop: RowStop | None = None,
 ) -> GenerationResult:
     """Lossless Lookahead decoding with window W = ``window``, N-gram size N = ``ngram`` and guess-set size
     G = ``guess_set`` (see the module docstring); ``seed`` picks the prompt tokens that seed the window. Each step
-    feeds W·(N − 1) window tokens (fewer while filling) plus at most G·(N − 1) guesses. Returns the sequences and
-    :class:`~accept_head.tree_verify.TreeDecodeStats` (``proposed`` / ``accepted``: the winning guess)."""
+    feeds W·(N − 1) window tokens (fewer while filling) plus at most G·(N − 1) guesses. ``stop`` (a
+    :class:`~accept_head.tree_verify.RowStop`) chooses how much of each guess to verify (the window is always fed)
+    and sees every verification pass. Returns the sequences and :class:`~accept_head.tree_verify.TreeDecodeStats`
+    (``proposed`` / ``accepted``: the winning guess)."""
     check_lookahead_params(window, ngram, guess_set)
     sampling = SamplingConfig(temperature, top_k, top_p)
     vocab = int(target.config.vocab_size)
@@ -195,6 +201,8 @@ def lookahead_generate(
     if context_ngrams:
         pool.add_sequence(tokens)
     jacobi = JacobiWindow(window, ngram, tokens[-1], random.Random(seed).choices(tokens, k=window + ngram - 3))
+    if stop is not None:
+        stop.start(tokens)
     cache = DynamicCache()  # always lacks the last committed token x_t, fed at the window's root
     with _timed(stats, "target_time"):
         if len(tokens) > 1:
@@ -204,6 +212,10 @@ def lookahead_generate(
         with _timed(stats, "draft_time"):
             room = budget - stats.generated - 1
             guesses = list(dict.fromkeys(g[:room] for g in pool.get(tokens[-1]))) if room > 0 else []
+            if stop is not None:
+                origins = [RowOrigin("pool", rank) for rank in range(len(guesses))]
+                fed = len(jacobi.levels) * len(jacobi.levels[0])  # the window, x_t included
+                guesses, origins = apply_stop(stop, tokens, [list(g) for g in guesses], origins, fed)
             tree, parents, top, nodes = lookahead_tree(jacobi, guesses)
             keep = sorted({0, *top, *(n for row in nodes for n in row)})  # logits rows needed; 0 (x_t) first
             row_of = {n: i for i, n in enumerate(keep)}
@@ -218,6 +230,9 @@ def lookahead_generate(
                 row, m, next_token = verify_sampled(probabilities(logits, sampling), guesses, nodes, generator)
             accepted = list(guesses[row][:m]) if m else []
             commit_nodes(cache, len(tokens) - 1, [keep[n] for n in nodes[row][:m]] if m else [])
+        if stop is not None:
+            with _timed(stats, "draft_time"):
+                stop.observe(tokens, guesses, origins, nodes, logits)
         # 3. Commit (up to an EOS); harvest the window's n-grams and move it one position on.
         new = [*accepted, next_token]
         ended = next((i for i, t in enumerate(new) if t in eos), None)

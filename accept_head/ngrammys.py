@@ -35,8 +35,11 @@ from .decoding import GenerationResult, _as_input_ids, _check_lengths, _eos_set,
 from .feature_draft import model_fingerprint
 from .sampling import SamplingConfig, probabilities
 from .tree_verify import (
+    RowOrigin,
+    RowStop,
     TreeDecodeStats,
     add_rows,
+    apply_stop,
     check_masked_attention,
     commit_nodes,
     tree_forward,
@@ -173,15 +176,19 @@ class ContextNgrams:
     def rows(self, tokens: Sequence[int], k: int, w: int) -> list[list[int]]:
         """Up to k distinct continuations (up to w tokens each) of earlier occurrences of the last q tokens, most
         recent first."""
+        return [row for _, row in self.matches(tokens, k, w)]
+
+    def matches(self, tokens: Sequence[int], k: int, w: int) -> list[tuple[int, list[int]]]:
+        """:meth:`rows` with the index in ``tokens`` where each continuation starts: (start, row) pairs."""
         self.update(tokens)
-        rows: list[list[int]] = []
+        matches: list[tuple[int, list[int]]] = []
         for start in reversed(self.follows.get(tuple(tokens[-self.q :]), [])):
             row = list(tokens[start : start + w])
-            if row and row not in rows:
-                rows.append(row)
-                if len(rows) == k:
+            if row and all(row != other for _, other in matches):
+                matches.append((start, row))
+                if len(matches) == k:
                     break
-        return rows
+        return matches
 
 
 def check_ngrammys_params(k: int, w: int, q: int, strategy: str) -> None:
@@ -199,17 +206,20 @@ def propose_rows(
     strategy: str,
     context: ContextNgrams | None,
     bigram: ModelBigram | None,
-) -> list[list[int]]:
+) -> tuple[list[list[int]], list[RowOrigin]]:
     """The round's guesses: context rows first (strategies ``context`` / ``mixed``), then model-bigram rows not
-    already present (``model`` / ``mixed``), at most k rows of at most w tokens."""
-    rows = context.rows(tokens, k, w) if strategy != "model" else []
+    already present (``model`` / ``mixed``), at most k rows of at most w tokens. Returns (rows, their origins)."""
+    matches = context.matches(tokens, k, w) if strategy != "model" else []
+    rows = [row for _, row in matches]
+    origins = [RowOrigin("context", rank, start) for rank, (start, _) in enumerate(matches)]
     if strategy != "context" and len(rows) < k:
-        for row in bigram.rows(tokens[-1], k, w):
+        for rank, row in enumerate(bigram.rows(tokens[-1], k, w)):
             if row not in rows:
                 rows.append(row)
+                origins.append(RowOrigin("model", rank))
                 if len(rows) == k:
                     break
-    return rows
+    return rows, origins
 
 
 @torch.inference_mode()
@@ -228,11 +238,14 @@ def ngrammys_generate(
     q: int = 2,
     strategy: str = "mixed",
     bigram: ModelBigram | None = None,
+    stop: RowStop | None = None,
 ) -> GenerationResult:
     """Lossless N-Grammys decoding: each round verifies up to ``k`` guessed rows of up to ``w`` tokens in one target
     call (see the module docstring). ``bigram`` (:meth:`ModelBigram.load_or_build`) is required by the ``model``
-    and ``mixed`` strategies; ``q`` is the context n-gram query length. Returns the sequences and
-    :class:`~accept_head.tree_verify.TreeDecodeStats`."""
+    and ``mixed`` strategies; ``q`` is the context n-gram query length. ``stop`` (a
+    :class:`~accept_head.tree_verify.RowStop`, e.g. :class:`~accept_head.free_stop.AdaptiveRowStop`) chooses how
+    much of each guessed row to verify, and sees every verification pass; without it all rows are verified whole.
+    Returns the sequences and :class:`~accept_head.tree_verify.TreeDecodeStats`."""
     check_ngrammys_params(k, w, q, strategy)
     sampling = SamplingConfig(temperature, top_k, top_p)
     if strategy != "context":
@@ -252,6 +265,8 @@ def ngrammys_generate(
     start = time.perf_counter()
     tokens = ids[0].tolist()
     context = ContextNgrams(q) if strategy != "model" else None
+    if stop is not None:
+        stop.start(tokens)
     cache = DynamicCache()  # always lacks the last committed token: it is the next round's root
     with _timed(stats, "target_time"):
         if len(tokens) > 1:
@@ -260,7 +275,9 @@ def ngrammys_generate(
         # 1. Guess: rows may not outrun the budget (the target always adds a token of its own).
         with _timed(stats, "draft_time"):
             width = min(w, budget - stats.generated - 1)
-            rows = propose_rows(tokens, k, width, strategy, context, bigram) if width > 0 else []
+            rows, origins = propose_rows(tokens, k, width, strategy, context, bigram) if width > 0 else ([], [])
+            if stop is not None:
+                rows, origins = apply_stop(stop, tokens, rows, origins, fed=1)
         # 2. Verify every row in one pass over the tree [root = last token, row 1, ..., row k].
         with _timed(stats, "target_time"):
             tree, parents = [tokens[-1]], [-1]
@@ -271,6 +288,9 @@ def ngrammys_generate(
             else:
                 row, m, next_token = verify_sampled(probabilities(logits, sampling), rows, nodes, generator)
             commit_nodes(cache, len(tokens) - 1, nodes[row][:m] if m else [])
+        if stop is not None:
+            with _timed(stats, "draft_time"):
+                stop.observe(tokens, rows, origins, nodes, logits)
         # 3. Commit the winning row's accepted tokens and the target's own (up to an EOS).
         new = [*rows[row][:m], next_token] if m else [next_token]
         ended = next((i for i, t in enumerate(new) if t in eos), None)

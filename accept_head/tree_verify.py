@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
@@ -44,6 +45,63 @@ class TreeDecodeStats(DecodeStats):
     """Tokens fed to the target in each call (the root, every row and, for Lookahead, its window)."""
     rows: list[int] = field(default_factory=list)
     """Candidate rows verified in each call."""
+
+
+@dataclass(frozen=True)
+class RowOrigin:
+    """Where a guessed row came from: what a stop rule may read about it besides its tokens."""
+
+    source: str
+    """``context`` (copied from earlier text), ``model`` (the model bigram's chain) or ``pool`` (Lookahead's pool)."""
+    rank: int
+    """Rank within its source: 0 = the most recent context match, the most likely successor, the newest pool entry."""
+    start: int = -1
+    """For ``context`` rows: the index in the committed text where the copied continuation starts; else −1."""
+
+
+class RowStop(Protocol):
+    """Chooses how much of each guessed row a learning-free decoder submits (:mod:`~accept_head.free_stop`).
+
+    The decoder calls ``start`` once with the prompt, then every round ``select`` before the target call and
+    ``observe`` after it. ``select`` returns one length per row in [0, len(row)]: the row's first tokens to verify
+    (0 drops it). It sees only the committed text and the guesses, never the target's output, so every guess is
+    fixed before verification and decoding stays lossless whatever it returns.
+    """
+
+    def start(self, tokens: Sequence[int]) -> None: ...
+
+    def select(self, tokens: Sequence[int], rows: list[list[int]], origins: list[RowOrigin], fed: int) -> list[int]:
+        """``tokens``: the committed text (its last token is the tree's root); ``fed``: tokens the call feeds
+        besides the rows (the root, and Lookahead's window)."""
+        ...
+
+    def observe(
+        self,
+        tokens: Sequence[int],
+        rows: list[list[int]],
+        origins: list[RowOrigin],
+        nodes: list[list[int]],
+        logits: torch.Tensor,
+    ) -> None:
+        """After verification: ``logits[0]`` (V,) is the target's output after the root and ``logits[nodes[r][j]]``
+        after ``rows[r][j]``; ``tokens`` is still the text before this round's tokens are committed."""
+        ...
+
+
+def apply_stop(
+    stop: RowStop, tokens: Sequence[int], rows: list[list[int]], origins: list[RowOrigin], fed: int
+) -> tuple[list[list[int]], list[RowOrigin]]:
+    """The rows ``stop`` keeps (each cut to its selected length; empty ones dropped) and their origins."""
+    if not rows:
+        return rows, origins
+    lengths = stop.select(tokens, rows, origins, fed)
+    if len(lengths) != len(rows) or any(not 0 <= n <= len(row) for n, row in zip(lengths, rows)):
+        raise ValueError(
+            f"{type(stop).__name__}.select returned lengths {list(lengths)} for rows of lengths "
+            f"{[len(row) for row in rows]}: it must return one length in [0, len(row)] per row."
+        )
+    kept = [(row[:n], origin) for n, row, origin in zip(lengths, rows, origins) if n > 0]
+    return [row for row, _ in kept], [origin for _, origin in kept]
 
 
 def check_masked_attention(model: torch.nn.Module) -> None:

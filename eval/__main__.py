@@ -5,6 +5,7 @@ Examples::
     python -m eval bench --config configs/eval/bench.yaml
     python -m eval report --config configs/eval/report.yaml
     python -m eval ablate --config configs/eval/ablate.yaml
+    python -m eval free_stop --config configs/eval/free_stop.yaml
     python -m eval costs --bundle checkpoints/smollm2-135m-specdecpp
     python -m eval sweep --bundle B --prompts '[{path: humaneval, limit: 8}]' --temperatures '[0]'
     python -m eval calibration --bundle B --prompts '[{path: humaneval, limit: 8}]'
@@ -23,6 +24,7 @@ def commands() -> dict:
     from .bench import bench
     from .calibration import calibration
     from .costs import costs
+    from .free_stop import free_stop
     from .report import report
     from .sweep import sweep
 
@@ -33,6 +35,7 @@ def commands() -> dict:
         "bench": bench,
         "report": report,
         "ablate": ablate,
+        "free_stop": free_stop,
     }
 
 

@@ -1,0 +1,524 @@
+"""``python -m eval free_stop``: the adaptive stop of :mod:`accept_head.free_stop` against the best static setting of
+the same learning-free decoder (N-Grammys, Lookahead), on prompts that chose nothing.
+
+Per temperature and decoder:
+
+1. *Train*: decode the training prompts with the decoder's generous ``pool`` setting and a
+   :class:`~accept_head.free_stop.LabelRecorder`, fit a :class:`~accept_head.free_stop.GuessPredictor` (calibrated
+   out of fold by prompt); its calibration is reported on labels collected the same way on the validation prompts.
+2. *Validate*: decode the validation prompts once with every static setting and with the adaptive stop at every
+   threshold h (with and without the cost curve); keep the best static setting and the best adaptive one by
+   modeled (or measured) tokens/s.
+3. *Test*: decode the test prompts with the target alone, the best static setting and the best adaptive one,
+   interleaved (A B C A B C …, one seed per prompt shared by every method) over ``repeats`` passes after a warm-up,
+   and print tokens per target call, wall-clock tokens/s (median, min–max over passes) and modeled tokens/s.
+
+Modeled seconds of a run: Σ over target calls of the measured cost-per-tree-size curve at the tokens the call fed
+(:class:`~accept_head.cost_model.TreeCost`), plus the measured time spent building guesses and running the stop.
+Writes ``free_stop.json``, ``tree_costs.json`` and each fitted predictor (``<decoder>-<temperature>-predictor.json``).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from accept_head.cost_model import TreeCost, measure_tree_costs
+from accept_head.decoding import GenerationResult, autoregressive_generate
+from accept_head.free_stop import AdaptiveRowStop, GuessFeatures, GuessPredictor, collect_labels
+from accept_head.lookahead import check_lookahead_params, lookahead_generate
+from accept_head.ngrammys import ModelBigram, check_ngrammys_params, ngrammys_generate
+from accept_head.pairs import ModelSpec, cache_root, eos_token_ids, load_model, load_tokenizer
+from accept_head.prompts import PromptSource
+
+from .common import check_disjoint, encode_prompts, fmt, load_pair, machine_info, output_folder, text_table, write_json
+from .methods import prompt_seed
+from .sweep import temperature_key
+
+DECODERS = ("ngrammys", "lookahead")
+
+
+@dataclass
+class NgrammysSetting:
+    """One static N-Grammys setting (:func:`~accept_head.ngrammys.ngrammys_generate`)."""
+
+    k: int = 10
+    """Rows per round."""
+    w: int = 4
+    """Tokens per row."""
+    q: int = 2
+    """Context n-gram query length."""
+    strategy: str = "mixed"
+    """model, context or mixed."""
+
+
+@dataclass
+class LookaheadSetting:
+    """One static Lookahead setting (:func:`~accept_head.lookahead.lookahead_generate`)."""
+
+    window: int = 5
+    """W: Jacobi window columns."""
+    ngram: int = 4
+    """N: n-gram size (guesses of N − 1 tokens)."""
+    guess_set: int = 5
+    """G: guesses verified per step."""
+    context_ngrams: bool = False
+    """Seed the pool with the prompt's and the output's own n-grams."""
+
+
+def _setting_name(decoder: str, setting: NgrammysSetting | LookaheadSetting) -> str:
+    if decoder == "ngrammys":
+        return f"N-Grammys k={setting.k} w={setting.w} q={setting.q} {setting.strategy}"
+    extra = " context" if setting.context_ngrams else ""
+    return f"Lookahead W={setting.window} N={setting.ngram} G={setting.guess_set}{extra}"
+
+
+def _check_setting(decoder: str, setting) -> None:
+    if decoder == "ngrammys":
+        check_ngrammys_params(setting.k, setting.w, setting.q, setting.strategy)
+    else:
+        check_lookahead_params(setting.window, setting.ngram, setting.guess_set)
+
+
+@dataclass
+class Method:
+    """A decoder run: the target alone, a static setting, or a pool setting under an adaptive stop."""
+
+    name: str
+    decoder: str
+    """autoregressive, ngrammys or lookahead."""
+    setting: NgrammysSetting | LookaheadSetting | None = None
+    stop: AdaptiveRowStop | None = None
+    params: dict | None = None
+    """What the name states, for the JSON (threshold, cost cap)."""
+
+    def to_dict(self) -> dict:
+        return {
+            "name": self.name,
+            "decoder": self.decoder,
+            "setting": None if self.setting is None else asdict(self.setting),
+            "adaptive": self.stop is not None,
+            **({"params": self.params} if self.params else {}),
+        }
+
+
+class Decoders:
+    """Decoding functions for one target, token budget and sampling setting: ``decode(method, ids, generator)``."""
+
+    def __init__(self, target, bigram: ModelBigram, max_new_tokens: int, temperature: float, eos: list[int] | None):
+        self.target, self.bigram, self.max_new_tokens = target, bigram, max_new_tokens
+        self.common = dict(temperature=temperature, eos_token_id=eos)
+
+    def run(self, method: Method, ids: list[int], generator: torch.Generator | None, stop=None) -> GenerationResult:
+        """Decode ``ids``; ``stop`` (a label recorder) overrides the method's own stop."""
+        stop = stop if stop is not None else method.stop
+        budget, common = self.max_new_tokens, dict(self.common, generator=generator)
+        if method.decoder == "autoregressive":
+            return autoregressive_generate(self.target, ids, budget, **common)
+        if method.decoder == "ngrammys":
+            s = method.setting
+            bigram = None if s.strategy == "context" else self.bigram
+            return ngrammys_generate(
+                self.target, ids, budget, **common, k=s.k, w=s.w, q=s.q, strategy=s.strategy, bigram=bigram, stop=stop
+            )
+        s = method.setting
+        return lookahead_generate(
+            self.target,
+            ids,
+            budget,
+            **common,
+            window=s.window,
+            ngram=s.ngram,
+            guess_set=s.guess_set,
+            context_ngrams=s.context_ngrams,
+            stop=stop,
+        )
+
+
+@dataclass
+class Run:
+    """What one decoding of one prompt counted."""
+
+    generated: int
+    target_calls: int
+    fed: int
+    """Tokens fed to the target over all calls (1 per call for the target alone)."""
+    seconds: float
+    modeled_seconds: float
+
+
+def _run_of(result: GenerationResult, cost: TreeCost) -> Run:
+    stats = result.stats
+    fed = list(getattr(stats, "fed", [])) or [1] * stats.target_calls
+    modeled = sum(cost(n) for n in fed) + stats.draft_time
+    return Run(stats.generated, stats.target_calls, sum(fed), stats.total_time, modeled)
+
+
+def summarize(runs: Sequence[Sequence[Run]]) -> dict:
+    """Per-repeat totals (``runs[repeat][prompt]``) → tokens per target call, fed tokens per call, measured tokens/s
+    (median / min / max over repeats) and modeled tokens/s, pooled over repeats."""
+    per_repeat = [sum(r.generated for r in rs) / max(sum(r.seconds for r in rs), 1e-12) for rs in runs]
+    flat = [r for rs in runs for r in rs]
+    generated, calls = sum(r.generated for r in flat), sum(r.target_calls for r in flat)
+    return {
+        "tokens_per_target_call": generated / calls if calls else 0.0,
+        "fed_per_call": sum(r.fed for r in flat) / calls if calls else 0.0,
+        "tokens_per_second": {
+            "median": statistics.median(per_repeat),
+            "min": min(per_repeat),
+            "max": max(per_repeat),
+            "per_repeat": per_repeat,
+        },
+        "modeled_tokens_per_second": generated / max(sum(r.modeled_seconds for r in flat), 1e-12),
+        "generated": generated,
+        "target_calls": calls,
+    }
+
+
+def run_interleaved(
+    decoders: Decoders,
+    methods: Sequence[Method],
+    prompts: Sequence[Sequence[int]],
+    cost: TreeCost,
+    seed: int,
+    repeats: int = 1,
+    warmup: int = 0,
+) -> list[list[list[Run]]]:
+    """``runs[method][repeat][prompt]``: every method decodes each prompt in turn (A B C A B C …) with the same
+    seed, after ``warmup`` untimed prompts decoded by every method."""
+    for index, ids in enumerate(prompts[:warmup]):
+        for method in methods:
+            decoders.run(method, list(ids), torch.Generator().manual_seed(prompt_seed(seed, -1, index)))
+    runs: list[list[list[Run]]] = [[[] for _ in range(repeats)] for _ in methods]
+    for repeat in range(repeats):
+        for index, ids in enumerate(prompts):
+            for m, method in enumerate(methods):
+                generator = torch.Generator().manual_seed(prompt_seed(seed, repeat, index))
+                runs[m][repeat].append(_run_of(decoders.run(method, list(ids), generator), cost))
+    return runs
+
+
+def _rate(summary: dict, select_by: str) -> float:
+    return summary["modeled_tokens_per_second"] if select_by == "modeled" else summary["tokens_per_second"]["median"]
+
+
+TABLE_HEADER = ["method", "tok/call", "fed/call", "tok/s", "min–max", "modeled", "vs static", "vs AR"]
+
+
+def _table_rows(rows: Sequence[dict]) -> list[list[str]]:
+    out = []
+    for row in rows:
+        tps = row["tokens_per_second"]
+        out.append(
+            [
+                row["name"],
+                fmt(row["tokens_per_target_call"], 2),
+                fmt(row["fed_per_call"], 1),
+                fmt(tps["median"]),
+                f"{fmt(tps['min'])}–{fmt(tps['max'])}",
+                fmt(row["modeled_tokens_per_second"]),
+                fmt(row.get("ratio_to_static"), 2, "x"),
+                fmt(row.get("ratio_to_autoregressive"), 2, "x"),
+            ]
+        )
+    return out
+
+
+def free_stop(
+    bundle: str | None = None,
+    target: ModelSpec | None = None,
+    prompts: list[PromptSource] | None = None,
+    validation_prompts: list[PromptSource] | None = None,
+    training_prompts: list[PromptSource] | None = None,
+    decoders: list[str] | None = None,
+    ngrammys_settings: list[NgrammysSetting] | None = None,
+    ngrammys_pool: NgrammysSetting | None = None,
+    lookahead_settings: list[LookaheadSetting] | None = None,
+    lookahead_pool: LookaheadSetting | None = None,
+    thresholds: list[float] | None = None,
+    cost_cap: list[bool] | None = None,
+    max_new_tokens: int = 96,
+    temperatures: list[float] | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    select_by: str = "modeled",
+    tree_costs: str = "measure",
+    tree_cost_sizes: list[int] | None = None,
+    cost_repeats: int = 10,
+    bigram_top: int = 32,
+    bigram_cache: str | None = None,
+    feature_q: int = 2,
+    predictor_c: float = 1.0,
+    prompt_mode: str = "chat",
+    system_prompt: str | None = None,
+    max_prompt_tokens: int = 512,
+    seed: int = 0,
+    split_seed: int = 0,
+    device: str | None = None,
+    dtype: str | None = None,
+    output_dir: str = "eval_out/free_stop",
+) -> dict:
+    """Benchmark the adaptive stop for learning-free decoders (accept_head.free_stop) against the best static
+    setting of the same decoder: fit the acceptance predictor on the training prompts, choose the threshold h and
+    the static setting on the validation prompts, report on the test prompts. Writes free_stop.json,
+    tree_costs.json and the fitted predictors, and prints one table per temperature.
+
+    Args:
+        bundle: SpecDecPP bundle whose target is used (its draft and head are not); or give target.
+        target: Target model spec (overrides the bundle's).
+        prompts: Test prompt sources; must share no prompt with the other two sets.
+        validation_prompts: Prompt sources for choosing h and the best static setting.
+        training_prompts: Prompt sources whose verification passes label the predictor's training data.
+        decoders: Learning-free decoders to compare: ngrammys, lookahead (default both).
+        ngrammys_settings: Static N-Grammys grid searched on validation (default k x w over {1, 3, 5, 10} x
+            {1, 2, 4}, mixed, q=2).
+        ngrammys_pool: The guesses the adaptive N-Grammys stop chooses from, and the setting that labels the
+            training data (default k=10, w=8).
+        lookahead_settings: Static Lookahead grid searched on validation (default W=5 N=4 G=5, W=3 N=3 G=3,
+            W=5 N=5 G=5, W=7 N=4 G=7).
+        lookahead_pool: The adaptive Lookahead setting (the stop cuts its guesses; the window is always fed) and
+            the setting that labels the training data (default W=5, N=6, G=10).
+        thresholds: h grid of the adaptive stop searched on validation (default 0.5, 0.7, 0.8, 0.9, 0.95, 1.0).
+        cost_cap: Whether the stop also prices the round by the tree-cost curve; both values are searched on
+            validation (default [false, true]).
+        max_new_tokens: Tokens generated per prompt (at most), the same for every method.
+        temperatures: Sampling temperatures; 0 is greedy (default [0]). A predictor is fitted per temperature.
+        repeats: Timed passes over the test prompts.
+        warmup: Test prompts decoded once by every method before timing.
+        select_by: Choose h and the static setting by ``modeled`` (the tree-cost curve) or ``measured`` tokens/s.
+        tree_costs: ``measure`` (time the target's tree-masked calls now) or a tree_costs.json written by an
+            earlier run.
+        tree_cost_sizes: Tokens fed per call to time (default 1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 81).
+        cost_repeats: Timed runs per size when measuring the curve.
+        bigram_top: Successors per token in N-Grammys' model-bigram table (also read by the predictor's features).
+        bigram_cache: Folder of the cached bigram tables (default ~/.cache/accept_head/bigram).
+        feature_q: n-gram length of the predictor's context-agreement features.
+        predictor_c: Inverse L2 regularisation of the predictor's logistic regression.
+        prompt_mode: ``chat`` (apply the chat template) or ``raw``.
+        system_prompt: Optional system message for chat prompts.
+        max_prompt_tokens: Prompts longer than this are skipped.
+        seed: Seed of the prompt shuffle, the calibration folds and every decoding generator.
+        split_seed: Seed of the prompt-id hash splits (data_gen's split_seed; 0 by default).
+        device: Device for the target (overrides the spec).
+        dtype: float32, bfloat16 or float16 (overrides the spec).
+        output_dir: Folder for free_stop.json, tree_costs.json and the predictors.
+    """
+    decoders = list(DECODERS) if decoders is None else list(decoders)
+    unknown = sorted(set(decoders) - set(DECODERS))
+    if unknown or not decoders:
+        raise ValueError(f"decoders={decoders} must be a non-empty list drawn from {DECODERS}.")
+    settings = {
+        "ngrammys": [NgrammysSetting(k, w) for k in (1, 3, 5, 10) for w in (1, 2, 4)]
+        if ngrammys_settings is None
+        else [NgrammysSetting(**s) if isinstance(s, dict) else s for s in ngrammys_settings],
+        "lookahead": [LookaheadSetting(*s) for s in ((5, 4, 5), (3, 3, 3), (5, 5, 5), (7, 4, 7))]
+        if lookahead_settings is None
+        else [LookaheadSetting(**s) if isinstance(s, dict) else s for s in lookahead_settings],
+    }
+    pools = {
+        "ngrammys": NgrammysSetting(10, 8) if ngrammys_pool is None else _coerce(NgrammysSetting, ngrammys_pool),
+        "lookahead": LookaheadSetting(5, 6, 10)
+        if lookahead_pool is None
+        else _coerce(LookaheadSetting, lookahead_pool),
+    }
+    for decoder in decoders:
+        if not settings[decoder]:
+            raise ValueError(f"{decoder}_settings must hold at least one static setting.")
+        for setting in [*settings[decoder], pools[decoder]]:
+            _check_setting(decoder, setting)
+    if (
+        pools["ngrammys"].strategy != "context"
+        and max(s.k for s in [*settings["ngrammys"], pools["ngrammys"]]) > bigram_top
+    ):
+        raise ValueError(f"an N-Grammys setting asks for more rows k than bigram_top={bigram_top}; raise bigram_top.")
+    thresholds = [0.5, 0.7, 0.8, 0.9, 0.95, 1.0] if thresholds is None else [float(h) for h in thresholds]
+    if not thresholds or any(not 0 <= h <= 1 for h in thresholds):
+        raise ValueError(f"thresholds={thresholds} must be a non-empty list of h in [0, 1].")
+    cost_cap = [False, True] if cost_cap is None else [bool(c) for c in cost_cap]
+    if not cost_cap:
+        raise ValueError("cost_cap must hold at least one of false, true.")
+    temperatures = [0.0] if temperatures is None else [float(t) for t in temperatures]
+    if select_by not in ("modeled", "measured"):
+        raise ValueError(f"select_by={select_by!r} must be 'modeled' or 'measured'.")
+    if repeats < 1 or warmup < 0:
+        raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup}).")
+    for name, value in (("prompts", prompts), ("validation_prompts", validation_prompts)):
+        if not value:
+            raise ValueError(f"--{name} is required: give at least one prompt source.")
+    if not training_prompts:
+        raise ValueError("--training_prompts is required: the predictor is fitted on their verification passes.")
+    folder = output_folder(output_dir)
+    model, tokenizer = _load_target(bundle, target, device, dtype)
+    encode = dict(
+        tokenizer=tokenizer,
+        prompt_mode=prompt_mode,
+        system_prompt=system_prompt,
+        max_prompt_tokens=max_prompt_tokens,
+        seed=seed,
+        split_seed=split_seed,
+    )
+    sets = {
+        "test": encode_prompts("test", prompts, **encode),
+        "validation": encode_prompts("validation", validation_prompts, **encode),
+        "training": encode_prompts("training", training_prompts, **encode),
+    }
+    check_disjoint(sets["test"], sets["validation"])
+    check_disjoint(sets["test"], sets["training"])
+    check_disjoint(sets["validation"], sets["training"])
+    ids = {name: [p.ids for p in s.prompts] for name, s in sets.items()}
+    try:
+        eos = eos_token_ids(tokenizer, model)
+    except ValueError:
+        eos = None
+    bigram = ModelBigram.load_or_build(
+        model, Path(bigram_cache) if bigram_cache is not None else cache_root() / "bigram", bigram_top
+    )
+    cost, cost_source = _tree_cost(model, tree_costs, tree_cost_sizes, pools, cost_repeats, seed)
+    write_json(folder / "tree_costs.json", {"tree_cost": cost.to_dict(), "source": cost_source})
+
+    results: dict = {}
+    for temperature in temperatures:
+        key = temperature_key(temperature)
+        runner = Decoders(model, bigram, max_new_tokens, temperature, eos)
+        ar = Method("autoregressive", "autoregressive")
+        chosen: dict[str, dict] = {}
+        test_methods = [ar]
+        for decoder in decoders:
+            pool = Method(f"{_setting_name(decoder, pools[decoder])} (labels)", decoder, pools[decoder])
+            started = time.perf_counter()
+            features = GuessFeatures(bigram, q=feature_q)
+
+            def label_run(prompt, stop, pool=pool):
+                return runner.run(pool, prompt, torch.Generator().manual_seed(seed), stop=stop)
+
+            train_labels = collect_labels(label_run, ids["training"], features, temperature)
+            predictor = GuessPredictor.fit(train_labels, c=predictor_c, seed=seed)
+            val_labels = collect_labels(label_run, ids["validation"], GuessFeatures(bigram, q=feature_q), temperature)
+            path = predictor.save(folder / f"{decoder}-{key}-predictor.json")
+            held_out = predictor.evaluate(val_labels)
+            print(
+                f"{decoder} {key}: predictor on {len(train_labels)} guessed tokens of {len(ids['training'])} training "
+                f"prompts (calibration: {predictor.provenance['calibration']['chosen']}); on {len(val_labels)} "
+                f"validation tokens ECE {held_out['ece']:.3f}, Brier {held_out['brier']:.3f}, "
+                f"AUC {held_out['auc']:.3f}, "
+                f"mean predicted {held_out['mean_pred']:.3f} vs accepted {held_out['mean_label']:.3f} "
+                f"({time.perf_counter() - started:.0f} s)"
+            )
+            static = [Method(_setting_name(decoder, s), decoder, s) for s in settings[decoder]]
+            adaptive = [
+                Method(
+                    f"{_setting_name(decoder, pools[decoder])} + stop h={h:g}{' cost' if cap else ''}",
+                    decoder,
+                    pools[decoder],
+                    AdaptiveRowStop(predictor, h, bigram, cost if cap else None),
+                    {"threshold": h, "cost_cap": cap},
+                )
+                for h in thresholds
+                for cap in cost_cap
+            ]
+            candidates = static + adaptive
+            print(f"{decoder} {key}: validating {len(candidates)} settings on {len(ids['validation'])} prompts")
+            runs = run_interleaved(runner, candidates, ids["validation"], cost, seed)
+            summaries = [summarize(r) | m.to_dict() for m, r in zip(candidates, runs)]
+            best_static = max(range(len(static)), key=lambda i: _rate(summaries[i], select_by))
+            best_adaptive = len(static) + max(
+                range(len(adaptive)), key=lambda i: _rate(summaries[len(static) + i], select_by)
+            )
+            chosen[decoder] = {
+                "predictor": str(path),
+                "predictor_provenance": predictor.provenance,
+                "training_labels": len(train_labels),
+                "validation_calibration": held_out,
+                "validation": summaries,
+                "best_static": summaries[best_static]["name"],
+                "best_adaptive": summaries[best_adaptive]["name"],
+            }
+            test_methods += [candidates[best_static], candidates[best_adaptive]]
+        print(f"{key}: {len(test_methods)} methods on {len(ids['test'])} test prompts × {repeats} repeats")
+        runs = run_interleaved(runner, test_methods, ids["test"], cost, seed, repeats, warmup)
+        rows = [summarize(r) | m.to_dict() for m, r in zip(test_methods, runs)]
+        base = rows[0]["tokens_per_second"]["median"]
+        for i, row in enumerate(rows):
+            row["ratio_to_autoregressive"] = row["tokens_per_second"]["median"] / base if base else None
+            if row["decoder"] != "autoregressive":
+                static_row = rows[i - 1] if row["adaptive"] else row
+                ratio = row["tokens_per_second"]["median"] / static_row["tokens_per_second"]["median"]
+                row["ratio_to_static"] = ratio
+                row["modeled_ratio_to_static"] = (
+                    row["modeled_tokens_per_second"] / static_row["modeled_tokens_per_second"]
+                )
+        results[key] = {"temperature": temperature, "decoders": chosen, "methods": rows}
+        title = (
+            f"free_stop, {key}, {len(ids['test'])} test prompts × {repeats} repeats, ≤{max_new_tokens} new tokens; "
+            f"h and static settings chosen on {len(ids['validation'])} validation prompts by {select_by} tok/s"
+        )
+        print(text_table(TABLE_HEADER, _table_rows(rows), title=title))
+    payload = {
+        "command": "free_stop",
+        "machine": machine_info(),
+        "target": None if target is None else ModelSpec.coerce(target).to_dict(),
+        "bundle": bundle,
+        "prompts": {name: s.describe() for name, s in sets.items()},
+        "settings": {
+            "max_new_tokens": max_new_tokens,
+            "repeats": repeats,
+            "warmup": warmup,
+            "select_by": select_by,
+            "thresholds": thresholds,
+            "cost_cap": cost_cap,
+            "pools": {d: asdict(pools[d]) for d in decoders},
+            "static": {d: [asdict(s) for s in settings[d]] for d in decoders},
+            "bigram_top": bigram_top,
+            "feature_q": feature_q,
+            "predictor_c": predictor_c,
+            "seed": seed,
+        },
+        "tree_cost": {"source": cost_source, **cost.to_dict()},
+        "results": results,
+    }
+    write_json(folder / "free_stop.json", payload)
+    print(f"wrote {folder / 'free_stop.json'}")
+    return payload
+
+
+def _coerce(cls, value):
+    return cls(**value) if isinstance(value, dict) else value
+
+
+def _load_target(bundle: str | None, target: ModelSpec | None, device: str | None, dtype: str | None):
+    """The target model and its tokenizer: from ``target`` if given, else from the bundle's target spec."""
+    if target is None and bundle is None:
+        raise ValueError("Pass --bundle PATH (its target is used) or --target.path.")
+    if target is None:
+        pair = load_pair(bundle, device=device, dtype=dtype)
+        return pair.target, pair.tokenizer
+    spec = ModelSpec.coerce(target)
+    spec.device = device or spec.device
+    spec.dtype = dtype or spec.dtype
+    return load_model(spec), load_tokenizer(spec)
+
+
+def _tree_cost(
+    model, source: str, sizes: list[int] | None, pools: dict, repeats: int, seed: int
+) -> tuple[TreeCost, str]:
+    """The cost-per-tree-size curve: measured now (up to the largest pool's tree) or read from a JSON file."""
+    if source != "measure":
+        path = Path(source)
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"tree_costs={source!r} is neither 'measure' nor an existing tree_costs.json; run once with "
+                "--tree_costs measure (it writes one into output_dir)."
+            )
+        raw = json.loads(path.read_text())
+        return TreeCost.from_dict(raw.get("tree_cost", raw)), str(path)
+    n, la = pools["ngrammys"], pools["lookahead"]
+    largest = max(1 + n.k * n.w, la.window * (la.ngram - 1) + 1 + la.guess_set * (la.ngram - 1))
+    sizes = sizes or [1, 2, 4, 8, 12, 16, 20, 24, 32, 40, 48, 64, 81]
+    sizes = sorted({*sizes, largest}) if max(sizes) < largest else sorted(set(sizes))
+    return measure_tree_costs(model, sizes, repeats=repeats, warmup=max(1, repeats // 5), seed=seed), "measured"
