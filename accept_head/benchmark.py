@@ -10,6 +10,7 @@ import torch
 from .cost_model import CostModel
 from .decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate
 from .policies import StopPolicy
+from .seeds import seeded_generator
 
 
 @dataclass
@@ -98,8 +99,4 @@ def autoregressive_decoder(target, max_new_tokens: int, eos_token_id, temperatur
 
 def run_prompts(decoder: Decoder, prompts: Sequence[Sequence[int]], seed: int = 0) -> list[DecodeStats]:
     """Decode every prompt (batch size 1) with a per-prompt seeded generator; return each prompt's stats."""
-    out = []
-    for i, ids in enumerate(prompts):
-        generator = torch.Generator().manual_seed(seed * 1_000_003 + i)
-        out.append(decoder(torch.tensor([list(ids)]), generator).stats)
-    return out
+    return [decoder(torch.tensor([list(ids)]), seeded_generator(seed, 0, i)).stats for i, ids in enumerate(prompts)]

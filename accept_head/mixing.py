@@ -8,8 +8,6 @@ positions holding X_i carry none. The mixing is resampled every epoch from an ex
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 
 
@@ -40,13 +38,3 @@ def mix_tokens(
     uniforms = torch.rand(response_ids.shape, generator=generator, device=generator.device)
     from_draft = (uniforms >= ratio).to(response_ids.device)
     return torch.where(from_draft, draft_ids, response_ids), from_draft
-
-
-def mixing_seed(seed: int, epoch: int, key: str) -> int:
-    """A 63-bit generator seed for one row in one epoch, from (seed, epoch, the row's stable key).
-
-    Deriving it per row (rather than drawing rows from one epoch-wide generator) makes the mixing independent of
-    batch order, worker count and the number of processes, so a resumed or distributed run sees the same Z.
-    """
-    digest = hashlib.sha256(f"{seed}:{epoch}:{key}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1

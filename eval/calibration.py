@@ -32,6 +32,7 @@ from accept_head.pairs import ModelSpec
 from accept_head.plots import reliability_plot
 from accept_head.policies import HeadThreshold, RoundState
 from accept_head.prompts import PromptSource
+from accept_head.seeds import seeded_generator
 from accept_head.tables import text_table
 
 from .common import (
@@ -44,7 +45,6 @@ from .common import (
     output_folder,
     write_json,
 )
-from .methods import prompt_seed
 
 N_BINS = 15
 
@@ -90,7 +90,7 @@ def offline_predictions(
     """
     from accept_head.features import decoder_matches_lm_head_input, final_hidden_states
     from accept_head.labels import load_label_dataset
-    from accept_head.mixing import mix_tokens, mixing_seed
+    from accept_head.mixing import mix_tokens
 
     if pair.bundle is None:
         raise ValueError("offline calibration needs a bundle with a head (--bundle).")
@@ -109,7 +109,7 @@ def offline_predictions(
         drafted = torch.tensor(row["draft_ids"], dtype=torch.long)
         if response.numel() == 0:
             continue
-        generator = torch.Generator().manual_seed(mixing_seed(seed, 0, str(row["prompt_id"])))
+        generator = seeded_generator(seed, 0, str(row["prompt_id"]))
         z, from_draft = mix_tokens(response, drafted, mix_ratio, generator)
         ids = torch.cat([prompt, z])[None, :].to(device)
         hidden = final_hidden_states(draft, ids, use_decoder=use_decoder)[0, prompt.numel() :]  # (N, H)
@@ -202,7 +202,7 @@ def on_policy_records(
         raise ValueError("on-policy calibration needs a bundle with a head (--bundle).")
     policy = RecordingHeadThreshold(pair.bundle.policy(threshold))
     for index, prompt in enumerate(prompt_set.prompts):
-        generator = torch.Generator().manual_seed(prompt_seed(seed, 0, index))
+        generator = seeded_generator(seed, 0, index)
         speculative_generate(
             pair.target,
             pair.draft,

@@ -20,6 +20,7 @@ from accept_head.labels import load_label_dataset
 from accept_head.pairs import load_model
 from accept_head.rollout import read_hidden, rollout_labels
 from accept_head.sampling import SamplingConfig, probabilities
+from accept_head.seeds import seeded_generator
 from data_gen.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -158,7 +159,7 @@ def test_data_gen_rollout_writes_a_dataset_whose_rows_are_the_library_rollouts(t
     draft = load_model({"path": str(tiny.draft), "dtype": "float32"})
     for i in (0, 7):
         row = dataset[i]
-        generator = torch.Generator().manual_seed(generate_module.derive_seed(0, "rollout", i))
+        generator = seeded_generator(0, "rollout", i)
         eos = meta["tokenizer"]["eos_token_ids"]
         expected = rollout_labels(target, draft, row["prompt_ids"], 12, 3, SamplingConfig(), eos, generator)
         assert row["response_ids"] == expected.response_ids.tolist()

@@ -23,7 +23,8 @@ from accept_head.metrics import (
     soft_auc,
     soft_bce,
 )
-from accept_head.mixing import mix_tokens, mixing_seed
+from accept_head.mixing import mix_tokens
+from accept_head.seeds import derive_seed
 from accept_head.training.data import (
     BucketBatchSampler,
     EpochRandomSampler,
@@ -123,7 +124,13 @@ def test_mixing_is_resampled_per_epoch_and_reproducible_per_seed():
     assert all(torch.equal(a, b) for a, b in zip(epoch0, again, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(epoch0, epoch1, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(epoch0, other_seed, strict=True))
-    assert mixing_seed(0, 0, "p:1") != mixing_seed(0, 1, "p:1")
+    assert derive_seed(0, 0, "p:1") != derive_seed(0, 1, "p:1")
+
+
+def test_derived_seeds_are_63_bit_reproducible_and_differ_per_key():
+    seeds = {derive_seed(s, *keys) for s in (0, 1) for keys in [(), ("labels", 0), ("labels", 1), (-1, 0), (0, 0)]}
+    assert len(seeds) == 10 and all(0 <= s < 2**63 for s in seeds)
+    assert derive_seed(3, "rollout", 7) == derive_seed(3, "rollout", 7)
 
 
 def test_mixed_example_puts_labels_only_on_draft_positions_after_the_prompt():

@@ -28,6 +28,7 @@ from accept_head.batch_generate import sample_batch
 from accept_head.pairs import ModelSpec, eos_token_ids, load_model, load_tokenizer
 from accept_head.prompts import PromptSource, chat_prompt_ids, load_prompts
 from accept_head.sampling import SamplingConfig
+from accept_head.seeds import seeded_generator
 
 
 @dataclass
@@ -106,7 +107,7 @@ def generate(cfg: DistillConfig) -> None:
                 continue
             batch = prompts[shard * cfg.batch_size : (shard + 1) * cfg.batch_size]
             ids = [chat_prompt_ids(tokenizer, p.text) for p in batch]
-            generator = torch.Generator().manual_seed(cfg.seed * 1_000_003 + shard + (0 if kind == "train" else 7))
+            generator = seeded_generator(cfg.seed, kind, shard)
             start = time.perf_counter()
             responses = sample_batch(
                 model,

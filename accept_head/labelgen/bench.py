@@ -22,8 +22,9 @@ from dataclasses import dataclass, replace
 import torch
 
 from ..labels import label_transform, position_labels
+from ..seeds import seeded_generator
 from .config import DataGenConfig
-from .generate import LoadedPair, derive_seed, label_batch, load_run
+from .generate import LoadedPair, label_batch, load_run
 
 
 @dataclass
@@ -66,7 +67,7 @@ def run_naive(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]])
     sampling = cfg.sampling()
     transform = label_transform(sampling, cfg.label_mode)
     device = next(pair.target.parameters()).device
-    generator = torch.Generator().manual_seed(derive_seed(cfg.seed, "naive", 0))
+    generator = seeded_generator(cfg.seed, "naive", 0)
     for prompt in prompt_ids:
         ids = torch.tensor([prompt], device=device)
         t0 = time.perf_counter()

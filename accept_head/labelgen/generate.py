@@ -49,6 +49,7 @@ from ..pairs import (
 )
 from ..prompts import Prompt, PromptStats, chat_prompt_ids, load_prompts
 from ..rollout import rollout_features, rollout_labels
+from ..seeds import seeded_generator
 from .config import DataGenConfig
 from .output import (
     META,
@@ -141,12 +142,6 @@ def fit_prompts(
 # ----------------------------------------------------------------------------------------------------------------
 # Seeds, code version
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def derive_seed(seed: int, purpose: str, index: int) -> int:
-    """A 63-bit seed for (run seed, purpose, batch index); independent of everything else in the run."""
-    digest = hashlib.sha256(f"{seed}:{purpose}:{index}".encode()).digest()
-    return int.from_bytes(digest[:8], "big") >> 1
 
 
 def code_version() -> dict[str, Any]:
@@ -328,7 +323,7 @@ def label_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]
     if cfg.rollout:
         return rollout_batch(cfg, pair, prompt_ids, index)
     sampling = cfg.sampling()
-    labels_generator = torch.Generator().manual_seed(derive_seed(cfg.seed, "labels", index))
+    labels_generator = seeded_generator(cfg.seed, "labels", index)
     labeller = None
     if cfg.scoring == "lockstep":
         labeller = LockstepLabeller(
@@ -347,7 +342,7 @@ def label_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]
         sampling=sampling,
         eos_token_ids=pair.eos,
         pad_token_id=pair.pad,
-        generator=torch.Generator().manual_seed(derive_seed(cfg.seed, "generate", index)),
+        generator=seeded_generator(cfg.seed, "generate", index),
         follower=labeller,
     )
     t1 = time.perf_counter()
@@ -383,7 +378,7 @@ def rollout_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[in
     totals = dict.fromkeys(ROLLOUT_TOTAL_KEYS, 0.0)
     for offset, ids in enumerate(prompt_ids):
         row_index = index * cfg.batch_size + offset
-        generator = torch.Generator().manual_seed(derive_seed(cfg.seed, "rollout", row_index))
+        generator = seeded_generator(cfg.seed, "rollout", row_index)
         result = rollout_labels(
             pair.target, pair.draft, ids, cfg.max_new_tokens, cfg.k_max, sampling, pair.eos, generator
         )

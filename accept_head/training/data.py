@@ -25,9 +25,10 @@ import torch
 from lightning.pytorch import LightningDataModule
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
-from ..mixing import check_ratio, mix_tokens, mixing_seed
+from ..mixing import check_ratio, mix_tokens
 from ..pairs import ModelSpec, eos_token_ids, load_model, load_tokenizer, local_folder, local_path
 from ..sampling import SamplingConfig
+from ..seeds import seeded_generator
 
 ROLLOUT = "rollout"
 """``meta.json["label_mode"]`` of a dataset with stored hidden states (:mod:`accept_head.rollout`)."""
@@ -145,7 +146,7 @@ def prompt_split(
     kept = order[n_val:]
     if train_fraction < 1.0:
         n_train = max(1, int(round(train_fraction * len(kept))))
-        subset = torch.randperm(len(kept), generator=torch.Generator().manual_seed(seed + 1))[:n_train].tolist()
+        subset = torch.randperm(len(kept), generator=seeded_generator(seed, "train subset"))[:n_train].tolist()
         kept = [kept[i] for i in subset]
     train = [ids[i] for i in sorted(kept)]
     return {
@@ -164,9 +165,9 @@ def prompt_split(
 class MixedTokenDataset(Dataset):
     """Examples for the head: ``dataset[(row, epoch)]`` mixes row ``row`` for epoch ``epoch``.
 
-    The generator of each (row, epoch) is seeded from (seed, epoch, prompt_id) (:func:`accept_head.mixing.
-    mixing_seed`), so the mixing is resampled every epoch, reproducible per seed, and independent of batch order,
-    workers and processes. Items: ``input_ids`` (L,) = prompt + Z, ``loss_mask`` (L,) True where Z_i = Y_i,
+    The generator of each (row, epoch) is seeded from (seed, epoch, prompt_id) (:func:`accept_head.seeds.derive_seed`),
+    so the mixing is resampled every epoch, reproducible per seed, and independent of batch order, workers and
+    processes. Items: ``input_ids`` (L,) = prompt + Z, ``loss_mask`` (L,) True where Z_i = Y_i,
     ``labels`` (L,) the soft labels there, ``row`` the row index.
     """
 
@@ -186,7 +187,7 @@ class MixedTokenDataset(Dataset):
     def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
         index, epoch = key if isinstance(key, tuple) else (key, 0)
         row = self.rows[index]
-        generator = torch.Generator().manual_seed(mixing_seed(self.seed, epoch, row.prompt_id))
+        generator = seeded_generator(self.seed, epoch, row.prompt_id)
         z, from_draft = mix_tokens(row.response_ids, row.draft_ids, self.mix_ratio, generator)
         prompt_len = len(row.prompt_ids)
         loss_mask = torch.zeros(len(row), dtype=torch.bool)
@@ -213,7 +214,7 @@ class EpochRandomSampler(RandomSampler):
         self.epoch = epoch
 
     def __iter__(self) -> Iterator[int]:
-        generator = torch.Generator().manual_seed(self.seed + self.epoch)
+        generator = seeded_generator(self.seed, self.epoch)
         yield from torch.randperm(len(self.data_source), generator=generator).tolist()
 
 
@@ -264,7 +265,7 @@ class BucketBatchSampler(BatchSampler):
         batches = self._batches()
         order = range(len(batches))
         if self.shuffle:
-            generator = torch.Generator().manual_seed(mixing_seed(self.seed, epoch, "batch order"))
+            generator = seeded_generator(self.seed, epoch, "batch order")
             order = torch.randperm(len(batches), generator=generator).tolist()
         for b in order:
             yield [(index, epoch) for index in batches[b]]

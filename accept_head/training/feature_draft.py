@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from ..feature_draft import FeatureDraft, FeatureDraftConfig
+from ..seeds import seeded_generator
 
 
 @dataclass
@@ -106,7 +107,7 @@ class _Batches(torch.utils.data.IterableDataset):
         self.epoch = 0
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        generator = None if self.seed is None else torch.Generator().manual_seed(self.seed * 1000 + self.epoch)
+        generator = None if self.seed is None else seeded_generator(self.seed, self.epoch)
         self.epoch += 1
         for batch in token_batches([len(s.tokens) for s in self.sequences], self.batch_tokens, generator):
             yield collate_sequences([self.sequences[i] for i in batch], self.loss_from)
