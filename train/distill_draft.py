@@ -279,6 +279,8 @@ def target_distributions(target, examples) -> list[torch.Tensor]:
 
 def fit(cfg: DistillConfig) -> None:
     """Stage 2: train the draft on the shards present (re-listed every pass, so it can run beside ``generate``)."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     work = _work(cfg)
@@ -298,13 +300,7 @@ def fit(cfg: DistillConfig) -> None:
     draft.train()
     optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
     total_steps = max(1, cfg.train_tokens // cfg.batch_tokens)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer,
-        lambda s: (
-            min(1.0, (s + 1) / cfg.warmup_steps)
-            * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(s, total_steps) / total_steps)))
-        ),
-    )
+    schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, cfg.warmup_steps, total_steps, min_lr_rate=0.1)
     ckpt_path = work / "fit_state.pt"
     state = {"step": 0, "tokens": 0, "next_eval": 0, "curve": []}
     if ckpt_path.exists():

@@ -205,20 +205,15 @@ class AcceptanceHeadModule(LightningModule):
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW on the head with a linear warm-up then a cosine decay to ``lr * min_lr_ratio``, stepped per batch."""
+        from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
         hp = self.hparams
         optimizer = torch.optim.AdamW(
             self.head.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
         )
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = int(round(hp.warmup_fraction * total))
-
-        def factor(step: int) -> float:
-            if step < warmup:
-                return (step + 1) / warmup
-            progress = min((step - warmup) / max(total - warmup, 1), 1.0)
-            return hp.min_lr_ratio + (1 - hp.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+        scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, total, min_lr_rate=hp.min_lr_ratio)
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
