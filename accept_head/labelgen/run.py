@@ -32,18 +32,10 @@ def build_parser(prog: str = "python -m data_gen"):
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config file (later flags override it).")
     parser.add_class_arguments(DataGenConfig, nested_key=None, as_group=False, fail_untyped=True)
+    for flag in BOOLEAN_FLAGS:  # the value is optional: a flag alone takes ``const``
+        action = parser._option_string_actions[flag]
+        action.nargs, action.const = "?", True
     return parser
-
-
-def expand_bare_flags(argv: Sequence[str]) -> list[str]:
-    """Let boolean flags stand alone: ``--merge`` means ``--merge true`` (jsonargparse wants the value)."""
-    out: list[str] = []
-    for i, arg in enumerate(argv):
-        out.append(arg)
-        following = argv[i + 1].lower() if i + 1 < len(argv) else None
-        if arg in BOOLEAN_FLAGS and following not in ("true", "false", "yes", "no", "1", "0"):
-            out.append("true")
-    return out
 
 
 def parse_arguments(parser, argv: Sequence[str] | None):
@@ -51,7 +43,7 @@ def parse_arguments(parser, argv: Sequence[str] | None):
 
     The config is validated; the namespace also holds any arguments the caller added to the parser.
     """
-    namespace = parser.parse_args(expand_bare_flags(sys.argv[1:] if argv is None else argv))
+    namespace = parser.parse_args(sys.argv[1:] if argv is None else argv)
     init = parser.instantiate(namespace)
     cfg = DataGenConfig(**{name: init[name] for name in DataGenConfig.__dataclass_fields__})
     cfg.validate()
