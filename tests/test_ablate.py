@@ -6,7 +6,7 @@ import json
 
 import pytest
 import yaml
-from train_helpers import REPO, tiny_setup, train_config, write_config
+from train_helpers import REPO, train_config, write_config
 
 import eval.ablate as ablate_module
 from eval.__main__ import main
@@ -15,17 +15,20 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 
 VARIANTS = [
     {"name": "recipe"},
-    {"name": "depth0", "args": ["--model.depth=0"], "note": "D = 0"},
+    # One run carries two kinds of override (the head's depth, the sweep's Alg. 2 setting): one fit fewer.
+    {
+        "name": "depth0-alg2",
+        "args": ["--model.depth=0", "--sweep.min_candidates=2", "--sweep.unscored=[null]"],
+        "note": "D = 0, Alg. 2",
+    },
     {"name": "half", "args": ["--data.train_fraction=0.5"]},
-    {"name": "alg2", "args": ["--sweep.min_candidates=2", "--sweep.unscored=[null]"]},
 ]
 
 
 @pytest.fixture(scope="module")
-def ablation(tmp_path_factory: pytest.TempPathFactory):
+def ablation(train_setup, tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("ablate")
-    setup = tiny_setup(root)
-    config = write_config(train_config(setup, root / "base-run"), root / "train.yaml")
+    config = write_config(train_config(train_setup, root / "base-run"), root / "train.yaml")
     costs = root / "costs.json"
     costs.write_text(json.dumps({"cost_model": {"t_draft": 0.002, "t_target_a": 0.02, "t_target_b": 0.001}}))
     ablate_config = root / "ablate.yaml"
@@ -59,25 +62,27 @@ def test_ablate_trains_one_head_per_variant_and_scores_them_alike(ablation) -> N
     # Only the reference run decodes the baselines; every run sweeps its own head over the same h grid.
     families = {name: {row["family"] for row in r["rows"]} for name, r in results.items()}
     assert families["recipe"] == {"autoregressive", "fixed_k", "threshold"}
-    assert all(families[name] == {"threshold"} for name in ("depth0", "half", "alg2"))
+    assert all(families[name] == {"threshold"} for name in ("depth0-alg2", "half"))
     for r in results.values():
         assert {row["param"] for row in r["rows"] if row["family"] == "threshold"} == {0.3, 0.7}
         assert r["best"]["modeled_tokens_per_second"] > 0 and 0.0 <= r["val"]["auc"] <= 1.0
         assert r["val_prompts"] == 6  # the validation split does not depend on the variant
     # The overrides reached the runs: depth, training-set size, the sweep's variant and minimum.
-    hparams = yaml.safe_load((root / "out" / "runs" / "depth0" / "version_0" / "hparams.yaml").read_text())
+    hparams = yaml.safe_load((root / "out" / "runs" / "depth0-alg2" / "version_0" / "hparams.yaml").read_text())
     assert hparams["depth"] == 0
     assert results["half"]["train_prompts"] == results["recipe"]["train_prompts"] // 2
     assert results["half"]["train_positions"] < results["recipe"]["train_positions"]
-    assert {row["variant"] for row in results["alg2"]["rows"]} == {None}
+    assert {row["variant"] for row in results["depth0-alg2"]["rows"]} == {None}
     assert {row["variant"] for row in results["recipe"]["rows"] if row["family"] == "threshold"} == {"confidence"}
-    assert results["depth0"]["note"] == "D = 0" and results["half"]["note"] == "--data.train_fraction=0.5"
+    assert results["depth0-alg2"]["note"] == "D = 0, Alg. 2" and results["half"]["note"] == "--data.train_fraction=0.5"
     # Files: per-variant results, the figure, the page (its figure beside it).
     for name in results:
         assert (root / "out" / "variants" / f"{name}.json").is_file()
     assert (root / "out" / "ablate.png").stat().st_size > 0
     page = (root / "docs" / "ablations.md").read_text()
-    assert "| depth0 | D = 0 |" in page and "![modeled throughput per variant](ablations/ablate.png)" in page
+    assert (
+        "| depth0-alg2 | D = 0, Alg. 2 |" in page and "![modeled throughput per variant](ablations/ablate.png)" in page
+    )
     assert (root / "docs" / "ablations" / "ablate.png").is_file()
     assert not (root / "base-run" / "bundle").exists()  # the export stage is off in ablations
 

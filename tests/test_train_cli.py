@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from train_helpers import REPO, TinySetup, other_draft, tiny_setup, train_config, write_config
+from train_helpers import REPO, TinySetup, other_draft, train_config, write_config
 
 from accept_head import SpecDecPP
 from accept_head.training.cli import cli_main
@@ -20,8 +20,8 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::Deprecat
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory: pytest.TempPathFactory) -> TinySetup:
-    return tiny_setup(tmp_path_factory.mktemp("tiny"))
+def setup(train_setup: TinySetup) -> TinySetup:
+    return train_setup  # conftest.py: shared with test_ablate
 
 
 def fit(config: dict, tmp_path: Path, *extra: str, subcommand: str = "fit"):
@@ -78,28 +78,34 @@ def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_genera
     assert all(torch.equal(v, trained[k].cpu()) for k, v in bundle.head.state_dict().items())
 
 
-def test_validate_and_test_subcommands_restore_the_head_from_a_checkpoint(setup, tmp_path):
-    config = train_config(setup, tmp_path, stages=False, trainer={"max_epochs": 1})
-    trained = fit(config, tmp_path)
-    ckpt = next(Path(trained.trainer.log_dir, "checkpoints").glob("*.ckpt"))
+@pytest.fixture(scope="module")
+def trained(setup: TinySetup, tmp_path_factory: pytest.TempPathFactory):
+    """One fit without the end-of-fit stages (2 epochs, a checkpoint after each), shared by the checkpoint tests:
+    its config and the finished CLI."""
+    checkpoints = {
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"save_top_k": -1, "every_n_epochs": 1, "save_last": True},
+    }
+    run_dir = tmp_path_factory.mktemp("trained")
+    config = train_config(setup, run_dir, stages=False, trainer={"callbacks": [checkpoints]})
+    return config, fit(config, run_dir)
+
+
+def test_validate_and_test_subcommands_restore_the_head_from_a_checkpoint(trained, tmp_path):
+    config, full = trained
+    ckpt = next(Path(full.trainer.log_dir, "checkpoints").glob("epoch=1-*.ckpt"))  # the last epoch: last val/ece
     state = torch.load(ckpt, weights_only=False)["state_dict"]
     assert state and all(key.startswith("head.") for key in state)  # the frozen draft is not checkpointed
-    expected = metrics_csv(trained.trainer.log_dir)["val/ece"]
+    expected = metrics_csv(full.trainer.log_dir)["val/ece"]
     validated = fit(config, tmp_path, "--ckpt_path", str(ckpt), subcommand="validate")
     assert validated.trainer.callback_metrics["val/ece"].item() == pytest.approx(expected, rel=1e-5)
     tested = fit(config, tmp_path, "--ckpt_path", str(ckpt), subcommand="test")
     assert tested.trainer.callback_metrics["test/ece"].item() == pytest.approx(expected, rel=1e-5)
 
 
-def test_resuming_from_a_checkpoint_matches_uninterrupted_training(setup, tmp_path):
-    checkpoints = {
-        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
-        "init_args": {"save_top_k": -1, "every_n_epochs": 1, "save_last": True},
-    }
-    config = train_config(setup, tmp_path, stages=False, trainer={"callbacks": [checkpoints]})
-    full = fit(config, tmp_path)
-    folder = Path(full.trainer.log_dir, "checkpoints")
-    after_first_epoch = next(folder.glob("epoch=0-*.ckpt"))
+def test_resuming_from_a_checkpoint_matches_uninterrupted_training(trained, tmp_path):
+    config, full = trained
+    after_first_epoch = next(Path(full.trainer.log_dir, "checkpoints").glob("epoch=0-*.ckpt"))
     resumed = fit(config, tmp_path, "--ckpt_path", str(after_first_epoch))
     assert resumed.trainer.current_epoch == full.trainer.current_epoch == 2
     a, b = full.model.head.state_dict(), resumed.model.head.state_dict()
