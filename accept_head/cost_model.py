@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 
+import numpy as np
 import torch
 from transformers import DynamicCache
 
@@ -89,15 +90,16 @@ def latency_per_token(t_draft: float, t_target: float, verification_rate: float,
 
 def fit_linear(ks: Sequence[float], times: Sequence[float]) -> tuple[float, float, float]:
     """Least-squares fit times ≈ a + b·k; returns (a, b, R²)."""
-    x = torch.tensor(ks, dtype=torch.float64)
-    y = torch.tensor(times, dtype=torch.float64)
-    design = torch.stack([torch.ones_like(x), x], dim=1)
-    coef = torch.linalg.lstsq(design, y[:, None]).solution[:, 0]
-    pred = design @ coef
-    ss_res = float(((y - pred) ** 2).sum())
-    ss_tot = float(((y - y.mean()) ** 2).sum())
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    return float(coef[0]), float(coef[1]), r2
+    from sklearn.linear_model import LinearRegression
+
+    x, y = np.asarray(ks, dtype=np.float64)[:, None], np.asarray(times, dtype=np.float64)
+    fit = LinearRegression().fit(x, y)
+    return float(fit.intercept_), float(fit.coef_[0]), _r2(fit, x, y)
+
+
+def _r2(fit, x: np.ndarray, y: np.ndarray) -> float:
+    """R² of a fitted scikit-learn regression on (x, y); 1 for a single point (scikit-learn leaves it undefined)."""
+    return float(fit.score(x, y)) if len(y) > 1 else 1.0
 
 
 @dataclass
@@ -132,16 +134,13 @@ def fit_decode_costs(runs: Sequence[tuple[str, float, int, float]]) -> DecodeCos
     rows = [
         [1.0 if group == g else 0.0 for g in groups] + [float(calls), float(cand)] for group, _, calls, cand in runs
     ]
-    x = torch.tensor(rows, dtype=torch.float64)
-    y = torch.tensor([float(seconds) for _, seconds, *_ in runs], dtype=torch.float64)
-    coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0]
-    ss_res = float(((y - x @ coef) ** 2).sum())
-    ss_tot = float(((y - y.mean()) ** 2).sum())
+    from sklearn.linear_model import LinearRegression
+
+    x = np.asarray(rows, dtype=np.float64)
+    y = np.asarray([float(seconds) for _, seconds, *_ in runs], dtype=np.float64)
+    fit = LinearRegression(fit_intercept=False).fit(x, y)  # the group columns are the intercepts
     return DecodeCostFit(
-        per_round=float(coef[-2]),
-        per_candidate=float(coef[-1]),
-        r2=1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0,
-        runs=len(runs),
+        per_round=float(fit.coef_[-2]), per_candidate=float(fit.coef_[-1]), r2=_r2(fit, x, y), runs=len(runs)
     )
 
 
