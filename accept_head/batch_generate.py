@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 
 from .sampling import SamplingConfig, probabilities, sample
@@ -28,13 +29,9 @@ class SampledResponse:
 
 def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Left-pad token lists into ``input_ids`` and ``attention_mask``, both (B, L) LongTensors."""
-    width = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), width), dtype=torch.long)
-    for row, prompt in enumerate(prompts):
-        if len(prompt):
-            ids[row, width - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.long)
-            mask[row, width - len(prompt) :] = 1
+    rows = [torch.as_tensor(prompt, dtype=torch.long) for prompt in prompts]
+    ids = pad_sequence(rows, batch_first=True, padding_value=pad_token_id, padding_side="left")
+    mask = pad_sequence([torch.ones_like(row) for row in rows], batch_first=True, padding_side="left")
     return ids, mask
 
 

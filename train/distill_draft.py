@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
+from torch.nn.utils.rnn import pad_sequence
 
 from accept_head.batch_generate import sample_batch
 from accept_head.pairs import ModelSpec, eos_token_ids, load_model, load_tokenizer
@@ -226,12 +227,8 @@ def distill_loss(draft, batch, pad_token_id: int) -> tuple[torch.Tensor, int]:
     target actually sampled (an unbiased one-sample estimate of the tail), so the loss estimates E_p[−log q].
     """
     seqs = [torch.cat([p, r]) for p, r, _, _ in batch]
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), width), dtype=torch.long)
-    for row, s in enumerate(seqs):
-        ids[row, : len(s)] = s
-        mask[row, : len(s)] = 1
+    ids = pad_sequence(seqs, batch_first=True, padding_value=pad_token_id)
+    mask = pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
     rows, cols = [], []

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from lightning.pytorch import LightningDataModule
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
 from ..mixing import check_ratio, mix_tokens
@@ -304,40 +305,24 @@ class StoredHiddenDataset(Dataset):
 
 def collate_hidden(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
     """Zero-pad stored-hidden examples into a batch: hidden (B, C, d), loss_mask / labels (B, C), row (B,)."""
-    width = max(len(item["labels"]) for item in items)
-    batch, size = len(items), items[0]["hidden"].shape[-1]
-    hidden = torch.zeros((batch, width, size), dtype=items[0]["hidden"].dtype)
-    loss_mask = torch.zeros((batch, width), dtype=torch.bool)
-    labels = torch.zeros((batch, width), dtype=torch.float32)
-    for b, item in enumerate(items):
-        n = len(item["labels"])
-        hidden[b, :n] = item["hidden"]
-        loss_mask[b, :n] = True
-        labels[b, :n] = item["labels"]
-    return {"hidden": hidden, "loss_mask": loss_mask, "labels": labels, "row": torch.stack([i["row"] for i in items])}
+    labels = [item["labels"].float() for item in items]
+    return {
+        "hidden": pad_sequence([item["hidden"] for item in items], batch_first=True),
+        "loss_mask": pad_sequence([torch.ones_like(y, dtype=torch.bool) for y in labels], batch_first=True),
+        "labels": pad_sequence(labels, batch_first=True),
+        "row": torch.stack([item["row"] for item in items]),
+    }
 
 
 def collate(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
     """Right-pad examples into a batch: input_ids / attention_mask / loss_mask / labels (B, L), row (B,)."""
-    width = max(len(item["input_ids"]) for item in items)
-    batch = len(items)
-    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
-    attention_mask = torch.zeros((batch, width), dtype=torch.long)
-    loss_mask = torch.zeros((batch, width), dtype=torch.bool)
-    labels = torch.zeros((batch, width), dtype=torch.float32)
-    for b, item in enumerate(items):
-        n = len(item["input_ids"])
-        input_ids[b, :n] = item["input_ids"]
-        attention_mask[b, :n] = 1
-        loss_mask[b, :n] = item["loss_mask"]
-        labels[b, :n] = item["labels"]
-    rows = torch.stack([item["row"] for item in items])
+    ids = [item["input_ids"] for item in items]
     return {
-        "input_ids": input_ids,
-        "attention_mask": attention_mask,
-        "loss_mask": loss_mask,
-        "labels": labels,
-        "row": rows,
+        "input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_token_id),
+        "attention_mask": pad_sequence([torch.ones_like(i) for i in ids], batch_first=True),
+        "loss_mask": pad_sequence([item["loss_mask"].bool() for item in items], batch_first=True),
+        "labels": pad_sequence([item["labels"].float() for item in items], batch_first=True),
+        "row": torch.stack([item["row"] for item in items]),
     }
 
 
