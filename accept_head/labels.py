@@ -112,6 +112,15 @@ class PositionLabels:
         return cls(**{name: torch.cat([getattr(p, name) for p in parts]) for name in PER_POSITION})
 
 
+def draft_acceptance(p: torch.Tensor, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """How well draft distributions q match target distributions p, per position: p, q (..., V) → two (...) tensors.
+
+    The first is the expected acceptance Σ_x min(p(x), q(x)) = E_{Y~q}[min(1, p(Y)/q(Y))] (1 − TV(p, q)): the chance
+    that a token drawn from q is accepted. The second says whether argmax q = argmax p (greedy acceptance).
+    """
+    return torch.minimum(p, q).sum(-1), q.argmax(-1) == p.argmax(-1)
+
+
 def position_labels(
     target_logits: torch.Tensor,
     draft_logits: torch.Tensor,
@@ -154,7 +163,7 @@ def position_labels(
     p_y = p.gather(-1, draft_ids[:, None]).squeeze(-1)
     q_y = q.gather(-1, draft_ids[:, None]).squeeze(-1)  # > 0: Y_i was drawn from q_i
     accept_prob = (p_y / q_y).clamp(max=1.0)  # q >= p: accept with p/q; q < p: always accept
-    expected_accept = torch.minimum(p, q).sum(-1)  # E_{Y~q}[min(1, p(Y)/q(Y))] = Σ_x min(p(x), q(x))
+    expected_accept, _ = draft_acceptance(p, q)
     if transform.greedy:
         # One-hot p and q carry no confidence information: take the features from the untransformed softmax.
         log_p = target_logits.float().log_softmax(-1)

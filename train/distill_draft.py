@@ -26,6 +26,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 
 from accept_head.batch_generate import sample_batch
+from accept_head.labels import draft_acceptance
 from accept_head.pairs import ModelSpec, eos_token_ids, load_model, load_tokenizer
 from accept_head.prompts import PromptSource, chat_prompt_ids, load_prompts
 from accept_head.sampling import SamplingConfig
@@ -255,10 +256,9 @@ def acceptance_metrics(draft, target_probs: list[torch.Tensor], examples) -> dic
     for probs, (p_ids, r_ids, _, _) in zip(target_probs, examples):
         seq = torch.cat([p_ids, r_ids])[None]
         logits = draft(input_ids=seq).logits[0, len(p_ids) - 1 : len(p_ids) + len(r_ids) - 1].float()
-        q = logits.softmax(-1)
-        p = probs.float()
-        overlap += float(torch.minimum(p, q).sum())
-        agree += int((p.argmax(-1) == q.argmax(-1)).sum())
+        accept, same = draft_acceptance(probs.float(), logits.softmax(-1))
+        overlap += float(accept.sum())
+        agree += int(same.sum())
         n += len(r_ids)
     return {"expected_accept": overlap / n, "greedy_agreement": agree / n, "positions": n}
 

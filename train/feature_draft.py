@@ -27,6 +27,7 @@ from safetensors.torch import load_file, save_file
 
 from accept_head.feature_draft import FeatureDraft, FeatureDraftConfig
 from accept_head.features import decoder_matches_lm_head_input, final_hidden_states
+from accept_head.labels import draft_acceptance
 from accept_head.pairs import ModelSpec, load_model
 
 
@@ -343,8 +344,9 @@ def per_step_acceptance(
                 )[0, -1]
                 q = draft.full_logits(predicted).float().softmax(-1)
                 p = (torch.nn.functional.linear(s.features[t + k + 1].float(), weight) - s.lse[t + k + 1]).exp()
-                sums[k]["accept"] += float(torch.minimum(p, q).sum())
-                sums[k]["agree"] += float(q.argmax() == p.argmax())
+                accept, agree = draft_acceptance(p, q)
+                sums[k]["accept"] += float(accept)
+                sums[k]["agree"] += float(agree)
                 sums[k]["n"] += 1
                 feature = predicted
             crop_cache(cache, read)

@@ -30,6 +30,7 @@ from safetensors.torch import load_file
 from torch.utils.data import DataLoader
 
 from ..feature_draft import FeatureDraft, FeatureDraftConfig
+from ..labels import draft_acceptance
 from ..seeds import seeded_generator
 
 
@@ -215,8 +216,8 @@ class FeatureDraftModule(LightningModule):
             if k < h.unroll:
                 total = total + h.step_decay**k * loss_k
             with torch.no_grad():
-                accept = (torch.minimum(p, log_q.exp()).sum(-1) * m).sum() / n
-                agree = ((log_q.argmax(-1) == log_p.argmax(-1)).float() * m).sum() / n
+                accept, agree = draft_acceptance(p, log_q.exp())
+                accept, agree = (accept * m).sum() / n, (agree.float() * m).sum() / n
             per_step.append(
                 {"ce": (ce * m).sum() / n, "feature": (feat * m).sum() / n, "accept": accept, "agree": agree}
             )
