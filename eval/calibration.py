@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from accept_head.benchmark import run_prompts, speculative_decoder
 from accept_head.calibration import Calibration
-from accept_head.decoding import speculative_generate
 from accept_head.metrics import (
     binary_auc,
     brier_score,
@@ -201,18 +201,8 @@ def on_policy_records(
     if pair.bundle is None:
         raise ValueError("on-policy calibration needs a bundle with a head (--bundle).")
     policy = RecordingHeadThreshold(pair.bundle.policy(threshold))
-    for index, prompt in enumerate(prompt_set.prompts):
-        generator = seeded_generator(seed, 0, index)
-        speculative_generate(
-            pair.target,
-            pair.draft,
-            prompt.ids,
-            policy,
-            max_new_tokens,
-            temperature,
-            eos_token_id=pair.eos_token_id,
-            generator=generator,
-        )
+    decoder = speculative_decoder(pair.target, pair.draft, policy, max_new_tokens, pair.eos_token_id, temperature)
+    run_prompts(decoder, [prompt.ids for prompt in prompt_set.prompts], seed)
     return OnPolicy(policy.raw, policy.calibrated, policy.confidence, policy.labels, policy.index)
 
 
