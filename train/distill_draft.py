@@ -487,17 +487,15 @@ def evaluate(cfg: DistillConfig, draft_dir: str | None = None, rounds: int = 7, 
 def model_card(cfg: DistillConfig, draft_dir: str | None = None) -> str:
     """Stage 4: write README.md (model card) and learning_curve.png into the draft folder from the measured
     ``eval.json``, ``distill_meta.json`` and the learning curve. Every number comes from those files."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from accept_head.plots import new_figure, save_figure
 
     folder = Path(draft_dir or cfg.output_dir)
     ev = json.loads((folder / "eval.json").read_text())
     meta = json.loads((folder / "distill_meta.json").read_text())
     curve = meta["curve"]
     arch = meta["config"]["architecture"]
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    fig = new_figure(6, 3.5)
+    ax = fig.subplots()
     xs = [c["train_tokens"] / 1e6 for c in curve]
     ax.plot(xs, [c["expected_accept"] for c in curve], marker="o", label="expected acceptance Σ min(p, q)")
     ax.plot(xs, [c["greedy_agreement"] for c in curve], marker="s", label="greedy agreement")
@@ -514,9 +512,7 @@ def model_card(cfg: DistillConfig, draft_dir: str | None = None) -> str:
     ax.set_ylabel("held-out rate")
     ax.grid(alpha=0.3)
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(folder / "learning_curve.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, folder / "learning_curve.png")
     acc = ev["acceptance"]
     shards = _load_shards(_work(cfg), "train")
     n_responses = sum(len(sh["response_ids"]) for sh in shards)

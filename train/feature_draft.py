@@ -506,10 +506,7 @@ def learning_curve(cfg: FeatureDraftRecipe) -> list[dict]:
 
 def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> str:
     """Stage 5: README.md and learning_curve.png for the draft folder, from its config, eval.json and the log."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from accept_head.plots import new_figure, save_figure
 
     folder = Path(draft_dir or cfg.output_dir)
     config = json.loads((folder / "config.json").read_text())
@@ -518,7 +515,8 @@ def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> str:
     feats = json.loads(meta_path.read_text()) if meta_path.exists() else {}
     curve = learning_curve(cfg)
     if curve:
-        fig, ax = plt.subplots(figsize=(6, 3.5))
+        fig = new_figure(6, 3.5)
+        ax = fig.subplots()
         for k in (1, 2, 3):
             xs = [r["step"] for r in curve if f"val/accept_{k}" in r]
             ax.plot(xs, [r[f"val/accept_{k}"] for r in curve if f"val/accept_{k}" in r], marker="o", label=f"step {k}")
@@ -526,9 +524,7 @@ def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> str:
         ax.set_ylabel("held-out Σ min(p, q), kept vocab")
         ax.legend()
         ax.grid(alpha=0.3)
-        fig.tight_layout()
-        fig.savefig(folder / "learning_curve.png", dpi=110)
-        plt.close(fig)
+        save_figure(fig, folder / "learning_curve.png")
     recipe = config["extra"].get("recipe", {})
     steps_rows = "\n".join(
         f"| {r['step']} | {r['expected_accept']:.3f} | {r['greedy_agreement']:.3f} | {r['n']} |" for r in ev["per_step"]
