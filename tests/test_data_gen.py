@@ -493,6 +493,26 @@ def test_two_processes_never_write_the_same_output(pair, tmp_path: Path) -> None
     assert list(out.iterdir()) == []
 
 
+def test_data_gen_a_bundle_and_eval_stop_on_the_same_eos_ids(pair, tmp_path: Path) -> None:
+    """The ids data_gen stopped on (recorded in meta.json) are those a bundle and eval's Pair stop on, for a target
+    whose generation config adds an end-of-turn id to the tokenizer's EOS."""
+    from accept_head import AcceptanceHead, SpecDecPP, load_model, load_tokenizer
+    from eval.common import Pair
+
+    target, tokenizer = load_model({"path": str(pair[0]), "dtype": "float32"}), load_tokenizer(str(pair[0]))
+    target.generation_config.eos_token_id = [tokenizer.eos_token_id, 6]
+    target.save_pretrained(tmp_path / "target")
+    tokenizer.save_pretrained(tmp_path / "target")
+    meta = main(args((tmp_path / "target", pair[1]), write_prompts(tmp_path / "p.jsonl", 2), tmp_path / "out"))
+    target = load_model({"path": str(tmp_path / "target"), "dtype": "float32"})
+    head = AcceptanceHead(target.config.hidden_size, 0)
+    bundle = SpecDecPP(target=target, draft=target, head=head, threshold=0.5, tokenizer=tokenizer)
+    expected = sorted({tokenizer.eos_token_id, 6})
+    assert meta["tokenizer"]["eos_token_ids"] == expected
+    assert bundle.eos_token_ids == expected
+    assert Pair(target=target, draft=target, tokenizer=tokenizer).eos_token_id == expected
+
+
 def test_tokenizer_mismatch_is_refused_before_writing(pair, tmp_path: Path) -> None:
     other = tmp_path / "other_draft"
     make_llama(other, tokenizer=make_tokenizer(extra_words=("banana",)), seed=3, num_layers=1)
