@@ -28,7 +28,6 @@ rejected) and out of order. Those that keep state or run a model themselves are 
 
 from __future__ import annotations
 
-import time
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -261,46 +260,45 @@ def speculative_decode(
     _check_pair(drafter, policy, sampling)
     stats, kept_scores, kept_logits = DecodeStats(), [], []
     policy.reset()
-    start = time.perf_counter()
     cache = DynamicCache()  # the target's: it always lacks the last committed token, which the next pass feeds
-    with _timed(stats, "target_time"):
-        prefill(target, drafter, buffer[:, :prompt_len], cache)
-    n = prompt_len  # committed length
-    while n - prompt_len < budget:
-        # 1. Draft y_1..y_K from q_i = softmax(Φ_{x·y<i}(draft logits)); the target adds one token, hence the -1.
-        limit = min(policy.max_candidates, budget - (n - prompt_len) - 1)
-        with _timed(stats, "draft_time"):
-            state, q_rows = draft_round(drafter, policy, sampling, limit, n, generator, stats)
-        k = state.n
-        # 2. Verify: one target pass over [x_{n-1}, y_1..y_K] gives raw logits at positions n..n+K; row i is
-        #    processed at context buffer[:n+i] = x·y<i, so p_i is HF's processed distribution there (module doc).
+    with _timed(stats, "total_time"):
         with _timed(stats, "target_time"):
-            buffer[0, n : n + k] = torch.tensor(state.candidates, dtype=torch.long)
-            logits, hidden = _target_pass(target, buffer[:, n - 1 : n + k], cache, drafter.needs_target_features)
-            scores = process.rows(logits[: k + 1], n)  # (K+1, V)
-            p = probabilities(scores, sampling)
-            q = torch.stack(q_rows) if q_rows else p[:0]
-            m, next_token = verify(p, q, buffer[0, n : n + k], generator)
-        policy.update(state, m)
-        # 3. Commit y_1..y_m and the target's token, up to the first token after which a stopping criterion fires.
-        buffer[0, n + m] = next_token
-        stop = _stop_index(stopping_criteria, buffer, n, scores, m + 1)
-        count = m + 1 if stop is None else stop + 1
-        new = buffer[0, n : n + count].tolist()
-        stats.record_round(k, m, count)
-        crop_cache(cache, n + count - 1)  # all committed tokens but the last, as in HF's own loop
-        if keep_scores:
-            kept_scores.extend(scores[j : j + 1].clone() for j in range(count))
-        if keep_logits:
-            kept_logits.extend(logits[j : j + 1].float() for j in range(count))
-        if streamer is not None:
-            streamer.put(torch.tensor(new, dtype=torch.long))
-        n += count
-        if stop is not None:
-            break
-        with _timed(stats, "draft_time"):
-            drafter.commit(new, None if hidden is None else hidden[:count])
-    stats.total_time = time.perf_counter() - start
+            prefill(target, drafter, buffer[:, :prompt_len], cache)
+        n = prompt_len  # committed length
+        while n - prompt_len < budget:
+            # 1. Draft y_1..y_K from q_i = softmax(Φ_{x·y<i}(draft logits)); the target adds one token, hence the -1.
+            limit = min(policy.max_candidates, budget - (n - prompt_len) - 1)
+            with _timed(stats, "draft_time"):
+                state, q_rows = draft_round(drafter, policy, sampling, limit, n, generator, stats)
+            k = state.n
+            # 2. Verify: one target pass over [x_{n-1}, y_1..y_K] gives raw logits at positions n..n+K; row i is
+            #    processed at context buffer[:n+i] = x·y<i, so p_i is HF's processed distribution there (module doc).
+            with _timed(stats, "target_time"):
+                buffer[0, n : n + k] = torch.tensor(state.candidates, dtype=torch.long)
+                logits, hidden = _target_pass(target, buffer[:, n - 1 : n + k], cache, drafter.needs_target_features)
+                scores = process.rows(logits[: k + 1], n)  # (K+1, V)
+                p = probabilities(scores, sampling)
+                q = torch.stack(q_rows) if q_rows else p[:0]
+                m, next_token = verify(p, q, buffer[0, n : n + k], generator)
+            policy.update(state, m)
+            # 3. Commit y_1..y_m and the target's token, up to the first token after which a stopping criterion fires.
+            buffer[0, n + m] = next_token
+            stop = _stop_index(stopping_criteria, buffer, n, scores, m + 1)
+            count = m + 1 if stop is None else stop + 1
+            new = buffer[0, n : n + count].tolist()
+            stats.record_round(k, m, count)
+            crop_cache(cache, n + count - 1)  # all committed tokens but the last, as in HF's own loop
+            if keep_scores:
+                kept_scores.extend(scores[j : j + 1].clone() for j in range(count))
+            if keep_logits:
+                kept_logits.extend(logits[j : j + 1].float() for j in range(count))
+            if streamer is not None:
+                streamer.put(torch.tensor(new, dtype=torch.long))
+            n += count
+            if stop is not None:
+                break
+            with _timed(stats, "draft_time"):
+                drafter.commit(new, None if hidden is None else hidden[:count])
     return DecodeOutput(buffer[:, :n].clone(), stats, kept_scores, kept_logits, cache)
 
 
