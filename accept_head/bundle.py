@@ -58,6 +58,8 @@ KNOWN_KEYS = {
     "min_candidates",
     "max_candidates",
     "unscored",
+    "greedy_threshold",
+    "greedy_unscored",
     "temperature",
     "calibration",
     "cost_model",
@@ -132,6 +134,8 @@ class SpecDecPP:
         target_spec: ModelSpec | None = None,
         draft_spec: ModelSpec | None = None,
         unscored: str | None = None,
+        greedy_threshold: float | None = None,
+        greedy_unscored: str | None = None,
     ) -> None:
         if head.hidden_size != draft.config.hidden_size:
             raise ValueError(
@@ -144,10 +148,14 @@ class SpecDecPP:
             )
         # Validates threshold and candidate bounds with the same messages as the policy.
         HeadThreshold(head, threshold, min_candidates, max_candidates, unscored=unscored)
+        if greedy_threshold is not None:
+            HeadThreshold(head, greedy_threshold, min_candidates, max_candidates, unscored=greedy_unscored)
         self.target, self.draft, self.head, self.tokenizer = target, draft, head.eval(), tokenizer
         self.threshold = float(threshold)
         self.min_candidates, self.max_candidates = min_candidates, max_candidates
         self.unscored = unscored
+        self.greedy_threshold = None if greedy_threshold is None else float(greedy_threshold)
+        self.greedy_unscored = greedy_unscored if greedy_threshold is not None else None
         self.temperature = temperature
         self.calibration = calibration
         self.cost_model = cost_model
@@ -156,15 +164,24 @@ class SpecDecPP:
         self.last_stats: DecodeStats | None = None
         """Counters of the latest :meth:`custom_generate` call (``generate`` returns only token ids)."""
 
-    def policy(self, threshold: float | None = None) -> HeadThreshold:
-        """The stop policy this bundle decodes with (``threshold`` overrides the stored h*)."""
+    def h_star(self, greedy: bool = False) -> tuple[float, str | None]:
+        """(h*, unscored) for a decoding mode: the greedy h* when the bundle has one (greedy and sampling are
+        different problems, so the sweep can choose h* for each), else the one h* the bundle was swept for."""
+        if greedy and self.greedy_threshold is not None:
+            return self.greedy_threshold, self.greedy_unscored
+        return self.threshold, self.unscored
+
+    def policy(self, threshold: float | None = None, greedy: bool = False) -> HeadThreshold:
+        """The stop policy this bundle decodes with in a mode (``greedy``): its h* for that mode
+        (:meth:`h_star`); ``threshold`` overrides h* and keeps the mode's ``unscored`` setting."""
+        h, unscored = self.h_star(greedy)
         return HeadThreshold(
             self.head,
-            self.threshold if threshold is None else threshold,
+            h if threshold is None else threshold,
             self.min_candidates,
             self.max_candidates,
             calibration=self.calibration,
-            unscored=self.unscored,
+            unscored=unscored,
         )
 
     def encode(self, prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:
@@ -207,13 +224,14 @@ class SpecDecPP:
         if generator is None:
             generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**63)
         eos = self.eos_token_ids
+        temperature = self.temperature if temperature is None else temperature
         result = speculative_generate(
             self.target,
             self.draft,
             torch.tensor([ids]),
-            self.policy(threshold),
+            self.policy(threshold, greedy=temperature == 0),
             max_new_tokens=max_new_tokens,
-            temperature=self.temperature if temperature is None else temperature,
+            temperature=temperature,
             top_k=top_k,
             top_p=top_p,
             eos_token_id=eos,
@@ -258,7 +276,7 @@ class SpecDecPP:
         output, self.last_stats = run_custom_generate(
             model,
             self.draft,
-            policy if policy is not None else self.policy(threshold),
+            policy if policy is not None else self.policy(threshold, greedy=not generation_config.do_sample),
             input_ids,
             logits_processor,
             stopping_criteria,
@@ -281,6 +299,8 @@ class SpecDecPP:
             "min_candidates": self.min_candidates,
             "max_candidates": self.max_candidates,
             "unscored": self.unscored,
+            "greedy_threshold": self.greedy_threshold,
+            "greedy_unscored": self.greedy_unscored,
             "temperature": self.temperature,
             "calibration": self.calibration.to_dict() if self.calibration is not None else None,
             "cost_model": self.cost_model,
@@ -400,6 +420,8 @@ class SpecDecPP:
             target_spec=target_spec,
             draft_spec=draft_spec,
             unscored=config.get("unscored"),
+            greedy_threshold=config.get("greedy_threshold"),
+            greedy_unscored=config.get("greedy_unscored"),
         )
 
 

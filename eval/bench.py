@@ -343,7 +343,7 @@ def bench(
             MethodSpec("autoregressive"),
             MethodSpec("fixed_k", {"k": best_k}),
             *[MethodSpec("fixed_k", {"k": k, "draft": name}) for name, k in validation["best_k_by_draft"].items()],
-            h_star_spec(pair.bundle),
+            h_star_spec(pair.bundle, greedy=temperature == 0),
             MethodSpec("heuristic", {"initial_k": heuristic_initial_k}),
             MethodSpec("confidence", {"tau": tau}),
             # HF's own rule: start from τ = 0.4 and re-tune it online after every round (fpr + 3·fnr).

@@ -298,13 +298,14 @@ class Runner:
                 if bundle is None:
                     raise ValueError(self.supports(spec))
                 calibrated = bool(params.pop("calibrated", True))
+                h, unscored = bundle.h_star(greedy=self.temperature == 0)
                 policy = HeadThreshold(
                     bundle.head,
-                    float(params.pop("threshold", bundle.threshold)),
+                    float(params.pop("threshold", h)),
                     int(params.pop("min_candidates", bundle.min_candidates)),
                     int(params.pop("max_candidates", bundle.max_candidates)),
                     calibration=bundle.calibration if calibrated else None,
-                    unscored=params.pop("unscored", bundle.unscored),
+                    unscored=params.pop("unscored", unscored),
                 )
                 if params:
                     raise ValueError(f"method 'specdecpp' does not take parameters {sorted(params)}.")
@@ -595,11 +596,16 @@ def headroom_share(policy: float, best_fixed_k: float, oracle: float) -> float |
     return (policy - best_fixed_k) / gap if gap > 0 else None
 
 
-def h_star_label(bundle) -> str:
-    """Display name of a bundle's own policy: ``SpecDec++ h*=0.7`` (+ its unscored variant, if any)."""
-    return f"SpecDec++ h*={bundle.threshold:g}" + (f" unscored={bundle.unscored}" if bundle.unscored else "")
+def h_star_label(bundle, greedy: bool = False) -> str:
+    """Display name of a bundle's own policy in a decoding mode: ``SpecDec++ h*=0.7`` (+ its unscored variant)."""
+    h, unscored = bundle.h_star(greedy)
+    return f"SpecDec++ h*={h:g}" + (f" unscored={unscored}" if unscored else "")
 
 
-def h_star_spec(bundle) -> MethodSpec:
-    """The bundle's own policy, SpecDec++ at its h*, labelled (:func:`h_star_label`) and with role ``h_star``."""
-    return MethodSpec("specdecpp", {"threshold": bundle.threshold}, label=h_star_label(bundle), role="h_star")
+def h_star_spec(bundle, greedy: bool = False) -> MethodSpec:
+    """The bundle's own policy, SpecDec++ at its h* for the mode (:meth:`SpecDecPP.h_star`), labelled
+    (:func:`h_star_label`) and with role ``h_star``."""
+    h, unscored = bundle.h_star(greedy)
+    return MethodSpec(
+        "specdecpp", {"threshold": h, "unscored": unscored}, label=h_star_label(bundle, greedy), role="h_star"
+    )

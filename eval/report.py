@@ -105,9 +105,9 @@ def head_sources(provenance: dict) -> tuple[list[PromptSource], int]:
     return out, int(meta.get("split_seed") or 0)
 
 
-def _h_star_spec(pair: Pair, specs: list[MethodSpec]) -> list[MethodSpec]:
-    """Add SpecDec++ at the bundle's h* (labelled) and drop a grid point with the same h."""
-    h, unscored = pair.bundle.threshold, pair.bundle.unscored
+def _h_star_spec(pair: Pair, specs: list[MethodSpec], greedy: bool) -> list[MethodSpec]:
+    """Add SpecDec++ at the bundle's h* for the decoding mode (labelled) and drop a grid point with the same h."""
+    h, unscored = pair.bundle.h_star(greedy)
 
     def same_as_h_star(s: MethodSpec) -> bool:
         return (
@@ -118,7 +118,7 @@ def _h_star_spec(pair: Pair, specs: list[MethodSpec]) -> list[MethodSpec]:
         )
 
     specs = [s for s in specs if not same_as_h_star(s)]
-    return specs + [h_star_spec(pair.bundle)]
+    return specs + [h_star_spec(pair.bundle, greedy)]
 
 
 def _h_star(summaries: Sequence[MethodSummary]) -> MethodSummary | None:
@@ -347,7 +347,8 @@ def report(
         name = Path(prompts).stem
         sets[name] = encode_prompts(name, [PromptSource(path=prompts, field=prompts_field)], **encode)
     model, model_source = resolve_cost_model(cost_model, pair, seed)
-    specs = _h_star_spec(pair, expand_grids(policies if policies is not None else REPORT_GRIDS))
+    grid = expand_grids(policies if policies is not None else REPORT_GRIDS)
+    specs_by_mode = {greedy: _h_star_spec(pair, grid, greedy) for greedy in (False, True)}
 
     summaries: dict[str, dict[str, list[MethodSummary]]] = {}
     results: dict = {}
@@ -356,6 +357,7 @@ def report(
         summaries[set_name], results[set_name] = {}, {}
         for temperature in temperatures:
             key = temperature_key(temperature)
+            specs = specs_by_mode[temperature == 0]
             runs, skipped = run_sweep(pair, prompt_set, specs, temperature, max_new_tokens, model, seed, progress)
             summaries[set_name][key] = runs
             baseline = next((s for s in runs if s.spec.kind == "autoregressive"), None)
@@ -404,7 +406,8 @@ def report(
             "split_seed": split_seed,
             "prompt_mode": prompt_mode,
             "limit": limit,
-            "methods": [s.to_dict() for s in specs],
+            "methods": [s.to_dict() for s in specs_by_mode[False]],
+            "greedy_h_star": h_star_spec(pair.bundle, greedy=True).to_dict(),
         },
         "cost_model": {"source": model_source, **model.to_dict()},
         "results": results,

@@ -205,3 +205,27 @@ def test_bundle_eval_and_data_gen_stop_on_the_same_eos_ids(tmp_path) -> None:
     specdec = SpecDecPP(target=target, draft=target, head=AcceptanceHead(32, 0), threshold=0.5, tokenizer=tokenizer)
     assert specdec.eos_token_ids == expected
     assert Pair(target=target, draft=target, tokenizer=tokenizer).eos_token_id == expected
+
+
+def test_a_greedy_h_star_serves_greedy_decoding_and_survives_a_round_trip(bundle: SpecDecPP, tmp_path: Path) -> None:
+    modes = SpecDecPP(
+        bundle.target, bundle.draft, bundle.head, 0.95, tokenizer=bundle.tokenizer, min_candidates=2,
+        max_candidates=10, temperature=0.8, greedy_threshold=0.05, greedy_unscored="confidence",
+        target_spec=bundle.target_spec, draft_spec=bundle.draft_spec,
+    )  # fmt: skip
+    assert modes.h_star(greedy=True) == (0.05, "confidence") and modes.h_star(greedy=False) == (0.95, None)
+    assert bundle.h_star(greedy=True) == bundle.h_star(greedy=False) == (0.6, None)  # one h* serves both modes
+    modes.save_pretrained(tmp_path / "bundle")
+    loaded = SpecDecPP.from_pretrained(tmp_path / "bundle")
+    assert (loaded.greedy_threshold, loaded.greedy_unscored) == (0.05, "confidence")
+    # h = 0.05 stops every greedy round at min_candidates; h = 0.95 lets sampled rounds run longer.
+    greedy = loaded.generate("the code", max_new_tokens=30, temperature=0)
+    sampled = loaded.generate("the code", max_new_tokens=30, seed=1)
+    assert max(greedy.stats.proposed) <= 2 < max(sampled.stats.proposed)
+    ids = torch.tensor([loaded.encode("the code")])
+    pad = loaded.tokenizer.pad_token_id
+    loaded.target.generate(ids, custom_generate=loaded.custom_generate, do_sample=False, max_new_tokens=30,
+                           pad_token_id=pad)  # fmt: skip
+    assert max(loaded.last_stats.proposed) <= 2
+    with pytest.raises(ValueError, match="1.5"):
+        SpecDecPP(bundle.target, bundle.draft, bundle.head, 0.6, greedy_threshold=1.5)

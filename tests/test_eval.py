@@ -105,8 +105,8 @@ def test_bad_policy_grids_are_rejected_with_the_offending_value(grid: dict, matc
 
 def test_h_star_is_added_once_and_variants_of_it_are_kept() -> None:
     class Bundle:
-        threshold = 0.7
-        unscored = None
+        def h_star(self, greedy: bool = False):
+            return (0.4, "confidence") if greedy else (0.7, None)
 
     class FakePair:
         bundle = Bundle()
@@ -119,16 +119,21 @@ def test_h_star_is_added_once_and_variants_of_it_are_kept() -> None:
         MethodSpec("specdecpp", {"threshold": 0.7, "unscored": None}),  # the same as h*
         MethodSpec("specdecpp", {"threshold": 0.7, "unscored": "confidence"}),
     ]
-    out = _h_star_spec(FakePair(), specs)
+    out = _h_star_spec(FakePair(), specs, greedy=False)
     assert [s.params for s in out] == [
         {"threshold": 0.3},
         {"calibrated": False},
         {"min_candidates": 2},
         {"threshold": 0.7, "unscored": "confidence"},
-        {"threshold": 0.7},
+        {"threshold": 0.7, "unscored": None},
     ]
     assert out[3].name == "SpecDec++ h=0.7 unscored=confidence" and specs[4].name == "SpecDec++ h=0.7"
-    assert out[-1].label == "SpecDec++ h*=0.7"
+    assert out[-1].label == "SpecDec++ h*=0.7" and out[-1].role == "h_star"
+    # Greedy decoding gets the bundle's greedy h*: every sampling-mode grid point stays.
+    greedy = _h_star_spec(FakePair(), specs, greedy=True)
+    assert [s.params for s in greedy[:-1]] == [s.params for s in specs]
+    assert greedy[-1].params == {"threshold": 0.4, "unscored": "confidence"}
+    assert greedy[-1].label == "SpecDec++ h*=0.4 unscored=confidence"
 
 
 def test_round_robin_keeps_every_source_represented() -> None:

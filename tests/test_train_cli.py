@@ -39,7 +39,7 @@ def metrics_csv(log_dir: str | Path) -> dict[str, float]:
 
 
 def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_generates(setup, tmp_path, capsys):
-    cli = fit(train_config(setup, tmp_path), tmp_path)
+    cli = fit(train_config(setup, tmp_path), tmp_path, "--sweep.greedy=true")
     out = capsys.readouterr().out
     bundle_dir = tmp_path / "bundle"
     for name in ("config.json", "head.safetensors", "README.md", "split.json", "reliability.png", "pareto.png"):
@@ -63,6 +63,9 @@ def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_genera
     swept = {(row.param, row.variant) for row in report.sweep.family("threshold")}
     assert swept == {(0.3, None), (0.7, None), (0.3, "confidence"), (0.7, "confidence")}
     assert config["unscored"] == report.unscored and report.closing[-1].variant == report.unscored
+    # sweep.greedy: the same grid decoded greedily chose the bundle's greedy h*.
+    assert "greedy threshold sweep" in out and report.greedy_threshold in (0.3, 0.7)
+    assert (config["greedy_threshold"], config["greedy_unscored"]) == (report.greedy_threshold, report.greedy_unscored)
     assert provenance["config"]["model"]["w_rej"] == 3.0 and provenance["data_meta"]["format"] == "accept_head.data_gen"
     split = json.loads((bundle_dir / "split.json").read_text())
     assert len(split["val"]) == 6 and set(split["val"]).isdisjoint(split["train"])
@@ -73,6 +76,8 @@ def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_genera
     bundle = SpecDecPP.from_pretrained(bundle_dir)
     result = bundle.generate("write a short story", max_new_tokens=6, seed=0)
     assert bundle.threshold == report.threshold and 1 <= len(result.new_token_ids) <= 6
+    assert bundle.h_star(greedy=True) == (report.greedy_threshold, report.greedy_unscored)
+    assert bundle.policy(greedy=False).threshold == report.threshold
     assert bundle.calibration == report.calibration
     trained = cli.model.head.state_dict()
     assert all(torch.equal(v, trained[k].cpu()) for k, v in bundle.head.state_dict().items())

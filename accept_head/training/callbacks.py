@@ -26,6 +26,7 @@ from ..calibration import CALIBRATION_METHODS, apply_calibration, choose_calibra
 from ..cost_model import CostModel, measure_costs
 from ..metrics import expected_calibration_error, reliability_bins
 from ..plots import reliability_plot
+from ..sampling import SamplingConfig
 from ..sweep import FIXED_K, THRESHOLDS, check_fixed_k, check_thresholds, format_table, pareto_plot, run_sweep
 from .data import AcceptanceDataModule
 from .model_card import model_card
@@ -246,6 +247,7 @@ class ThresholdSweep(EndOfFitStage):
         unscored: list[str | None] = [None],  # noqa: B006 (jsonargparse reads the default)
         select: Literal["modeled", "measured"] = "modeled",
         autoregressive: bool = True,
+        greedy: bool = False,
         seed: int = 0,
         progress: bool = True,
     ) -> None:
@@ -266,6 +268,9 @@ class ThresholdSweep(EndOfFitStage):
             select: Pick h* (and the best K) by ``modeled`` latency (cost model, eq. 2.3) or ``measured`` tokens/s.
             autoregressive: Decode with the target alone too (the reference of the speed-ups; False saves its time
                 when only the thresholds are compared, e.g. in ``python -m eval ablate``).
+            greedy: Also sweep the thresholds with greedy decoding on the same prompts and store that h* as the
+                bundle's greedy h* (greedy and sampling are different problems; the bundle picks h* by mode). Off:
+                the h* swept at the data's temperature serves both modes.
             seed: Seed of the per-prompt sampling generators (the same for every policy).
             progress: Show a progress bar.
         """
@@ -283,6 +288,7 @@ class ThresholdSweep(EndOfFitStage):
         self.min_candidates, self.max_candidates = min_candidates, max_candidates
         self.unscored = list(unscored) or [None]
         self.select, self.autoregressive, self.seed, self.progress = select, autoregressive, seed, progress
+        self.greedy = greedy
 
     def _run(
         self,
@@ -291,6 +297,7 @@ class ThresholdSweep(EndOfFitStage):
         report: FitReport,
         prompts: list[tuple[str, list[int]]],
         desc: str,
+        sampling: SamplingConfig | None = None,
         **grid: Any,
     ):
         target = dm.target()
@@ -301,7 +308,7 @@ class ThresholdSweep(EndOfFitStage):
             pl_module.head,
             [ids for _, ids in prompts],
             max_new_tokens=self.max_new_tokens,
-            sampling=dm.sampling,
+            sampling=dm.sampling if sampling is None else sampling,
             eos_token_id=dm.eos_token_ids,
             cost_model=report.cost_model,
             min_candidates=self.min_candidates,
@@ -346,6 +353,8 @@ class ThresholdSweep(EndOfFitStage):
         print(format_table(result.rows, baseline, title=f"threshold sweep ({len(prompts)} validation prompts)"))
         variant = f", unscored={report.unscored}" if report.unscored else ""
         print(f"h* = {report.threshold:g}{variant} ({by} latency)", flush=True)
+        if self.greedy and not dm.sampling.greedy:
+            self._greedy_h_star(dm, pl_module, report, prompts, by)
 
         best_k = result.best("fixed_k", by) if result.family("fixed_k") else None
         held = dm.val_prompts(self.eval_prompts, offset=len(prompts)) if self.eval_prompts else []
@@ -375,6 +384,30 @@ class ThresholdSweep(EndOfFitStage):
                 f"on them), up to {self.max_new_tokens} new tokens"
             )
         self._log_closing(trainer, report)
+
+    def _greedy_h_star(self, dm, pl_module: LightningModule, report: FitReport, prompts: list, by: str) -> None:
+        """The same threshold grid decoded greedily on the same validation prompts: the bundle's greedy h*."""
+        result = self._run(
+            dm,
+            pl_module,
+            report,
+            prompts,
+            "greedy threshold sweep",
+            sampling=SamplingConfig(0.0),
+            thresholds=self.thresholds,
+            fixed_k=[],
+            unscored=self.unscored,
+            autoregressive=self.autoregressive,
+        )
+        best = result.best("threshold", by)
+        report.greedy_threshold, report.greedy_unscored = float(best.param), best.variant
+        report.greedy_threshold_selection = (
+            f"lowest {by} latency per token over the same grid and prompts, decoding greedily"
+        )
+        baseline = result.family("autoregressive")[0] if result.family("autoregressive") else None
+        print(format_table(result.rows, baseline, title=f"greedy threshold sweep ({len(prompts)} validation prompts)"))
+        variant = f", unscored={best.variant}" if best.variant else ""
+        print(f"greedy h* = {report.greedy_threshold:g}{variant} ({by} latency)", flush=True)
 
     @staticmethod
     def _log_table(trainer: Trainer, records: list[dict]) -> None:
@@ -483,6 +516,8 @@ class ExportBundle(EndOfFitStage):
             target_spec=dm.target_spec,
             draft_spec=dm.draft,
             unscored=report.unscored,
+            greedy_threshold=report.greedy_threshold,
+            greedy_unscored=report.greedy_unscored,
         )
         bundle.save_pretrained(bundle_dir)
         (bundle_dir / "split.json").write_text(json.dumps(dm.split_record(), indent=1) + "\n")

@@ -160,6 +160,13 @@ def model_card(
             "",
             markdown_table(report.sweep.rows, base),
         ]
+        if bundle.greedy_threshold is not None:
+            unscored = f" (unscored = {bundle.greedy_unscored})" if bundle.greedy_unscored else ""
+            lines += [
+                "",
+                f"Greedy decoding uses its own h\\* = {bundle.greedy_threshold:g}{unscored}: "
+                f"{report.greedy_threshold_selection}.",
+            ]
         if "pareto" in report.artifacts:
             lines += ["", "![verification rate vs discard rate](pareto.png)"]
     if report.closing:

@@ -28,6 +28,10 @@ class FitReport:
     max_candidates: int | None = None
     unscored: str | None = None
     """HeadThreshold's ``unscored`` setting chosen with h* (None: Alg. 2)."""
+    greedy_threshold: float | None = None
+    """h* for greedy decoding, when the sweep also ran greedily (``sweep.greedy``); None: the one h* serves both."""
+    greedy_unscored: str | None = None
+    greedy_threshold_selection: str | None = None
     closing: list[SweepRow] = field(default_factory=list)
     """Autoregressive, best fixed K and SpecDec++ at h*, on held-out prompts."""
     closing_prompts: str = ""
