@@ -33,9 +33,8 @@ import time
 from collections.abc import Sequence
 
 import torch
-from transformers import DynamicCache
 
-from .decoding import GenerationResult, _as_input_ids, _check_lengths, _eos_set, _timed
+from .decoding import GenerationResult, _as_input_ids, _check_lengths, _eos_set, _timed, _until_eos
 from .sampling import SamplingConfig, probabilities
 from .tree_verify import (
     RowOrigin,
@@ -45,6 +44,7 @@ from .tree_verify import (
     apply_stop,
     check_masked_attention,
     commit_nodes,
+    prefill_root,
     tree_forward,
     verify_greedy,
     verify_sampled,
@@ -191,7 +191,6 @@ def lookahead_generate(
     pool.check(ngram, guess_set, vocab)
     check_masked_attention(target)
     ids = _as_input_ids(input_ids)
-    device = next(target.parameters()).device
     budget = _check_lengths(ids.shape[1], max_new_tokens, target)
     limit = getattr(target.config, "max_position_embeddings", None)
     eos = _eos_set(eos_token_id)
@@ -203,10 +202,8 @@ def lookahead_generate(
     jacobi = JacobiWindow(window, ngram, tokens[-1], random.Random(seed).choices(tokens, k=window + ngram - 3))
     if stop is not None:
         stop.start(tokens)
-    cache = DynamicCache()  # always lacks the last committed token x_t, fed at the window's root
     with _timed(stats, "target_time"):
-        if len(tokens) > 1:
-            target(input_ids=ids[:, :-1].to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = prefill_root(target, ids)  # lacks x_t, fed at the window's root
     while stats.generated < budget:
         # 1. Lay out the window and the pool's guesses for x_t (no longer than the budget leaves room for).
         with _timed(stats, "draft_time"):
@@ -234,18 +231,10 @@ def lookahead_generate(
             with _timed(stats, "draft_time"):
                 stop.observe(tokens, guesses, origins, nodes, logits)
         # 3. Commit (up to an EOS); harvest the window's n-grams and move it one position on.
-        new = [*accepted, next_token]
-        ended = next((i for i, t in enumerate(new) if t in eos), None)
-        new = new if ended is None else new[: ended + 1]
-        stats.target_calls += 1
-        stats.fed.append(len(tree))
-        stats.rows.append(len(guesses))
-        stats.proposed.append(len(guesses[row]) if row >= 0 else 0)
-        stats.accepted.append(min(m, len(new)))
-        stats.discarded += stats.proposed[-1] - stats.accepted[-1]
-        stats.generated += len(new)
+        new = _until_eos([*accepted, next_token], eos)
+        stats.record_tree_round(len(tree), len(guesses), len(guesses[row]) if row >= 0 else 0, m, len(new))
         tokens.extend(new)
-        if ended is not None:
+        if new[-1] in eos:
             break
         with _timed(stats, "draft_time"):
             predictions = [argmax[row_of[n]] for n in top]

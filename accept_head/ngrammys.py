@@ -29,9 +29,8 @@ from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
-from transformers import DynamicCache
 
-from .decoding import GenerationResult, _as_input_ids, _check_lengths, _eos_set, _timed
+from .decoding import GenerationResult, _as_input_ids, _check_lengths, _eos_set, _timed, _until_eos
 from .feature_draft import model_fingerprint
 from .sampling import SamplingConfig, probabilities
 from .tree_verify import (
@@ -42,6 +41,7 @@ from .tree_verify import (
     apply_stop,
     check_masked_attention,
     commit_nodes,
+    prefill_root,
     tree_forward,
     verify_greedy,
     verify_sampled,
@@ -258,7 +258,6 @@ def ngrammys_generate(
             raise ValueError(f"k={k} rows need a bigram table with top >= {k}; this one has top={bigram.top}.")
     check_masked_attention(target)
     ids = _as_input_ids(input_ids)
-    device = next(target.parameters()).device
     budget = _check_lengths(ids.shape[1], max_new_tokens, target)
     eos = _eos_set(eos_token_id)
     stats = TreeDecodeStats()
@@ -267,10 +266,8 @@ def ngrammys_generate(
     context = ContextNgrams(q) if strategy != "model" else None
     if stop is not None:
         stop.start(tokens)
-    cache = DynamicCache()  # always lacks the last committed token: it is the next round's root
     with _timed(stats, "target_time"):
-        if len(tokens) > 1:
-            target(input_ids=ids[:, :-1].to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = prefill_root(target, ids)  # lacks the last token: the next round's root
     while stats.generated < budget:
         # 1. Guess: rows may not outrun the budget (the target always adds a token of its own).
         with _timed(stats, "draft_time"):
@@ -292,18 +289,10 @@ def ngrammys_generate(
             with _timed(stats, "draft_time"):
                 stop.observe(tokens, rows, origins, nodes, logits)
         # 3. Commit the winning row's accepted tokens and the target's own (up to an EOS).
-        new = [*rows[row][:m], next_token] if m else [next_token]
-        ended = next((i for i, t in enumerate(new) if t in eos), None)
-        new = new if ended is None else new[: ended + 1]
-        stats.target_calls += 1
-        stats.fed.append(len(tree))
-        stats.rows.append(len(rows))
-        stats.proposed.append(len(rows[row]) if row >= 0 else 0)
-        stats.accepted.append(min(m, len(new)))
-        stats.discarded += stats.proposed[-1] - stats.accepted[-1]
-        stats.generated += len(new)
+        new = _until_eos([*rows[row][:m], next_token] if m else [next_token], eos)
+        stats.record_tree_round(len(tree), len(rows), len(rows[row]) if row >= 0 else 0, m, len(new))
         tokens.extend(new)
-        if ended is not None:
+        if new[-1] in eos:
             break
     stats.total_time = time.perf_counter() - start
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)

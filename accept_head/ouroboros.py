@@ -57,7 +57,7 @@ import torch
 from transformers import DynamicCache
 
 from ._hf_compat import crop_cache, keep_cache_positions
-from .decoding import GenerationResult, _as_input_ids, _check_lengths, _eos_set, _timed
+from .decoding import GenerationResult, _as_input_ids, _check_lengths, _eos_set, _timed, _until_eos
 from .drafters import Drafter
 from .sampling import SamplingConfig, probabilities
 from .tree_verify import (
@@ -65,6 +65,7 @@ from .tree_verify import (
     add_rows,
     check_masked_attention,
     commit_nodes,
+    prefill_root,
     tree_forward,
     verify_greedy,
     verify_sampled,
@@ -420,7 +421,6 @@ def ouroboros_generate(
     check_masked_attention(target)
     check_masked_attention(draft)
     ids = _as_input_ids(input_ids)
-    device = next(target.parameters()).device
     budget = _check_lengths(ids.shape[1], max_new_tokens, target, draft)
     limit = getattr(target.config, "max_position_embeddings", None)
     eos = _eos_set(eos_token_id)
@@ -430,10 +430,8 @@ def ouroboros_generate(
     if prompt_phrases:
         pool.add_sequence(tokens)
     drafter = PhraseDraft(draft)
-    cache = DynamicCache()  # always lacks the last committed token: it is the next round's root
     with _timed(stats, "target_time"):
-        if len(tokens) > 1:
-            target(input_ids=ids[:, :-1].to(device), past_key_values=cache, use_cache=True, logits_to_keep=1)
+        cache = prefill_root(target, ids)  # lacks the last token: the next round's root
     while stats.generated < budget:
         # 1. Draft phrase by phrase, then lengthen with pool phrases (no row may outrun the budget: the target
         #    always adds a token of its own).
@@ -454,16 +452,9 @@ def ouroboros_generate(
             commit_nodes(cache, len(tokens) - 1, nodes[row][:m] if m else [])
         # 3. Commit the winning row's accepted tokens and the target's own (up to an EOS).
         verified = [*rows[row][:m], next_token] if m else [next_token]
-        ended = next((i for i, t in enumerate(verified) if t in eos), None)
-        new = verified if ended is None else verified[: ended + 1]
-        stats.target_calls += 1
-        stats.fed.append(len(tree))
-        stats.rows.append(len(rows))
+        new = _until_eos(verified, eos)
+        stats.record_tree_round(len(tree), len(rows), len(rows[row]) if row >= 0 else 0, m, len(new))
         stats.drafted.append(len(drafted))
-        stats.proposed.append(len(rows[row]) if row >= 0 else 0)
-        stats.accepted.append(min(m, len(new)))
-        stats.discarded += stats.proposed[-1] - stats.accepted[-1]
-        stats.generated += len(new)
         drafter.commit(len(tokens), drafted, new)
         tokens.extend(new)
         # 4. Refinement, then inspiration: the target's own continuations become phrases.
@@ -471,7 +462,7 @@ def ouroboros_generate(
             refine_pool(pool, len(drafted), extensions, verified)
             for phrase in inspiration_phrases(tree[0], argmax, nodes, phrase_length, row):
                 pool.add(phrase)
-        if ended is not None:
+        if new[-1] in eos:
             break
     stats.draft_calls = drafter.calls
     stats.total_time = time.perf_counter() - start

@@ -24,7 +24,7 @@ import torch
 from transformers import DynamicCache
 
 from ._hf_compat import GQA_EAGER, keep_cache_positions
-from .decoding import DecodeStats
+from .decoding import DecodeStats, _forward
 from .sampling import generator_device, sample
 
 MASKED_ATTENTION = ("eager", "sdpa", GQA_EAGER)
@@ -45,6 +45,14 @@ class TreeDecodeStats(DecodeStats):
     """Tokens fed to the target in each call (the root, every row and, for Lookahead, its window)."""
     rows: list[int] = field(default_factory=list)
     """Candidate rows verified in each call."""
+
+    def record_tree_round(self, fed: int, rows: int, proposed: int, accepted: int, committed: int) -> None:
+        """Count one target call that fed ``fed`` tree tokens holding ``rows`` candidate rows: the winning row's
+        ``proposed`` tokens, ``accepted`` of them, ``committed`` tokens kept (see
+        :meth:`~accept_head.decoding.DecodeStats.record_round`)."""
+        self.fed.append(fed)
+        self.rows.append(rows)
+        self.record_round(proposed, accepted, committed)
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,15 @@ def check_masked_attention(model: torch.nn.Module) -> None:
             f"{type(model).__name__} uses attn_implementation={implementation!r}, which cannot take the custom 4D "
             f"attention mask of tree verification; load it with attn_implementation in {MASKED_ATTENTION}."
         )
+
+
+def prefill_root(target: torch.nn.Module, ids: torch.Tensor) -> DynamicCache:
+    """The target's KV cache over the prompt ``ids`` (1, L) but its last token, which the first tree feeds as its
+    root (tree index 0); the cache keeps lacking the last committed token from then on."""
+    cache = DynamicCache()
+    if ids.shape[1] > 1:
+        _forward(target, ids[:, :-1].to(next(target.parameters()).device), cache, last_only=True)
+    return cache
 
 
 def add_rows(tokens: list[int], parents: list[int], root: int, rows: Sequence[Sequence[int]]) -> list[list[int]]:
