@@ -1,17 +1,23 @@
 """The distribution check shared by the losslessness tests, and its negative controls.
 
-:func:`goodness_of_fit` is a χ² test of sampled outcomes against probabilities computed exactly from a model; the
-broken verifiers below are drop-in replacements for :func:`accept_head.decoding.verify` that a correct check must
-reject, so a test that passes with the real verifier and fails with these says something about the decoder.
+:func:`goodness_of_fit` is a χ² test of sampled outcomes against probabilities computed exactly from a model
+(:func:`exact_joint` for a small-vocabulary model; :func:`sampled_tokens` draws the seeded runs and
+:func:`pair_p_values` tests their token pairs); the broken verifiers below are drop-in replacements for
+:func:`accept_head.decoding.verify` that a correct check must reject, so a test that passes with the real verifier
+and fails with these says something about the decoder.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable, Sequence
+
 import torch
 from scipy.stats import chisquare
 
+from accept_head.decoding import GenerationResult
 from accept_head.decoding import verify as correct_verify
-from accept_head.sampling import sample
+from accept_head.sampling import SamplingConfig, probabilities, sample
 
 ALPHA = 1e-3
 """A correct decoder passes at this level; the seeds are fixed, so the outcome is deterministic."""
@@ -34,6 +40,42 @@ def goodness_of_fit(counts: torch.Tensor, probs: torch.Tensor) -> float:
     if expected[-1] == 0:
         observed, expected = observed[:-1], expected[:-1]
     return float(chisquare(observed.numpy(), expected.numpy()).pvalue)
+
+
+@torch.inference_mode()
+def exact_joint(model: torch.nn.Module, prompt: Sequence[int], new_tokens: int) -> torch.Tensor:
+    """P(first ``new_tokens`` tokens) when sampling from ``model`` alone at temperature 1 after ``prompt``: a
+    (V,)*new_tokens float64 tensor, enumerated over every prefix (keep V and ``new_tokens`` small)."""
+    vocab = int(model.config.vocab_size)
+    joint = torch.ones((), dtype=torch.float64)
+    for n in range(new_tokens):
+        prefixes = [list(prompt) + list(p) for p in itertools.product(range(vocab), repeat=n)]
+        steps = probabilities(model(input_ids=torch.tensor(prefixes)).logits[:, -1], SamplingConfig(1.0)).double()
+        joint = joint[..., None] * steps.view(*([vocab] * n), vocab)
+    return joint
+
+
+def sampled_tokens(
+    decode: Callable[[torch.Generator], GenerationResult], samples: int, prompt_length: int, seed: int = 1234
+) -> tuple[torch.Tensor, float]:
+    """Run ``decode(generator)`` ``samples`` times on one seeded generator. Returns the generated tokens
+    (samples, new tokens) and the fraction of runs in which at least one drafted or guessed token was accepted."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens, hits = [], 0
+    for _ in range(samples):
+        result = decode(generator)
+        tokens.append(result.sequences[0, prompt_length:])
+        hits += sum(result.stats.accepted) > 0
+    return torch.stack(tokens), hits / samples
+
+
+def pair_p_values(tokens: torch.Tensor, joint: torch.Tensor) -> tuple[float, float]:
+    """:func:`goodness_of_fit` p-values of the (token 1, token 2) and (token 3, token 4) pair counts of ``tokens``
+    (S, 4) against the pair marginals of the exact ``joint`` (V, V, V, V)."""
+    vocab = joint.shape[0]
+    first = torch.bincount(tokens[:, 0] * vocab + tokens[:, 1], minlength=vocab**2)
+    second = torch.bincount(tokens[:, 2] * vocab + tokens[:, 3], minlength=vocab**2)
+    return goodness_of_fit(first, joint.sum(dim=(2, 3))), goodness_of_fit(second, joint.sum(dim=(0, 1)))
 
 
 def accept_every_candidate(p, q, candidates, generator):

@@ -22,7 +22,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from tiny_models import make_llama, make_tokenizer, perturbed_copy
+from tiny_models import make_llama, make_tokenizer, near_bigram, perturbed_copy
 
 from accept_head import AcceptanceHead, SpecDecPP, autoregressive_generate
 from accept_head.cost_model import CostModel
@@ -60,15 +60,6 @@ SETTINGS = [
     MethodSpec("ouroboros", {"gamma": 2, "phrase_length": 3, "phrases_per_token": 2, "candidates": 2}),
     MethodSpec("ouroboros", {"gamma": 4, "phrase_length": 4, "phrases_per_token": 4, "candidates": 4}),
 ]
-
-
-def near_bigram(model: torch.nn.Module, scale: float = 0.02) -> torch.nn.Module:
-    """Shrink every attention output, so the next token depends mostly on the current one: bigram rows, context
-    n-grams, Jacobi iterates and pool phrases are then often right and multi-token acceptance is exercised."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(scale)
-    return model
 
 
 @pytest.fixture(scope="module")

@@ -10,15 +10,13 @@ free_stop`` must run end to end on a tiny target and print its table. Tiny float
 
 from __future__ import annotations
 
-import itertools
 import json
 
 import numpy as np
 import pytest
 import torch
-from stats_helpers import ALPHA, goodness_of_fit
-from tiny_models import make_llama, make_tokenizer
-from transformers import LlamaConfig, LlamaForCausalLM
+from stats_helpers import ALPHA, exact_joint, pair_p_values, sampled_tokens
+from tiny_models import make_llama, make_tokenizer, near_bigram, small_vocab_llama
 
 from accept_head import ModelBigram, autoregressive_generate, lookahead_generate, ngrammys_generate
 from accept_head.cost_model import TreeCost, measure_tree_costs
@@ -41,14 +39,6 @@ TRAINING = [[3, 20, 21, 22, 20, 21, 22, 20], [4, 50, 51, 50, 51, 52, 50, 51], [6
 MAX_NEW = 40
 
 
-def near_bigram(model: torch.nn.Module, scale: float = 0.02) -> torch.nn.Module:
-    """Shrink every attention output so the next token depends mostly on the current one: guesses are often right."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(scale)
-    return model
-
-
 def hand_predictor(bigram: ModelBigram | None, seed: int = 0) -> GuessPredictor:
     """A predictor with seeded random coefficients (no fitting): its predictions vary with the features."""
     generator = torch.Generator().manual_seed(seed)
@@ -56,14 +46,7 @@ def hand_predictor(bigram: ModelBigram | None, seed: int = 0) -> GuessPredictor:
     return GuessPredictor(coef, 1.0, feature_config=GuessFeatures(bigram).config)
 
 
-@pytest.fixture(scope="module")
-def targets() -> dict[str, torch.nn.Module]:
-    return {"random": make_llama(seed=0), "near_bigram": near_bigram(make_llama(seed=0))}
-
-
-@pytest.fixture(scope="module")
-def bigrams(targets) -> dict[str, ModelBigram]:
-    return {name: ModelBigram.build(model, top=10, batch_size=32) for name, model in targets.items()}
+# ``targets`` (random, near_bigram) and their ``bigrams`` are conftest fixtures.
 
 
 @pytest.fixture(scope="module")
@@ -340,48 +323,28 @@ def test_measure_tree_costs_times_each_size(targets) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Sampling keeps the target's distribution (χ² as in test_learning_free.py)
 
-VOCAB, NEW_TOKENS, SAMPLES = 8, 4, 1500
+NEW_TOKENS, SAMPLES = 4, 1500
 SMALL_PROMPT = [0, 3, 5, 0, 3, 5, 0]
 
 
 @pytest.mark.slow
 @torch.inference_mode()
 def test_adaptive_sampling_keeps_the_target_distribution() -> None:
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        initializer_range=0.5,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).eval()
-    joint = torch.ones(())
-    for n in range(NEW_TOKENS):
-        prefixes = [list(SMALL_PROMPT) + list(p) for p in itertools.product(range(VOCAB), repeat=n)]
-        steps = probabilities(model(input_ids=torch.tensor(prefixes)).logits[:, -1], SamplingConfig(1.0)).double()
-        joint = joint[..., None] * steps.view(*([VOCAB] * n), VOCAB)
+    model = small_vocab_llama(seed=0)
+    joint = exact_joint(model, SMALL_PROMPT, NEW_TOKENS)
     bigram = ModelBigram.build(model, top=3)
     stop = AdaptiveRowStop(hand_predictor(bigram, seed=3), 0.8, bigram)
-    generator = torch.Generator().manual_seed(1234)
-    tokens, hits = [], 0
-    for _ in range(SAMPLES):
-        result = ngrammys_generate(
+    tokens, hit_rate = sampled_tokens(
+        lambda generator: ngrammys_generate(
             model, SMALL_PROMPT, NEW_TOKENS, 1.0, generator=generator, k=3, w=3, q=1, bigram=bigram, stop=stop
-        )
-        tokens.append(result.sequences[0, len(SMALL_PROMPT) :])
-        hits += sum(result.stats.accepted) > 0
-    tokens = torch.stack(tokens)
-    assert hits / SAMPLES > 0.1
-    first = torch.bincount(tokens[:, 0] * VOCAB + tokens[:, 1], minlength=VOCAB**2)
-    second = torch.bincount(tokens[:, 2] * VOCAB + tokens[:, 3], minlength=VOCAB**2)
-    assert goodness_of_fit(first, joint.sum(dim=(2, 3))) > ALPHA
-    assert goodness_of_fit(second, joint.sum(dim=(0, 1))) > ALPHA
+        ),
+        SAMPLES,
+        len(SMALL_PROMPT),
+    )
+    assert hit_rate > 0.1
+    p_first, p_second = pair_p_values(tokens, joint)
+    assert p_first > ALPHA
+    assert p_second > ALPHA
 
 
 # ----------------------------------------------------------------------------------------------------------------

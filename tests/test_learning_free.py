@@ -13,9 +13,9 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from scipy.stats import chisquare
-from tiny_models import make_llama, make_tokenizer
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from stats_helpers import ALPHA, exact_joint, pair_p_values, sampled_tokens
+from tiny_models import make_llama, make_tokenizer, small_vocab_llama
+from transformers import DynamicCache, LlamaForCausalLM
 
 import accept_head.tree_verify as tree_verify
 from accept_head import (
@@ -29,7 +29,6 @@ from accept_head import (
 from accept_head._hf_compat import keep_cache_positions
 from accept_head.lookahead import JacobiWindow, lookahead_tree
 from accept_head.ngrammys import ContextNgrams
-from accept_head.sampling import SamplingConfig, probabilities
 from accept_head.tree_verify import add_rows, commit_nodes, tree_forward, tree_mask
 
 # Prompts repeat themselves so that context n-grams have something to match.
@@ -37,23 +36,7 @@ PROMPTS = [[1, 12, 40, 41, 9, 12, 40, 41, 9, 12, 40], [2, 30, 31, 32, 30, 31, 32
 MAX_NEW = 40
 
 
-def near_bigram(model: torch.nn.Module, scale: float = 0.02) -> torch.nn.Module:
-    """Shrink every attention output: the next token then depends mostly on the current one, so the model bigram,
-    context n-grams and Jacobi iterates are often right and multi-token acceptance is exercised."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(scale)
-    return model
-
-
-@pytest.fixture(scope="module")
-def targets() -> dict[str, torch.nn.Module]:
-    return {"random": make_llama(seed=0), "near_bigram": near_bigram(make_llama(seed=0))}
-
-
-@pytest.fixture(scope="module")
-def bigrams(targets) -> dict[str, ModelBigram]:
-    return {name: ModelBigram.build(model, top=10, batch_size=32) for name, model in targets.items()}
+# ``targets`` (random, near_bigram) and their ``bigrams`` are conftest fixtures.
 
 
 @pytest.fixture(scope="module")
@@ -286,67 +269,19 @@ def test_context_ngrams_and_pool() -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Sampling: the output distribution is the target's (χ² goodness of fit, as in test_lossless.py)
 
-VOCAB, NEW_TOKENS, SAMPLES, ALPHA = 8, 4, 1500, 1e-3
+NEW_TOKENS, SAMPLES = 4, 1500
 SMALL_PROMPT = [0, 3, 5, 0, 3, 5, 0]
 
 
 @pytest.fixture(scope="module")
 def small() -> tuple[LlamaForCausalLM, torch.Tensor]:
     """A vocabulary-8 Llama and the exact distribution (V,)*4 of its first four sampled tokens at T = 1."""
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        initializer_range=0.5,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).eval()
-    joint = torch.ones(())
-    with torch.inference_mode():
-        for n in range(NEW_TOKENS):
-            prefixes = [list(SMALL_PROMPT) + list(p) for p in itertools.product(range(VOCAB), repeat=n)]
-            steps = probabilities(model(input_ids=torch.tensor(prefixes)).logits[:, -1], SamplingConfig(1.0)).double()
-            joint = joint[..., None] * steps.view(*([VOCAB] * n), VOCAB)
-    return model, joint
-
-
-def goodness_of_fit(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """χ² p-value of ``counts`` against exact ``probs`` (cells expecting < 5 pooled); 0 if an impossible cell
-    occurred."""
-    observed, probs = counts.flatten().double(), probs.flatten() / probs.sum()
-    if observed[probs == 0].sum() > 0:
-        return 0.0
-    expected = probs * observed.sum()
-    large = expected >= 5
-    observed = torch.cat([observed[large], observed[~large].sum()[None]])
-    expected = torch.cat([expected[large], expected[~large].sum()[None]])
-    if expected[-1] == 0:
-        observed, expected = observed[:-1], expected[:-1]
-    return float(chisquare(observed.numpy(), expected.numpy()).pvalue)
-
-
-def sampled_tokens(decode) -> tuple[torch.Tensor, float]:
-    """(SAMPLES, NEW_TOKENS) tokens of seeded runs and the fraction of runs that accepted a guessed token."""
-    generator = torch.Generator().manual_seed(1234)
-    tokens, hits = [], 0
-    for _ in range(SAMPLES):
-        result = decode(generator)
-        tokens.append(result.sequences[0, len(SMALL_PROMPT) :])
-        hits += sum(result.stats.accepted) > 0
-    return torch.stack(tokens), hits / SAMPLES
+    model = small_vocab_llama(seed=0)
+    return model, exact_joint(model, SMALL_PROMPT, NEW_TOKENS)
 
 
 def assert_fits(tokens: torch.Tensor, joint: torch.Tensor) -> None:
-    first = torch.bincount(tokens[:, 0] * VOCAB + tokens[:, 1], minlength=VOCAB**2)
-    second = torch.bincount(tokens[:, 2] * VOCAB + tokens[:, 3], minlength=VOCAB**2)
-    p_first = goodness_of_fit(first, joint.sum(dim=(2, 3)))
-    p_second = goodness_of_fit(second, joint.sum(dim=(0, 1)))
+    p_first, p_second = pair_p_values(tokens, joint)
     assert p_first > ALPHA and p_second > ALPHA, (p_first, p_second)
 
 
@@ -365,7 +300,8 @@ SAMPLERS = {
 @pytest.mark.parametrize("method", list(SAMPLERS))
 def test_sampling_keeps_the_target_distribution(small, method: str) -> None:
     model, joint = small
-    tokens, hit_rate = sampled_tokens(SAMPLERS[method](model, ModelBigram.build(model, top=3)))
+    decode = SAMPLERS[method](model, ModelBigram.build(model, top=3))
+    tokens, hit_rate = sampled_tokens(decode, SAMPLES, len(SMALL_PROMPT))
     assert hit_rate > 0.1, hit_rate  # guesses were accepted often: the acceptance rule itself is under test
     assert_fits(tokens, joint)
 
@@ -381,10 +317,8 @@ def test_broken_sample_verification_is_detected(small, monkeypatch: pytest.Monke
 
     model, joint = small
     monkeypatch.setattr("accept_head.lookahead.verify_sampled", accept_first)
-    tokens, _ = sampled_tokens(SAMPLERS["lookahead"](model, None))
-    first = torch.bincount(tokens[:, 0] * VOCAB + tokens[:, 1], minlength=VOCAB**2)
-    second = torch.bincount(tokens[:, 2] * VOCAB + tokens[:, 3], minlength=VOCAB**2)
-    assert min(goodness_of_fit(first, joint.sum(dim=(2, 3))), goodness_of_fit(second, joint.sum(dim=(0, 1)))) < ALPHA
+    tokens, _ = sampled_tokens(SAMPLERS["lookahead"](model, None), SAMPLES, len(SMALL_PROMPT))
+    assert min(pair_p_values(tokens, joint)) < ALPHA
 
 
 # ----------------------------------------------------------------------------------------------------------------

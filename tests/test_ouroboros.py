@@ -10,13 +10,12 @@ only, no network.
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
-from tiny_models import make_llama, make_tokenizer, perturbed_copy
-from transformers import LlamaConfig, LlamaForCausalLM
+from stats_helpers import ALPHA, exact_joint, pair_p_values, sampled_tokens
+from tiny_models import make_llama, make_tokenizer, near_bigram, perturbed_copy, small_vocab_llama
+from transformers import LlamaForCausalLM
 
 import accept_head.ouroboros as ouroboros
 from accept_head import (
@@ -34,24 +33,15 @@ from accept_head.ouroboros import (
     refine_pool,
     vocab_fingerprint,
 )
-from accept_head.sampling import SamplingConfig, probabilities
 
 PROMPTS = [[1, 12, 40, 41, 9, 12, 40, 41, 9, 12, 40], [2, 30, 31, 32, 30, 31, 32, 30, 31], [5, 7, 7, 7, 7, 8, 9, 7]]
 MAX_NEW = 32
 V = len(make_tokenizer())  # 88: the tiny models' vocabulary
 
 
-def near_bigram(model: torch.nn.Module, scale: float = 0.02) -> torch.nn.Module:
-    """Shrink every attention output: the next token then depends mostly on the current one, so phrases seen once
-    recur and the pool's guesses are often right."""
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(scale)
-    return model
-
-
 @pytest.fixture(scope="module")
 def target() -> torch.nn.Module:
+    """Near-bigram (see ``tiny_models.near_bigram``): phrases seen once recur and the pool's guesses are often right."""
     return near_bigram(make_llama(seed=0))
 
 
@@ -368,7 +358,7 @@ def test_bad_drafts(target, drafts) -> None:
 # ----------------------------------------------------------------------------------------------------------------
 # Sampling: the output distribution is the target's (χ² goodness of fit, as in test_learning_free.py)
 
-VOCAB, NEW_TOKENS, SAMPLES, ALPHA = 8, 4, 1500, 1e-3
+NEW_TOKENS, SAMPLES = 4, 1500
 SMALL_PROMPT = [0, 3, 5, 0, 3, 5, 0]
 SAMPLED = dict(gamma=2, phrase_length=2, phrases_per_token=2, candidates=3, prompt_phrases=True)
 
@@ -377,55 +367,18 @@ SAMPLED = dict(gamma=2, phrase_length=2, phrases_per_token=2, candidates=3, prom
 def small() -> tuple[LlamaForCausalLM, LlamaForCausalLM, torch.Tensor]:
     """A vocabulary-8 Llama, a noisy copy as its draft, and the exact joint distribution (V,)*4 of the target's
     first four sampled tokens at T = 1."""
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=16,
-        intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        initializer_range=0.5,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        model = LlamaForCausalLM(config).eval()
-    joint = torch.ones(())
-    with torch.inference_mode():
-        for n in range(NEW_TOKENS):
-            prefixes = [SMALL_PROMPT + list(p) for p in itertools.product(range(VOCAB), repeat=n)]
-            steps = probabilities(model(input_ids=torch.tensor(prefixes)).logits[:, -1], SamplingConfig(1.0)).double()
-            joint = joint[..., None] * steps.view(*([VOCAB] * n), VOCAB)
-    return model, perturbed_copy(model, relative_noise=0.1), joint
-
-
-def pair_p_values(tokens: torch.Tensor, joint: torch.Tensor) -> tuple[float, float]:
-    """χ² p-values of the (token 1, token 2) and (token 3, token 4) pair counts against their exact marginals
-    (cells expecting < 5 pooled; 0 if an impossible cell occurred)."""
-    p_values = []
-    for first, dims in ((0, (2, 3)), (2, (0, 1))):
-        counts = torch.bincount(tokens[:, first] * VOCAB + tokens[:, first + 1], minlength=VOCAB**2).double()
-        probs = joint.sum(dim=dims).flatten()
-        if counts[probs == 0].sum() > 0:
-            p_values.append(0.0)
-            continue
-        expected = probs / probs.sum() * counts.sum()
-        large = expected >= 5
-        observed = torch.cat([counts[large], counts[~large].sum()[None]])
-        expected = torch.cat([expected[large], expected[~large].sum()[None]])
-        p_values.append(float(chisquare(observed.numpy(), expected.numpy()).pvalue))
-    return p_values[0], p_values[1]
+    model = small_vocab_llama(seed=0)
+    return model, perturbed_copy(model, relative_noise=0.1), exact_joint(model, SMALL_PROMPT, NEW_TOKENS)
 
 
 def sampled(model, draft) -> tuple[torch.Tensor, float]:
-    generator = torch.Generator().manual_seed(1234)
-    tokens, hits = [], 0
-    for _ in range(SAMPLES):
-        result = ouroboros_generate(model, draft, SMALL_PROMPT, NEW_TOKENS, 1.0, generator=generator, **SAMPLED)
-        tokens.append(result.sequences[0, len(SMALL_PROMPT) :])
-        hits += sum(result.stats.accepted) > 0
-    return torch.stack(tokens), hits / SAMPLES
+    return sampled_tokens(
+        lambda generator: ouroboros_generate(
+            model, draft, SMALL_PROMPT, NEW_TOKENS, 1.0, generator=generator, **SAMPLED
+        ),
+        SAMPLES,
+        len(SMALL_PROMPT),
+    )
 
 
 def test_sampling_is_reproducible(small) -> None:

@@ -104,6 +104,37 @@ def make_pair(root: str | Path, *, target_seed: int = 0, draft_seed: int = 1) ->
     return target, draft
 
 
+def small_vocab_llama(seed: int = 0):
+    """A random float32 Llama over a vocabulary of 8 (2 layers, hidden size 16, peaked by ``initializer_range=0.5``):
+    small enough to enumerate the distribution of its first few sampled tokens (``stats_helpers.exact_joint``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=8,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        initializer_range=0.5,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return LlamaForCausalLM(config).eval()
+
+
+def near_bigram(model: torch.nn.Module, scale: float = 0.02) -> torch.nn.Module:
+    """Shrink every attention output of a Llama in place (and return it): the next token then depends mostly on the
+    current one, so bigram rows, context n-grams, Jacobi iterates and pool phrases are often right and the
+    learning-free decoders exercise multi-token acceptance."""
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(scale)
+    return model
+
+
 def perturbed_copy(model: torch.nn.Module, relative_noise: float = 0.3, seed: int = 0) -> torch.nn.Module:
     """A copy of ``model`` with Gaussian noise of ``relative_noise`` × each weight tensor's std added to it.
 
