@@ -14,13 +14,12 @@
 from __future__ import annotations
 
 import copy
-import itertools
 import json
 import math
 
 import pytest
 import torch
-from test_lossless import accept_every_candidate, goodness_of_fit
+from stats_helpers import ALPHA, accept_every_candidate, exact_joint, pair_p_values
 from tiny_models import make_llama, perturbed_copy
 
 import accept_head.decoding as decoding
@@ -29,7 +28,7 @@ from accept_head.decoding import verify as correct_verify
 from accept_head.drafters import ModelDrafter
 from accept_head.feature_draft import FeatureDraft, FeatureDrafter, model_fingerprint
 from accept_head.features import lm_head_input
-from accept_head.sampling import SamplingConfig, probabilities, sample
+from accept_head.sampling import sample
 
 # --- tiny models ----------------------------------------------------------------------------------------------------
 
@@ -157,20 +156,8 @@ PROMPT = [0, 3, 5]
 NEW_TOKENS = 4
 SAMPLES = 2000
 CONTROL_SAMPLES = 400
-ALPHA = 1e-3
 Z_LIMIT = 4.5
 """Binomial z-score bound on the frequency of tokens outside the draft vocabulary (seeds fixed: deterministic)."""
-
-
-@torch.no_grad()
-def exact_joint(model, prompt: list[int], n: int) -> torch.Tensor:
-    """P(first n generated tokens) under target-only sampling at temperature 1: a (V,)*n float64 tensor."""
-    joint = torch.ones((), dtype=torch.float64)
-    for length in range(n):
-        prefixes = torch.tensor([prompt + list(p) for p in itertools.product(range(VOCAB), repeat=length)])
-        probs = probabilities(model(prefixes).logits[:, -1], SamplingConfig(1.0)).double()
-        joint = joint[..., None] * probs.view(*([VOCAB] * length), VOCAB)
-    return joint
 
 
 @pytest.fixture(scope="module")
@@ -199,15 +186,6 @@ def sample_outputs(target, draft, samples: int) -> torch.Tensor:
     return torch.stack(rows)[:, len(PROMPT) :]
 
 
-def fit_pvalues(tokens: torch.Tensor, joint: torch.Tensor) -> list[float]:
-    """χ² p-values of the (token 1, token 2) and (token 3, token 4) pairs against the exact joint."""
-    out = []
-    for first, marginal in ((0, joint.sum(dim=(2, 3))), (2, joint.sum(dim=(0, 1)))):
-        counts = torch.bincount(tokens[:, first] * VOCAB + tokens[:, first + 1], minlength=VOCAB * VOCAB)
-        out.append(goodness_of_fit(counts.view(VOCAB, VOCAB), marginal))
-    return out
-
-
 def outside_z_scores(tokens: torch.Tensor, joint: torch.Tensor, kept: torch.Tensor) -> list[float]:
     """Per generated position: (observed − exact) frequency of tokens outside ``kept``, in binomial std units."""
     outside = torch.ones(VOCAB, dtype=torch.bool)
@@ -234,7 +212,7 @@ def test_sampling_matches_exact_target_distribution_with_pruned_vocabulary(chi2_
 
     monkeypatch.setattr(decoding, "verify", recording_verify)
     tokens = sample_outputs(target, chi2_drafter(drafter, target, kept), SAMPLES)
-    p_values = fit_pvalues(tokens, joint)
+    p_values = pair_p_values(tokens, joint)
     assert min(p_values) > ALPHA, p_values
     z = outside_z_scores(tokens, joint, kept)
     assert max(abs(s) for s in z) < Z_LIMIT, z
@@ -258,7 +236,7 @@ def test_distribution_checks_reject_broken_verifiers(chi2_setup, monkeypatch, dr
     target, joint, kept = chi2_setup
     draft = chi2_drafter(drafter, target, kept)
     monkeypatch.setattr(decoding, "verify", accept_every_candidate)
-    assert min(fit_pvalues(sample_outputs(target, draft, CONTROL_SAMPLES), joint)) < 1e-6
+    assert min(pair_p_values(sample_outputs(target, draft, CONTROL_SAMPLES), joint)) < 1e-6
     monkeypatch.setattr(decoding, "verify", residual_within_draft_vocabulary)
     tokens = sample_outputs(target, draft, CONTROL_SAMPLES)
     assert max(abs(s) for s in outside_z_scores(tokens, joint, kept)) > 3 * Z_LIMIT

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from scipy.stats import chisquare
+from stats_helpers import goodness_of_fit
 from tiny_models import TableLM, make_llama, make_pair, make_tokenizer, perturbed_copy
 from transformers import (
     LogitsProcessorList,
@@ -126,23 +126,6 @@ def test_sampling_is_seeded_by_torch_manual_seed_or_a_generator(pair) -> None:
 VOCAB, POSITIONS, PROMPT, NEW, SAMPLES = 6, 8, [0, 3, 5], 4, 2000
 
 
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """χ² p-value of ``counts`` against exact ``probs``, pooling cells expected below 5; 0 if an impossible
-    outcome occurred."""
-    observed, probs = counts.flatten().double(), probs.flatten() / probs.sum()
-    if observed[probs == 0].sum() > 0:
-        return 0.0
-    expected = probs * observed.sum()
-    large = expected >= 5
-    small = ~large & (probs > 0)
-    if small.any():
-        observed = torch.cat([observed[large], observed[small].sum()[None]])
-        expected = torch.cat([expected[large], expected[small].sum()[None]])
-    else:
-        observed, expected = observed[large], expected[large]
-    return float(chisquare(observed.numpy(), expected.numpy()).pvalue)
-
-
 def table_pair() -> tuple[TableLM, TableLM]:
     generator = torch.Generator().manual_seed(0)
     target_logits = 1.5 * torch.randn(POSITIONS, VOCAB, VOCAB, generator=generator)
@@ -213,11 +196,11 @@ def test_sampling_reproduces_the_processed_target_distribution() -> None:
         head.out.bias.fill_(1.0)
     exact = exact_joint(target)
     policy = HeadThreshold(head, 0.5, min_candidates=1, max_candidates=NEW)
-    assert chi_square_pvalue(sample_counts(target, draft, policy), exact) > 1e-3
+    assert goodness_of_fit(sample_counts(target, draft, policy), exact) > 1e-3
     # Processing the draft is for acceptance only: the decoder stays exact with a raw draft (Leviathan Thm 1).
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(hf_generate.ProcessedDrafter, "propose", lambda self, token: _propose(self, token, None))
-        assert chi_square_pvalue(sample_counts(target, draft, FixedK(2)), exact) > 1e-3
+        assert goodness_of_fit(sample_counts(target, draft, FixedK(2)), exact) > 1e-3
 
 
 def _propose(self: hf_generate.ProcessedDrafter, token: int | None, process: hf_generate.ProcessedLogits | None):
@@ -242,11 +225,11 @@ def test_chi_square_rejects_broken_processing() -> None:
             return _propose(self, token, hf_generate.ProcessedLogits(processors(), self.process.buffer))
 
         mp.setattr(hf_generate.ProcessedDrafter, "propose", draft_side)
-        assert chi_square_pvalue(sample_counts(target, draft, FixedK(2), LogitsProcessorList()), exact) < 1e-3
+        assert goodness_of_fit(sample_counts(target, draft, FixedK(2), LogitsProcessorList()), exact) < 1e-3
     with pytest.MonkeyPatch.context() as mp:
         original = hf_generate.ProcessedLogits.__call__
         mp.setattr(hf_generate.ProcessedLogits, "__call__", lambda self, logits, n: original(self, logits, len(PROMPT)))
-        assert chi_square_pvalue(sample_counts(target, draft, FixedK(2)), exact) < 1e-3
+        assert goodness_of_fit(sample_counts(target, draft, FixedK(2)), exact) < 1e-3
 
 
 # ---- stopping, eos, streaming -------------------------------------------------------------------------------------
