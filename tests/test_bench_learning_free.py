@@ -297,7 +297,7 @@ def test_tree_methods_have_names_that_state_their_setting() -> None:
 
 
 def test_report_finds_h_star_by_role_and_ranks_tree_decoders_as_families() -> None:
-    bundle = SimpleNamespace(threshold=0.7, unscored=None)
+    bundle = SimpleNamespace(h_star=lambda greedy=False: (0.7, None))
     star = h_star_spec(bundle)
     decoy = MethodSpec("specdecpp", {"threshold": 0.3}, label="SpecDec++ h*=0.3 (a swept point)")
     specs = [MethodSpec("autoregressive"), MethodSpec("fixed_k", {"k": 2}), decoy, star]
