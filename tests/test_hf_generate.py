@@ -107,6 +107,9 @@ def test_return_dict_scores_and_logits_match_hf(pair) -> None:
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)  # processed identically, position by position
     assert ours.past_key_values.get_seq_length() == ours.sequences.shape[1] - 1
     assert ours.stats.generated == ours.sequences.shape[1] - len(PROMPTS[1])
+    # The loop runs under inference_mode; what it returns is ordinary tensors a caller may modify or train on.
+    assert not any(t.is_inference() for t in (ours.sequences, *ours.scores, *ours.logits))
+    ours.sequences[0, -1] = 0
 
 
 def test_sampling_is_seeded_by_torch_manual_seed_or_a_generator(pair) -> None:
