@@ -652,6 +652,8 @@ def _ablation_section(folder: Path) -> str:
         cells = [f"{last[f'val/accept_{k}']:.3f}" if f"val/accept_{k}" in last else "–" for k in (1, 2, 3)]
         rows.append(f"| {name} | {' | '.join(cells)} |")
     table = "\n".join(rows)
+    missing = [name for name in ABLATIONS if name not in ab["variants"]]
+    not_run = f"Not run (time): {', '.join(missing)}.\n\n" if missing else ""
     return f"""## Which terms helped (`python -m train.feature_draft ablate --config ...`)
 
 Short runs of {ab["steps"]} steps at {ab["batch_tokens"]} tokens per step, one factor changed each, same data, seed
@@ -661,7 +663,7 @@ and schedule; held-out kept-vocabulary acceptance at the end (steps 2-3 by the p
 |---|---|---|---|
 {table}
 
-"""
+{not_run}"""
 
 
 def _standalone_timing(ev: dict) -> str:
