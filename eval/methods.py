@@ -30,6 +30,7 @@ from accept_head.ngrammys import ModelBigram, check_ngrammys_params, ngrammys_ge
 from accept_head.ouroboros import check_ouroboros_params, ouroboros_generate
 from accept_head.pairs import cache_root
 from accept_head.policies import FixedK, HeadThreshold, StopPolicy
+from accept_head.seeds import derive_seed
 from accept_head.tree_verify import MASKED_ATTENTION, TreeDecodeStats
 
 from .common import EncodedPrompt, Pair
@@ -389,8 +390,9 @@ class Runner:
 
 
 def prompt_seed(seed: int, repeat: int, index: int) -> int:
-    """The generator seed of prompt ``index`` in ``repeat``: the same for every method."""
-    return seed * 1_000_003 + repeat * 10_007 + index
+    """The generator seed of prompt ``index`` in ``repeat`` (−1: warm-up), the same for every method; repeat 0 uses
+    the seeds of :func:`accept_head.benchmark.run_prompts` (the end-of-fit sweep), so both decode alike."""
+    return derive_seed(seed, repeat, index)
 
 
 def run_interleaved(
