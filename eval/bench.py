@@ -44,6 +44,7 @@ from .methods import (
     h_star_spec,
     prompt_seed,
     run_interleaved,
+    selection_basis,
     summarize,
     throughput,
     tree_params,
@@ -522,7 +523,7 @@ def _validate(
     for kind in dict.fromkeys(spec.kind for spec in trees):
         grid = [s for s in summaries if s.spec.kind == kind]
         if grid:  # one draft per kind, so one criterion
-            by = _selected_by(grid[0].spec, select_by)
+            by = selection_basis(grid[0].spec, select_by)
             best = best_of(grid, by)
             tree_decoders[kind] = {"name": best.spec.name, "params": dict(best.spec.params), "select_by": by}
     return {
@@ -535,17 +536,12 @@ def _validate(
         "methods": [
             s.to_dict()
             | {
-                "selection_tokens_per_second": throughput(s, _selected_by(s.spec, select_by)),
-                "selected_by": _selected_by(s.spec, select_by),
+                "selection_tokens_per_second": throughput(s, selection_basis(s.spec, select_by)),
+                "selected_by": selection_basis(s.spec, select_by),
             }
             for s in summaries
         ],
     }
-
-
-def _selected_by(spec: MethodSpec, select_by: str) -> str:
-    """The throughput a validation row competes on: ``select_by``, or measured for a comparison draft's row."""
-    return "measured" if "draft" in spec.params else select_by
 
 
 def _with_ratios(summaries: Sequence[MethodSummary]) -> list[dict]:

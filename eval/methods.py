@@ -591,6 +591,24 @@ def best_of(summaries: Sequence[MethodSummary], by: str, kind: str | None = None
     return max(pool, key=lambda s: throughput(s, by)) if pool else None
 
 
+def selection_basis(spec: MethodSpec, select_by: str) -> str:
+    """The throughput a method competes on when a setting is chosen: ``select_by``, or measured tokens/s for a method
+    that decodes with a comparison draft (the cost model prices the pair's own draft only)."""
+    return "measured" if "draft" in spec.params else select_by
+
+
+def choose_settings(summaries: Sequence[MethodSummary], select_by: str) -> list[MethodSpec]:
+    """The methods a comparison reports, chosen on validation runs: the best setting of each kind (and, within a kind,
+    of each draft it decodes with) by :func:`selection_basis`, plus every method with a role (SpecDec++ at h*),
+    which is kept whatever its rank. Order follows ``summaries``."""
+    groups: dict[tuple[str, Any], list[MethodSummary]] = {}
+    for s in summaries:
+        if s.spec.role is None:
+            groups.setdefault((s.spec.kind, s.spec.params.get("draft")), []).append(s)
+    winners = {id(max(g, key=lambda s: throughput(s, selection_basis(s.spec, select_by)))) for g in groups.values()}
+    return [s.spec for s in summaries if s.spec.role is not None or id(s) in winners]
+
+
 def headroom_share(policy: float, best_fixed_k: float, oracle: float) -> float | None:
     """Share of the oracle's headroom over the best fixed K that a policy captures:
     (policy − best FixedK) / (Oracle − best FixedK) (None when the oracle is no better than fixed K)."""

@@ -70,10 +70,11 @@ def run_sweep(
     cost_model: CostModel | None,
     seed: int = 0,
     progress: bool = True,
+    bigram_cache: str | None = None,
 ) -> tuple[list[MethodSummary], list[dict]]:
     """Run every spec that can run at ``temperature`` on ``prompt_set``; return the summaries and the skipped specs
     (with the reason)."""
-    runner = Runner(pair, max_new_tokens, temperature)
+    runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache)
     runnable, skipped = [], []
     for spec in specs:
         reason = runner.supports(spec)

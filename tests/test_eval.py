@@ -420,7 +420,8 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
     config = {
         "bundle": tiny["bundle"],
         "out_of_distribution": [{"path": str(tiny["root"] / "ood.jsonl")}],
-        "prompts": str(tiny["root"] / "val.jsonl"),
+        "validation_prompts": [{"path": str(tiny["root"] / "val.jsonl")}],
+        "validation_limit": 2,
         "limit": 2,
         "policies": [
             {"kind": "autoregressive"},
@@ -430,8 +431,10 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
             {"kind": "confidence", "grid": {"tau": [0.3]}},
             {"kind": "entropy", "grid": {"threshold": [0.5]}},
             {"kind": "hf_assisted", "grid": {"num_assistant_tokens": [3], "schedule": ["heuristic"]}},
+            {"kind": "ngrammys", "grid": {"k": [1, 3], "w": [2]}},
             {"kind": "oracle"},
         ],
+        "bigram_cache": str(tmp_path / "bigram"),
         "max_new_tokens": 10,
         "dataset": tiny["labels"],
         "cost_model": str(costs),
@@ -442,9 +445,23 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
     assert not (figures / "stale.png").exists()
     stored = json.loads((figures / "results.json").read_text())
     text = page.read_text()
-    # In-distribution prompts come from the bundle's provenance (eval split of id.jsonl), three sets in all.
-    assert list(stored["results"]) == ["in-distribution", "out-of-distribution", "val"]
+    # In-distribution prompts come from the bundle's provenance (eval split of id.jsonl).
+    assert list(stored["results"]) == ["in-distribution", "out-of-distribution"]
     assert all(s.startswith("id:") for s in stored["prompt_sets"]["in-distribution"]["ids"])
+    # Settings are chosen on the validation prompts: each grid's winner there, and only it, runs on the test sets.
+    for key in ("greedy", "T=1"):
+        searched = stored["validation"][key]["methods"]
+        for kind in ("fixed_k", "ngrammys"):
+            grid = [m for m in searched if m["kind"] == kind]
+            assert len(grid) == 2
+            best = max(grid, key=lambda m: m["modeled_tokens_per_second"])
+            for set_name in stored["results"]:
+                reported = [m["name"] for m in stored["results"][set_name][key]["methods"] if m["kind"] == kind]
+                assert reported == [best["name"]]
+    assert stored["validation_prompts"]["ids"] and not set(stored["validation_prompts"]["ids"]) & {
+        i for s in stored["prompt_sets"].values() for i in s["ids"]
+    }
+    assert "Which method wins" in text and "Validation: how each setting was chosen" in text
     for name in stored["figures"].values():
         assert (figures / name).is_file()
         assert f"results/{name}" in text
