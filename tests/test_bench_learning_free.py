@@ -44,7 +44,8 @@ from eval.methods import (
     throughput,
     tree_params,
 )
-from eval.report import _table_one, analyse
+from eval.report import analyse
+from eval.report_page import _table_one
 
 WORDS = "write a short poem about the number two . explain why python code is fun please give me one answer".split()
 TEXTS = ["write a short poem about the number two . write a short poem", "explain why python code is fun . explain"]
