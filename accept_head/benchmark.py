@@ -36,32 +36,27 @@ class PolicyResult:
 
 
 def aggregate(name: str, stats: Sequence[DecodeStats], cost_model: CostModel | None = None) -> PolicyResult:
-    generated = sum(s.generated for s in stats)
-    target_calls = sum(s.target_calls for s in stats)
-    draft_calls = sum(s.draft_calls for s in stats)
-    discarded = sum(s.discarded for s in stats)
-    proposed = [k for s in stats for k in s.proposed]
-    accepted = [a for s in stats for a in s.accepted]
-    seconds = sum(s.total_time for s in stats)
+    """Pool the runs of one policy (:meth:`DecodeStats.__add__`) and price the pooled counts with ``cost_model``."""
+    total = sum(stats, DecodeStats())
     if cost_model is None:
         modeled = None
-    elif proposed:
-        modeled = cost_model.modeled_tokens_per_second(generated, draft_calls, proposed)
+    elif total.proposed:
+        modeled = cost_model.modeled_tokens_per_second(total.generated, total.draft_calls, total.proposed)
     else:  # autoregressive: one target call per token, no draft
-        modeled = generated / (target_calls * cost_model.t_target(0)) if target_calls else 0.0
+        modeled = total.generated / (total.target_calls * cost_model.t_target(0)) if total.target_calls else 0.0
     return PolicyResult(
         name=name,
-        generated=generated,
-        target_calls=target_calls,
-        draft_calls=draft_calls,
-        discarded=discarded,
-        rounds=len(proposed),
-        seconds=seconds,
-        verification_rate=target_calls / max(generated, 1),
-        discard_rate=discarded / max(generated, 1),
-        mean_accepted=sum(accepted) / max(len(accepted), 1),
-        mean_proposed=sum(proposed) / max(len(proposed), 1),
-        tokens_per_second=generated / seconds if seconds > 0 else 0.0,
+        generated=total.generated,
+        target_calls=total.target_calls,
+        draft_calls=total.draft_calls,
+        discarded=total.discarded,
+        rounds=len(total.proposed),
+        seconds=total.total_time,
+        verification_rate=total.verification_rate,
+        discard_rate=total.discard_rate,
+        mean_accepted=total.mean_accepted,
+        mean_proposed=sum(total.proposed) / max(len(total.proposed), 1),
+        tokens_per_second=total.tokens_per_second,
         modeled_tokens_per_second=modeled,
     )
 

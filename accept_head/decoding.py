@@ -9,7 +9,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 from transformers import DynamicCache
@@ -72,6 +72,26 @@ class DecodeStats:
         self.accepted.append(kept)
         self.discarded += proposed - kept
         self.generated += committed
+
+    def __add__(self, other: DecodeStats) -> DecodeStats:
+        """The statistics of both generations together: counts and times add, per-round lists concatenate. The sum
+        has the more specific type of the two (a :class:`~accept_head.tree_verify.TreeDecodeStats` keeps its
+        per-call lists), so ``sum(stats, DecodeStats())`` pools any runs of one method."""
+        if not isinstance(other, DecodeStats):
+            return NotImplemented
+        if not isinstance(other, type(self)) and not isinstance(self, type(other)):
+            raise TypeError(
+                f"cannot add {type(self).__name__} and {type(other).__name__}: they count different things."
+            )
+        kind = type(other) if isinstance(other, type(self)) else type(self)
+        out = kind()
+        for f in fields(kind):
+            mine, theirs = getattr(self, f.name, None), getattr(other, f.name, None)
+            parts = [v for v in (mine, theirs) if v is not None]
+            setattr(
+                out, f.name, [x for v in parts for x in v] if isinstance(getattr(out, f.name), list) else sum(parts)
+            )
+        return out
 
     def to_dict(self) -> dict:
         out = asdict(self)

@@ -542,7 +542,7 @@ def aggregate_runs(name: str, stats: Sequence[DecodeStats], cost_model: CostMode
     """
     result = aggregate(name, stats, cost_model)
     if cost_model is not None and stats and all(isinstance(s, TreeDecodeStats) for s in stats):
-        fed = [n - 1 for s in stats for n in s.fed]
+        fed = [n - 1 for n in sum(stats, DecodeStats()).fed]
         result.modeled_tokens_per_second = cost_model.modeled_tokens_per_second(
             result.generated, result.draft_calls, fed
         )
@@ -552,11 +552,10 @@ def aggregate_runs(name: str, stats: Sequence[DecodeStats], cost_model: CostMode
 def _tree_means(stats: Sequence[DecodeStats]) -> dict[str, float] | None:
     if not stats or not all(isinstance(s, TreeDecodeStats) for s in stats):
         return None
-    fed, rows = [n for s in stats for n in s.fed], [r for s in stats for r in s.rows]
-    out = {"mean_fed": sum(fed) / max(len(fed), 1), "mean_rows": sum(rows) / max(len(rows), 1)}
-    drafted = [d for s in stats for d in getattr(s, "drafted", [])]
-    if drafted:
-        out["mean_drafted"] = sum(drafted) / len(drafted)
+    total = sum(stats, DecodeStats())
+    out = {"mean_fed": statistics.fmean(total.fed or [0]), "mean_rows": statistics.fmean(total.rows or [0])}
+    if getattr(total, "drafted", None):
+        out["mean_drafted"] = statistics.fmean(total.drafted)
     return out
 
 

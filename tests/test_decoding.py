@@ -324,3 +324,40 @@ def test_same_seed_gives_same_sample_and_different_seeds_differ() -> None:
 
     assert run(0) == run(0)
     assert len({tuple(run(seed)) for seed in range(5)}) > 1
+
+
+def test_decode_stats_add_up_into_the_pooled_counts_of_several_runs() -> None:
+    from dataclasses import dataclass
+
+    from accept_head.benchmark import aggregate
+    from accept_head.decoding import DecodeStats
+    from accept_head.ouroboros import OuroborosStats
+    from accept_head.tree_verify import TreeDecodeStats
+
+    a, b = DecodeStats(), DecodeStats()
+    a.record_round(proposed=4, accepted=2, committed=3)
+    b.record_round(proposed=2, accepted=2, committed=3)
+    b.record_round(proposed=3, accepted=0, committed=1)
+    a.total_time, b.total_time, a.draft_calls = 0.5, 1.5, 5
+    total = sum([a, b], DecodeStats())
+    assert (total.generated, total.target_calls, total.discarded, total.draft_calls) == (7, 3, 5, 5)
+    assert total.proposed == [4, 2, 3] and total.accepted == [2, 2, 0]
+    assert total.total_time == pytest.approx(2.0) and total.tokens_per_second == pytest.approx(3.5)
+    assert a.generated == 3 and b.proposed == [2, 3]  # the parts are left as they were
+    pooled = aggregate("x", [a, b])
+    assert (pooled.rounds, pooled.mean_proposed, pooled.verification_rate) == (3, 3.0, pytest.approx(3 / 7))
+
+    # A tree decoder's per-call lists survive the sum; a plain start value takes the more specific type.
+    t, o = TreeDecodeStats(), OuroborosStats()
+    t.record_tree_round(fed=9, rows=3, proposed=2, accepted=1, committed=2)
+    o.record_tree_round(fed=5, rows=2, proposed=1, accepted=1, committed=2)
+    o.drafted.append(4)
+    trees = sum([t, o], DecodeStats())
+    assert type(trees) is OuroborosStats and trees.fed == [9, 5] and trees.rows == [3, 2] and trees.drafted == [4]
+
+    @dataclass
+    class OtherStats(DecodeStats):
+        extra: int = 0
+
+    with pytest.raises(TypeError, match="TreeDecodeStats and OtherStats"):
+        t + OtherStats()
