@@ -413,13 +413,7 @@ def report(
             "chosen": [spec.name for spec in chosen[key]],
             "skipped": skipped,
         }
-        print(sweep_table(runs, None, f"validation, {key}, {len(val_set.prompts)} prompts (chooses the settings)"))
-        png = pareto_plot(
-            runs,
-            figures / f"pareto_validation_{_slug(key)}.png",
-            f"validation, {key}: {len(val_set.prompts)} prompts, every setting searched",
-        )
-        figures_made[f"pareto validation {key}"] = png.name
+        figures_made[f"pareto validation {key}"] = _show(runs, figures, "validation", key, len(val_set.prompts))
     for set_name, prompt_set in sets.items():
         summaries[set_name], results[set_name] = {}, {}
         for temperature in temperatures:
@@ -428,14 +422,7 @@ def report(
                 pair, prompt_set, chosen[key], temperature, max_new_tokens, model, seed, progress, bigram_cache
             )
             summaries[set_name][key] = runs
-            baseline = next((s for s in runs if s.spec.kind == "autoregressive"), None)
-            print(sweep_table(runs, baseline, f"{set_name}, {key}, {len(prompt_set.prompts)} prompts"))
-            png = pareto_plot(
-                runs,
-                figures / f"pareto_{_slug(set_name)}_{_slug(key)}.png",
-                f"{set_name}, {key}: {len(prompt_set.prompts)} prompts, ≤{max_new_tokens} new tokens",
-            )
-            figures_made[f"pareto {set_name} {key}"] = png.name
+            figures_made[f"pareto {set_name} {key}"] = _show(runs, figures, set_name, key, len(prompt_set.prompts))
             results[set_name][key] = {
                 "temperature": temperature,
                 "methods": [s.to_dict() for s in runs],
@@ -489,6 +476,14 @@ def report(
     page.write_text(render_markdown(payload, figures.name))
     print(f"wrote {page} and {len(figures_made)} figure(s) + results.json in {figures}")
     return payload
+
+
+def _show(runs: Sequence[MethodSummary], figures: Path, set_name: str, key: str, prompts: int) -> str:
+    """Print the runs of one prompt set and temperature as a table and draw their Pareto plot; the PNG's name."""
+    baseline = next((s for s in runs if s.spec.kind == "autoregressive"), None)
+    print(sweep_table(runs, baseline, f"{set_name}, {key}, {prompts} prompts"))
+    title = f"{set_name}, {key}: {prompts} prompts" + (", every setting searched" if set_name == "validation" else "")
+    return pareto_plot(runs, figures / f"pareto_{_slug(set_name)}_{_slug(key)}.png", title).name
 
 
 def _slug(text: str) -> str:
