@@ -60,14 +60,17 @@ class Pair:
     def describe(self) -> dict:
         out: dict[str, Any] = {
             "bundle": self.bundle_path,
-            "target": self.target_spec.to_dict() if self.target_spec else None,
-            "draft": self.draft_spec.to_dict() if self.draft_spec else None,
+            "target": _portable(self.target_spec.to_dict()) if self.target_spec else None,
+            "draft": _portable(self.draft_spec.to_dict()) if self.draft_spec else None,
             "target_parameters": sum(p.numel() for p in self.target.parameters()),
             "draft_parameters": sum(p.numel() for p in self.draft.parameters()),
         }
         if self.bundle is not None:
             out.update(
                 threshold=self.bundle.threshold,
+                unscored=self.bundle.unscored,
+                greedy_threshold=self.bundle.h_star(greedy=True)[0],
+                greedy_unscored=self.bundle.h_star(greedy=True)[1],
                 head=self.bundle.head.config,
                 min_candidates=self.bundle.min_candidates,
                 max_candidates=self.bundle.max_candidates,
@@ -75,6 +78,15 @@ class Pair:
                 calibration=self.bundle.calibration.kind if self.bundle.calibration is not None else None,
             )
         return out
+
+
+def _portable(spec: dict) -> dict:
+    """A model spec dict whose path is relative to the working directory when it lies below it, so pages and JSON
+    written from a checkout read the same on every machine."""
+    path = spec.get("path")
+    if isinstance(path, str) and os.path.isabs(path) and Path(path).is_relative_to(Path.cwd()):
+        spec = {**spec, "path": os.path.relpath(path)}
+    return spec
 
 
 def load_pair(

@@ -11,6 +11,7 @@ from accept_head.cost_model import DecodeCostFit, fit_decode_costs
 from .calibration import CALIBRATION_HEADER, calibration_rows
 from .common import fmt, markdown_table
 from .methods import TREE_DECODERS
+from .sweep import temperature_key
 
 TRAINING_FREE = ("heuristic", "confidence", "entropy")
 """The training-free stop rules for the draft (HF's schedule, confidence and entropy stopping)."""
@@ -21,8 +22,27 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+def in_page_order(payload: dict) -> dict:
+    """``payload`` with its prompt sets and temperatures in the page's order — in-distribution, out-of-distribution,
+    then any other set; temperatures as in the settings — whatever order its JSON stored them in (sorted keys)."""
+    first = ("in-distribution", "out-of-distribution")
+    sets = sorted(payload["results"], key=lambda n: first.index(n) if n in first else len(first))
+    keys = [temperature_key(t) for t in payload["settings"]["temperatures"]]
+
+    def by_key(d: dict) -> dict:
+        return {k: d[k] for k in keys if k in d}
+
+    return payload | {
+        "results": {n: by_key(payload["results"][n]) for n in sets},
+        "prompt_sets": {n: payload["prompt_sets"][n] for n in sets},
+        "validation": by_key(payload.get("validation", {})),
+    }
+
+
 def render_markdown(payload: dict, figures_dir: str) -> str:
-    """The results page, every number taken from ``payload`` (the run's results.json)."""
+    """The results page, every number taken from ``payload`` (the run's results.json, or the dict it was written
+    from: both render alike)."""
+    payload = in_page_order(payload)
     pair, machine, settings = payload["pair"], payload["machine"], payload["settings"]
     cost = payload["cost_model"]
     lines = [
@@ -35,7 +55,7 @@ def render_markdown(payload: dict, figures_dir: str) -> str:
         + (f", GPU {machine['cuda']}" if machine.get("cuda") else "")
         + f"; torch {machine['torch']}, transformers {machine['transformers']}).",
         "",
-        f"- Bundle `{pair['bundle']}`: head depth {pair['head']['depth']}, h* = {pair['threshold']:g}, "
+        f"- Bundle `{pair['bundle']}`: head depth {pair['head']['depth']}, {_h_stars(pair)}, "
         f"calibration {pair['calibration'] or 'none'}, candidates per round {pair['min_candidates']}–"
         f"{pair['max_candidates']}, trained for temperature {pair['temperature']:g}.",
         f"- Target `{(pair['target'] or {}).get('path')}` ({pair['target_parameters'] / 1e6:.1f} M parameters, "
@@ -120,6 +140,19 @@ def render_markdown(payload: dict, figures_dir: str) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _h_stars(pair: dict) -> str:
+    """``h* = 0.5 (T=1), 0.9 unscored=confidence (greedy)``; one value when the bundle keeps one h* for both modes."""
+
+    def one(h: float, unscored: str | None) -> str:
+        return f"{h:g}" + (f" unscored={unscored}" if unscored else "")
+
+    sampled = one(pair["threshold"], pair.get("unscored"))
+    if pair.get("greedy_threshold") is None:
+        return f"h* = {sampled}"
+    greedy = one(pair["greedy_threshold"], pair.get("greedy_unscored"))
+    return f"h* = {sampled}" if greedy == sampled else f"h* = {sampled} (sampling), {greedy} (greedy)"
 
 
 def _find(rows: Sequence[dict], kind: str, star: bool = False) -> dict | None:
