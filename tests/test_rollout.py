@@ -257,6 +257,26 @@ def test_train_fit_on_rollout_labels_trains_on_stored_hidden_states(tiny: TinySe
     card = (tmp_path / "bundle" / "README.md").read_text()
     assert "On-policy rollout labels" in card and "labelled candidates" in card
 
+    # eval.label_modes scores the exported head on the stored states of a rollout dataset, raw and calibrated.
+    from accept_head import SpecDecPP
+    from accept_head.calibration import apply_calibration
+    from accept_head.metrics import acceptance_metrics
+    from eval import label_modes
+
+    scores = label_modes.main(dataset=str(tiny.labels), bundles=[str(tmp_path / "bundle")])
+    dataset, _ = load_label_dataset(tiny.labels)
+    states = torch.cat(read_hidden(dataset, 16)).float()
+    labels = torch.tensor([x for row in dataset["accept_prob"] for x in row])
+    bundle = SpecDecPP.from_pretrained(tmp_path / "bundle")
+    logits = bundle.head(states.to(next(bundle.head.parameters()).dtype)).float()
+    ours = scores["heads"][str(tmp_path / "bundle")]
+    assert ours["label_mode"] == "rollout" and scores["candidates"] == labels.numel()
+    assert ours["raw"]["auc"] == pytest.approx(acceptance_metrics(logits, labels)["auc"], abs=1e-6)
+    calibrated = apply_calibration(bundle.calibration, torch.sigmoid(logits)).clamp(1e-6, 1 - 1e-6)
+    assert ours["calibrated"]["ece"] == pytest.approx(acceptance_metrics(torch.logit(calibrated), labels)["ece"])
+    with pytest.raises(ValueError, match="width 7 but the head reads 16"):
+        label_modes.score(bundle, torch.zeros(3, 7), torch.ones(3))
+
 
 def test_train_fit_on_feature_draft_rollout_labels(feature_setup: TinySetup, tmp_path) -> None:
     """A head for a feature draft trains on its rollout labels, and the end-of-fit stages (cost model, sweep, bundle
@@ -265,3 +285,11 @@ def test_train_fit_on_feature_draft_rollout_labels(feature_setup: TinySetup, tmp
     cli = fit(config, tmp_path)
     assert cli.datamodule.rollout and cli.model.head.hidden_size == 32 and cli.trainer.global_step > 0
     assert (tmp_path / "bundle" / "head.safetensors").is_file() and cli.model.fit_report.threshold is not None
+
+
+def test_label_mode_scoring_refuses_token_mixing_labels(tiny: TinySetup, tmp_path) -> None:
+    from eval import label_modes
+
+    run_data_gen(tiny.data_gen_config(label_mode="sample", batch_size=8, max_new_tokens=6), tmp_path / "sample")
+    with pytest.raises(ValueError, match="label_mode='sample' labels; scoring needs on-policy rollout labels"):
+        label_modes.held_out_states(str(tmp_path / "sample"))
