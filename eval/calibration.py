@@ -28,7 +28,7 @@ from accept_head.metrics import (
     reliability_bins,
     soft_auc,
 )
-from accept_head.pairs import ModelSpec
+from accept_head.pairs import ModelSpec, Pair, load_pair
 from accept_head.plots import reliability_plot
 from accept_head.policies import HeadThreshold, RoundState
 from accept_head.prompts import PromptSource
@@ -36,11 +36,9 @@ from accept_head.seeds import seeded_generator
 from accept_head.tables import text_table
 
 from .common import (
-    Pair,
     PromptSet,
     encode_prompts,
     fmt,
-    load_pair,
     machine_info,
     output_folder,
     write_json,

@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from accept_head.cost_model import CostModel, measure_costs
-from accept_head.pairs import ModelSpec
+from accept_head.pairs import ModelSpec, load_pair
 from accept_head.tables import text_table
 
-from .common import fmt, load_pair, machine_info, output_folder, write_json
+from .common import fmt, machine_info, output_folder, write_json
 from .plots import costs_plot
 
 

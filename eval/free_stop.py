@@ -31,14 +31,14 @@ import torch
 
 from accept_head.cost_model import TreeCost, measure_tree_costs
 from accept_head.decoding import GenerationResult, autoregressive_generate
+from accept_head.engine import prompt_seed
 from accept_head.free_stop import AdaptiveRowStop, GuessFeatures, GuessPredictor, collect_labels
 from accept_head.lookahead import check_lookahead_params, lookahead_generate
 from accept_head.ngrammys import ModelBigram, check_ngrammys_params, ngrammys_generate
-from accept_head.pairs import ModelSpec, cache_root, eos_token_ids, load_model, load_tokenizer
+from accept_head.pairs import ModelSpec, cache_root, eos_token_ids, load_model, load_pair, load_tokenizer
 from accept_head.prompts import PromptSource
 
-from .common import check_disjoint, encode_prompts, fmt, load_pair, machine_info, output_folder, text_table, write_json
-from .methods import prompt_seed
+from .common import check_disjoint, encode_prompts, fmt, machine_info, output_folder, text_table, write_json
 from .sweep import temperature_key
 
 DECODERS = ("ngrammys", "lookahead")

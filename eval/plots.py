@@ -7,10 +7,9 @@ from pathlib import Path
 
 from accept_head import plots
 from accept_head.cost_model import CostModel
+from accept_head.engine import MethodSummary
 from accept_head.plots import ParetoSeries, new_figure, save_figure
 from accept_head.plots import reliability_plot as reliability_plot  # eval.report imports it from here
-
-from .methods import MethodSummary
 
 _STYLE = {
     "fixed_k": ("s", "tab:blue"),

@@ -15,24 +15,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from accept_head.pairs import ModelSpec
-from accept_head.prompts import PromptSource
-
-from .bench import add_comparison_drafts
-from .calibration import CALIBRATION_HEADER, calibration_rows, calibration_views, reliability_panels
-from .common import (
-    Pair,
-    PromptSet,
-    check_disjoint,
-    encode_prompts,
-    load_pair,
-    machine_info,
-    output_folder,
-    resolve_cost_model,
-    text_table,
-    write_json,
-)
-from .methods import (
+from accept_head.engine import (
     TREE_DECODERS,
     MethodSpec,
     MethodSummary,
@@ -44,6 +27,21 @@ from .methods import (
     headroom_share,
     selection_basis,
     throughput,
+)
+from accept_head.pairs import ModelSpec, Pair, load_pair
+from accept_head.prompts import PromptSource
+
+from .bench import add_comparison_drafts
+from .calibration import CALIBRATION_HEADER, calibration_rows, calibration_views, reliability_panels
+from .common import (
+    PromptSet,
+    check_disjoint,
+    encode_prompts,
+    machine_info,
+    output_folder,
+    resolve_cost_model,
+    text_table,
+    write_json,
 )
 from .plots import costs_plot, pareto_plot, reliability_plot
 from .report_page import TRAINING_FREE, ratio, render_markdown
@@ -294,7 +292,7 @@ def report(
     """Regenerate the results page of a bundle from scratch.
 
     Every method grid (``policies``) is decoded on the validation prompts first, per temperature, and each kind's
-    best setting there (:func:`~eval.methods.choose_settings`) is what the page reports on the test sets, beside
+    best setting there (:func:`~accept_head.engine.choose_settings`) is what the page reports on the test sets, beside
     SpecDec++ at the bundle's h*: nothing reported is chosen on the prompts it is reported on. The page holds a
     best-throughput table shaped like SpecDec++'s Table 1, the winner per prompt set and decoding mode, each chosen
     method's numbers (tokens per target call included), the share of the oracle's headroom each captures

@@ -7,10 +7,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from accept_head.cost_model import DecodeCostFit, fit_decode_costs
+from accept_head.engine import TREE_DECODERS
 
 from .calibration import CALIBRATION_HEADER, calibration_rows
 from .common import fmt, markdown_table
-from .methods import TREE_DECODERS
 from .sweep import temperature_key
 
 TRAINING_FREE = ("heuristic", "confidence", "entropy")

@@ -6,22 +6,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from accept_head.cost_model import CostModel
-from accept_head.pairs import ModelSpec
+from accept_head.engine import MethodSpec, MethodSummary, PolicyGrid, Runner, expand_grids, run_interleaved, summarize
+from accept_head.pairs import ModelSpec, Pair, load_pair
 from accept_head.prompts import PromptSource
 from accept_head.tables import text_table
 
 from .common import (
-    Pair,
     PromptSet,
     encode_prompts,
     fmt,
-    load_pair,
     machine_info,
     output_folder,
     resolve_cost_model,
     write_json,
 )
-from .methods import MethodSpec, MethodSummary, PolicyGrid, Runner, expand_grids, run_interleaved, summarize
 from .plots import pareto_plot
 
 DEFAULT_GRIDS: list[dict] = [

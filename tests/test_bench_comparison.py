@@ -21,15 +21,14 @@ import torch
 import yaml
 from tiny_models import make_llama, make_tokenizer, perturbed_copy
 
-import eval.methods as methods
+import accept_head.engine as engine
 from accept_head import AcceptanceHead, SpecDecPP
 from accept_head.drafters import ModelDrafter
+from accept_head.engine import MethodSpec, Runner, greedy_identity
 from accept_head.feature_draft import FeatureDraft
-from accept_head.pairs import ModelSpec
+from accept_head.pairs import ModelSpec, load_pair
 from eval.__main__ import main
 from eval.bench import add_comparison_drafts
-from eval.common import load_pair
-from eval.methods import MethodSpec, Runner, greedy_identity
 
 WORDS = "write a short poem about the number two . explain why python code is fun please give me one answer".split()
 NEW_TOKENS = 10
@@ -153,13 +152,13 @@ def test_comparison_drafts_reach_the_decoder_and_decode_losslessly(tiny, monkeyp
     assert isinstance(pruned, ModelDrafter) and pruned.model is standalone
     assert torch.equal(pruned.kept_ids.cpu(), pair.draft.kept_ids.cpu())
     used = []
-    original = methods.speculative_generate
+    original = engine.speculative_generate
 
     def spy(target, draft, *args, **kwargs):
         used.append(draft)
         return original(target, draft, *args, **kwargs)
 
-    monkeypatch.setattr(methods, "speculative_generate", spy)
+    monkeypatch.setattr(engine, "speculative_generate", spy)
     runner = Runner(pair, NEW_TOKENS, 0.0)
     autoregressive = runner.decoder(MethodSpec("autoregressive"))
     specs = {

@@ -2,7 +2,7 @@
 
 On tiny random Llamas, offline:
 
-* through :class:`~eval.methods.Runner`, every kind decodes exactly the target's greedy output, and passes the
+* through :class:`~accept_head.engine.Runner`, every kind decodes exactly the target's greedy output, and passes the
   sampling setting through unchanged at temperature > 0;
 * N-Grammys' model bigram is built once per target, when the decoder is built (before anything is timed), and read
   back from the disk cache by the next runner;
@@ -27,14 +27,7 @@ from tiny_models import make_llama, make_tokenizer, near_bigram, perturbed_copy
 from accept_head import AcceptanceHead, SpecDecPP, autoregressive_generate
 from accept_head.cost_model import CostModel
 from accept_head.decoding import DecodeStats
-from accept_head.feature_draft import FeatureDraft
-from accept_head.ngrammys import ModelBigram
-from accept_head.pairs import ModelSpec
-from accept_head.tree_verify import TreeDecodeStats
-from eval.__main__ import main
-from eval.bench import tree_settings, tree_specs
-from eval.common import Pair
-from eval.methods import (
+from accept_head.engine import (
     TREE_DECODERS,
     MethodSpec,
     PolicyGrid,
@@ -44,6 +37,12 @@ from eval.methods import (
     throughput,
     tree_params,
 )
+from accept_head.feature_draft import FeatureDraft
+from accept_head.ngrammys import ModelBigram
+from accept_head.pairs import ModelSpec, Pair
+from accept_head.tree_verify import TreeDecodeStats
+from eval.__main__ import main
+from eval.bench import tree_settings, tree_specs
 from eval.report import analyse
 from eval.report_page import _table_one
 

@@ -194,8 +194,7 @@ def test_bundle_eval_and_data_gen_stop_on_the_same_eos_ids(tmp_path) -> None:
     from tiny_models import make_llama, make_tokenizer
 
     from accept_head import AcceptanceHead, SpecDecPP
-    from accept_head.pairs import eos_token_ids
-    from eval.common import Pair
+    from accept_head.pairs import Pair, eos_token_ids
 
     tokenizer = make_tokenizer()
     target = make_llama(tokenizer=tokenizer)

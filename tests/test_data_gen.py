@@ -497,7 +497,7 @@ def test_data_gen_a_bundle_and_eval_stop_on_the_same_eos_ids(pair, tmp_path: Pat
     """The ids data_gen stopped on (recorded in meta.json) are those a bundle and eval's Pair stop on, for a target
     whose generation config adds an end-of-turn id to the tokenizer's EOS."""
     from accept_head import AcceptanceHead, SpecDecPP, load_model, load_tokenizer
-    from eval.common import Pair
+    from accept_head.pairs import Pair
 
     target, tokenizer = load_model({"path": str(pair[0]), "dtype": "float32"}), load_tokenizer(str(pair[0]))
     target.generation_config.eos_token_id = [tokenizer.eos_token_id, 6]

@@ -15,11 +15,12 @@ from tiny_models import make_llama, make_tokenizer, perturbed_copy
 from accept_head import AcceptanceHead, Calibration, SpecDecPP
 from accept_head.cost_model import CostModel, fit_decode_costs, latency_per_token
 from accept_head.decoding import DecodeStats
+from accept_head.engine import MethodSpec, PolicyGrid, expand_grids, headroom_share, run_interleaved
 from accept_head.labels import FORMAT, FORMAT_VERSION, label_features
 from accept_head.pairs import ModelSpec
+from accept_head.prompts import EncodedPrompt
 from eval.__main__ import main
-from eval.common import EncodedPrompt, round_robin
-from eval.methods import MethodSpec, PolicyGrid, expand_grids, headroom_share, run_interleaved
+from eval.common import round_robin
 from eval.report import _h_star_spec, head_sources
 
 # SpecDec++ §2 measured these on 2×A100 for Llama-2-chat 7B (draft) / 70B (target).
@@ -244,8 +245,8 @@ def test_oracle_method_decodes_greedily_and_counts_what_decoding_with_the_oracle
     target's greedy output. The times are the real decoding's."""
     from accept_head import autoregressive_generate, speculative_generate
     from accept_head.baselines import Oracle
-    from eval.common import load_pair
-    from eval.methods import Runner
+    from accept_head.engine import Runner
+    from accept_head.pairs import load_pair
 
     pair = load_pair(tiny["bundle"])
     runner = Runner(pair, max_new_tokens=12, temperature=0.0)
@@ -358,9 +359,9 @@ def test_calibration_command_reports_offline_and_on_policy_views(tiny, tmp_path)
 
 
 def test_on_policy_records_decode_with_the_bundles_own_policy(tiny) -> None:
+    from accept_head.pairs import load_pair
     from accept_head.policies import HeadThreshold
     from eval.calibration import RecordingHeadThreshold
-    from eval.common import load_pair
 
     pair = load_pair(tiny["bundle"])
     base = HeadThreshold(pair.bundle.head, 0.4, 1, 7, calibration=pair.bundle.calibration, unscored="confidence")

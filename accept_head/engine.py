@@ -1,10 +1,13 @@
-"""Decoding methods compared by ``python -m eval``: every stop policy, HF's assisted generation, the learning-free
-tree decoders (N-Grammys, Lookahead, Ouroboros), the target alone.
+"""The one engine that runs decoding methods over prompts: every stop policy, HF's assisted generation, the
+learning-free tree decoders (N-Grammys, Lookahead, Ouroboros), the target alone, and the hindsight oracle.
 
-A :class:`MethodSpec` names one method and its parameters (``{kind: fixed_k, params: {k: 4}}``); a
-:class:`PolicyGrid` expands a parameter grid into specs; :class:`Runner` turns specs into decoders for one pair and
-one sampling setting, and :func:`run_interleaved` decodes prompts with several methods in the order
-A B C … A B C …, so slow drifts of the machine hit every method alike.
+A :class:`MethodSpec` names one method and its parameters (``{kind: fixed_k, params: {k: 4}}``) and, as data, the
+role it plays in a comparison; a :class:`PolicyGrid` expands a parameter grid into specs; :class:`Runner` turns specs
+into decoders for one pair and one sampling setting, and :func:`run_interleaved` decodes prompts with several methods
+in the order A B C … A B C …, so slow drifts of the machine hit every method alike, every method with the same
+per-prompt seeds; :func:`summarize` pools each method's :class:`~accept_head.decoding.DecodeStats` and prices them
+with the cost model. The end-of-fit threshold sweep (:mod:`accept_head.sweep`) and every ``python -m eval`` command
+decode through it.
 """
 
 from __future__ import annotations
@@ -20,20 +23,19 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from accept_head.baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle
-from accept_head.benchmark import PolicyResult, aggregate
-from accept_head.cost_model import CostModel
-from accept_head.decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate
-from accept_head.hf_assisted import AssistedSettings, HFAssisted
-from accept_head.lookahead import check_lookahead_params, lookahead_generate
-from accept_head.ngrammys import ModelBigram, check_ngrammys_params, ngrammys_generate
-from accept_head.ouroboros import check_ouroboros_params, ouroboros_generate
-from accept_head.pairs import cache_root
-from accept_head.policies import FixedK, HeadThreshold, StopPolicy
-from accept_head.seeds import derive_seed
-from accept_head.tree_verify import MASKED_ATTENTION, TreeDecodeStats
-
-from .common import EncodedPrompt, Pair
+from .baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle
+from .benchmark import PolicyResult, aggregate
+from .cost_model import CostModel
+from .decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate
+from .hf_assisted import AssistedSettings, HFAssisted
+from .lookahead import check_lookahead_params, lookahead_generate
+from .ngrammys import ModelBigram, check_ngrammys_params, ngrammys_generate
+from .ouroboros import check_ouroboros_params, ouroboros_generate
+from .pairs import Pair, cache_root
+from .policies import FixedK, HeadThreshold, StopPolicy
+from .prompts import EncodedPrompt
+from .seeds import derive_seed
+from .tree_verify import MASKED_ATTENTION, TreeDecodeStats
 
 FAMILIES = {
     "autoregressive": "Autoregressive",
