@@ -24,9 +24,10 @@ import torch
 from transformers import PreTrainedModel
 
 from .baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle
-from .benchmark import PolicyResult, aggregate
+from .calibration import Calibration
 from .cost_model import CostModel
 from .decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate
+from .head import AcceptanceHead
 from .hf_assisted import AssistedSettings, HFAssisted
 from .lookahead import check_lookahead_params, lookahead_generate
 from .ngrammys import ModelBigram, check_ngrammys_params, ngrammys_generate
@@ -34,7 +35,7 @@ from .ouroboros import check_ouroboros_params, ouroboros_generate
 from .pairs import Pair, cache_root
 from .policies import FixedK, HeadThreshold, StopPolicy
 from .prompts import EncodedPrompt
-from .seeds import derive_seed
+from .seeds import derive_seed, seeded_generator
 from .tree_verify import MASKED_ATTENTION, TreeDecodeStats
 
 FAMILIES = {
@@ -182,6 +183,70 @@ def expand_grids(grids: Sequence[PolicyGrid | dict]) -> list[MethodSpec]:
     return specs
 
 
+@dataclass
+class PolicyResult:
+    """Aggregate of one policy over a prompt set (sums over prompts, then ratios)."""
+
+    name: str
+    generated: int
+    target_calls: int
+    draft_calls: int
+    discarded: int
+    rounds: int
+    seconds: float
+    verification_rate: float
+    discard_rate: float
+    mean_accepted: float
+    mean_proposed: float
+    tokens_per_second: float
+    modeled_tokens_per_second: float | None
+
+    def to_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+def aggregate(name: str, stats: Sequence[DecodeStats], cost_model: CostModel | None = None) -> PolicyResult:
+    """Pool the runs of one policy (:meth:`DecodeStats.__add__`) and price the pooled counts with ``cost_model``."""
+    total = sum(stats, DecodeStats())
+    if cost_model is None:
+        modeled = None
+    elif total.proposed:
+        modeled = cost_model.modeled_tokens_per_second(total.generated, total.draft_calls, total.proposed)
+    else:  # autoregressive: one target call per token, no draft
+        modeled = total.generated / (total.target_calls * cost_model.t_target(0)) if total.target_calls else 0.0
+    return PolicyResult(
+        name=name,
+        generated=total.generated,
+        target_calls=total.target_calls,
+        draft_calls=total.draft_calls,
+        discarded=total.discarded,
+        rounds=len(total.proposed),
+        seconds=total.total_time,
+        verification_rate=total.verification_rate,
+        discard_rate=total.discard_rate,
+        mean_accepted=total.mean_accepted,
+        mean_proposed=sum(total.proposed) / max(len(total.proposed), 1),
+        tokens_per_second=total.tokens_per_second,
+        modeled_tokens_per_second=modeled,
+    )
+
+
+@dataclass
+class TrainedHead:
+    """What SpecDec++ decodes with before there is a bundle (the end-of-fit sweep, which is choosing h*): the head,
+    its calibration and the candidate bounds. :class:`Runner` reads these attributes, and :meth:`h_star` when a
+    ``specdecpp`` method leaves out its threshold or ``unscored``; a :class:`~accept_head.bundle.SpecDecPP` offers
+    the same, with the h* it was exported with."""
+
+    head: AcceptanceHead
+    calibration: Calibration | None = None
+    min_candidates: int = 2
+    max_candidates: int = 20
+
+    def h_star(self, greedy: bool = False) -> tuple[float, str | None]:
+        raise ValueError("This head has no h* yet (no bundle): give every specdecpp method a threshold and unscored.")
+
+
 Decoder = Callable[[list[int], torch.Generator], GenerationResult]
 
 
@@ -230,6 +295,9 @@ class Runner:
     would hand every later repeat the phrases of its own earlier output. N-Grammys' model bigram belongs to the
     target alone: it is read from ``bigram_cache`` (keyed by the target's fingerprint) or computed and written there
     when the decoder is built, before anything is timed, and shared by every N-Grammys setting of this runner.
+
+    SpecDec++ decodes with ``head``: the pair's bundle unless a :class:`TrainedHead` is given (the end-of-fit sweep,
+    before a bundle exists).
     """
 
     def __init__(
@@ -240,6 +308,7 @@ class Runner:
         top_k: int | None = None,
         top_p: float | None = None,
         bigram_cache: str | Path | None = None,
+        head: TrainedHead | None = None,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
@@ -250,6 +319,8 @@ class Runner:
         self.temperature = temperature
         self.sampling = {"top_k": top_k, "top_p": top_p}
         self.bigram_cache = Path(bigram_cache) if bigram_cache is not None else cache_root() / "bigram"
+        self.head = head if head is not None else pair.bundle
+        """What ``specdecpp`` methods decode with (a :class:`TrainedHead` or a bundle), None if nothing."""
         self._oracles: dict[tuple[int, ...], Oracle] = {}
         self._bigrams: dict[int, ModelBigram] = {}
 
@@ -258,7 +329,7 @@ class Runner:
         (greedy matching, or multi-candidate sample verification), so none is refused for its temperature."""
         if spec.kind == "oracle" and self.temperature != 0:
             return "the oracle is defined for greedy decoding only"
-        if spec.kind == "specdecpp" and self.pair.bundle is None:
+        if spec.kind == "specdecpp" and self.head is None:
             return "SpecDec++ needs a bundle with a trained head (--bundle)"
         if spec.kind == "hf_assisted" and not isinstance(
             self.pair.draft_for(spec.params.get("draft")), PreTrainedModel
@@ -297,18 +368,20 @@ class Runner:
             if spec.kind == "fixed_k":
                 return FixedK(int(params.pop("k")))
             if spec.kind == "specdecpp":
-                bundle = self.pair.bundle
-                if bundle is None:
+                source = self.head
+                if source is None:
                     raise ValueError(self.supports(spec))
                 calibrated = bool(params.pop("calibrated", True))
-                h, unscored = bundle.h_star(greedy=self.temperature == 0)
+                if "threshold" not in params or "unscored" not in params:  # the mode's h* fills what is left out
+                    h, unscored = source.h_star(greedy=self.temperature == 0)
+                    params = {"threshold": h, "unscored": unscored} | params
                 policy = HeadThreshold(
-                    bundle.head,
-                    float(params.pop("threshold", h)),
-                    int(params.pop("min_candidates", bundle.min_candidates)),
-                    int(params.pop("max_candidates", bundle.max_candidates)),
-                    calibration=bundle.calibration if calibrated else None,
-                    unscored=params.pop("unscored", unscored),
+                    source.head,
+                    float(params.pop("threshold")),
+                    int(params.pop("min_candidates", source.min_candidates)),
+                    int(params.pop("max_candidates", source.max_candidates)),
+                    calibration=source.calibration if calibrated else None,
+                    unscored=params.pop("unscored"),
                 )
                 if params:
                     raise ValueError(f"method 'specdecpp' does not take parameters {sorted(params)}.")
@@ -392,8 +465,8 @@ class Runner:
 
 
 def prompt_seed(seed: int, repeat: int, index: int) -> int:
-    """The generator seed of prompt ``index`` in ``repeat`` (−1: warm-up), the same for every method; repeat 0 uses
-    the seeds of :func:`accept_head.benchmark.run_prompts` (the end-of-fit sweep), so both decode alike."""
+    """The generator seed of prompt ``index`` in ``repeat`` (−1: warm-up), the same for every method:
+    :func:`~accept_head.seeds.derive_seed` of ``(seed, repeat, index)``, what :func:`run_interleaved` seeds with."""
     return derive_seed(seed, repeat, index)
 
 
@@ -410,9 +483,10 @@ def run_interleaved(
 ) -> dict[str, list[list[DecodeStats]]]:
     """Decode every prompt with every method, interleaved (A B C … per prompt), ``repeats`` times.
 
-    The first ``warmup`` prompts are decoded once by every method beforehand and not recorded. Returns
-    ``{method name: [repeat][prompt] DecodeStats]}``; when ``outputs`` is a dict it is filled the same way with each
-    decode's new tokens (for :func:`greedy_identity`).
+    Prompt ``index`` of repeat ``r`` decodes with ``seeded_generator(seed, r, index)`` (:func:`prompt_seed`) in
+    every method; the first ``warmup`` prompts are decoded once by every method beforehand (repeat −1) and not
+    recorded. Returns ``{method name: [repeat][prompt] DecodeStats]}``; when ``outputs`` is a dict it is filled the
+    same way with each decode's new tokens (for :func:`greedy_identity`).
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1.")
@@ -432,7 +506,7 @@ def run_interleaved(
     try:
         for index, prompt in enumerate(prompts[:warmup]):
             for decode in decoders.values():
-                decode(prompt.ids, torch.Generator().manual_seed(prompt_seed(seed, -1, index)))
+                decode(prompt.ids, seeded_generator(seed, -1, index))
                 if bar is not None:
                     bar.update()
         out: dict[str, list[list[DecodeStats]]] = {name: [] for name in decoders}
@@ -443,8 +517,7 @@ def run_interleaved(
                     outputs.setdefault(name, []).append([])
             for index, prompt in enumerate(prompts):
                 for name, decode in decoders.items():
-                    generator = torch.Generator().manual_seed(prompt_seed(seed, repeat, index))
-                    result = decode(prompt.ids, generator)
+                    result = decode(prompt.ids, seeded_generator(seed, repeat, index))
                     out[name][repeat].append(result.stats)
                     if outputs is not None:
                         outputs[name][repeat].append(tuple(result.sequences[0, len(prompt.ids) :].tolist()))
@@ -534,7 +607,7 @@ class MethodSummary:
 
 
 def aggregate_runs(name: str, stats: Sequence[DecodeStats], cost_model: CostModel | None) -> PolicyResult:
-    """:func:`~accept_head.benchmark.aggregate`, with tree decoders priced by what they feed the target.
+    """:func:`aggregate`, with tree decoders priced by what they feed the target.
 
     A tree decoder's ``proposed`` holds only the winning row, but its target call reads every row (and Lookahead's
     window): a call that fed n tokens is priced like a speculative call of n − 1 candidates, t_target(n − 1) (the

@@ -336,6 +336,9 @@ class Pair:
     comparison_drafts: dict[str, Any] = field(default_factory=dict)
     """Further drafts (HF models or :class:`~accept_head.drafters.Drafter` objects) that methods name with a
     ``draft: <name>`` parameter, e.g. the standalone draft beside a feature draft."""
+    stop_ids: list[int] | None = None
+    """The ids to stop on when they are known without the tokenizer (the end-of-fit sweep: the label dataset's);
+    ``[]`` stops on none. None: :attr:`eos_token_id` reads them from the tokenizer and the target."""
 
     def draft_for(self, name: str | None):
         """The pair's own draft (``name`` None) or the comparison draft called ``name``."""
@@ -347,7 +350,10 @@ class Pair:
 
     @property
     def eos_token_id(self) -> list[int] | None:
-        """EOS ids: the tokenizer's and the target's generation config's (:func:`eos_token_ids`)."""
+        """EOS ids: :attr:`stop_ids` when set, else the tokenizer's and the target's generation config's
+        (:func:`eos_token_ids`)."""
+        if self.stop_ids is not None:
+            return list(self.stop_ids)
         try:
             return eos_token_ids(self.tokenizer, self.target)
         except ValueError:

@@ -3,7 +3,8 @@
 Thm 3.1 makes a constant threshold on P(some candidate is rejected) the optimal stopping rule, with the best h
 depending on the cost ratio and the pair; it is found by decoding held-out prompts for a grid of h (and of K for the
 fixed-K baseline) and keeping the h with the lowest modeled latency per token (eq. 2.3, or eq. 2.1 with
-t_target(K) = a + b·K). Every policy decodes the same prompts with the same per-prompt seeds.
+t_target(K) = a + b·K). The sweep decodes through :mod:`accept_head.engine`, as ``python -m eval``'s comparisons
+do: every policy decodes the same prompts with the same per-prompt seeds, interleaved prompt by prompt.
 """
 
 from __future__ import annotations
@@ -16,11 +17,12 @@ from pathlib import Path
 import torch
 
 from . import plots, tables
-from .benchmark import PolicyResult, aggregate, autoregressive_decoder, run_prompts, speculative_decoder
 from .calibration import Calibration
 from .cost_model import CostModel
+from .engine import MethodSpec, PolicyResult, Runner, TrainedHead, run_interleaved, summarize
 from .head import AcceptanceHead
-from .policies import FixedK, HeadThreshold
+from .pairs import Pair
+from .prompts import EncodedPrompt
 from .sampling import SamplingConfig
 
 THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
@@ -69,6 +71,15 @@ class SweepRow:
         if self.family == "fixed_k":
             return f"FixedK K={int(self.param)}"
         return f"SpecDec++ h={self.param:g}" + (f" unscored={self.variant}" if self.variant else "")
+
+    @property
+    def method(self) -> MethodSpec:
+        """The engine's method for this row, named :attr:`label`."""
+        if self.family == "autoregressive":
+            return MethodSpec("autoregressive", label=self.label)
+        if self.family == "fixed_k":
+            return MethodSpec("fixed_k", {"k": int(self.param)}, label=self.label)
+        return MethodSpec("specdecpp", {"threshold": self.param, "unscored": self.variant}, label=self.label)
 
     def latency(self, by: str = "modeled") -> float:
         """Seconds per generated token under the cost model (``modeled``) or as measured (``measured``)."""
@@ -134,7 +145,8 @@ def run_sweep(
 
     Policies: the target alone (if ``autoregressive``), FixedK for each K in ``fixed_k`` and SpecDec++'s
     HeadThreshold for each h in ``thresholds`` and each ``unscored`` setting (with ``calibration`` applied to the
-    head's probabilities).
+    head's probabilities). They run through :func:`~accept_head.engine.run_interleaved` (prompt ``i`` seeded with
+    ``seeded_generator(seed, 0, i)`` in every policy) and are priced by :func:`~accept_head.engine.summarize`.
     ``progress`` shows a bar labelled ``desc``.
     """
     thresholds, fixed_k = check_thresholds(thresholds), check_fixed_k(fixed_k)
@@ -142,41 +154,19 @@ def run_sweep(
         raise ValueError("The sweep needs at least one prompt; raise --sweep.prompts or the validation split size.")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
-    sampling_kwargs = {"top_k": sampling.top_k, "top_p": sampling.top_p}
-    plans: list[tuple[str, float | None, object, str | None]] = []
-    if autoregressive:
-        plans.append(("autoregressive", None, None, None))
-    plans += [("fixed_k", k, FixedK(k), None) for k in fixed_k]
-    plans += [
-        (
-            "threshold",
-            h,
-            HeadThreshold(head, h, min_candidates, max_candidates, calibration=calibration, unscored=u),
-            u,
-        )
-        for u in unscored
-        for h in thresholds
-    ]
+    rows = [SweepRow("autoregressive", None, None)] if autoregressive else []  # type: ignore[arg-type]
+    rows += [SweepRow("fixed_k", k, None) for k in fixed_k]  # type: ignore[arg-type]
+    rows += [SweepRow("threshold", h, None, u) for u in unscored for h in thresholds]  # type: ignore[arg-type]
+    methods = [row.method for row in rows]
     head.eval()
-    rows = []
-    iterator = plans
-    if progress:
-        from tqdm.auto import tqdm
-
-        iterator = tqdm(plans, desc=f"{desc} ({len(prompts)} prompts)", unit="policy")
-    for family, param, policy, variant in iterator:
-        if policy is None:
-            decoder = autoregressive_decoder(
-                target, max_new_tokens, eos_token_id, sampling.temperature, **sampling_kwargs
-            )
-        else:
-            decoder = speculative_decoder(
-                target, draft, policy, max_new_tokens, eos_token_id, sampling.temperature, **sampling_kwargs
-            )
-        stats = run_prompts(decoder, prompts, seed=seed)
-        row = SweepRow(family, param, None, variant)  # type: ignore[arg-type]
-        row.result = aggregate(row.label, stats, cost_model)
-        rows.append(row)
+    stop_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
+    pair = Pair(target, draft, tokenizer=None, stop_ids=list(stop_ids))
+    trained = TrainedHead(head, calibration, min_candidates, max_candidates)
+    runner = Runner(pair, max_new_tokens, sampling.temperature, sampling.top_k, sampling.top_p, head=trained)
+    encoded = [EncodedPrompt(str(i), "sweep", list(ids)) for i, ids in enumerate(prompts)]
+    runs = run_interleaved(runner, methods, encoded, seed, progress=progress, desc=f"{desc} ({len(prompts)} prompts)")
+    for row, summary in zip(rows, summarize(methods, runs, cost_model)):
+        row.result = summary.pooled
     return SweepResult(rows=rows, prompts=len(prompts), max_new_tokens=max_new_tokens)
 
 

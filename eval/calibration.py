@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from accept_head.benchmark import run_prompts, speculative_decoder
 from accept_head.calibration import Calibration
+from accept_head.engine import MethodSpec, Runner, run_interleaved
 from accept_head.metrics import (
     binary_auc,
     brier_score,
@@ -195,13 +195,25 @@ def on_policy_records(
     threshold: float | None = None,
     seed: int = 0,
 ) -> OnPolicy:
-    """Decode ``prompt_set`` with SpecDec++ (the bundle's h* unless ``threshold``) and record every judged candidate."""
+    """Decode ``prompt_set`` with SpecDec++ (the bundle's h* unless ``threshold``; the sampling h* in either mode)
+    through the engine and record every judged candidate."""
     if pair.bundle is None:
         raise ValueError("on-policy calibration needs a bundle with a head (--bundle).")
-    policy = RecordingHeadThreshold(pair.bundle.policy(threshold))
-    decoder = speculative_decoder(pair.target, pair.draft, policy, max_new_tokens, pair.eos_token_id, temperature)
-    run_prompts(decoder, [prompt.ids for prompt in prompt_set.prompts], seed)
+    h, unscored = pair.bundle.h_star()
+    method = MethodSpec("specdecpp", {"threshold": h if threshold is None else threshold, "unscored": unscored})
+    runner = _RecordingRunner(pair, max_new_tokens, temperature)
+    run_interleaved(runner, [method], prompt_set.prompts, seed, progress=False)
+    policy = runner.recorder
     return OnPolicy(policy.raw, policy.calibrated, policy.confidence, policy.labels, policy.index)
+
+
+class _RecordingRunner(Runner):
+    """A :class:`~accept_head.engine.Runner` whose SpecDec++ policy records what it judged
+    (:class:`RecordingHeadThreshold`)."""
+
+    def policy(self, spec: MethodSpec) -> RecordingHeadThreshold:
+        self.recorder = RecordingHeadThreshold(super().policy(spec))
+        return self.recorder
 
 
 def calibration_views(

@@ -358,6 +358,31 @@ def test_calibration_command_reports_offline_and_on_policy_views(tiny, tmp_path)
         assert 0.0 < confidence["mean_pred"] <= 1.0
 
 
+def test_a_trained_head_decodes_like_the_bundle_it_becomes(tiny) -> None:
+    """The end-of-fit sweep runs before a bundle exists: a Runner given a TrainedHead (head, calibration, candidate
+    bounds) and the pair's stop ids builds the same HeadThreshold and decodes the same tokens as a Runner reading the
+    bundle; without an h* it asks for a threshold, and without any head it refuses SpecDec++."""
+    from accept_head.engine import Runner, TrainedHead
+    from accept_head.pairs import Pair, load_pair
+
+    pair = load_pair(tiny["bundle"])
+    bundle = pair.bundle
+    bare = Pair(pair.target, pair.draft, tokenizer=None, stop_ids=pair.eos_token_id)
+    trained = TrainedHead(bundle.head, bundle.calibration, bundle.min_candidates, bundle.max_candidates)
+    method = MethodSpec("specdecpp", {"threshold": 0.3, "unscored": "confidence"})
+    ids = pair.tokenizer.encode("write a short poem about two")
+    decoded = []
+    for runner in (Runner(pair, 12, 1.0), Runner(bare, 12, 1.0, head=trained)):
+        policy = runner.policy(method)
+        built = (policy.threshold, policy.min_candidates, policy.max_candidates, policy.calibration, policy.unscored)
+        assert built == (0.3, bundle.min_candidates, bundle.max_candidates, bundle.calibration, "confidence")
+        decoded.append(runner.decoder(method)(ids, torch.Generator().manual_seed(0)).sequences.tolist())
+    assert decoded[0] == decoded[1]
+    with pytest.raises(ValueError, match=r"no h\* yet"):
+        Runner(bare, 12, 1.0, head=trained).policy(MethodSpec("specdecpp"))
+    assert "needs a bundle" in Runner(bare, 12, 1.0).supports(method)
+
+
 def test_on_policy_records_decode_with_the_bundles_own_policy(tiny) -> None:
     from accept_head.pairs import load_pair
     from accept_head.policies import HeadThreshold
