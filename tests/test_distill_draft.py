@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ from pathlib import Path
 import torch
 from transformers import LlamaConfig
 
-from train.distill_draft import DraftArchitecture, SoftTargetCrossEntropy, build_draft, distill_loss
+from accept_head.training.distill_draft import DraftArchitecture, SoftTargetCrossEntropy, build_draft, distill_loss
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -90,3 +91,49 @@ def test_distill_loss_is_finite_and_trains_toward_the_target_distribution() -> N
         loss.backward()
         optimizer.step()
     assert n == 3 and torch.isfinite(first) and loss.item() < first.item() - 1.0
+
+
+def test_fit_trains_with_lightning_and_resumes_from_its_last_checkpoint(tmp_path) -> None:
+    """generate → fit on a tiny target: a loadable draft, a learning curve of held-out acceptances, and a second fit
+    with a larger token budget that continues from ``last.ckpt`` instead of starting over."""
+    from tiny_models import make_pair
+    from train_helpers import write_prompts
+    from transformers import AutoModelForCausalLM
+
+    from accept_head.pairs import ModelSpec
+    from accept_head.prompts import PromptSource
+    from train.distill_draft import DistillConfig, fit, generate
+
+    target, _ = make_pair(tmp_path)
+    prompts = write_prompts(tmp_path / "prompts.jsonl", 12)
+    cfg = DistillConfig(
+        target=ModelSpec(path=str(target), dtype="float32"),
+        prompts=[PromptSource(path=str(prompts), limit=8)],
+        eval_prompts=[PromptSource(path=str(prompts), offset=8)],
+        work_dir=str(tmp_path / "work"),
+        output_dir=str(tmp_path / "draft"),
+        max_new_tokens=8,
+        batch_size=4,
+        topk=4,
+        architecture=DraftArchitecture(hidden_size=16, num_layers=1, intermediate_size=32, num_heads=2),
+        warmup_steps=1,
+        train_tokens=60,
+        batch_tokens=10,
+        eval_every_tokens=20,
+    )
+    generate(cfg)
+    fit(cfg)
+    meta = json.loads((tmp_path / "draft" / "distill_meta.json").read_text())
+    first_steps = meta["final"]["step"]
+    assert first_steps == 6 and meta["final"]["train_tokens"] >= 60
+    assert [row["step"] for row in meta["curve"][:-1]] == [2, 4, 6]  # a validation every 20 // 10 steps
+    assert all(0.0 <= row["expected_accept"] <= 1.0 for row in meta["curve"])
+    assert (tmp_path / "work" / "checkpoints" / "last.ckpt").is_file()
+    AutoModelForCausalLM.from_pretrained(tmp_path / "draft")
+
+    cfg.train_tokens = 100  # a bigger budget: the second run picks up at step 6
+    fit(cfg)
+    meta = json.loads((tmp_path / "draft" / "distill_meta.json").read_text())
+    assert meta["final"]["step"] == 10
+    # Validations at 2, 4, 6, the first final row, then 8 and 10 of the resumed run and its final row: no restart.
+    assert [row["step"] for row in meta["curve"]] == [2, 4, 6, 6, 8, 10, 10]

@@ -23,23 +23,22 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
-from torch.nn.utils.rnn import pad_sequence
 
 from accept_head.batch_generate import sample_batch
-from accept_head.labels import draft_acceptance
 from accept_head.pairs import ModelSpec, eos_token_ids, load_model, load_tokenizer
 from accept_head.prompts import PromptSource, chat_prompt_ids, load_prompts
 from accept_head.sampling import SamplingConfig
 from accept_head.seeds import seeded_generator
-
-
-@dataclass
-class DraftArchitecture:
-    hidden_size: int = 256
-    """Model width; the tied embedding (vocab x width) dominates size and per-token time."""
-    num_layers: int = 2
-    intermediate_size: int = 1024
-    num_heads: int = 4
+from accept_head.training.distill_draft import (
+    DistillDraftModule,
+    DraftArchitecture,
+    ShardBatches,
+    acceptance_metrics,
+    build_draft,
+    load_shards,
+    shard_examples,
+    target_distributions,
+)
 
 
 @dataclass
@@ -139,233 +138,97 @@ def generate(cfg: DistillConfig) -> None:
             )
 
 
-def _load_shards(work: Path, kind: str) -> list[dict]:
-    return [torch.load(p, weights_only=True) for p in sorted((work / "shards").glob(f"{kind}-*.pt"))]
-
-
-def _examples(shards: list[dict]) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(prompt_ids, response_ids, topk_ids, topk_logprobs) per response, empty responses dropped."""
-    out = []
-    for shard in shards:
-        for p, r, ti, tl in zip(shard["prompt_ids"], shard["response_ids"], shard["topk_ids"], shard["topk_logprobs"]):
-            if len(r):
-                out.append((p.long(), r.long(), ti.long(), tl.float()))
-    return out
-
-
-def build_draft(target_config, arch: DraftArchitecture, target_embedding: torch.Tensor | None = None):
-    """A Llama draft with the target's vocabulary and special tokens; embeddings from an SVD projection of the
-    target's (E_draft = E_target V_d, the best rank-d approximation seen through the draft's width)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
-        vocab_size=target_config.vocab_size,
-        hidden_size=arch.hidden_size,
-        intermediate_size=arch.intermediate_size,
-        num_hidden_layers=arch.num_layers,
-        num_attention_heads=arch.num_heads,
-        num_key_value_heads=arch.num_heads,
-        head_dim=arch.hidden_size // arch.num_heads,
-        max_position_embeddings=target_config.max_position_embeddings,
-        rms_norm_eps=target_config.rms_norm_eps,
-        rope_parameters=getattr(target_config, "rope_parameters", None),
-        tie_word_embeddings=True,
-        bos_token_id=target_config.bos_token_id,
-        eos_token_id=target_config.eos_token_id,
-        pad_token_id=target_config.pad_token_id,
-    )
-    draft = LlamaForCausalLM(config)
-    if target_embedding is not None:
-        emb = target_embedding.float()
-        _, _, v = torch.linalg.svd(emb[: min(len(emb), 16384)], full_matrices=False)
-        with torch.no_grad():
-            draft.get_input_embeddings().weight.copy_(emb @ v[: arch.hidden_size].T)
-    return draft
-
-
-def _batches(examples, batch_tokens: int, generator: torch.Generator):
-    order = torch.randperm(len(examples), generator=generator).tolist()
-    batch, n = [], 0
-    for i in order:
-        batch.append(examples[i])
-        n += len(examples[i][1])
-        if n >= batch_tokens:
-            yield batch
-            batch, n = [], 0
-    if batch:
-        yield batch
-
-
-class SoftTargetCrossEntropy(torch.autograd.Function):
-    """Per-row cross-entropy −Σ_j w_j log softmax(z)[i_j] for sparse soft targets (weights summing to 1).
-
-    Equals logsumexp(z) − Σ_j w_j z_{i_j}; the gradient softmax(z) − w is written straight into one (N, V) buffer.
-    Two passes over the logits instead of the ~8 that log_softmax + gather + their backwards take — on a CPU the
-    full-vocabulary softmax dominates a small draft's training step.
-    """
-
-    @staticmethod
-    def forward(ctx, logits: torch.Tensor, index: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        z = logits.float()
-        lse = torch.logsumexp(z, dim=-1)
-        loss = lse - (weight * z.gather(1, index)).sum(-1)
-        ctx.save_for_backward(logits, index, weight, lse)
-        return loss
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        logits, index, weight, lse = ctx.saved_tensors
-        g = logits.to(torch.float32, copy=True).sub_(lse[:, None]).exp_()
-        g.scatter_add_(1, index, -weight.to(g.dtype))
-        g.mul_(grad[:, None])
-        return g.to(logits.dtype), None, None
-
-
-def distill_loss(draft, batch, pad_token_id: int) -> tuple[torch.Tensor, int]:
-    """Cross-entropy of the draft against the target's distribution at every response position.
-
-    The target's top-k probabilities are matched directly; the remaining mass 1 − Σ top-k goes to the token the
-    target actually sampled (an unbiased one-sample estimate of the tail), so the loss estimates E_p[−log q].
-    """
-    seqs = [torch.cat([p, r]) for p, r, _, _ in batch]
-    ids = pad_sequence(seqs, batch_first=True, padding_value=pad_token_id)
-    mask = pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    rows, cols = [], []
-    for row, (p, r, _, _) in enumerate(batch):
-        rows.append(torch.full((len(r),), row))
-        cols.append(torch.arange(len(p) - 1, len(p) + len(r) - 1))
-    h = hidden[torch.cat(rows), torch.cat(cols)]  # (N, d): states predicting each response token
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        logits = draft.lm_head(h)
-    topk_ids = torch.cat([b[2] for b in batch])
-    topk_p = torch.cat([b[3] for b in batch]).exp()
-    sampled = torch.cat([b[1] for b in batch])
-    tail = (1 - topk_p.sum(-1, keepdim=True)).clamp(min=0)
-    index = torch.cat([topk_ids, sampled[:, None]], dim=1)
-    weight = torch.cat([topk_p, tail], dim=1)
-    loss = SoftTargetCrossEntropy.apply(logits, index, weight)
-    return loss.mean(), len(sampled)
-
-
-@torch.inference_mode()
-def acceptance_metrics(draft, target_probs: list[torch.Tensor], examples) -> dict:
-    """Mean Σ_x min(p, q) (expected acceptance at temperature 1) and greedy agreement over response positions."""
-    overlap, agree, n = 0.0, 0, 0
-    for probs, (p_ids, r_ids, _, _) in zip(target_probs, examples):
-        seq = torch.cat([p_ids, r_ids])[None]
-        logits = draft(input_ids=seq).logits[0, len(p_ids) - 1 : len(p_ids) + len(r_ids) - 1].float()
-        accept, same = draft_acceptance(probs.float(), logits.softmax(-1))
-        overlap += float(accept.sum())
-        agree += int(same.sum())
-        n += len(r_ids)
-    return {"expected_accept": overlap / n, "greedy_agreement": agree / n, "positions": n}
-
-
-@torch.inference_mode()
-def target_distributions(target, examples) -> list[torch.Tensor]:
-    """Exact target distributions (bf16, (R, V) each) at every response position of the eval examples."""
-    out = []
-    for p_ids, r_ids, _, _ in examples:
-        seq = torch.cat([p_ids, r_ids])[None]
-        logits = target(input_ids=seq).logits[0, len(p_ids) - 1 : len(p_ids) + len(r_ids) - 1]
-        out.append(logits.float().softmax(-1).to(torch.bfloat16))
-    return out
-
-
 def fit(cfg: DistillConfig) -> None:
-    """Stage 2: train the draft on the shards present (re-listed every pass, so it can run beside ``generate``)."""
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+    """Stage 2: train the draft with Lightning on the shards present (re-listed at every pass, so it can run beside
+    ``generate``); checkpoints every 100 steps and resumes from ``<work_dir>/checkpoints/last.ckpt``."""
+    from lightning.pytorch import Trainer, seed_everything
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from lightning.pytorch.loggers import CSVLogger
 
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     work = _work(cfg)
+    if (work / "fit_state.pt").exists():
+        print(
+            f"[fit] {work / 'fit_state.pt'} is a checkpoint of the hand-written loop of earlier versions; training "
+            "with Lightning starts afresh (delete the file to silence this).",
+            flush=True,
+        )
+    seed_everything(cfg.seed, workers=True)
     target = load_model(cfg.target)
     tokenizer = load_tokenizer(cfg.target)
-    eval_examples = _examples(_load_shards(work, "eval"))
+    eval_examples = shard_examples(load_shards(work, "eval"))
     # A fixed, seeded subset: HumanEval and instruction prompts both represented.
     pick = torch.randperm(len(eval_examples), generator=torch.Generator().manual_seed(cfg.seed))
     eval_examples = [eval_examples[i] for i in pick[: cfg.fit_eval_examples].tolist()]
     if not eval_examples:
         raise FileNotFoundError(f"No eval shards under {work / 'shards'}: run the generate stage first.")
     target_probs = target_distributions(target, eval_examples)
-    generator = torch.Generator().manual_seed(cfg.seed)
-    torch.manual_seed(cfg.seed)
     draft = build_draft(target.config, cfg.architecture, target.get_input_embeddings().weight.detach())
     del target
-    draft.train()
-    optimizer = torch.optim.AdamW(draft.parameters(), lr=cfg.lr, weight_decay=0.01, betas=(0.9, 0.95))
-    total_steps = max(1, cfg.train_tokens // cfg.batch_tokens)
-    schedule = get_cosine_with_min_lr_schedule_with_warmup(optimizer, cfg.warmup_steps, total_steps, min_lr_rate=0.1)
-    ckpt_path = work / "fit_state.pt"
-    state = {"step": 0, "tokens": 0, "next_eval": 0, "curve": []}
-    if ckpt_path.exists():
-        saved = torch.load(ckpt_path, weights_only=True)
-        draft.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
-        schedule.load_state_dict(saved["schedule"])
-        generator.set_state(saved["generator"])
-        state = saved["state"]
-        print(f"[fit] resumed at step {state['step']} ({state['tokens']} tokens)", flush=True)
     curve_path = work / "learning_curve.jsonl"
-    start = time.perf_counter()
-    while state["tokens"] < cfg.train_tokens:
-        examples = _examples(_load_shards(work, "train"))
-        pool = sum(len(e[1]) for e in examples)
-        for batch in _batches(examples, cfg.batch_tokens, generator):
-            if state["tokens"] >= state["next_eval"]:
-                draft.eval()
-                metrics = acceptance_metrics(draft, target_probs, eval_examples)
-                draft.train()
-                row = {"train_tokens": state["tokens"], "distinct_tokens": pool, "step": state["step"], **metrics}
-                state["curve"].append(row)
-                with curve_path.open("a") as f:
-                    f.write(json.dumps(row) + "\n")
-                print(f"[fit] eval {row}", flush=True)
-                _save_draft(draft, tokenizer, work / "latest_draft", row)
-                state["next_eval"] += cfg.eval_every_tokens
-            loss, n = distill_loss(draft, batch, tokenizer.pad_token_id)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(draft.parameters(), 1.0)
-            optimizer.step()
-            schedule.step()
-            state["step"] += 1
-            state["tokens"] += n
-            if state["step"] % 20 == 0:
-                rate = state["tokens"] / max(time.perf_counter() - start, 1e-9)
-                print(
-                    f"[fit] step {state['step']} tokens {state['tokens']} loss {loss.item():.3f} "
-                    f"pool {pool} ({rate:.0f} tok/s since start)",
-                    flush=True,
-                )
-            if state["step"] % 100 == 0:
-                _save_atomic(
-                    {
-                        "model": draft.state_dict(),
-                        "optimizer": optimizer.state_dict(),
-                        "schedule": schedule.state_dict(),
-                        "generator": generator.get_state(),
-                        "state": state,
-                    },
-                    ckpt_path,
-                )
-            if state["tokens"] >= cfg.train_tokens:
-                break
+
+    def record(row: dict) -> None:
+        with curve_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        _save_draft(draft, tokenizer, work / "latest_draft", row)
+
+    total_steps = max(1, cfg.train_tokens // cfg.batch_tokens)
+    module = DistillDraftModule(
+        draft,
+        tokenizer.pad_token_id,
+        eval_examples,
+        target_probs,
+        ShardBatches(work, cfg.batch_tokens, cfg.seed),
+        lr=cfg.lr,
+        warmup_steps=cfg.warmup_steps,
+        total_steps=total_steps,
+        on_validation=record,
+    )
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=total_steps,
+        max_epochs=-1,
+        val_check_interval=max(1, cfg.eval_every_tokens // cfg.batch_tokens),
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        # save_top_k=0 with every_n_train_steps: only last.ckpt, rewritten in place (no -v1 copies to resume from)
+        callbacks=[
+            ModelCheckpoint(
+                work / "checkpoints",
+                save_last=True,
+                save_top_k=0,
+                every_n_train_steps=100,
+                enable_version_counter=False,
+            )
+        ],
+        logger=CSVLogger(work, name="logs"),
+        log_every_n_steps=10,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    last = work / "checkpoints" / "last.ckpt"
+    trainer.fit(module, ckpt_path=str(last) if last.exists() else None)
     draft.eval()
     metrics = acceptance_metrics(draft, target_probs, eval_examples)
-    row = {"train_tokens": state["tokens"], "distinct_tokens": pool, "step": state["step"], **metrics}
+    row = {
+        "train_tokens": int(module.tokens_seen),
+        "distinct_tokens": module.data.distinct_tokens,
+        "step": trainer.global_step,
+        **metrics,
+    }
     with curve_path.open("a") as f:
         f.write(json.dumps(row) + "\n")
     print(f"[fit] final {row}", flush=True)
+    curve = [json.loads(line) for line in curve_path.read_text().splitlines() if line.strip()]
     out = Path(cfg.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     draft.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "distill_meta.json").write_text(
-        json.dumps({"config": _jsonable(cfg), "final": row, "curve": state["curve"] + [row]}, indent=2, sort_keys=True)
-        + "\n"
+        json.dumps({"config": _jsonable(cfg), "final": row, "curve": curve}, indent=2, sort_keys=True) + "\n"
     )
     print(f"[fit] saved {out}", flush=True)
 
@@ -445,7 +308,7 @@ def evaluate(cfg: DistillConfig, draft_dir: str | None = None, rounds: int = 7, 
     folder = Path(draft_dir or cfg.output_dir)
     target = load_model(cfg.target)
     draft = AutoModelForCausalLM.from_pretrained(folder, dtype=cfg.target.torch_dtype).eval()
-    shards = _load_shards(work, "eval")
+    shards = load_shards(work, "eval")
     groups: dict[str, list] = {}
     for shard in shards:
         for pid, p, r, ti, tl in zip(
@@ -514,7 +377,7 @@ def model_card(cfg: DistillConfig, draft_dir: str | None = None) -> str:
     ax.legend()
     save_figure(fig, folder / "learning_curve.png")
     acc = ev["acceptance"]
-    shards = _load_shards(_work(cfg), "train")
+    shards = load_shards(_work(cfg), "train")
     n_responses = sum(len(sh["response_ids"]) for sh in shards)
     n_tokens = sum(len(r) for sh in shards for r in sh["response_ids"])
     rows = "\n".join(
