@@ -206,10 +206,21 @@ class PolicyResult:
 
 
 def aggregate(name: str, stats: Sequence[DecodeStats], cost_model: CostModel | None = None) -> PolicyResult:
-    """Pool the runs of one policy (:meth:`DecodeStats.__add__`) and price the pooled counts with ``cost_model``."""
+    """Pool the runs of one method (:meth:`DecodeStats.__add__`) and price the pooled counts with ``cost_model``.
+
+    Tree decoders are priced by what they feed the target: a tree decoder's ``proposed`` holds only the winning row,
+    but its target call reads every row (and Lookahead's window): a call that fed n tokens is priced like a
+    speculative call of n − 1 candidates, t_target(n − 1) (the last committed token plus the candidates), and each of
+    Ouroboros' draft forwards at t_draft. N-Grammys and Lookahead make no draft calls; building their guesses is
+    counted in the measured time only. Linear t_target(K) is extrapolated past the measured K for wide trees, and the
+    cost of the 4D mask is not in it.
+    """
     total = sum(stats, DecodeStats())
     if cost_model is None:
         modeled = None
+    elif stats and all(isinstance(s, TreeDecodeStats) for s in stats):
+        fed = [n - 1 for n in total.fed]
+        modeled = cost_model.modeled_tokens_per_second(total.generated, total.draft_calls, fed)
     elif total.proposed:
         modeled = cost_model.modeled_tokens_per_second(total.generated, total.draft_calls, total.proposed)
     else:  # autoregressive: one target call per token, no draft
@@ -606,24 +617,6 @@ class MethodSummary:
         }
 
 
-def aggregate_runs(name: str, stats: Sequence[DecodeStats], cost_model: CostModel | None) -> PolicyResult:
-    """:func:`aggregate`, with tree decoders priced by what they feed the target.
-
-    A tree decoder's ``proposed`` holds only the winning row, but its target call reads every row (and Lookahead's
-    window): a call that fed n tokens is priced like a speculative call of n − 1 candidates, t_target(n − 1) (the
-    last committed token plus the candidates), and each of Ouroboros' draft forwards at t_draft. N-Grammys and
-    Lookahead make no draft calls; building their guesses is counted in the measured time only. Linear t_target(K)
-    is extrapolated past the measured K for wide trees, and the cost of the 4D mask is not in it.
-    """
-    result = aggregate(name, stats, cost_model)
-    if cost_model is not None and stats and all(isinstance(s, TreeDecodeStats) for s in stats):
-        fed = [n - 1 for n in sum(stats, DecodeStats()).fed]
-        result.modeled_tokens_per_second = cost_model.modeled_tokens_per_second(
-            result.generated, result.draft_calls, fed
-        )
-    return result
-
-
 def _tree_means(stats: Sequence[DecodeStats]) -> dict[str, float] | None:
     if not stats or not all(isinstance(s, TreeDecodeStats) for s in stats):
         return None
@@ -637,13 +630,13 @@ def _tree_means(stats: Sequence[DecodeStats]) -> dict[str, float] | None:
 def summarize(
     specs: Sequence[MethodSpec], runs: dict[str, list[list[DecodeStats]]], cost_model: CostModel | None
 ) -> list[MethodSummary]:
-    """Aggregate each method's runs (per repeat and pooled) under ``cost_model`` (see :func:`aggregate_runs`)."""
+    """Aggregate each method's runs (per repeat and pooled) under ``cost_model`` (see :func:`aggregate`)."""
     out = []
     for spec in specs:
         repeats = runs[spec.name]
-        per_repeat = [aggregate_runs(spec.name, stats, cost_model) for stats in repeats]
+        per_repeat = [aggregate(spec.name, stats, cost_model) for stats in repeats]
         every = [s for stats in repeats for s in stats]
-        out.append(MethodSummary(spec, aggregate_runs(spec.name, every, cost_model), per_repeat, _tree_means(every)))
+        out.append(MethodSummary(spec, aggregate(spec.name, every, cost_model), per_repeat, _tree_means(every)))
     return out
 
 

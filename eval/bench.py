@@ -254,7 +254,7 @@ def bench(
         oracle: Include the greedy hindsight oracle (greedy only).
         select_by: Choose the validation winners by ``modeled`` (cost model; robust to machine noise) or
             ``measured`` tokens/s. Tree decoders are priced by the tokens their target calls read (see
-            :func:`~accept_head.engine.aggregate_runs`); Ouroboros with a comparison draft, which the cost model does
+            :func:`~accept_head.engine.aggregate`); Ouroboros with a comparison draft, which the cost model does
             not price, is chosen by measured tokens/s, like FixedK with a comparison draft.
         cost_model: ``bundle``, ``measure`` or a costs.json from ``python -m eval costs``.
         prompt_mode: ``chat`` (apply the chat template) or ``raw``.
