@@ -166,15 +166,19 @@ def response_acceptance(draft, example: Example, target_probs: torch.Tensor) -> 
     return float(accept.sum()), int(same.sum()), len(r_ids)
 
 
-def acceptance_metrics(draft, target_probs: list[torch.Tensor], examples: Sequence[Example]) -> dict:
-    """Mean Σ_x min(p, q) (expected acceptance at temperature 1) and greedy agreement over response positions."""
-    totals = [response_acceptance(draft, e, p) for e, p in zip(examples, target_probs, strict=True)]
-    n = sum(t[2] for t in totals)
+def pooled_acceptance(scores: Sequence[tuple[float, int, int]]) -> dict:
+    """:func:`response_acceptance` of several responses pooled over their positions."""
+    n = sum(s[2] for s in scores)
     return {
-        "expected_accept": sum(t[0] for t in totals) / n,
-        "greedy_agreement": sum(t[1] for t in totals) / n,
+        "expected_accept": sum(s[0] for s in scores) / n,
+        "greedy_agreement": sum(s[1] for s in scores) / n,
         "positions": n,
     }
+
+
+def acceptance_metrics(draft, target_probs: list[torch.Tensor], examples: Sequence[Example]) -> dict:
+    """Mean Σ_x min(p, q) (expected acceptance at temperature 1) and greedy agreement over response positions."""
+    return pooled_acceptance([response_acceptance(draft, e, p) for e, p in zip(examples, target_probs, strict=True)])
 
 
 class ShardBatches(torch.utils.data.IterableDataset):
@@ -192,17 +196,6 @@ class ShardBatches(torch.utils.data.IterableDataset):
             raise FileNotFoundError(f"No training shards under {self.work / 'shards'}: run the generate stage first.")
         self.distinct_tokens = sum(len(e[1]) for e in examples)
         yield from token_packed(examples, self.batch_tokens, seeded_generator(self.seed, "distill", self.epoch))
-
-
-class EvalExamples(torch.utils.data.Dataset):
-    def __init__(self, examples: Sequence[Example]) -> None:
-        self.examples = list(examples)
-
-    def __len__(self) -> int:
-        return len(self.examples)
-
-    def __getitem__(self, index: int) -> int:
-        return index
 
 
 class DistillDraftModule(LightningModule):
@@ -234,7 +227,7 @@ class DistillDraftModule(LightningModule):
         return torch.utils.data.DataLoader(self.data, batch_size=None, collate_fn=lambda batch: batch)
 
     def val_dataloader(self) -> torch.utils.data.DataLoader:
-        return torch.utils.data.DataLoader(EvalExamples(self.eval_examples), batch_size=None)
+        return torch.utils.data.DataLoader(range(len(self.eval_examples)), batch_size=None)  # example indices
 
     def on_train_epoch_start(self) -> None:
         self.data.epoch = self.current_epoch
@@ -252,22 +245,16 @@ class DistillDraftModule(LightningModule):
         self._scores.append(response_acceptance(self.draft, self.eval_examples[index], self.target_probs[index]))
 
     def on_validation_epoch_end(self) -> None:
-        n = sum(s[2] for s in self._scores)
-        if not n:
+        if not self._scores:
             return
-        metrics = {
-            "expected_accept": sum(s[0] for s in self._scores) / n,
-            "greedy_agreement": sum(s[1] for s in self._scores) / n,
-        }
-        self._scores = []
-        for key, value in metrics.items():
-            self.log(f"val/{key}", value)
+        metrics, self._scores = pooled_acceptance(self._scores), []
+        self.log("val/expected_accept", metrics["expected_accept"])
+        self.log("val/greedy_agreement", metrics["greedy_agreement"])
         row = {
             "train_tokens": int(self.tokens_seen),
             "distinct_tokens": self.data.distinct_tokens,
             "step": self.global_step,
             **metrics,
-            "positions": n,
         }
         print(f"[fit] eval {row}", flush=True)
         if self.on_validation is not None and not self.trainer.sanity_checking:
