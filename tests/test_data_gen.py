@@ -64,6 +64,7 @@ def args(pair: tuple[Path, Path], prompts: Path | list[dict], out: Path, *extra:
         "--prompts", json.dumps(sources),
         "--output_dir", str(out),
         "--max_new_tokens", "12", "--batch_size", "3", "--progress", "false",
+        "--label_mode", "sample",  # token mixing unless a test asks otherwise (rollout is the default)
         *extra,
     ]  # fmt: skip
 

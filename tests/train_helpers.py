@@ -34,6 +34,7 @@ class TinySetup:
             "prompts": [{"path": str(self.prompts)}],
             "max_new_tokens": 16,
             "batch_size": 32,
+            "label_mode": "sample",  # token mixing unless a test asks for rollout (the default)
             "seed": 0,
             "progress": False,
         }
