@@ -168,9 +168,12 @@ def fit(cfg: DistillConfig) -> None:
     del target
     curve_path = work / "learning_curve.jsonl"
 
-    def record(row: dict) -> None:
+    def append(row: dict) -> None:
         with curve_path.open("a") as f:
             f.write(json.dumps(row) + "\n")
+
+    def record(row: dict) -> None:
+        append(row)
         _save_draft(draft, tokenizer, work / "latest_draft", row)
 
     total_steps = max(1, cfg.train_tokens // cfg.batch_tokens)
@@ -219,8 +222,7 @@ def fit(cfg: DistillConfig) -> None:
         "step": trainer.global_step,
         **metrics,
     }
-    with curve_path.open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    append(row)
     print(f"[fit] final {row}", flush=True)
     curve = [json.loads(line) for line in curve_path.read_text().splitlines() if line.strip()]
     out = Path(cfg.output_dir)
