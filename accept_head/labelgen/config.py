@@ -54,9 +54,9 @@ class DataGenConfig:
     the sampling flags (greedy when temperature is 0) from its round's verification pass, and the drafter's hidden
     state of each candidate is stored, so head training needs no draft forward. On the embedded pair's standalone
     draft a head trained on them scored held-out rounds better than one trained on token mixing (AUC 0.634 vs 0.608,
-    calibrated ECE 0.052 vs 0.067; findings §0) at equal throughput, but generating them took ~5× longer (one prompt
-    at a time). sample (token mixing, SpecDec++ §3.3; batched, faster): Y_i ~ q_i, label min(1, p_i(Y_i)/q_i(Y_i)).
-    greedy: Y_i = argmax q_i, label 1[Y_i = argmax p_i]. Feature drafts need rollout."""
+    calibrated ECE 0.052 vs 0.067; findings §0) at equal modeled throughput, but generating them took ~5× longer
+    (one prompt at a time). sample (token mixing, SpecDec++ §3.3; batched, faster): Y_i ~ q_i, label
+    min(1, p_i(Y_i)/q_i(Y_i)). greedy: Y_i = argmax q_i, label 1[Y_i = argmax p_i]. Feature drafts need rollout."""
     k_max: int = 8
     """rollout: candidates drafted (and labelled) per speculative round (FixedK(k_max))."""
     hidden_dtype: Literal["float16", "float32"] = "float16"
