@@ -136,25 +136,27 @@ def remove_created(out: Path, created: Path | None) -> None:
 
 @contextlib.contextmanager
 def exclusive(path: Path) -> Iterator[None]:
-    """Hold a lock on the output folder ``path`` so two processes never write the same output.
+    """Hold an advisory lock on the folder ``path`` so two processes never write the same output.
 
-    The lock file ``.<name>.lock`` sits beside the folder, not in it, so the folder holds only the dataset (filelock ≥ 4
-    removes it on release; one left over is harmless). The operating system releases the lock when the process ends,
-    kill -9 included.
+    The lock is taken on the folder itself (no lock file to leave behind) and the kernel releases it when the process
+    ends, kill -9 included. Without ``fcntl`` (not POSIX) there is no lock.
     """
-    from filelock import FileLock, Timeout
-
-    lock = FileLock(path.parent / f".{path.name}.lock", blocking=False)
     try:
-        lock.acquire()
-    except Timeout as err:
-        raise ValueError(
-            f"Another data_gen process is writing to {path}; wait for it or pick another --output_dir."
-        ) from err
+        import fcntl
+    except ImportError:
+        yield
+        return
+    fd = os.open(path, os.O_RDONLY)
     try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as err:
+            raise ValueError(
+                f"Another data_gen process is writing to {path}; wait for it or pick another --output_dir."
+            ) from err
         yield
     finally:
-        lock.release()
+        os.close(fd)
 
 
 @contextlib.contextmanager
