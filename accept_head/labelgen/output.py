@@ -138,8 +138,9 @@ def remove_created(out: Path, created: Path | None) -> None:
 def exclusive(path: Path) -> Iterator[None]:
     """Hold an advisory lock on the folder ``path`` so two processes never write the same output.
 
-    The lock is taken on the folder itself (no lock file to leave behind) and the kernel releases it when the process
-    ends, kill -9 included. Without ``fcntl`` (not POSIX) there is no lock.
+    The lock is taken on the folder itself and the kernel releases it when the process ends, kill -9 included.
+    Deliberately not ``filelock``: it needs a lock file, which in or beside the output folder would break "a run that
+    fails writes nothing" (tried: the write-nothing tests fail). Without ``fcntl`` (not POSIX) there is no lock.
     """
     try:
         import fcntl
