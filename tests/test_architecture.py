@@ -58,3 +58,22 @@ def test_every_library_module_is_named_in_docs_architecture() -> None:
         f"docs/architecture.md does not name {missing} (paths relative to accept_head/); "
         "add a one-line entry for each to its module table."
     )
+
+
+def test_entry_points_install_only_under_a_namespaced_package() -> None:
+    """``pip install`` must not put generic top-level names (``train``, ``eval``) into site-packages, and every console
+    script must name a function that exists in the entry point it is mapped to."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())
+    setuptools = project["tool"]["setuptools"]
+    assert {name.split(".")[0] for name in setuptools["packages"]} == {"accept_head", "accept_head_cli"}
+    mapped = setuptools["package-dir"]
+    assert {mapped[f"accept_head_cli.{name}"] for name in ENTRY_POINTS} == set(ENTRY_POINTS)
+    for script, target in project["project"]["scripts"].items():
+        module, function = target.split(":")
+        parts = module.split(".")
+        if parts[0] == "accept_head_cli":
+            parts = [mapped[".".join(parts[:2])], *parts[2:]]
+        source = REPO.joinpath(*parts[:-1], f"{parts[-1]}.py")
+        defined = {node.name for node in ast.parse(source.read_text()).body if isinstance(node, ast.FunctionDef)}
+        assert function in defined, f"console script {script} names {target}, but {source} defines no {function}()"
