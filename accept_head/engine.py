@@ -25,7 +25,7 @@ from transformers import PreTrainedModel
 
 from .baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle
 from .calibration import Calibration
-from .cost_model import CostModel
+from .cost_model import CostModel, TreeCost
 from .decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate
 from .head import AcceptanceHead
 from .hf_assisted import AssistedSettings, HFAssisted
@@ -103,7 +103,8 @@ class MethodSpec:
     mixed). lookahead: window (W), ngram (N), guess_set (G), context_ngrams, seed. ouroboros: gamma (sentence-draft
     length), phrase_length (β), phrases_per_token (W), candidates (K), prompt_phrases. Keyword arguments of
     :func:`~accept_head.ngrammys.ngrammys_generate`, :func:`~accept_head.lookahead.lookahead_generate` and
-    :func:`~accept_head.ouroboros.ouroboros_generate`, whose defaults fill what is left out.
+    :func:`~accept_head.ouroboros.ouroboros_generate`, whose defaults fill what is left out; from code, N-Grammys and
+    Lookahead also take ``stop``, a :class:`~accept_head.tree_verify.RowStop` object (then give a ``label``).
     Methods with a draft (fixed_k, the stop rules, hf_assisted, ouroboros) also take ``draft``, the name of a
     comparison draft of the pair. autoregressive and oracle take none."""
     label: str | None = None
@@ -205,7 +206,7 @@ class PolicyResult:
         return dict(self.__dict__)
 
 
-def aggregate(name: str, stats: Sequence[DecodeStats], cost_model: CostModel | None = None) -> PolicyResult:
+def aggregate(name: str, stats: Sequence[DecodeStats], cost_model: CostModel | TreeCost | None = None) -> PolicyResult:
     """Pool the runs of one method (:meth:`DecodeStats.__add__`) and price the pooled counts with ``cost_model``.
 
     Tree decoders are priced by what they feed the target: a tree decoder's ``proposed`` holds only the winning row,
@@ -214,10 +215,18 @@ def aggregate(name: str, stats: Sequence[DecodeStats], cost_model: CostModel | N
     Ouroboros' draft forwards at t_draft. N-Grammys and Lookahead make no draft calls; building their guesses is
     counted in the measured time only. Linear t_target(K) is extrapolated past the measured K for wide trees, and the
     cost of the 4D mask is not in it.
+
+    A :class:`~accept_head.cost_model.TreeCost` instead prices every target call at the tokens it fed (tree
+    decoders: ``fed``; otherwise the candidates and the last token, 1 for the target alone), plus the measured
+    ``draft_time`` (building guesses, drafting).
     """
     total = sum(stats, DecodeStats())
     if cost_model is None:
         modeled = None
+    elif isinstance(cost_model, TreeCost):  # run by run
+        fed = [getattr(s, "fed", None) or [k + 1 for k in s.proposed] or [1] * s.target_calls for s in stats]
+        seconds = sum(sum(map(cost_model, f)) + s.draft_time for f, s in zip(fed, stats))
+        modeled = total.generated / max(seconds, 1e-12)
     elif stats and all(isinstance(s, TreeDecodeStats) for s in stats):
         fed = [n - 1 for n in total.fed]
         modeled = cost_model.modeled_tokens_per_second(total.generated, total.draft_calls, fed)
@@ -305,7 +314,8 @@ class Runner:
     across prompts (as a server could carry one) holds text: over the bench's repeats of the same test prompts it
     would hand every later repeat the phrases of its own earlier output. N-Grammys' model bigram belongs to the
     target alone: it is read from ``bigram_cache`` (keyed by the target's fingerprint) or computed and written there
-    when the decoder is built, before anything is timed, and shared by every N-Grammys setting of this runner.
+    when the decoder is built, before anything is timed, and shared by every N-Grammys setting of this runner; it
+    keeps ``bigram_top`` successors per token (more when a setting asks for more rows k).
 
     SpecDec++ decodes with ``head``: the pair's bundle unless a :class:`TrainedHead` is given (the end-of-fit sweep,
     before a bundle exists).
@@ -320,6 +330,7 @@ class Runner:
         top_p: float | None = None,
         bigram_cache: str | Path | None = None,
         head: TrainedHead | None = None,
+        bigram_top: int = BIGRAM_TOP,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
@@ -330,6 +341,7 @@ class Runner:
         self.temperature = temperature
         self.sampling = {"top_k": top_k, "top_p": top_p}
         self.bigram_cache = Path(bigram_cache) if bigram_cache is not None else cache_root() / "bigram"
+        self.bigram_top = bigram_top
         self.head = head if head is not None else pair.bundle
         """What ``specdecpp`` methods decode with (a :class:`TrainedHead` or a bundle), None if nothing."""
         self._oracles: dict[tuple[int, ...], Oracle] = {}
@@ -471,7 +483,7 @@ class Runner:
             draft = self.pair.draft_for(params.pop("draft", None))
             return lambda ids, gen: generate(target, draft, ids, budget, generator=gen, **common, **params)
         if spec.kind == "ngrammys" and params["strategy"] != "context":
-            params["bigram"] = self.bigram(max(BIGRAM_TOP, params["k"]))
+            params["bigram"] = self.bigram(max(self.bigram_top, params["k"]))
         return lambda ids, gen: generate(target, ids, budget, generator=gen, **common, **params)
 
 
@@ -628,7 +640,7 @@ def _tree_means(stats: Sequence[DecodeStats]) -> dict[str, float] | None:
 
 
 def summarize(
-    specs: Sequence[MethodSpec], runs: dict[str, list[list[DecodeStats]]], cost_model: CostModel | None
+    specs: Sequence[MethodSpec], runs: dict[str, list[list[DecodeStats]]], cost_model: CostModel | TreeCost | None
 ) -> list[MethodSummary]:
     """Aggregate each method's runs (per repeat and pooled) under ``cost_model`` (see :func:`aggregate`)."""
     out = []

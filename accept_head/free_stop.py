@@ -28,7 +28,7 @@ small predictor scores every guessed token instead, and the stop keeps what is w
    as weighted positive/negative copies; calibrated on out-of-fold predictions (folds by prompt) by temperature
    scaling or isotonic regression, whichever has the lower held-out ECE (raw competes too,
    :func:`~accept_head.calibration.choose_calibration`). Stored as JSON (coefficients, calibration knots, the
-   feature configuration), never pickled.
+   feature configuration), never pickled. :func:`fit_predictor` collects the labels and fits through the engine.
 4. *Stop rule* (:class:`AdaptiveRowStop`): with p̂_d the calibrated acceptance of a row's d-th token, the row
    survives to depth d with probability S_d = Π_{j≤d} p̂_j. The SpecDec++ rule (Alg. 2), applied per row: extend the
    row while P(some candidate of the row is rejected) = 1 − S_d ≤ h, i.e. keep tokens with S_d ≥ 1 − h; h is swept
@@ -60,7 +60,9 @@ import torch
 
 from .calibration import Calibration, apply_calibration, choose_calibration
 from .cost_model import TreeCost
+from .engine import MethodSpec, Runner
 from .ngrammys import ContextNgrams, ModelBigram
+from .prompts import EncodedPrompt
 from .sampling import SamplingConfig, probabilities
 from .tree_verify import RowOrigin
 
@@ -516,6 +518,35 @@ class GuessPredictor:
                 f"not this one ({bigram.fingerprint}, top={bigram.top}); refit it or pass the matching table."
             )
         return GuessFeatures(bigram, q=int(config.get("q", 2)), max_matches=int(config.get("max_matches", 16)))
+
+
+def fit_predictor(
+    runner: Runner,
+    spec: MethodSpec,
+    training: Sequence[EncodedPrompt],
+    validation: Sequence[EncodedPrompt],
+    q: int = 2,
+    c: float = 1.0,
+    seed: int = 0,
+) -> tuple[GuessPredictor, GuessLabels, dict[str, float]]:
+    """Fit a :class:`GuessPredictor` (inverse regularisation ``c``, calibration folds seeded by ``seed``) on the labels
+    of tree decoder ``spec`` (N-Grammys or Lookahead, verifying its guesses whole) decoded by ``runner`` over the
+    ``training`` prompts, each with generator seed ``seed``; features over ``runner``'s bigram table and a q-gram
+    index (``q``). Returns the predictor, its training labels and its scores on labels collected the same way on the
+    ``validation`` prompts (:meth:`GuessPredictor.evaluate`)."""
+    bigram = runner.bigram(runner.bigram_top)
+
+    def decode(ids: list[int], stop: LabelRecorder):
+        labelled = MethodSpec(spec.kind, spec.params | {"stop": stop}, label=spec.name)
+        return runner.decoder(labelled)(ids, torch.Generator().manual_seed(seed))
+
+    def labels(prompts: Sequence[EncodedPrompt]) -> GuessLabels:
+        ids = [p.ids for p in prompts]
+        return collect_labels(decode, ids, GuessFeatures(bigram, q=q), runner.temperature, **runner.sampling)
+
+    train = labels(training)
+    predictor = GuessPredictor.fit(train, c=c, seed=seed)
+    return predictor, train, predictor.evaluate(labels(validation))
 
 
 # ---- the stop rule ------------------------------------------------------------------------------------------------

@@ -13,8 +13,10 @@ Per temperature and decoder:
    interleaved (A B C A B C …, one seed per prompt shared by every method) over ``repeats`` passes after a warm-up,
    and print tokens per target call, wall-clock tokens/s (median, min–max over passes) and modeled tokens/s.
 
-Modeled seconds of a run: Σ over target calls of the measured cost-per-tree-size curve at the tokens the call fed
-(:class:`~accept_head.cost_model.TreeCost`), plus the measured time spent building guesses and running the stop.
+Every decode runs through :mod:`accept_head.engine` (the stop is a method's ``stop`` parameter). Modeled seconds of
+a run: Σ over target calls of the measured cost-per-tree-size curve at the tokens the call fed
+(:class:`~accept_head.cost_model.TreeCost`, priced by :func:`~accept_head.engine.aggregate`), plus the measured time
+spent building guesses and running the stop.
 Writes ``free_stop.json``, ``tree_costs.json`` and each fitted predictor (``<decoder>-<temperature>-predictor.json``).
 """
 
@@ -27,15 +29,10 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-
 from accept_head.cost_model import TreeCost, measure_tree_costs
-from accept_head.decoding import GenerationResult, autoregressive_generate
-from accept_head.engine import prompt_seed
-from accept_head.free_stop import AdaptiveRowStop, GuessFeatures, GuessPredictor, collect_labels
-from accept_head.lookahead import check_lookahead_params, lookahead_generate
-from accept_head.ngrammys import ModelBigram, check_ngrammys_params, ngrammys_generate
-from accept_head.pairs import ModelSpec, cache_root, eos_token_ids, load_model, load_pair, load_tokenizer
+from accept_head.engine import MethodSpec, MethodSummary, Runner, best_of, run_interleaved, summarize, tree_params
+from accept_head.free_stop import AdaptiveRowStop, fit_predictor
+from accept_head.pairs import ModelSpec, Pair, load_model, load_pair, load_tokenizer
 from accept_head.prompts import PromptSource
 
 from .common import check_disjoint, encode_prompts, fmt, machine_info, output_folder, text_table, write_json
@@ -79,133 +76,33 @@ def _setting_name(decoder: str, setting: NgrammysSetting | LookaheadSetting) -> 
     return f"Lookahead W={setting.window} N={setting.ngram} G={setting.guess_set}{extra}"
 
 
-def _check_setting(decoder: str, setting) -> None:
-    if decoder == "ngrammys":
-        check_ngrammys_params(setting.k, setting.w, setting.q, setting.strategy)
-    else:
-        check_lookahead_params(setting.window, setting.ngram, setting.guess_set)
+def _spec(decoder: str, setting: NgrammysSetting | LookaheadSetting, stop: AdaptiveRowStop | None = None) -> MethodSpec:
+    """The engine's method for a static setting, or for the pool setting under an adaptive stop."""
+    name = _setting_name(decoder, setting)
+    if stop is None:
+        return MethodSpec(decoder, asdict(setting), label=name)
+    label = f"{name} + stop h={stop.threshold:g}{' cost' if stop.cost is not None else ''}"
+    return MethodSpec(decoder, asdict(setting) | {"stop": stop}, label=label)
 
 
-@dataclass
-class Method:
-    """A decoder run: the target alone, a static setting, or a pool setting under an adaptive stop."""
-
-    name: str
-    decoder: str
-    """autoregressive, ngrammys or lookahead."""
-    setting: NgrammysSetting | LookaheadSetting | None = None
-    stop: AdaptiveRowStop | None = None
-    params: dict | None = None
-    """What the name states, for the JSON (threshold, cost cap)."""
-
-    def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "decoder": self.decoder,
-            "setting": None if self.setting is None else asdict(self.setting),
-            "adaptive": self.stop is not None,
-            **({"params": self.params} if self.params else {}),
-        }
-
-
-class Decoders:
-    """Decoding functions for one target, token budget and sampling setting: ``decode(method, ids, generator)``."""
-
-    def __init__(self, target, bigram: ModelBigram, max_new_tokens: int, temperature: float, eos: list[int] | None):
-        self.target, self.bigram, self.max_new_tokens = target, bigram, max_new_tokens
-        self.common = dict(temperature=temperature, eos_token_id=eos)
-
-    def run(self, method: Method, ids: list[int], generator: torch.Generator | None, stop=None) -> GenerationResult:
-        """Decode ``ids``; ``stop`` (a label recorder) overrides the method's own stop."""
-        stop = stop if stop is not None else method.stop
-        budget, common = self.max_new_tokens, dict(self.common, generator=generator)
-        if method.decoder == "autoregressive":
-            return autoregressive_generate(self.target, ids, budget, **common)
-        if method.decoder == "ngrammys":
-            s = method.setting
-            bigram = None if s.strategy == "context" else self.bigram
-            return ngrammys_generate(
-                self.target, ids, budget, **common, k=s.k, w=s.w, q=s.q, strategy=s.strategy, bigram=bigram, stop=stop
-            )
-        s = method.setting
-        return lookahead_generate(
-            self.target,
-            ids,
-            budget,
-            **common,
-            window=s.window,
-            ngram=s.ngram,
-            guess_set=s.guess_set,
-            context_ngrams=s.context_ngrams,
-            stop=stop,
-        )
-
-
-@dataclass
-class Run:
-    """What one decoding of one prompt counted."""
-
-    generated: int
-    target_calls: int
-    fed: int
-    """Tokens fed to the target over all calls (1 per call for the target alone)."""
-    seconds: float
-    modeled_seconds: float
-
-
-def _run_of(result: GenerationResult, cost: TreeCost) -> Run:
-    stats = result.stats
-    fed = list(getattr(stats, "fed", [])) or [1] * stats.target_calls
-    modeled = sum(cost(n) for n in fed) + stats.draft_time
-    return Run(stats.generated, stats.target_calls, sum(fed), stats.total_time, modeled)
-
-
-def summarize(runs: Sequence[Sequence[Run]]) -> dict:
-    """Per-repeat totals (``runs[repeat][prompt]``) → tokens per target call, fed tokens per call, measured tokens/s
-    (median / min / max over repeats) and modeled tokens/s, pooled over repeats."""
-    per_repeat = [sum(r.generated for r in rs) / max(sum(r.seconds for r in rs), 1e-12) for rs in runs]
-    flat = [r for rs in runs for r in rs]
-    generated, calls = sum(r.generated for r in flat), sum(r.target_calls for r in flat)
+def _row(summary: MethodSummary) -> dict:
+    """A method's row of free_stop.json: what it ran, and its counts and rates pooled over prompts and repeats
+    (tokens/s also per repeat; fed tokens per target call)."""
+    spec, pooled, tps = summary.spec, summary.pooled, summary.tokens_per_second
+    stop = spec.params.get("stop")
     return {
-        "tokens_per_target_call": generated / calls if calls else 0.0,
-        "fed_per_call": sum(r.fed for r in flat) / calls if calls else 0.0,
-        "tokens_per_second": {
-            "median": statistics.median(per_repeat),
-            "min": min(per_repeat),
-            "max": max(per_repeat),
-            "per_repeat": per_repeat,
-        },
-        "modeled_tokens_per_second": generated / max(sum(r.modeled_seconds for r in flat), 1e-12),
-        "generated": generated,
-        "target_calls": calls,
+        "name": spec.name,
+        "decoder": spec.kind,
+        "setting": {k: v for k, v in spec.params.items() if k != "stop"} or None,
+        "adaptive": stop is not None,
+        **({"params": {"threshold": stop.threshold, "cost_cap": stop.cost is not None}} if stop is not None else {}),
+        "tokens_per_target_call": summary.tokens_per_target_call,
+        "fed_per_call": summary.tree["mean_fed"] if summary.tree else float(pooled.target_calls > 0),
+        "tokens_per_second": {"median": statistics.median(tps), "min": min(tps), "max": max(tps), "per_repeat": tps},
+        "modeled_tokens_per_second": pooled.modeled_tokens_per_second,
+        "generated": pooled.generated,
+        "target_calls": pooled.target_calls,
     }
-
-
-def run_interleaved(
-    decoders: Decoders,
-    methods: Sequence[Method],
-    prompts: Sequence[Sequence[int]],
-    cost: TreeCost,
-    seed: int,
-    repeats: int = 1,
-    warmup: int = 0,
-) -> list[list[list[Run]]]:
-    """``runs[method][repeat][prompt]``: every method decodes each prompt in turn (A B C A B C …) with the same
-    seed, after ``warmup`` untimed prompts decoded by every method."""
-    for index, ids in enumerate(prompts[:warmup]):
-        for method in methods:
-            decoders.run(method, list(ids), torch.Generator().manual_seed(prompt_seed(seed, -1, index)))
-    runs: list[list[list[Run]]] = [[[] for _ in range(repeats)] for _ in methods]
-    for repeat in range(repeats):
-        for index, ids in enumerate(prompts):
-            for m, method in enumerate(methods):
-                generator = torch.Generator().manual_seed(prompt_seed(seed, repeat, index))
-                runs[m][repeat].append(_run_of(decoders.run(method, list(ids), generator), cost))
-    return runs
-
-
-def _rate(summary: dict, select_by: str) -> float:
-    return summary["modeled_tokens_per_second"] if select_by == "modeled" else summary["tokens_per_second"]["median"]
 
 
 TABLE_HEADER = ["method", "tok/call", "fed/call", "tok/s", "min–max", "modeled", "vs static", "vs AR"]
@@ -316,10 +213,10 @@ def free_stop(
     settings = {
         "ngrammys": [NgrammysSetting(k, w) for k in (1, 3, 5, 10) for w in (1, 2, 4)]
         if ngrammys_settings is None
-        else [NgrammysSetting(**s) if isinstance(s, dict) else s for s in ngrammys_settings],
+        else [_coerce(NgrammysSetting, s) for s in ngrammys_settings],
         "lookahead": [LookaheadSetting(*s) for s in ((5, 4, 5), (3, 3, 3), (5, 5, 5), (7, 4, 7))]
         if lookahead_settings is None
-        else [LookaheadSetting(**s) if isinstance(s, dict) else s for s in lookahead_settings],
+        else [_coerce(LookaheadSetting, s) for s in lookahead_settings],
     }
     pools = {
         "ngrammys": NgrammysSetting(10, 8) if ngrammys_pool is None else _coerce(NgrammysSetting, ngrammys_pool),
@@ -331,7 +228,7 @@ def free_stop(
         if not settings[decoder]:
             raise ValueError(f"{decoder}_settings must hold at least one static setting.")
         for setting in [*settings[decoder], pools[decoder]]:
-            _check_setting(decoder, setting)
+            tree_params(decoder, asdict(setting))  # raises ValueError naming a bad value
     if (
         pools["ngrammys"].strategy != "context"
         and max(s.k for s in [*settings["ngrammys"], pools["ngrammys"]]) > bigram_top
@@ -354,9 +251,9 @@ def free_stop(
     if not training_prompts:
         raise ValueError("--training_prompts is required: the predictor is fitted on their verification passes.")
     folder = output_folder(output_dir)
-    model, tokenizer = _load_target(bundle, target, device, dtype)
+    pair = _load_target(bundle, target, device, dtype)
     encode = dict(
-        tokenizer=tokenizer,
+        tokenizer=pair.tokenizer,
         prompt_mode=prompt_mode,
         system_prompt=system_prompt,
         max_prompt_tokens=max_prompt_tokens,
@@ -371,78 +268,55 @@ def free_stop(
     check_disjoint(sets["test"], sets["validation"])
     check_disjoint(sets["test"], sets["training"])
     check_disjoint(sets["validation"], sets["training"])
-    ids = {name: [p.ids for p in s.prompts] for name, s in sets.items()}
-    try:
-        eos = eos_token_ids(tokenizer, model)
-    except ValueError:
-        eos = None
-    bigram = ModelBigram.load_or_build(
-        model, Path(bigram_cache) if bigram_cache is not None else cache_root() / "bigram", bigram_top
-    )
-    cost, cost_source = _tree_cost(model, tree_costs, tree_cost_sizes, pools, cost_repeats, seed)
+    test, validation, training = (sets[name].prompts for name in ("test", "validation", "training"))
+    cost, cost_source = _tree_cost(pair.target, tree_costs, tree_cost_sizes, pools, cost_repeats, seed)
     write_json(folder / "tree_costs.json", {"tree_cost": cost.to_dict(), "source": cost_source})
 
     results: dict = {}
     for temperature in temperatures:
         key = temperature_key(temperature)
-        runner = Decoders(model, bigram, max_new_tokens, temperature, eos)
-        ar = Method("autoregressive", "autoregressive")
+        runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache, bigram_top=bigram_top)
+        bigram = runner.bigram(bigram_top)
         chosen: dict[str, dict] = {}
-        test_methods = [ar]
+        test_methods = [MethodSpec("autoregressive", label="autoregressive")]
         for decoder in decoders:
-            pool = Method(f"{_setting_name(decoder, pools[decoder])} (labels)", decoder, pools[decoder])
             started = time.perf_counter()
-            features = GuessFeatures(bigram, q=feature_q)
-
-            def label_run(prompt, stop, pool=pool):
-                return runner.run(pool, prompt, torch.Generator().manual_seed(seed), stop=stop)
-
-            train_labels = collect_labels(label_run, ids["training"], features, temperature)
-            predictor = GuessPredictor.fit(train_labels, c=predictor_c, seed=seed)
-            val_labels = collect_labels(label_run, ids["validation"], GuessFeatures(bigram, q=feature_q), temperature)
+            predictor, train_labels, held_out = fit_predictor(
+                runner, _spec(decoder, pools[decoder]), training, validation, q=feature_q, c=predictor_c, seed=seed
+            )
             path = predictor.save(folder / f"{decoder}-{key}-predictor.json")
-            held_out = predictor.evaluate(val_labels)
             print(
-                f"{decoder} {key}: predictor on {len(train_labels)} guessed tokens of {len(ids['training'])} training "
-                f"prompts (calibration: {predictor.provenance['calibration']['chosen']}); on {len(val_labels)} "
+                f"{decoder} {key}: predictor on {len(train_labels)} guessed tokens of {len(training)} training "
+                f"prompts (calibration: {predictor.provenance['calibration']['chosen']}); on {held_out['n']:.0f} "
                 f"validation tokens ECE {held_out['ece']:.3f}, Brier {held_out['brier']:.3f}, "
                 f"AUC {held_out['auc']:.3f}, "
                 f"mean predicted {held_out['mean_pred']:.3f} vs accepted {held_out['mean_label']:.3f} "
                 f"({time.perf_counter() - started:.0f} s)"
             )
-            static = [Method(_setting_name(decoder, s), decoder, s) for s in settings[decoder]]
+            static = [_spec(decoder, s) for s in settings[decoder]]
             adaptive = [
-                Method(
-                    f"{_setting_name(decoder, pools[decoder])} + stop h={h:g}{' cost' if cap else ''}",
-                    decoder,
-                    pools[decoder],
-                    AdaptiveRowStop(predictor, h, bigram, cost if cap else None),
-                    {"threshold": h, "cost_cap": cap},
-                )
+                _spec(decoder, pools[decoder], AdaptiveRowStop(predictor, h, bigram, cost if cap else None))
                 for h in thresholds
                 for cap in cost_cap
             ]
-            candidates = static + adaptive
-            print(f"{decoder} {key}: validating {len(candidates)} settings on {len(ids['validation'])} prompts")
-            runs = run_interleaved(runner, candidates, ids["validation"], cost, seed)
-            summaries = [summarize(r) | m.to_dict() for m, r in zip(candidates, runs)]
-            best_static = max(range(len(static)), key=lambda i: _rate(summaries[i], select_by))
-            best_adaptive = len(static) + max(
-                range(len(adaptive)), key=lambda i: _rate(summaries[len(static) + i], select_by)
-            )
+            print(f"{decoder} {key}: validating {len(static + adaptive)} settings on {len(validation)} prompts")
+            runs = run_interleaved(runner, static + adaptive, validation, seed, desc=f"{decoder} validation")
+            summaries = summarize(static + adaptive, runs, cost)
+            best_static = best_of(summaries[: len(static)], select_by).spec
+            best_adaptive = best_of(summaries[len(static) :], select_by).spec
             chosen[decoder] = {
                 "predictor": str(path),
                 "predictor_provenance": predictor.provenance,
                 "training_labels": len(train_labels),
                 "validation_calibration": held_out,
-                "validation": summaries,
-                "best_static": summaries[best_static]["name"],
-                "best_adaptive": summaries[best_adaptive]["name"],
+                "validation": [_row(s) for s in summaries],
+                "best_static": best_static.name,
+                "best_adaptive": best_adaptive.name,
             }
-            test_methods += [candidates[best_static], candidates[best_adaptive]]
-        print(f"{key}: {len(test_methods)} methods on {len(ids['test'])} test prompts × {repeats} repeats")
-        runs = run_interleaved(runner, test_methods, ids["test"], cost, seed, repeats, warmup)
-        rows = [summarize(r) | m.to_dict() for m, r in zip(test_methods, runs)]
+            test_methods += [best_static, best_adaptive]
+        print(f"{key}: {len(test_methods)} methods on {len(test)} test prompts × {repeats} repeats")
+        runs = run_interleaved(runner, test_methods, test, seed, repeats, warmup, desc=f"{key} test")
+        rows = [_row(s) for s in summarize(test_methods, runs, cost)]
         base = rows[0]["tokens_per_second"]["median"]
         for i, row in enumerate(rows):
             row["ratio_to_autoregressive"] = row["tokens_per_second"]["median"] / base if base else None
@@ -455,8 +329,8 @@ def free_stop(
                 )
         results[key] = {"temperature": temperature, "decoders": chosen, "methods": rows}
         title = (
-            f"free_stop, {key}, {len(ids['test'])} test prompts × {repeats} repeats, ≤{max_new_tokens} new tokens; "
-            f"h and static settings chosen on {len(ids['validation'])} validation prompts by {select_by} tok/s"
+            f"free_stop, {key}, {len(test)} test prompts × {repeats} repeats, ≤{max_new_tokens} new tokens; "
+            f"h and static settings chosen on {len(validation)} validation prompts by {select_by} tok/s"
         )
         print(text_table(TABLE_HEADER, _table_rows(rows), title=title))
     payload = {
@@ -491,17 +365,17 @@ def _coerce(cls, value):
     return cls(**value) if isinstance(value, dict) else value
 
 
-def _load_target(bundle: str | None, target: ModelSpec | None, device: str | None, dtype: str | None):
-    """The target model and its tokenizer: from ``target`` if given, else from the bundle's target spec."""
+def _load_target(bundle: str | None, target: ModelSpec | None, device: str | None, dtype: str | None) -> Pair:
+    """The target and its tokenizer (as a :class:`Pair`; its draft is not used): ``target`` if given, else the
+    bundle's pair."""
     if target is None and bundle is None:
         raise ValueError("Pass --bundle PATH (its target is used) or --target.path.")
     if target is None:
-        pair = load_pair(bundle, device=device, dtype=dtype)
-        return pair.target, pair.tokenizer
+        return load_pair(bundle, device=device, dtype=dtype)
     spec = ModelSpec.coerce(target)
     spec.device = device or spec.device
     spec.dtype = dtype or spec.dtype
-    return load_model(spec), load_tokenizer(spec)
+    return Pair(load_model(spec), None, load_tokenizer(spec), target_spec=spec)
 
 
 def _tree_cost(
