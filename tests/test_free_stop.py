@@ -4,7 +4,7 @@ Greedy output with the stop must equal autoregressive greedy decoding for N-Gram
 threshold, with and without the cost curve; sampled output must keep the target's distribution (χ², slow); the
 recorded labels must equal the target's probabilities recomputed by plain forward passes; the features must match a
 hand computation; the predictor must be calibrated on synthetic data with a known answer and survive a JSON round
-trip; the stop rule must match hand-worked cases; bad inputs must fail with clear errors; ``python -m eval
+trip; the stop rule and the engine's tree-cost pricing must match hand-worked cases; bad inputs must fail with clear errors; ``python -m eval
 free_stop`` must run end to end on a tiny target and print its table. Tiny float32 Llamas only, no network.
 """
 
@@ -312,6 +312,19 @@ def test_tree_cost_curve() -> None:
     assert [curve(n) for n in (0, 1, 3, 4, 6, 8, 12)] == [1.0, 1.0, 1.0, 1.0, 1.5, 2.0, 3.0]
     assert TreeCost.from_dict(curve.to_dict()) == curve
     assert TreeCost([2], [0.5])(40) == 0.5
+
+
+def test_the_engine_prices_each_target_call_at_the_tokens_it_fed() -> None:
+    """``aggregate`` under a TreeCost (how ``eval free_stop`` models tokens/s): Σ cost(fed) + draft_time per run."""
+    from accept_head.decoding import DecodeStats
+    from accept_head.engine import aggregate
+    from accept_head.tree_verify import TreeDecodeStats
+
+    tree = TreeDecodeStats(generated=6, target_calls=2, draft_time=0.5, fed=[1, 16])  # 1 + 3 + 0.5 seconds
+    assert aggregate("tree", [tree, tree], CURVE).modeled_tokens_per_second == pytest.approx(12 / 9)
+    assert aggregate("target alone", [DecodeStats(generated=3, target_calls=3)], CURVE).modeled_tokens_per_second == 1
+    speculative = DecodeStats(generated=5, target_calls=2, proposed=[3, 7])  # fed 4 and 8: 1 + 1 seconds
+    assert aggregate("speculative", [speculative], CURVE).modeled_tokens_per_second == pytest.approx(2.5)
 
 
 @torch.inference_mode()
