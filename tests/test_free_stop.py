@@ -4,8 +4,9 @@ Greedy output with the stop must equal autoregressive greedy decoding for N-Gram
 threshold, with and without the cost curve; sampled output must keep the target's distribution (χ², slow); the
 recorded labels must equal the target's probabilities recomputed by plain forward passes; the features must match a
 hand computation; the predictor must be calibrated on synthetic data with a known answer and survive a JSON round
-trip; the stop rule and the engine's tree-cost pricing must match hand-worked cases; bad inputs must fail with clear errors; ``python -m eval
-free_stop`` must run end to end on a tiny target and print its table. Tiny float32 Llamas only, no network.
+trip; the stop rule and the engine's tree-cost pricing must match hand-worked cases; bad inputs must fail with clear
+errors; ``python -m eval free_stop`` must run end to end on a tiny target and print its table. Tiny float32 Llamas
+only, no network.
 """
 
 from __future__ import annotations
