@@ -3,9 +3,10 @@ the same learning-free decoder (N-Grammys, Lookahead), on prompts that chose not
 
 Per temperature and decoder:
 
-1. *Train*: decode the training prompts with the decoder's generous ``pool`` setting and a
-   :class:`~accept_head.free_stop.LabelRecorder`, fit a :class:`~accept_head.free_stop.GuessPredictor` (calibrated
-   out of fold by prompt); its calibration is reported on labels collected the same way on the validation prompts.
+1. *Train* (:func:`~accept_head.free_stop.fit_predictor`): decode the training prompts with the decoder's generous
+   ``pool`` setting and a :class:`~accept_head.free_stop.LabelRecorder`, fit a
+   :class:`~accept_head.free_stop.GuessPredictor` (calibrated out of fold by prompt); its calibration is reported on
+   labels collected the same way on the validation prompts.
 2. *Validate*: decode the validation prompts once with every static setting and with the adaptive stop at every
    threshold h (with and without the cost curve); keep the best static setting and the best adaptive one by
    modeled (or measured) tokens/s.
@@ -320,13 +321,10 @@ def free_stop(
         base = rows[0]["tokens_per_second"]["median"]
         for i, row in enumerate(rows):
             row["ratio_to_autoregressive"] = row["tokens_per_second"]["median"] / base if base else None
-            if row["decoder"] != "autoregressive":
-                static_row = rows[i - 1] if row["adaptive"] else row
-                ratio = row["tokens_per_second"]["median"] / static_row["tokens_per_second"]["median"]
-                row["ratio_to_static"] = ratio
-                row["modeled_ratio_to_static"] = (
-                    row["modeled_tokens_per_second"] / static_row["modeled_tokens_per_second"]
-                )
+            if row["decoder"] != "autoregressive":  # an adaptive row follows its decoder's static one
+                ref = rows[i - 1] if row["adaptive"] else row
+                row["ratio_to_static"] = row["tokens_per_second"]["median"] / ref["tokens_per_second"]["median"]
+                row["modeled_ratio_to_static"] = row["modeled_tokens_per_second"] / ref["modeled_tokens_per_second"]
         results[key] = {"temperature": temperature, "decoders": chosen, "methods": rows}
         title = (
             f"free_stop, {key}, {len(test)} test prompts × {repeats} repeats, ≤{max_new_tokens} new tokens; "
