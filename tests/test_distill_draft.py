@@ -95,14 +95,15 @@ def test_distill_loss_is_finite_and_trains_toward_the_target_distribution() -> N
 
 def test_fit_trains_with_lightning_and_resumes_from_its_last_checkpoint(tmp_path) -> None:
     """generate → fit on a tiny target: a loadable draft, a learning curve of held-out acceptances, and a second fit
-    with a larger token budget that continues from ``last.ckpt`` instead of starting over."""
+    with a larger token budget that continues from ``last.ckpt`` instead of starting over; then evaluate and
+    model_card write eval.json and a README.md that reports it."""
     from tiny_models import make_pair
     from train_helpers import write_prompts
     from transformers import AutoModelForCausalLM
 
     from accept_head.pairs import ModelSpec
     from accept_head.prompts import PromptSource
-    from train.distill_draft import DistillConfig, fit, generate
+    from accept_head.training.distill_recipe import DistillConfig, evaluate, fit, generate, model_card
 
     target, _ = make_pair(tmp_path)
     prompts = write_prompts(tmp_path / "prompts.jsonl", 12)
@@ -137,3 +138,16 @@ def test_fit_trains_with_lightning_and_resumes_from_its_last_checkpoint(tmp_path
     assert meta["final"]["step"] == 10
     # Validations at 2, 4, 6, the first final row, then 8 and 10 of the resumed run and its final row: no restart.
     assert [row["step"] for row in meta["curve"]] == [2, 4, 6, 6, 8, 10, 10]
+
+    ev = evaluate(cfg, rounds=1, steps=5)
+    assert json.loads((tmp_path / "draft" / "eval.json").read_text()) == ev
+    groups = [g for name, g in ev["acceptance"].items() if name != "all"]
+    assert ev["acceptance"]["all"]["positions"] == sum(g["positions"] for g in groups)
+    timing = ev["timing"]
+    assert timing["samples_each"] == 5 and timing["target_ms_median"] > 0 and timing["draft_ms_median"] > 0
+    assert timing["ratio_target_over_draft"] == timing["target_ms_median"] / timing["draft_ms_median"]
+    card = model_card(cfg)
+    assert card == (tmp_path / "draft" / "README.md").read_text()
+    all_ = ev["acceptance"]["all"]
+    assert f"| all | {all_['positions']} | {all_['expected_accept']:.3f} | {all_['greedy_agreement']:.3f} |" in card
+    assert (tmp_path / "draft" / "learning_curve.png").stat().st_size > 0

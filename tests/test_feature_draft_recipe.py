@@ -32,6 +32,7 @@ from accept_head import FixedK, autoregressive_generate, load_model, speculative
 from accept_head.feature_draft import FeatureDraft
 from accept_head.features import lm_head_input
 from accept_head.pairs import ModelSpec
+from accept_head.training import feature_draft_recipe as stages
 from train import feature_draft as recipe
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -209,7 +210,7 @@ def test_fit_resumes_from_the_last_checkpoint(run, tmp_path, monkeypatch) -> Non
 
     monkeypatch.setattr(FeatureDraftModule, "training_step", counting)
     assert torch.load(work / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 4
-    before = [r["step"] for r in recipe.learning_curve(recipe.FeatureDraftRecipe(**cfg))]
+    before = [r["step"] for r in stages.learning_curve(stages.FeatureDraftRecipe(**cfg))]
     assert len(before) == 2  # validations after steps 2 and 4
     for max_steps, expected in ((6, [4, 5]), (8, [6, 7])):  # from the moved folder, then in place
         steps_run.clear()
@@ -219,7 +220,7 @@ def test_fit_resumes_from_the_last_checkpoint(run, tmp_path, monkeypatch) -> Non
         assert torch.load(work / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == max_steps
         assert json.loads((tmp_path / "out" / "config.json").read_text())["extra"]["steps"] == max_steps
     # The learning curve (read by model_card) keeps the validations from before each resume.
-    after = [r["step"] for r in recipe.learning_curve(recipe.FeatureDraftRecipe(**cfg))]
+    after = [r["step"] for r in stages.learning_curve(stages.FeatureDraftRecipe(**cfg))]
     assert after[:2] == before and len(after) == 4 and after == sorted(set(after))
 
 
@@ -290,14 +291,14 @@ def test_per_step_acceptance_step_one_matches_a_hand_computation(tmp_path) -> No
         return float(torch.minimum(p, q).sum()), float(q.argmax() == p.argmax())
 
     # One start position: a one-token response leaves exactly t = prompt_length - 2 after 5 cached pairs.
-    (row,) = recipe.per_step_acceptance(draft, target, [write_shard("one", prompt_length + 1)], 1, 1, seed=0)
+    (row,) = stages.per_step_acceptance(draft, target, [write_shard("one", prompt_length + 1)], 1, 1, seed=0)
     accept, agree = by_hand(prompt_length - 2)
     assert row["n"] == 1 and row["expected_accept"] == pytest.approx(accept, abs=1e-5)
     assert row["greedy_agreement"] == agree
     assert 0.0 < accept < 1.0
     # Every start of a longer response, two steps each (the cache is cropped back between starts).
     starts = range(prompt_length - 2, len(tokens) - 3)
-    rows = recipe.per_step_acceptance(draft, target, [write_shard("all", len(tokens))], 100, 2, seed=0)
+    rows = stages.per_step_acceptance(draft, target, [write_shard("all", len(tokens))], 100, 2, seed=0)
     hand = [by_hand(t) for t in starts]
     assert rows[0]["n"] == len(starts) == rows[1]["n"]
     assert rows[0]["expected_accept"] == pytest.approx(sum(a for a, _ in hand) / len(hand), abs=1e-5)
@@ -309,7 +310,7 @@ def test_per_step_acceptance_step_one_matches_a_hand_computation(tmp_path) -> No
 
 def test_committed_recipe_config_parses_through_the_cli(capsys, monkeypatch) -> None:
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(recipe, "load_model", mock.Mock(side_effect=AssertionError("no model may be loaded")))
+    monkeypatch.setattr(stages, "load_model", mock.Mock(side_effect=AssertionError("no model may be loaded")))
     for stage in ("features", "vocab", "fit", "evaluate", "ablate", "model_card"):
         with pytest.raises(SystemExit) as exit_info:
             run_cli(stage, "--config", "configs/distill/smollm2-135m-feature-draft.yaml", "--print_config")

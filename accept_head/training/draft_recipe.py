@@ -1,0 +1,109 @@
+"""What the two draft recipes (:mod:`.distill_recipe`, :mod:`.feature_draft_recipe`) share: work folders, atomic
+writes, the resumable Lightning run, the draft-step timing, and the model cards' plot and README.md."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+
+from ..cost_model import measure_costs
+
+
+def expand(path: str) -> Path:
+    """``path`` with ``~`` expanded (the recipes' work folders live outside the repository)."""
+    return Path(os.path.expanduser(path))
+
+
+def set_threads(threads: int | None) -> None:
+    """torch's intra-op threads, when given (None keeps torch's default)."""
+    if threads:
+        torch.set_num_threads(threads)
+
+
+def save_atomic(obj: Any, path: Path, save: Callable[[Any, str], None] = torch.save) -> None:
+    """``save(obj, <path>.tmp)``, then rename onto ``path``: a killed stage leaves no half-written shard behind."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    save(obj, str(tmp))
+    os.replace(tmp, path)
+
+
+def jsonable(cfg: Any) -> dict:
+    """A recipe's config dataclass as plain JSON values (anything else as its string)."""
+    return json.loads(json.dumps(asdict(cfg), default=str))
+
+
+def fit_resumable(
+    module, work: Path, max_steps: int, val_every_steps: int, checkpoint_every_steps: int, datamodule=None, **trainer
+) -> Trainer:
+    """Train ``module`` on the CPU for ``max_steps`` optimizer steps, validating every ``val_every_steps``, resuming
+    from ``<work>/checkpoints/last.ckpt`` when it exists; logs go to a new ``<work>/logs/version_N`` per run (a fixed
+    version's CSV would be wiped on resume). ``trainer``: further :class:`~lightning.pytorch.Trainer` arguments."""
+    # Only last.ckpt, rewritten in place (save_top_k=0 needs every_n_train_steps to write at all): a resumed run, also
+    # from a moved work folder whose checkpoint names another dirpath, must overwrite it rather than write
+    # last-v1.ckpt beside it, or the next resume would go back to the old one.
+    checkpoints = ModelCheckpoint(
+        dirpath=work / "checkpoints",
+        save_last=True,
+        save_top_k=0,
+        every_n_train_steps=checkpoint_every_steps,
+        enable_version_counter=False,
+    )
+    run = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=max_steps,
+        max_epochs=-1,
+        val_check_interval=val_every_steps,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        callbacks=[checkpoints],
+        logger=CSVLogger(work, name="logs"),
+        log_every_n_steps=10,
+        enable_progress_bar=False,
+        **trainer,
+    )
+    last = work / "checkpoints" / "last.ckpt"
+    run.fit(module, datamodule=datamodule, ckpt_path=str(last) if last.exists() else None)
+    return run
+
+
+def time_draft_step(target: torch.nn.Module, drafter, rounds: int, head=None, steps: int = 30) -> dict:
+    """Median ms of one drafting step (``drafter.propose``, plus ``head`` on its hidden state) and of one
+    single-token target forward on a KV cache of 128 tokens, ``rounds`` × ``steps`` samples each, timed round-robin
+    by :func:`~accept_head.cost_model.measure_costs`; ``ratio`` is draft over target."""
+    measured = measure_costs(target, drafter, head, ks=(0,), repeats=rounds * steps).measured
+    d = measured["draft"]["median"] + measured["head"]["median"]
+    t = measured["target"][0]["median"]
+    return {"draft_ms": 1e3 * d, "target_ms": 1e3 * t, "ratio": d / t, "samples_each": measured["draft"]["n"]}
+
+
+def plot_curves(path: Path, curves: Sequence[tuple[list, list, dict]], xlabel: str, ylabel: str) -> None:
+    """A model card's learning-curve PNG: one line per ``(xs, ys, matplotlib keyword arguments)``."""
+    from ..plots import new_figure, save_figure
+
+    fig = new_figure(6, 3.5)
+    ax = fig.subplots()
+    for xs, ys, style in curves:
+        ax.plot(xs, ys, **style)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save_figure(fig, path)
+
+
+def write_card(folder: Path, text: str) -> str:
+    """Write ``text`` as the model folder's README.md; returns it."""
+    (folder / "README.md").write_text(text)
+    print(f"[model_card] wrote {folder / 'README.md'}", flush=True)
+    return text
