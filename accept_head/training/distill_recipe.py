@@ -35,6 +35,8 @@ from .distill_draft import (
     acceptance_metrics,
     build_draft,
     load_shards,
+    pooled_acceptance,
+    response_acceptance,
     shard_examples,
     target_distributions,
 )
@@ -258,16 +260,12 @@ def evaluate(cfg: DistillConfig, draft_dir: str | None = None, rounds: int = 7, 
             if len(r):
                 source = "humaneval" if pid.startswith("humaneval") else "instructions (eval split)"
                 groups.setdefault(source, []).append((p.long(), r.long(), ti.long(), tl.float()))
-    result: dict = {"acceptance": {}}
+    scores = {}
     for name, examples in groups.items():
         probs = target_distributions(target, examples)
-        result["acceptance"][name] = acceptance_metrics(draft, probs, examples)
-    all_examples = [e for ex in groups.values() for e in ex]
-    n = sum(len(e[1]) for e in all_examples)
-    result["acceptance"]["all"] = {
-        key: sum(result["acceptance"][g][key] * result["acceptance"][g]["positions"] for g in groups) / n
-        for key in ("expected_accept", "greedy_agreement")
-    } | {"positions": n}
+        scores[name] = [response_acceptance(draft, e, p) for e, p in zip(examples, probs, strict=True)]
+    result: dict = {"acceptance": {name: pooled_acceptance(s) for name, s in scores.items()}}
+    result["acceptance"]["all"] = pooled_acceptance([score for s in scores.values() for score in s])
     result["size_mb"] = sum(f.stat().st_size for f in folder.glob("*.safetensors")) / 1e6
     timing = time_draft_step(target, ModelDrafter(draft, with_hidden=False), rounds, steps=steps)
     result["timing"] = {

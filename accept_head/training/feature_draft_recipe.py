@@ -113,27 +113,23 @@ def features(cfg: FeatureDraftRecipe) -> dict:
             if dest.exists():
                 continue
             shard = torch.load(path, weights_only=True)
-            seqs = [(p.long(), r.long()) for p, r in zip(shard["prompt_ids"], shard["response_ids"]) if len(r)]
+            pairs = zip(shard["prompt_ids"], shard["response_ids"])
+            seqs = sorted(((torch.cat([p, r]).long(), len(p)) for p, r in pairs if len(r)), key=lambda s: len(s[0]))
             start = time.perf_counter()
             rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
-            order = sorted(range(len(seqs)), key=lambda i: len(seqs[i][0]) + len(seqs[i][1]))
             i = 0
-            while i < len(order):
-                width = len(seqs[order[i]][0]) + len(seqs[order[i]][1])
-                j = i
-                while j < len(order) and (j - i + 1) * (len(seqs[order[j]][0]) + len(seqs[order[j]][1])) <= max(
-                    cfg.features_batch_tokens, width
-                ):
+            while i < len(seqs):  # similar lengths together, about features_batch_tokens padded tokens per pass
+                j, budget = i + 1, max(cfg.features_batch_tokens, len(seqs[i][0]))
+                while j < len(seqs) and (j - i + 1) * len(seqs[j][0]) <= budget:
                     j += 1
-                batch = [torch.cat(seqs[k]) for k in order[i:j]]
+                batch = [tokens for tokens, _ in seqs[i:j]]
                 ids = torch.nn.utils.rnn.pad_sequence(batch, batch_first=True, padding_value=0)
                 mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(b) for b in batch], batch_first=True)
                 hidden = final_hidden_states(target, ids, mask, use_decoder=use_decoder)
-                for row, k in enumerate(order[i:j]):
-                    n = len(batch[row])
-                    h = hidden[row, :n]
+                for row, (tokens, prompt_length) in enumerate(seqs[i:j]):
+                    h = hidden[row, : len(tokens)]
                     lse = torch.cat([lm_head(c).float().logsumexp(-1) for c in h.split(1024)])
-                    rows.append((batch[row], h.to(torch.bfloat16), lse, len(seqs[k][0])))
+                    rows.append((tokens, h.to(torch.bfloat16), lse, prompt_length))
                 i = j
             seconds += time.perf_counter() - start
             tokens_done += sum(len(r[0]) for r in rows)
@@ -199,20 +195,14 @@ def _kept_ids(cfg: FeatureDraftRecipe) -> torch.Tensor:
 
 
 def _common_prefix(paths: list[Path]) -> int:
-    first = None
-    length = None
-    for path in paths:
-        shard = load_file(str(path))
-        offsets = shard["offsets"].tolist()
-        for a, b in zip(offsets[:-1], offsets[1:]):
-            seq = shard["tokens"][a:b]
-            if first is None:
-                first, length = seq, len(seq)
-                continue
-            n = min(length, len(seq))
-            diff = (first[:n] != seq[:n]).nonzero()
-            length = int(diff[0]) if len(diff) else n
-    return length or 0
+    """Length of the token prefix every sequence of these feature shards shares (e.g. the chat template's system
+    prompt)."""
+    seqs = [s.tokens for s in read_feature_shards(paths)]
+    length = min((len(seq) for seq in seqs), default=0)
+    for seq in seqs[1:]:
+        diff = (seqs[0][:length] != seq[:length]).nonzero()
+        length = int(diff[0]) if len(diff) else length
+    return length
 
 
 def fit(cfg: FeatureDraftRecipe) -> Path:
