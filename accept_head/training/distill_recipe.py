@@ -186,7 +186,9 @@ def fit(cfg: DistillConfig) -> None:
         on_validation=record,
     )
     val_every_steps = max(1, cfg.eval_every_tokens // cfg.batch_tokens)
-    trainer = fit_resumable(module, work, total_steps, val_every_steps, 100, enable_model_summary=False)
+    trainer = fit_resumable(
+        module, work, total_steps, val_every_steps, checkpoint_every_steps=100, enable_model_summary=False
+    )
     draft.eval()
     metrics = acceptance_metrics(draft, target_probs, eval_examples)
     row = {

@@ -42,10 +42,17 @@ def jsonable(cfg: Any) -> dict:
 
 
 def fit_resumable(
-    module, work: Path, max_steps: int, val_every_steps: int, checkpoint_every_steps: int, datamodule=None, **trainer
+    module,
+    work: Path,
+    max_steps: int,
+    val_every_steps: int,
+    checkpoint_every_steps: int | None = None,
+    datamodule=None,
+    **trainer,
 ) -> Trainer:
-    """Train ``module`` on the CPU for ``max_steps`` optimizer steps, validating every ``val_every_steps``, resuming
-    from ``<work>/checkpoints/last.ckpt`` when it exists; logs go to a new ``<work>/logs/version_N`` per run (a fixed
+    """Train ``module`` on the CPU for ``max_steps`` optimizer steps, validating every ``val_every_steps`` and
+    checkpointing every ``checkpoint_every_steps`` (None: at each validation), resuming from
+    ``<work>/checkpoints/last.ckpt`` when it exists; logs go to a new ``<work>/logs/version_N`` per run (a fixed
     version's CSV would be wiped on resume). ``trainer``: further :class:`~lightning.pytorch.Trainer` arguments."""
     # Only last.ckpt, rewritten in place (save_top_k=0 needs every_n_train_steps to write at all): a resumed run, also
     # from a moved work folder whose checkpoint names another dirpath, must overwrite it rather than write
@@ -54,7 +61,7 @@ def fit_resumable(
         dirpath=work / "checkpoints",
         save_last=True,
         save_top_k=0,
-        every_n_train_steps=checkpoint_every_steps,
+        every_n_train_steps=checkpoint_every_steps or val_every_steps,
         enable_version_counter=False,
     )
     run = Trainer(

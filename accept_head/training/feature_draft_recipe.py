@@ -232,14 +232,7 @@ def fit(cfg: FeatureDraftRecipe) -> Path:
     module.init_from_target(target, kept)
     data = FeatureDataModule(train_paths, val_paths[:1], cfg.batch_tokens, cfg.seed, loss_from)
     trainer = fit_resumable(
-        module,
-        work,
-        cfg.max_steps,
-        cfg.val_every_steps,
-        cfg.val_every_steps,
-        datamodule=data,
-        precision="bf16-mixed",
-        limit_val_batches=16,
+        module, work, cfg.max_steps, cfg.val_every_steps, datamodule=data, precision="bf16-mixed", limit_val_batches=16
     )
     draft = module.draft
     draft.config.extra = {
