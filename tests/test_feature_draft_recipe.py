@@ -151,6 +151,39 @@ def test_feature_shards_hold_the_targets_final_hidden_states_and_log_normalisers
     assert meta["tokens"] == sum(len(s) for kind in ("eval", "train") for s, _ in generation_sequences(root, kind))
 
 
+def test_text_stage_cuts_files_into_prompted_chunks_that_features_read_but_vocab_does_not(run, tmp_path) -> None:
+    """``text`` writes each kept file's tokens as ``text_chunk``-token responses to the chat-templated ``text_prompt``
+    (tails under 64 tokens dropped, excluded folders skipped, at most ``text_tokens``); ``features`` teacher-forces
+    the target over them as training sequences; ``vocab`` still counts only the target's own responses."""
+    from tiny_models import WORDS
+
+    words = [w for w in WORDS if w.isalpha()]
+    (tmp_path / "src" / "tests").mkdir(parents=True)
+    bodies = {"a.txt": " ".join(words[i % len(words)] for i in range(150)), "b.txt": " ".join(words[:40])}
+    for name, body in bodies.items():
+        (tmp_path / "src" / name).write_text(body)
+    (tmp_path / "src" / "tests" / "c.txt").write_text(" ".join(words[:100]))
+    cfg = dict(run["cfg"], work_dir=str(tmp_path / "work"), text_sources=[str(tmp_path / "src" / "**" / "*.txt")])
+    cfg |= {"text_template": "{text}", "text_prompt": "write code", "text_chunk": 70, "text_tokens": 10_000}
+    run_cli("text", "--config", str(write_config(tmp_path / "text.yaml", cfg)))
+    tokenizer = make_tokenizer()
+    chat = [{"role": "user", "content": "write code"}]
+    prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
+    shards = sorted((tmp_path / "work" / "text").glob("train-text-*.pt"))
+    assert [p.name for p in shards] == ["train-text-000.pt"]
+    shard = torch.load(shards[0], weights_only=True)
+    assert all(p.tolist() == list(prompt) for p in shard["prompt_ids"])
+    ids = tokenizer(bodies["a.txt"], add_special_tokens=False)["input_ids"]  # b.txt (40) is under 64; c.txt excluded
+    assert [r.tolist() for r in shard["response_ids"]] == [ids[:70], ids[70:140]]  # the 10-token tail is dropped
+    assert json.loads((tmp_path / "work" / "text" / "meta.json").read_text())["tokens"] == 140 + 2 * len(prompt)
+
+    run_cli("features", "--config", str(write_config(tmp_path / "text.yaml", cfg)))
+    stored = feature_sequences(tmp_path / "work" / "features" / "train-text-000.safetensors")
+    assert sorted(s[0].tolist() for s in stored) == sorted(list(prompt) + ids[a : a + 70] for a in (0, 70))
+    recipe_cfg = stages.FeatureDraftRecipe(**{**cfg, "target": ModelSpec(**cfg["target"])})
+    assert all("text" not in p.name for p in stages._shards(recipe_cfg, "train"))
+
+
 # ---- vocab ---------------------------------------------------------------------------------------------------------
 
 

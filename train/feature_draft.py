@@ -3,6 +3,7 @@
 Stages, each resumable, all driven by one YAML::
 
     python -m train.distill_draft generate --config <distill yaml>            # the target answers prompts (token ids)
+    python -m train.feature_draft text     --config ...   # optional: more text (e.g. Python's stdlib) as sequences
     python -m train.feature_draft features --config configs/distill/smollm2-135m-feature-draft.yaml
     python -m train.feature_draft vocab    --config ...   # token frequencies; the target's mass covered per V
     python -m train.feature_draft fit      --config ...   # Lightning Trainer; resumes from checkpoints/last.ckpt
@@ -15,13 +16,13 @@ The stages and the ``cfg:`` keys are :mod:`accept_head.training.feature_draft_re
 
 from __future__ import annotations
 
-from accept_head.training.feature_draft_recipe import ablate, evaluate, features, fit, model_card, vocab
+from accept_head.training.feature_draft_recipe import ablate, evaluate, features, fit, model_card, text, vocab
 
 
 def main() -> None:
     from jsonargparse import CLI
 
-    stages = [features, vocab, fit, evaluate, model_card, ablate]
+    stages = [text, features, vocab, fit, evaluate, model_card, ablate]
     CLI({stage.__name__: stage for stage in stages}, as_positional=False)
 
 
