@@ -356,6 +356,19 @@ def test_committed_recipe_config_parses_through_the_cli(capsys, monkeypatch) -> 
         assert printed["standalone"]["path"] == "checkpoints/smollm2-135m-draft"
 
 
+def test_more_text_recipe_differs_from_the_committed_one_only_by_its_text_and_folders(capsys, monkeypatch) -> None:
+    monkeypatch.chdir(REPO)
+    printed = {}
+    for name in ("smollm2-135m-feature-draft", "smollm2-135m-feature-draft-text"):
+        with pytest.raises(SystemExit):
+            run_cli("text", "--config", f"configs/distill/{name}.yaml", "--print_config")
+        printed[name] = yaml.safe_load(capsys.readouterr().out)["cfg"]
+    base, text = printed.values()
+    changed = {key for key in base if base[key] != text[key]}
+    assert changed == {"work_dir", "output_dir", "text_sources", "text_exclude", "text_tokens"}
+    assert text["text_tokens"] > 0 and text["text_sources"] == ["{stdlib}/**/*.py"]
+
+
 def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None:
     from accept_head.labelgen.run import parse_config
     from accept_head.training.cli import cli_main
