@@ -62,6 +62,7 @@ KNOWN_KEYS = {
     "greedy_unscored",
     "temperature",
     "calibration",
+    "greedy_calibration",
     "cost_model",
     "provenance",
 }
@@ -136,6 +137,7 @@ class SpecDecPP:
         unscored: str | None = None,
         greedy_threshold: float | None = None,
         greedy_unscored: str | None = None,
+        greedy_calibration: Calibration | None = None,
     ) -> None:
         if head.hidden_size != draft.config.hidden_size:
             raise ValueError(
@@ -158,6 +160,7 @@ class SpecDecPP:
         self.greedy_unscored = greedy_unscored if greedy_threshold is not None else None
         self.temperature = temperature
         self.calibration = calibration
+        self.greedy_calibration = greedy_calibration
         self.cost_model = cost_model
         self.provenance = provenance or {}
         self.target_spec, self.draft_spec = target_spec, draft_spec
@@ -171,6 +174,13 @@ class SpecDecPP:
             return self.greedy_threshold, self.greedy_unscored
         return self.threshold, self.unscored
 
+    def calibration_for(self, greedy: bool = False) -> Calibration | None:
+        """The calibration map for a decoding mode: the one fitted on greedy labels when the bundle has one
+        (greedy verification accepts by another rule than the sampling labels the head trains on)."""
+        if greedy and self.greedy_calibration is not None:
+            return self.greedy_calibration
+        return self.calibration
+
     def policy(self, threshold: float | None = None, greedy: bool = False) -> HeadThreshold:
         """The stop policy this bundle decodes with in a mode (``greedy``): its h* for that mode
         (:meth:`h_star`); ``threshold`` overrides h* and keeps the mode's ``unscored`` setting."""
@@ -180,7 +190,7 @@ class SpecDecPP:
             h if threshold is None else threshold,
             self.min_candidates,
             self.max_candidates,
-            calibration=self.calibration,
+            calibration=self.calibration_for(greedy),
             unscored=unscored,
         )
 
@@ -303,6 +313,7 @@ class SpecDecPP:
             "greedy_unscored": self.greedy_unscored,
             "temperature": self.temperature,
             "calibration": self.calibration.to_dict() if self.calibration is not None else None,
+            "greedy_calibration": self.greedy_calibration.to_dict() if self.greedy_calibration is not None else None,
             "cost_model": self.cost_model,
             "provenance": self.provenance,
         }
@@ -404,7 +415,10 @@ class SpecDecPP:
         if draft is None:
             draft = load_model(draft_spec)
         head = head.to(next(draft.parameters()).device)
-        calibration = Calibration.from_dict(config["calibration"]) if config.get("calibration") else None
+        calibration, greedy_calibration = (
+            Calibration.from_dict(config[key]) if config.get(key) else None
+            for key in ("calibration", "greedy_calibration")
+        )
         return cls(
             target=target,
             draft=draft,
@@ -422,6 +436,7 @@ class SpecDecPP:
             unscored=config.get("unscored"),
             greedy_threshold=config.get("greedy_threshold"),
             greedy_unscored=config.get("greedy_unscored"),
+            greedy_calibration=greedy_calibration,
         )
 
 

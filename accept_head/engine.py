@@ -262,9 +262,14 @@ class TrainedHead:
     calibration: Calibration | None = None
     min_candidates: int = 2
     max_candidates: int = 20
+    greedy_calibration: Calibration | None = None
 
     def h_star(self, greedy: bool = False) -> tuple[float, str | None]:
         raise ValueError("This head has no h* yet (no bundle): give every specdecpp method a threshold and unscored.")
+
+    def calibration_for(self, greedy: bool = False) -> Calibration | None:
+        """The map for a decoding mode (the greedy one when there is one), as the bundle's."""
+        return self.greedy_calibration if greedy and self.greedy_calibration is not None else self.calibration
 
 
 Decoder = Callable[[list[int], torch.Generator], GenerationResult]
@@ -403,7 +408,7 @@ class Runner:
                     float(params.pop("threshold")),
                     int(params.pop("min_candidates", source.min_candidates)),
                     int(params.pop("max_candidates", source.max_candidates)),
-                    calibration=source.calibration if calibrated else None,
+                    calibration=source.calibration_for(greedy=self.temperature == 0) if calibrated else None,
                     unscored=params.pop("unscored"),
                 )
                 if params:

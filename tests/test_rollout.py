@@ -293,3 +293,50 @@ def test_label_mode_scoring_refuses_token_mixing_labels(tiny: TinySetup, tmp_pat
     run_data_gen(tiny.data_gen_config(label_mode="sample", batch_size=8, max_new_tokens=6), tmp_path / "sample")
     with pytest.raises(ValueError, match="label_mode='sample' labels; scoring needs on-policy rollout labels"):
         label_modes.held_out_states(str(tmp_path / "sample"))
+
+
+def test_train_fit_with_greedy_labels_fits_a_greedy_calibration(tiny: TinySetup, tmp_path) -> None:
+    """``data.greedy_path`` (greedy rollout labels) gives the bundle a second calibration map for greedy decoding,
+    fitted only on prompts the head did not train on; the bundle decodes greedily with it and samples with the
+    other."""
+    from accept_head import SpecDecPP
+    from accept_head.calibration import choose_calibration
+
+    greedy = tmp_path / "greedy-labels"
+    run_data_gen(rollout_config(tiny, temperature=0.0), greedy)  # the head's prompts, so the filter has work to do
+    config = train_config(
+        tiny, tmp_path, trainer={"max_epochs": 1}, data={"greedy_path": str(greedy)}, sweep={"greedy": True}
+    )
+    cli = fit(config, tmp_path)
+    dm, report = cli.datamodule, cli.model.fit_report
+    assert sorted(dm.split["greedy"]) == sorted(dm.split["val"])  # the training prompts are left out
+
+    # Independent recomputation: the exported head's probabilities on those prompts' stored states and labels.
+    dataset, meta = load_label_dataset(greedy)
+    assert meta["label_transform"]["temperature"] == 0
+    bundle = SpecDecPP.from_pretrained(tmp_path / "bundle")
+    hidden = read_hidden(dataset, 16)
+    held = [i for i, pid in enumerate(dataset["prompt_id"]) if pid in set(dm.split["val"])]
+    states = torch.cat([hidden[i] for i in held]).float()
+    labels = torch.tensor([x for i in held for x in dataset[i]["accept_prob"]])
+    assert set(labels.tolist()) <= {0.0, 1.0}  # greedy verification accepts exactly the target's argmax
+    groups = torch.cat([torch.full((len(hidden[i]),), rank) for rank, i in enumerate(held)])
+    with torch.no_grad():
+        logits = bundle.head(states).float()
+    expected = choose_calibration(logits, labels, groups, ["temperature", "isotonic"], 2, 0)
+    assert report.greedy_calibration_choice.chosen == expected.chosen
+    for name, scores in expected.scores.items():
+        assert report.greedy_calibration_choice.scores[name]["ece"] == pytest.approx(scores["ece"], abs=1e-4)
+
+    assert bundle.greedy_calibration == report.greedy_calibration
+    assert bundle.policy(greedy=True).calibration == bundle.greedy_calibration
+    assert bundle.policy().calibration == bundle.calibration == report.calibration
+    assert "with the greedy calibration" in report.greedy_threshold_selection
+    assert "Greedy decoding uses a second map" in (tmp_path / "bundle" / "README.md").read_text()
+    assert bundle.provenance["greedy_calibration"]["prompts"] == len(held)
+
+
+def test_greedy_path_must_hold_greedy_labels(tiny: TinySetup, tmp_path) -> None:
+    config = train_config(tiny, tmp_path, stages=False, data={"greedy_path": str(tiny.labels)})
+    with pytest.raises(ValueError, match=r"labels made at temperature 1\.0; greedy calibration needs data_gen"):
+        fit(config, tmp_path)

@@ -22,7 +22,7 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
 from ..bundle import SpecDecPP
-from ..calibration import CALIBRATION_METHODS, apply_calibration, choose_calibration, fit_calibration
+from ..calibration import CALIBRATION_METHODS, Calibration, apply_calibration, choose_calibration, fit_calibration
 from ..cost_model import CostModel, measure_costs
 from ..metrics import expected_calibration_error, reliability_bins
 from ..plots import reliability_plot
@@ -133,12 +133,26 @@ class CalibrateHead(EndOfFitStage):
 
     def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport, folder: Path) -> None:
         dm = _datamodule(trainer)
-        logits, labels, rows = pl_module.predict_loader(dm.val_dataloader())
+        panels = {}
+        report.calibration_choice, panels["validation"] = self._calibrate(trainer, pl_module, dm.val_dataloader(), "")
+        report.calibration = report.calibration_choice.calibration
+        greedy = dm.greedy_dataloader()
+        if greedy is not None:
+            report.greedy_calibration_choice, panels["greedy labels"] = self._calibrate(
+                trainer, pl_module, greedy, "greedy "
+            )
+            report.greedy_calibration = report.greedy_calibration_choice.calibration
+        path = reliability_plot(panels, folder / "reliability.png", "Acceptance head reliability")
+        report.artifacts["reliability"] = str(path)
+
+    def _calibrate(self, trainer: Trainer, pl_module: LightningModule, loader, prefix: str):
+        """The calibration choice on one loader's labels and its reliability curves (in-sample maps, for the
+        picture; the legend's ECE is in-sample too)."""
+        logits, labels, rows = pl_module.predict_loader(loader)
         choice = choose_calibration(logits, labels, rows, self.methods, self.folds, self.seed, self.n_bins)
-        report.calibration, report.calibration_choice = choice.calibration, choice
         raw = torch.sigmoid(logits.double())
         predictions = {"raw": raw}
-        for method in self.methods:  # in-sample maps, for the picture; the legend's ECE is in-sample too
+        for method in self.methods:
             predictions[method] = apply_calibration(fit_calibration(method, logits, labels), raw)
         curves = {
             f"{name} (ECE {expected_calibration_error(probs, labels, self.n_bins):.3f})": reliability_bins(
@@ -146,13 +160,12 @@ class CalibrateHead(EndOfFitStage):
             )
             for name, probs in predictions.items()
         }
-        path = reliability_plot({"validation": curves}, folder / "reliability.png", "Acceptance head reliability")
-        report.artifacts["reliability"] = str(path)
-        metrics = {f"calibration/{name}_{k}": v for name, s in choice.scores.items() for k, v in s.items()}
-        _log(trainer, metrics)
-        lines = [f"calibration ({choice.evaluation}, {len(labels)} positions): kept {choice.chosen}"]
+        key = f"calibration/{prefix.strip()}_" if prefix else "calibration/"
+        _log(trainer, {f"{key}{name}_{k}": v for name, s in choice.scores.items() for k, v in s.items()})
+        lines = [f"{prefix}calibration ({choice.evaluation}, {len(labels)} positions): kept {choice.chosen}"]
         lines += [f"  {name:12s} ECE {s['ece']:.4f}  Brier {s['brier']:.4f}" for name, s in choice.scores.items()]
         print("\n".join(lines), flush=True)
+        return choice, curves
 
 
 class MeasureCosts(EndOfFitStage):
@@ -298,6 +311,7 @@ class ThresholdSweep(EndOfFitStage):
         prompts: list[tuple[str, list[int]]],
         desc: str,
         sampling: SamplingConfig | None = None,
+        calibration: Calibration | None = None,
         **grid: Any,
     ):
         target = dm.target()
@@ -313,7 +327,7 @@ class ThresholdSweep(EndOfFitStage):
             cost_model=report.cost_model,
             min_candidates=self.min_candidates,
             max_candidates=self.max_candidates,
-            calibration=report.calibration,
+            calibration=report.calibration if calibration is None else calibration,
             seed=self.seed,
             progress=self.progress,
             desc=desc,
@@ -394,6 +408,7 @@ class ThresholdSweep(EndOfFitStage):
             prompts,
             "greedy threshold sweep",
             sampling=SamplingConfig(0.0),
+            calibration=report.greedy_calibration,
             thresholds=self.thresholds,
             fixed_k=[],
             unscored=self.unscored,
@@ -403,6 +418,7 @@ class ThresholdSweep(EndOfFitStage):
         report.greedy_threshold, report.greedy_unscored = float(best.param), best.variant
         report.greedy_threshold_selection = (
             f"lowest {by} latency per token over the same grid and prompts, decoding greedily"
+            + (" with the greedy calibration" if report.greedy_calibration is not None else "")
         )
         baseline = result.family("autoregressive")[0] if result.family("autoregressive") else None
         print(format_table(result.rows, baseline, title=f"greedy threshold sweep ({len(prompts)} validation prompts)"))
@@ -511,6 +527,7 @@ class ExportBundle(EndOfFitStage):
             max_candidates=report.max_candidates if report.max_candidates is not None else self.max_candidates,
             temperature=dm.sampling.temperature,
             calibration=report.calibration,
+            greedy_calibration=report.greedy_calibration,
             cost_model=report.cost_model.to_dict() if report.cost_model is not None else None,
             provenance=provenance,
             target_spec=dm.target_spec,
@@ -553,6 +570,15 @@ class ExportBundle(EndOfFitStage):
                 "chosen": report.calibration_choice.chosen,
                 "scores": report.calibration_choice.scores,
                 "evaluation": report.calibration_choice.evaluation,
+            },
+            "greedy_calibration": None
+            if report.greedy_calibration_choice is None
+            else {
+                "chosen": report.greedy_calibration_choice.chosen,
+                "scores": report.greedy_calibration_choice.scores,
+                "evaluation": report.greedy_calibration_choice.evaluation,
+                "dataset": dm.greedy_path,
+                "prompts": len(dm.split.get("greedy", [])),
             },
             "cost_model_source": report.cost_model_source,
             "sampling": dm.sampling.to_dict(),

@@ -387,6 +387,8 @@ class AcceptanceDataModule(LightningDataModule):
         max_length: int | None = None,
         num_workers: int = 0,
         test_path: str | None = None,
+        greedy_path: str | None = None,
+        greedy_data_gen: str | dict[str, Any] | None = None,
     ) -> None:
         """
         Args:
@@ -412,6 +414,11 @@ class AcceptanceDataModule(LightningDataModule):
                 prompts that alone reach it are dropped. None keeps everything. Unused for rollout datasets.
             num_workers: DataLoader worker processes.
             test_path: Another label dataset (same draft) for ``python -m train test``; default: the validation split.
+            greedy_path: A label dataset of the same draft decoded greedily (data_gen ``temperature: 0``): greedy
+                verification accepts by another rule than the sampling labels the head trains on, so calibration
+                fits a second map on these labels for greedy decoding (prompts the head trains on are left out).
+            greedy_data_gen: Run data_gen into ``greedy_path`` in ``prepare_data`` when it does not exist yet (as
+                ``data_gen``); its temperature must be 0.
         """
         super().__init__()
         check_ratio(mix_ratio)
@@ -437,6 +444,10 @@ class AcceptanceDataModule(LightningDataModule):
         self.batch_size, self.bucket_pool, self.max_length = batch_size, bucket_pool, max_length
         self.num_workers = num_workers
         self.test_path = str(Path(test_path).expanduser()) if test_path else None
+        if greedy_data_gen is not None and greedy_path is None:
+            raise ValueError("data.greedy_data_gen needs data.greedy_path: the folder to write the greedy labels to.")
+        self.greedy_path = str(Path(greedy_path).expanduser()) if greedy_path else None
+        self.greedy_data_gen = greedy_data_gen
         self.hidden_size = draft_hidden_size(self.draft)
         """The draft's hidden size: the head's width (linked to ``model.hidden_size`` by the CLI)."""
         self.meta: dict = {}
@@ -447,6 +458,8 @@ class AcceptanceDataModule(LightningDataModule):
         self.train_set: MixedTokenDataset | StoredHiddenDataset | None = None
         self.val_set: MixedTokenDataset | StoredHiddenDataset | None = None
         self.test_set: MixedTokenDataset | StoredHiddenDataset | None = None
+        self.greedy_set: MixedTokenDataset | StoredHiddenDataset | None = None
+        """The greedy labels of prompts the head does not train on (``greedy_path``), for the greedy calibration."""
         self._target: torch.nn.Module | None = None
         self._tokenizer: Any = None
         self.save_hyperparameters()
@@ -457,6 +470,8 @@ class AcceptanceDataModule(LightningDataModule):
         """Run data_gen (rank 0 only) when the dataset is absent and ``data_gen`` is configured."""
         if self.data_gen is not None and not (Path(self.path) / "meta.json").is_file():
             run_data_gen(self.data_gen, self.path, self.draft)
+        if self.greedy_data_gen is not None and not (Path(self.greedy_path) / "meta.json").is_file():
+            run_data_gen(self.greedy_data_gen, self.greedy_path, self.draft)
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:
@@ -487,7 +502,27 @@ class AcceptanceDataModule(LightningDataModule):
             self.test_set = self._examples(test_rows)
         else:
             self.test_set = self.val_set
+        if self.greedy_path is not None:
+            self.greedy_set = self._greedy_examples(set(self.split["train"]))
         self._record_split()
+
+    def _greedy_examples(self, train_ids: set[str]) -> MixedTokenDataset | StoredHiddenDataset:
+        """The greedy labels (``greedy_path``) of the prompts the head does not train on."""
+        rows, meta = self._load(self.greedy_path)
+        transform = meta.get("label_transform") or meta.get("sampling") or {}
+        if transform.get("temperature") != 0:
+            raise ValueError(
+                f"data.greedy_path={self.greedy_path!r} holds labels made at temperature "
+                f"{transform.get('temperature')!r}; greedy calibration needs data_gen --temperature 0 labels."
+            )
+        held = [row for row in rows if row.prompt_id not in train_ids]
+        if not held:
+            raise ValueError(
+                f"Every prompt of data.greedy_path={self.greedy_path!r} is a training prompt of the head; label "
+                "other prompts greedily (e.g. the same sources with an offset past the training ones)."
+            )
+        self.split["greedy"] = [row.prompt_id for row in held]
+        return self._examples(held)
 
     def _examples(self, rows: Sequence[LabelRow | HiddenRow]) -> MixedTokenDataset | StoredHiddenDataset:
         """The torch dataset of ``rows``: stored hidden states, or token mixing."""
@@ -631,6 +666,10 @@ class AcceptanceDataModule(LightningDataModule):
 
     def test_dataloader(self) -> DataLoader:
         return self._loader(self.test_set, train=False)
+
+    def greedy_dataloader(self) -> DataLoader | None:
+        """The greedy calibration labels (``greedy_path``), or None without them."""
+        return None if self.greedy_set is None else self._loader(self.greedy_set, train=False)
 
     # -- what the end-of-fit stages need
 

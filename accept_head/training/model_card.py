@@ -137,6 +137,19 @@ def model_card(
             "|---|---:|---:|",
         ]
         lines += [f"| {n} | {_fmt(s['ece'])} | {_fmt(s['brier'])} |" for n, s in choice.scores.items()]
+        greedy = report.greedy_calibration_choice
+        if greedy is not None:
+            prompts = len(datamodule.split.get("greedy", []))
+            lines += [
+                "",
+                f"Greedy decoding uses a second map, fitted on greedy labels of {prompts} "
+                f"prompts the head did not train on (`{datamodule.greedy_path}`): kept **{greedy.chosen}** "
+                f"(scores {greedy.evaluation}).",
+                "",
+                "| map (greedy labels) | ECE | Brier |",
+                "|---|---:|---:|",
+            ]
+            lines += [f"| {n} | {_fmt(s['ece'])} | {_fmt(s['brier'])} |" for n, s in greedy.scores.items()]
         if "reliability" in report.artifacts:
             lines += ["", "![reliability diagram](reliability.png)"]
     cost = report.cost_model

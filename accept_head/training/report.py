@@ -16,6 +16,9 @@ class FitReport:
     calibration: Calibration | None = None
     """The kept calibration map (None: raw probabilities were best, or calibration was off)."""
     calibration_choice: CalibrationChoice | None = None
+    greedy_calibration: Calibration | None = None
+    """The map kept on greedy labels (``data.greedy_path``) for greedy decoding; None: the one map serves both."""
+    greedy_calibration_choice: CalibrationChoice | None = None
     cost_model: CostModel | None = None
     cost_model_source: str | None = None
     """``measured on <device>`` or ``config``."""
