@@ -3,7 +3,8 @@
 A :class:`ModelSpec` names one model. ``load_model`` / ``load_tokenizer`` turn it into Hugging Face objects and
 :func:`check_same_tokenizer` refuses a pair whose tokenizers disagree (speculative decoding compares token ids).
 :func:`load_pair` loads a ``SpecDecPP`` bundle's pair or a bare one into a :class:`Pair`, what
-:class:`accept_head.engine.Runner` decodes with.
+:class:`accept_head.engine.Runner` decodes with; :class:`PairOptions` holds its arguments (the ``python -m eval``
+commands share it).
 
 GGUF files are dequantized once and cached as safetensors, keyed by the file's sha256 and the dtype, under
 ``$ACCEPT_HEAD_CACHE`` (default ``~/.cache/accept_head``); later loads take well under a second instead of 13-37 s.
@@ -435,3 +436,29 @@ def load_pair(
         target_spec=specs["target"],
         draft_spec=specs["draft"],
     )
+
+
+@dataclass
+class PairOptions:
+    """The pair to load (a SpecDecPP bundle, or a target and a draft)."""
+
+    bundle: str | None = None
+    """SpecDecPP bundle folder (its pair, head and h*); or give target and draft."""
+    target: ModelSpec | None = None
+    """Target model spec (overrides the bundle's)."""
+    draft: ModelSpec | None = None
+    """Draft model spec (overrides the bundle's)."""
+    device: str | None = None
+    """Device for both models (overrides the specs), e.g. cpu or cuda:0."""
+    dtype: str | None = None
+    """float32, bfloat16 or float16 (overrides the specs)."""
+
+    def load(self) -> Pair:
+        """The loaded pair (:func:`load_pair`)."""
+        return load_pair(self.bundle, self.target, self.draft, self.device, self.dtype)
+
+    def require_bundle(self, command: str) -> str:
+        """The bundle path; a ValueError naming ``--bundle`` when ``command`` was given none."""
+        if self.bundle is None:
+            raise ValueError(f"{command} needs --bundle PATH, a SpecDecPP bundle folder (its head and h*).")
+        return self.bundle

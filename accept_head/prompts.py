@@ -2,7 +2,8 @@
 
 Every prompt gets a stable id ``<source>:<row>`` so that splits, resumption and deduplication are exact, and a
 deterministic hash split (:func:`split_of`) keeps the prompts used to distill a draft, to train a head and to
-evaluate disjoint without storing lists of ids.
+evaluate disjoint without storing lists of ids. :class:`PromptOptions` (how prompts are encoded) encodes sources
+into a :class:`PromptSet`; every ``python -m eval`` command that decodes prompts takes one.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import hashlib
 import importlib.util
 import json
 import random
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 SPLITS = {"distill": (0.0, 0.6), "head": (0.6, 0.9), "eval": (0.9, 1.0)}
 """Default hash split of a prompt pool: 60% draft distillation, 30% head training (with its validation), 10% eval."""
@@ -205,3 +208,103 @@ def chat_prompt_ids(tokenizer, text: str, mode: str = "chat", system_prompt: str
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
     return tokenizer.encode(text)
+
+
+# ---- encoded prompt sets -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class PromptSet:
+    """A named, encoded prompt set and what was dropped while building it."""
+
+    name: str
+    prompts: list[EncodedPrompt]
+    sources: list[dict] = field(default_factory=list)
+    skipped_too_long: int = 0
+    per_source: dict[str, int] = field(default_factory=dict)
+
+    def describe(self) -> dict:
+        return {
+            "name": self.name,
+            "prompts": len(self.prompts),
+            "per_source": self.per_source,
+            "skipped_too_long": self.skipped_too_long,
+            "sources": self.sources,
+            "ids": [p.id for p in self.prompts],
+        }
+
+
+@dataclass
+class PromptOptions:
+    """How prompts are encoded."""
+
+    prompt_mode: str = "chat"
+    """``chat`` (apply the chat template) or ``raw``."""
+    system_prompt: str | None = None
+    """Optional system message for chat prompts."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this many tokens are skipped (and counted)."""
+    split_seed: int | None = None
+    """Seed of the prompt-id hash splits (data_gen's split_seed); default: the one recorded with the bundle's data
+    where the command reads it (report), else 0."""
+
+    def __post_init__(self) -> None:
+        if self.prompt_mode not in ("chat", "raw"):
+            raise ValueError(f"prompt_mode={self.prompt_mode!r} must be 'chat' or 'raw'.")
+
+    def encode(
+        self, name: str, sources: Sequence[PromptSource | dict], tokenizer, seed: int = 0, limit: int | None = None
+    ) -> PromptSet:
+        """Read ``sources`` (seeded shuffle, per-source limits, hash splits) and encode them.
+
+        Prompts longer than ``max_prompt_tokens`` tokens are skipped and counted. ``limit`` caps the whole set, taking
+        prompts round-robin across sources so every source is represented. ``split_seed`` must be the one the hash
+        splits were made with (data_gen's ``split_seed``) for ``split: eval`` to be the held-out slice.
+        """
+        if not sources:
+            raise ValueError(f"The prompt set {name!r} has no sources; give at least one {{path: ..., field: ...}}.")
+        sources = [PromptSource(**s) if isinstance(s, dict) else s for s in sources]
+        loaded = load_prompts(sources, seed=seed, split_seed=self.split_seed or 0)
+        ordered = round_robin(loaded) if limit is not None else loaded
+        prompts, skipped = [], 0
+        for prompt in ordered:  # encode lazily: a small limit on a large pool encodes only what it keeps
+            if limit is not None and len(prompts) >= limit:
+                break
+            ids = chat_prompt_ids(tokenizer, prompt.text, self.prompt_mode, self.system_prompt)
+            if len(ids) > self.max_prompt_tokens:
+                skipped += 1
+                continue
+            prompts.append(EncodedPrompt(prompt.id, prompt.source, list(ids)))
+        if not prompts:
+            raise ValueError(
+                f"The prompt set {name!r} is empty after filtering ({skipped} longer than max_prompt_tokens="
+                f"{self.max_prompt_tokens}); raise the limits or max_prompt_tokens."
+            )
+        per_source: dict[str, int] = {}
+        for prompt in prompts:
+            per_source[prompt.source] = per_source.get(prompt.source, 0) + 1
+        return PromptSet(name, prompts, [s.to_dict() for s in sources], skipped, per_source)
+
+
+def round_robin(prompts: Sequence[Any], limit: int | None = None) -> list[Any]:
+    """Prompts (anything with a ``.source``) taken in turn from each source, sources in order of first appearance,
+    optionally only the first ``limit``."""
+    if limit is not None and limit < 1:
+        raise ValueError(f"limit={limit} must be >= 1.")
+    groups: dict[str, list[Any]] = {}
+    for prompt in prompts:
+        groups.setdefault(prompt.source, []).append(prompt)
+    out: list[Any] = []
+    for rank in range(max((len(g) for g in groups.values()), default=0)):
+        out += [g[rank] for g in groups.values() if rank < len(g)]
+    return out if limit is None else out[:limit]
+
+
+def check_disjoint(a: PromptSet, b: PromptSet) -> None:
+    """Raise ValueError if two prompt sets share a prompt (validation must never see test prompts)."""
+    shared = {tuple(p.ids) for p in a.prompts} & {tuple(p.ids) for p in b.prompts}
+    if shared:
+        raise ValueError(
+            f"The prompt sets {a.name!r} and {b.name!r} share {len(shared)} prompt(s); use different hash splits "
+            "(e.g. split: head for validation and split: eval for testing) or different files."
+        )

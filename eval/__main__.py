@@ -10,16 +10,25 @@ Examples::
     python -m eval sweep --bundle B --prompts '[{path: humaneval, limit: 8}]' --temperatures '[0]'
     python -m eval calibration --bundle B --prompts '[{path: humaneval, limit: 8}]'
     python -m eval bench --help
+
+The options several commands share, :class:`~accept_head.pairs.PairOptions` (``pair``) and
+:class:`~accept_head.prompts.PromptOptions` (``prompt_options``), are flat flags and top-level YAML keys
+(``--bundle``, ``--target.path``, ``--prompt_mode``, ``--split_seed``), like the command's own parameters.
 """
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
+
+SKIPPED = {"free_stop": {"draft"}}
+"""Shared options a command has no use for, left out of its flags: free_stop decodes the target alone."""
 
 
 def commands() -> dict:
-    """Subcommand name → function (imported lazily, so ``--help`` of one does not load the others' dependencies)."""
+    """Subcommand name → function (imported when the command line is parsed, not when this module is)."""
     from .ablate import ablate
     from .bench import bench
     from .calibration import calibration
@@ -39,20 +48,57 @@ def commands() -> dict:
     }
 
 
+def option_groups() -> dict[str, type]:
+    """Parameter name → the dataclass of shared options it takes, whose fields are the command's flags."""
+    from accept_head.pairs import PairOptions
+    from accept_head.prompts import PromptOptions
+
+    return {"pair": PairOptions, "prompt_options": PromptOptions}
+
+
+def summary(function) -> str:
+    """The first paragraph of ``function``'s docstring, on one line."""
+    return " ".join((inspect.getdoc(function) or "").split("\n\n")[0].split())
+
+
+def build_parser(prog: str = "python -m eval"):
+    """One sub-parser per command: its shared option groups, then its own parameters, every flag at the top level."""
+    from jsonargparse import ArgumentParser
+
+    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--config", action="config")
+    subcommands = parser.add_subcommands(required=True)
+    groups = option_groups()
+    for name, function in commands().items():
+        parameters = inspect.signature(function).parameters
+        sub = ArgumentParser(description=summary(function))
+        sub.add_argument("--config", action="config", help="A YAML file of this command's flags (top-level keys).")
+        for key, options in groups.items():
+            if key in parameters:
+                sub.add_class_arguments(options, nested_key=None, skip=SKIPPED.get(name), sub_configs=True)
+        sub.add_function_arguments(function, nested_key=None, as_group=False, skip=set(groups), sub_configs=True)
+        subcommands.add_subcommand(name, sub, help=summary(function).split(". ")[0].removesuffix(".") + ".")
+    return parser
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m eval"):
     """Parse the subcommand and its flags (``--config`` YAML files allowed) and run it; user errors exit with a
-    one-line message."""
-    from jsonargparse import CLI, set_parsing_settings
+    one-line message. Returns what the command returns."""
+    from jsonargparse import set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
+    parser = build_parser(prog)
     try:
-        return CLI(
-            commands(),
-            args=list(argv) if argv is not None else None,
-            as_positional=False,
-            prog=prog,
-            description=__doc__.split("\n\n")[0] if __doc__ else None,
-        )
+        parsed = parser.parse_args(list(argv) if argv is not None else None)
+        name = parsed.subcommand
+        kwargs = dict(vars(parser.instantiate(parsed)[name]))
+        kwargs.pop("config", None)
+        function = commands()[name]
+        parameters = inspect.signature(function).parameters
+        for key, options in option_groups().items():
+            if key in parameters:
+                kwargs[key] = options(**{f.name: kwargs.pop(f.name) for f in fields(options) if f.name in kwargs})
+        return function(**kwargs)
     except (ValueError, FileNotFoundError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)
         raise SystemExit(2) from err

@@ -33,13 +33,10 @@ from accept_head.engine import (
     throughput,
     tree_params,
 )
-from accept_head.pairs import ModelSpec, Pair, load_pair
-from accept_head.prompts import PromptSource
+from accept_head.pairs import ModelSpec, Pair, PairOptions
+from accept_head.prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
 
 from .common import (
-    PromptSet,
-    check_disjoint,
-    encode_prompts,
     fmt,
     machine_info,
     output_folder,
@@ -176,11 +173,10 @@ BENCH_HEADER = [
 
 
 def bench(
-    bundle: str,
     prompts: list[PromptSource],
     validation_prompts: list[PromptSource],
-    target: ModelSpec | None = None,
-    draft: ModelSpec | None = None,
+    pair: PairOptions | None = None,
+    prompt_options: PromptOptions | None = None,
     max_new_tokens: int = 128,
     temperatures: list[float] | None = None,
     repeats: int = 3,
@@ -200,13 +196,7 @@ def bench(
     oracle: bool = True,
     select_by: str = "modeled",
     cost_model: str = "bundle",
-    prompt_mode: str = "chat",
-    system_prompt: str | None = None,
-    max_prompt_tokens: int = 512,
     seed: int = 0,
-    split_seed: int = 0,
-    device: str | None = None,
-    dtype: str | None = None,
     output_dir: str = "eval_out/bench",
     progress: bool = True,
 ) -> dict:
@@ -217,14 +207,13 @@ def bench(
     τ = 0.4; EntropyStop (AdaEDL) at the λ best on validation; HF transformers' own assisted generation
     (``hf_settings``); the learning-free tree decoders N-Grammys, Lookahead and Ouroboros, each at the setting of its
     grid best on validation; and the greedy hindsight Oracle. Writes bench.json and bench.png and prints one table
-    per temperature.
+    per temperature. Needs a bundle (``--bundle``: the pair, the head and h*).
 
     Args:
-        bundle: SpecDecPP bundle folder (the pair, the head and h*).
         prompts: Test prompt sources (e.g. the ``eval`` hash split of the head's sources, or humaneval).
         validation_prompts: Prompt sources for choosing K, λ and τ; must not overlap the test prompts.
-        target: Target model spec (overrides the bundle's).
-        draft: Draft model spec (overrides the bundle's).
+        pair: The pair (its bundle is required).
+        prompt_options: How prompts are encoded.
         max_new_tokens: Tokens generated per prompt (at most), the same for every method.
         temperatures: Sampling temperatures; 0 is greedy (the oracle runs only there). Default [0, 1].
         repeats: Timed passes over the test prompts (tokens/s is reported as min / median / max over them).
@@ -257,16 +246,12 @@ def bench(
             :func:`~accept_head.engine.aggregate`); Ouroboros with a comparison draft, which the cost model does
             not price, is chosen by measured tokens/s, like FixedK with a comparison draft.
         cost_model: ``bundle``, ``measure`` or a costs.json from ``python -m eval costs``.
-        prompt_mode: ``chat`` (apply the chat template) or ``raw``.
-        system_prompt: Optional system message for chat prompts.
-        max_prompt_tokens: Prompts longer than this are skipped.
         seed: Seed of the prompt shuffle and of every decoding generator.
-        split_seed: Seed of the prompt-id hash splits (data_gen's split_seed; 0 by default).
-        device: Device for both models (overrides the specs).
-        dtype: float32, bfloat16 or float16 (overrides the specs).
         output_dir: Folder for bench.json and bench.png.
         progress: Show progress bars.
     """
+    pair_options, prompt_options = pair or PairOptions(), prompt_options or PromptOptions()
+    pair_options.require_bundle("bench")
     temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
     fixed_k = [1, 2, 3, 4, 6, 8, 10, 12] if fixed_k is None else [int(k) for k in fixed_k]
     entropy_thresholds = (
@@ -287,22 +272,14 @@ def bench(
         raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup}).")
     grids = tree_settings({"ngrammys": ngrammys, "lookahead": lookahead, "ouroboros": ouroboros})  # before loading
     folder = output_folder(output_dir)
-    pair = load_pair(bundle, target, draft, device, dtype)
+    pair = pair_options.load()
     if comparison_draft is not None:
         add_comparison_drafts(pair, ModelSpec.coerce(comparison_draft))
     trees, trees_skipped = tree_specs(pair, grids)
     for skipped in trees_skipped:
         print(f"skipping {skipped['kind']}: {skipped['reason']}")
-    encode = dict(
-        tokenizer=pair.tokenizer,
-        prompt_mode=prompt_mode,
-        system_prompt=system_prompt,
-        max_prompt_tokens=max_prompt_tokens,
-        seed=seed,
-        split_seed=split_seed,
-    )
-    test_set = encode_prompts("test", prompts, **encode)
-    val_set = encode_prompts("validation", validation_prompts, **encode)
+    test_set = prompt_options.encode("test", prompts, pair.tokenizer, seed)
+    val_set = prompt_options.encode("validation", validation_prompts, pair.tokenizer, seed)
     check_disjoint(test_set, val_set)
     model, model_source = resolve_cost_model(cost_model, pair, seed)
     dataset_tau = None
@@ -417,7 +394,7 @@ def bench(
             "entropy_gamma": entropy_gamma,
             "hf_settings": [s.__dict__ for s in settings],
             "tree_decoders": grids,
-            "prompt_mode": prompt_mode,
+            "prompt_mode": prompt_options.prompt_mode,
         },
         "cost_model": {"source": model_source, **model.to_dict()},
         "results": results,

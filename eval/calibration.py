@@ -28,21 +28,14 @@ from accept_head.metrics import (
     reliability_bins,
     soft_auc,
 )
-from accept_head.pairs import ModelSpec, Pair, load_pair
+from accept_head.pairs import Pair, PairOptions
 from accept_head.plots import reliability_plot
 from accept_head.policies import HeadThreshold, RoundState
-from accept_head.prompts import PromptSource
+from accept_head.prompts import PromptOptions, PromptSet, PromptSource
 from accept_head.seeds import seeded_generator
 from accept_head.tables import text_table
 
-from .common import (
-    PromptSet,
-    encode_prompts,
-    fmt,
-    machine_info,
-    output_folder,
-    write_json,
-)
+from .common import fmt, machine_info, output_folder, write_json
 
 N_BINS = 15
 
@@ -301,68 +294,44 @@ def reliability_panels(views: dict) -> dict:
 
 
 def calibration(
-    bundle: str,
     dataset: str | None = None,
     prompts: list[PromptSource] | None = None,
-    target: ModelSpec | None = None,
-    draft: ModelSpec | None = None,
+    pair: PairOptions | None = None,
+    prompt_options: PromptOptions | None = None,
     temperature: float | None = None,
     threshold: float | None = None,
     max_new_tokens: int = 128,
     mix_ratio: float = 0.15,
     max_rows: int | None = 200,
-    prompt_mode: str = "chat",
-    system_prompt: str | None = None,
-    max_prompt_tokens: int = 512,
     seed: int = 0,
-    split_seed: int = 0,
-    device: str | None = None,
-    dtype: str | None = None,
     output_dir: str = "eval_out/calibration",
 ) -> dict:
     """Reliability diagram, ECE, Brier score and AUC of a bundle's head — raw and calibrated — offline on a data_gen
     dataset and on-policy on the states SpecDec++ visits while decoding prompts (predicted vs realised acceptance,
-    also per candidate index). Writes calibration.json and reliability.png and prints the table.
+    also per candidate index). Writes calibration.json and reliability.png and prints the table. Needs a bundle
+    (``--bundle``: the head, its calibration map and h*).
 
     Args:
-        bundle: SpecDecPP bundle folder (the head, its calibration map and h*).
         dataset: A data_gen dataset for the offline view (held out from the head's training, e.g. its eval split).
         prompts: Prompt sources for the on-policy view.
-        target: Target model spec (overrides the bundle's).
-        draft: Draft model spec (overrides the bundle's).
+        pair: The pair (its bundle is required).
+        prompt_options: How prompts are encoded.
         temperature: Decoding temperature of the on-policy view (default: the one the head was trained for).
         threshold: h of the on-policy decoder (default: the bundle's h*).
         max_new_tokens: Tokens generated per prompt in the on-policy view.
         mix_ratio: Token-mixing ratio r of the offline view (the official code trains with 0.15).
         max_rows: Dataset rows used by the offline view (null: all).
-        prompt_mode: ``chat`` (apply the chat template) or ``raw``.
-        system_prompt: Optional system message for chat prompts.
-        max_prompt_tokens: Prompts longer than this are skipped.
         seed: Seed of the mixing, the prompt shuffle and the decoding generators.
-        split_seed: Seed of the prompt-id hash splits (data_gen's split_seed; 0 by default).
-        device: Device for both models (overrides the specs).
-        dtype: float32, bfloat16 or float16 (overrides the specs).
         output_dir: Folder for calibration.json and reliability.png.
     """
+    pair_options, prompt_options = pair or PairOptions(), prompt_options or PromptOptions()
+    pair_options.require_bundle("calibration")
     if dataset is None and not prompts:
         raise ValueError("Nothing to evaluate: give --dataset (offline view) and/or --prompts (on-policy view).")
     folder = output_folder(output_dir)
-    pair = load_pair(bundle, target, draft, device, dtype)
+    pair = pair_options.load()
     temperature = pair.bundle.temperature if temperature is None else float(temperature)
-    prompt_set = (
-        encode_prompts(
-            "on-policy",
-            prompts,
-            pair.tokenizer,
-            prompt_mode,
-            system_prompt,
-            max_prompt_tokens,
-            seed,
-            split_seed=split_seed,
-        )
-        if prompts
-        else None
-    )
+    prompt_set = prompt_options.encode("on-policy", prompts, pair.tokenizer, seed) if prompts else None
     views = calibration_views(
         pair, dataset, prompt_set, temperature, max_new_tokens, threshold, mix_ratio, max_rows, seed
     )

@@ -1,5 +1,6 @@
-"""What every ``python -m eval`` command shares: encoding prompt sets, the cost model, and output. The pair itself
-is loaded by :func:`accept_head.pairs.load_pair` and decoded by :mod:`accept_head.engine`.
+"""What every ``python -m eval`` command shares: the cost model and output. The pair and the prompts come from the
+options the commands share, :class:`accept_head.pairs.PairOptions` and :class:`accept_head.prompts.PromptOptions`,
+and are decoded by :mod:`accept_head.engine`.
 
 Nothing here runs at import time.
 """
@@ -12,8 +13,6 @@ import math
 import os
 import platform
 import sys
-from collections.abc import Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,98 +20,8 @@ import torch
 
 from accept_head.cost_model import CostModel, measure_costs
 from accept_head.pairs import Pair
-from accept_head.prompts import EncodedPrompt, PromptSource, PromptStats, chat_prompt_ids, load_prompts
 from accept_head.tables import markdown_table as markdown_table  # eval.report and eval.bench import these here
 from accept_head.tables import text_table as text_table
-
-
-@dataclass
-class PromptSet:
-    """A named, encoded prompt set and what was dropped while building it."""
-
-    name: str
-    prompts: list[EncodedPrompt]
-    sources: list[dict] = field(default_factory=list)
-    skipped_too_long: int = 0
-    per_source: dict[str, int] = field(default_factory=dict)
-
-    def describe(self) -> dict:
-        return {
-            "name": self.name,
-            "prompts": len(self.prompts),
-            "per_source": self.per_source,
-            "skipped_too_long": self.skipped_too_long,
-            "sources": self.sources,
-            "ids": [p.id for p in self.prompts],
-        }
-
-
-def encode_prompts(
-    name: str,
-    sources: Sequence[PromptSource],
-    tokenizer,
-    prompt_mode: str = "chat",
-    system_prompt: str | None = None,
-    max_prompt_tokens: int = 512,
-    seed: int = 0,
-    limit: int | None = None,
-    split_seed: int = 0,
-) -> PromptSet:
-    """Read ``sources`` (seeded shuffle, per-source limits, hash splits) and encode them with the chat template.
-
-    Prompts longer than ``max_prompt_tokens`` tokens are skipped and counted. ``limit`` caps the whole set, taking
-    prompts round-robin across sources so every source is represented. ``split_seed`` must be the one the hash splits
-    were made with (data_gen's ``split_seed``) for ``split: eval`` to be the held-out slice.
-    """
-    if not sources:
-        raise ValueError(f"The prompt set {name!r} has no sources; give at least one {{path: ..., field: ...}}.")
-    sources = [PromptSource(**s) if isinstance(s, dict) else s for s in sources]
-    stats = PromptStats()
-    loaded = load_prompts(list(sources), seed=seed, split_seed=split_seed, stats=stats)
-    ordered = round_robin(loaded) if limit is not None else loaded
-    prompts, skipped = [], 0
-    for prompt in ordered:  # encode lazily: a small limit on a large pool encodes only what it keeps
-        if limit is not None and len(prompts) >= limit:
-            break
-        ids = chat_prompt_ids(tokenizer, prompt.text, prompt_mode, system_prompt)
-        if len(ids) > max_prompt_tokens:
-            skipped += 1
-            continue
-        prompts.append(EncodedPrompt(prompt.id, prompt.source, list(ids)))
-    per_source: dict[str, int] = {}
-    for prompt in prompts:
-        per_source[prompt.source] = per_source.get(prompt.source, 0) + 1
-    if not prompts:
-        raise ValueError(
-            f"The prompt set {name!r} is empty after filtering ({skipped} longer than max_prompt_tokens="
-            f"{max_prompt_tokens}); raise the limits or max_prompt_tokens."
-        )
-    return PromptSet(name, prompts, [s.to_dict() for s in sources], skipped, per_source)
-
-
-def round_robin(prompts: Sequence[Any], limit: int | None = None) -> list[Any]:
-    """Prompts (anything with a ``.source``) taken in turn from each source, sources in order of first appearance,
-    optionally only the first ``limit``."""
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit={limit} must be >= 1.")
-    groups: dict[str, list[Any]] = {}
-    for prompt in prompts:
-        groups.setdefault(prompt.source, []).append(prompt)
-    out: list[Any] = []
-    for rank in range(max((len(g) for g in groups.values()), default=0)):
-        out += [g[rank] for g in groups.values() if rank < len(g)]
-    return out if limit is None else out[:limit]
-
-
-def check_disjoint(a: PromptSet, b: PromptSet) -> None:
-    """Raise ValueError if two prompt sets share a prompt (validation must never see test prompts)."""
-    shared = {tuple(p.ids) for p in a.prompts} & {tuple(p.ids) for p in b.prompts}
-    if shared:
-        raise ValueError(
-            f"The prompt sets {a.name!r} and {b.name!r} share {len(shared)} prompt(s); use different hash splits "
-            "(e.g. split: head for validation and split: eval for testing) or different files."
-        )
-
 
 # ---- cost model ----------------------------------------------------------------------------------------------------
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from accept_head.cost_model import CostModel, measure_costs
-from accept_head.pairs import ModelSpec, load_pair
+from accept_head.pairs import PairOptions
 from accept_head.tables import text_table
 
 from .common import fmt, machine_info, output_folder, write_json
@@ -11,16 +11,12 @@ from .plots import costs_plot
 
 
 def costs(
-    bundle: str | None = None,
-    target: ModelSpec | None = None,
-    draft: ModelSpec | None = None,
+    pair: PairOptions | None = None,
     ks: list[int] | None = None,
     context: int = 128,
     repeats: int = 15,
     warmup: int = 3,
     seed: int = 0,
-    device: str | None = None,
-    dtype: str | None = None,
     output_dir: str = "eval_out/costs",
 ) -> dict:
     """Measure the cost model of a pair: one cached draft step (plus the head's scoring when a bundle is given) and
@@ -29,16 +25,12 @@ def costs(
     costs.png, and prints the table.
 
     Args:
-        bundle: SpecDecPP bundle folder (its pair and head); or give target and draft.
-        target: Target model spec (overrides the bundle's).
-        draft: Draft model spec (overrides the bundle's).
+        pair: The pair (a bundle's pair and head, or a target and a draft).
         ks: Candidate counts K to time (default 1..20).
         context: Tokens in the KV cache while timing.
         repeats: Timed runs per measurement (the median is kept, min and max reported).
         warmup: Untimed runs before each measurement.
         seed: Seed of the random token ids used as inputs.
-        device: Device for both models (overrides the specs), e.g. cpu or cuda:0.
-        dtype: float32, bfloat16 or float16 (overrides the specs).
         output_dir: Folder for costs.json and costs.png.
     """
     ks = list(range(1, 21)) if ks is None else [int(k) for k in ks]
@@ -47,7 +39,7 @@ def costs(
     if repeats < 1 or warmup < 0 or context < 1:
         raise ValueError(f"need repeats >= 1, warmup >= 0 and context >= 1 (got {repeats}, {warmup}, {context}).")
     folder = output_folder(output_dir)
-    pair = load_pair(bundle, target, draft, device, dtype)
+    pair = (pair or PairOptions()).load()
     head = pair.bundle.head if pair.bundle is not None else None
     model: CostModel = measure_costs(pair.target, pair.draft, head, ks, context, repeats, warmup, seed)
     payload = {

@@ -33,10 +33,10 @@ from pathlib import Path
 from accept_head.cost_model import TreeCost, measure_tree_costs
 from accept_head.engine import MethodSpec, MethodSummary, Runner, best_of, run_interleaved, summarize, tree_params
 from accept_head.free_stop import AdaptiveRowStop, fit_predictor
-from accept_head.pairs import ModelSpec, Pair, load_model, load_pair, load_tokenizer
-from accept_head.prompts import PromptSource
+from accept_head.pairs import ModelSpec, Pair, PairOptions, load_model, load_pair, load_tokenizer
+from accept_head.prompts import PromptOptions, PromptSource, check_disjoint
 
-from .common import check_disjoint, encode_prompts, fmt, machine_info, output_folder, text_table, write_json
+from .common import fmt, machine_info, output_folder, text_table, write_json
 from .sweep import temperature_key
 
 DECODERS = ("ngrammys", "lookahead")
@@ -129,8 +129,8 @@ def _table_rows(rows: Sequence[dict]) -> list[list[str]]:
 
 
 def free_stop(
-    bundle: str | None = None,
-    target: ModelSpec | None = None,
+    pair: PairOptions | None = None,
+    prompt_options: PromptOptions | None = None,
     prompts: list[PromptSource] | None = None,
     validation_prompts: list[PromptSource] | None = None,
     training_prompts: list[PromptSource] | None = None,
@@ -153,23 +153,18 @@ def free_stop(
     bigram_cache: str | None = None,
     feature_q: int = 2,
     predictor_c: float = 1.0,
-    prompt_mode: str = "chat",
-    system_prompt: str | None = None,
-    max_prompt_tokens: int = 512,
     seed: int = 0,
-    split_seed: int = 0,
-    device: str | None = None,
-    dtype: str | None = None,
     output_dir: str = "eval_out/free_stop",
 ) -> dict:
     """Benchmark the adaptive stop for learning-free decoders (accept_head.free_stop) against the best static
     setting of the same decoder: fit the acceptance predictor on the training prompts, choose the threshold h and
     the static setting on the validation prompts, report on the test prompts. Writes free_stop.json,
-    tree_costs.json and the fitted predictors, and prints one table per temperature.
+    tree_costs.json and the fitted predictors, and prints one table per temperature. Only the pair's target is
+    decoded: ``--target`` or the bundle's (its draft and head are not used).
 
     Args:
-        bundle: SpecDecPP bundle whose target is used (its draft and head are not); or give target.
-        target: Target model spec (overrides the bundle's).
+        pair: The target (``draft`` is not used).
+        prompt_options: How prompts are encoded.
         prompts: Test prompt sources; must share no prompt with the other two sets.
         validation_prompts: Prompt sources for choosing h and the best static setting.
         training_prompts: Prompt sources whose verification passes label the predictor's training data.
@@ -198,13 +193,7 @@ def free_stop(
         bigram_cache: Folder of the cached bigram tables (default ~/.cache/accept_head/bigram).
         feature_q: n-gram length of the predictor's context-agreement features.
         predictor_c: Inverse L2 regularisation of the predictor's logistic regression.
-        prompt_mode: ``chat`` (apply the chat template) or ``raw``.
-        system_prompt: Optional system message for chat prompts.
-        max_prompt_tokens: Prompts longer than this are skipped.
         seed: Seed of the prompt shuffle, the calibration folds and every decoding generator.
-        split_seed: Seed of the prompt-id hash splits (data_gen's split_seed; 0 by default).
-        device: Device for the target (overrides the spec).
-        dtype: float32, bfloat16 or float16 (overrides the spec).
         output_dir: Folder for free_stop.json, tree_costs.json and the predictors.
     """
     decoders = list(DECODERS) if decoders is None else list(decoders)
@@ -252,19 +241,11 @@ def free_stop(
     if not training_prompts:
         raise ValueError("--training_prompts is required: the predictor is fitted on their verification passes.")
     folder = output_folder(output_dir)
-    pair = _load_target(bundle, target, device, dtype)
-    encode = dict(
-        tokenizer=pair.tokenizer,
-        prompt_mode=prompt_mode,
-        system_prompt=system_prompt,
-        max_prompt_tokens=max_prompt_tokens,
-        seed=seed,
-        split_seed=split_seed,
-    )
+    pair_options, prompt_options = pair or PairOptions(), prompt_options or PromptOptions()
+    pair = _load_target(pair_options)
     sets = {
-        "test": encode_prompts("test", prompts, **encode),
-        "validation": encode_prompts("validation", validation_prompts, **encode),
-        "training": encode_prompts("training", training_prompts, **encode),
+        name: prompt_options.encode(name, sources, pair.tokenizer, seed)
+        for name, sources in (("test", prompts), ("validation", validation_prompts), ("training", training_prompts))
     }
     check_disjoint(sets["test"], sets["validation"])
     check_disjoint(sets["test"], sets["training"])
@@ -334,8 +315,8 @@ def free_stop(
     payload = {
         "command": "free_stop",
         "machine": machine_info(),
-        "target": None if target is None else ModelSpec.coerce(target).to_dict(),
-        "bundle": bundle,
+        "target": None if pair_options.target is None else ModelSpec.coerce(pair_options.target).to_dict(),
+        "bundle": pair_options.bundle,
         "prompts": {name: s.describe() for name, s in sets.items()},
         "settings": {
             "max_new_tokens": max_new_tokens,
@@ -363,16 +344,16 @@ def _coerce(cls, value):
     return cls(**value) if isinstance(value, dict) else value
 
 
-def _load_target(bundle: str | None, target: ModelSpec | None, device: str | None, dtype: str | None) -> Pair:
+def _load_target(options: PairOptions) -> Pair:
     """The target and its tokenizer (as a :class:`Pair`; its draft is not used): ``target`` if given, else the
     bundle's pair."""
-    if target is None and bundle is None:
+    if options.target is None and options.bundle is None:
         raise ValueError("Pass --bundle PATH (its target is used) or --target.path.")
-    if target is None:
-        return load_pair(bundle, device=device, dtype=dtype)
-    spec = ModelSpec.coerce(target)
-    spec.device = device or spec.device
-    spec.dtype = dtype or spec.dtype
+    if options.target is None:
+        return load_pair(options.bundle, device=options.device, dtype=options.dtype)
+    spec = ModelSpec.coerce(options.target)
+    spec.device = options.device or spec.device
+    spec.dtype = options.dtype or spec.dtype
     return Pair(load_model(spec), None, load_tokenizer(spec), target_spec=spec)
 
 

@@ -28,21 +28,12 @@ from accept_head.engine import (
     selection_basis,
     throughput,
 )
-from accept_head.pairs import ModelSpec, Pair, load_pair
-from accept_head.prompts import PromptSource
+from accept_head.pairs import ModelSpec, Pair, PairOptions
+from accept_head.prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
 
 from .bench import add_comparison_drafts
 from .calibration import CALIBRATION_HEADER, calibration_rows, calibration_views, reliability_panels
-from .common import (
-    PromptSet,
-    check_disjoint,
-    encode_prompts,
-    machine_info,
-    output_folder,
-    resolve_cost_model,
-    text_table,
-    write_json,
-)
+from .common import machine_info, output_folder, resolve_cost_model, text_table, write_json
 from .plots import costs_plot, pareto_plot, reliability_plot
 from .report_page import TRAINING_FREE, ratio, render_markdown
 from .sweep import run_sweep, sweep_table, temperature_key
@@ -259,7 +250,8 @@ def goal_rows(sets: dict, temperature_keys: Sequence[str], select_by: str, summa
 
 
 def report(
-    bundle: str,
+    pair: PairOptions | None = None,
+    prompt_options: PromptOptions | None = None,
     in_distribution: list[PromptSource] | None = None,
     out_of_distribution: list[PromptSource] | None = None,
     prompts: str | None = None,
@@ -267,8 +259,6 @@ def report(
     limit: int | None = 8,
     validation_prompts: list[PromptSource] | None = None,
     validation_limit: int | None = 4,
-    target: ModelSpec | None = None,
-    draft: ModelSpec | None = None,
     comparison_draft: ModelSpec | None = None,
     policies: list[PolicyGrid] | None = None,
     bigram_cache: str | None = None,
@@ -279,13 +269,7 @@ def report(
     mix_ratio: float = 0.15,
     select_by: str = "modeled",
     cost_model: str = "measure",
-    prompt_mode: str = "chat",
-    system_prompt: str | None = None,
-    max_prompt_tokens: int = 512,
     seed: int = 0,
-    split_seed: int | None = None,
-    device: str | None = None,
-    dtype: str | None = None,
     output: str = "docs/results.md",
     progress: bool = True,
 ) -> dict:
@@ -299,10 +283,11 @@ def report(
     ((policy − best FixedK) / (Oracle − best FixedK), modeled), the goals checked against the measurements, Pareto
     plots (verification vs discard rate) of the validation grid and of each test set, the cost model and the head's
     calibration (offline and on-policy). Writes ``output`` and, in the folder of the same name, its PNGs and
-    results.json.
+    results.json. Needs a bundle (``--bundle``); ``split_seed`` defaults to the one recorded in its provenance, else 0.
 
     Args:
-        bundle: SpecDecPP bundle folder.
+        pair: The pair (its bundle is required).
+        prompt_options: How prompts are encoded.
         in_distribution: In-distribution prompt sources (held-out ``split: eval`` of the head's sources); default: the
             sources recorded in the bundle's provenance, moved to the eval split.
         out_of_distribution: Out-of-distribution prompt sources; default ``[{path: humaneval}]``.
@@ -313,8 +298,6 @@ def report(
         validation_prompts: Prompt sources that choose every method's setting; default: the in-distribution
             sources moved to the ``head`` hash split. Must not overlap any test set.
         validation_limit: Validation prompts (round-robin across their sources); null keeps all.
-        target: Target model spec (overrides the bundle's).
-        draft: Draft model spec (overrides the bundle's).
         comparison_draft: A standalone Hugging Face draft (``draft: standalone`` in a method's params) for the
             methods that need one when the pair's draft is a feature draft: HF assisted generation and Ouroboros
             take it automatically.
@@ -328,17 +311,12 @@ def report(
         mix_ratio: Token-mixing ratio of the offline calibration view.
         select_by: Pick each family's best setting by ``modeled`` or ``measured`` tokens/s.
         cost_model: ``measure`` (now, so every number comes from this run), ``bundle`` or a costs.json.
-        prompt_mode: ``chat`` (apply the chat template) or ``raw``.
-        system_prompt: Optional system message for chat prompts.
-        max_prompt_tokens: Prompts longer than this are skipped.
         seed: Seed of the prompt shuffle and of every decoding generator.
-        split_seed: Seed of the prompt-id hash splits (data_gen's split_seed); default: the one recorded in
-            the bundle's provenance, else 0.
-        device: Device for both models (overrides the specs).
-        dtype: float32, bfloat16 or float16 (overrides the specs).
         output: The Markdown page to write; figures go to the folder of the same name without ``.md``.
         progress: Show progress bars.
     """
+    pair_options, prompt_options = pair or PairOptions(), prompt_options or PromptOptions()
+    bundle = pair_options.require_bundle("report")
     if select_by not in ("modeled", "measured"):
         raise ValueError(f"select_by={select_by!r} must be 'modeled' or 'measured'.")
     page = Path(output)
@@ -350,7 +328,7 @@ def report(
             stale.unlink()
     temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
     grid = expand_grids(policies if policies is not None else REPORT_GRIDS)  # checked before any model loads
-    pair = load_pair(bundle, target, draft, device, dtype)
+    pair = pair_options.load()
     if pair.bundle is None:
         raise ValueError(f"{bundle} did not load as a SpecDecPP bundle.")
     if comparison_draft is not None:
@@ -360,28 +338,20 @@ def report(
         id_sources, recorded_split_seed = in_distribution, 0
     else:
         id_sources, recorded_split_seed = head_sources(pair.bundle.provenance)
-    if split_seed is None:
+    if prompt_options.split_seed is None:
         meta = pair.bundle.provenance.get("data_meta") or {}
-        split_seed = int(meta.get("split_seed") or recorded_split_seed or 0)
+        prompt_options = replace(prompt_options, split_seed=int(meta.get("split_seed") or recorded_split_seed or 0))
     ood_sources = out_of_distribution if out_of_distribution else [PromptSource(path="humaneval")]
-    encode = dict(
-        tokenizer=pair.tokenizer,
-        prompt_mode=prompt_mode,
-        system_prompt=system_prompt,
-        max_prompt_tokens=max_prompt_tokens,
-        seed=seed,
-        limit=limit,
-        split_seed=split_seed,
-    )
+    encode = dict(tokenizer=pair.tokenizer, seed=seed, limit=limit)
     sets: dict[str, PromptSet] = {
-        "in-distribution": encode_prompts("in-distribution", id_sources, **encode),
-        "out-of-distribution": encode_prompts("out-of-distribution", ood_sources, **encode),
+        "in-distribution": prompt_options.encode("in-distribution", id_sources, **encode),
+        "out-of-distribution": prompt_options.encode("out-of-distribution", ood_sources, **encode),
     }
     if prompts is not None:
         name = Path(prompts).stem
-        sets[name] = encode_prompts(name, [PromptSource(path=prompts, field=prompts_field)], **encode)
+        sets[name] = prompt_options.encode(name, [PromptSource(path=prompts, field=prompts_field)], **encode)
     val_sources = validation_prompts or [replace(s, split="head", offset=0, limit=None) for s in id_sources]
-    val_set = encode_prompts("validation", val_sources, **(encode | {"limit": validation_limit}))
+    val_set = prompt_options.encode("validation", val_sources, **(encode | {"limit": validation_limit}))
     for prompt_set in sets.values():
         check_disjoint(prompt_set, val_set)
     model, model_source = resolve_cost_model(cost_model, pair, seed)
@@ -458,8 +428,8 @@ def report(
             "temperatures": temperatures,
             "select_by": select_by,
             "seed": seed,
-            "split_seed": split_seed,
-            "prompt_mode": prompt_mode,
+            "split_seed": prompt_options.split_seed,
+            "prompt_mode": prompt_options.prompt_mode,
             "limit": limit,
             "methods": [s.to_dict() for s in specs_by_mode[False]],
             "greedy_h_star": h_star_spec(pair.bundle, greedy=True).to_dict(),

@@ -7,13 +7,11 @@ from collections.abc import Sequence
 
 from accept_head.cost_model import CostModel
 from accept_head.engine import MethodSpec, MethodSummary, PolicyGrid, Runner, expand_grids, run_interleaved, summarize
-from accept_head.pairs import ModelSpec, Pair, load_pair
-from accept_head.prompts import PromptSource
+from accept_head.pairs import Pair, PairOptions
+from accept_head.prompts import PromptOptions, PromptSet, PromptSource
 from accept_head.tables import text_table
 
 from .common import (
-    PromptSet,
-    encode_prompts,
     fmt,
     machine_info,
     output_folder,
@@ -93,20 +91,13 @@ def run_sweep(
 
 def sweep(
     prompts: list[PromptSource],
-    bundle: str | None = None,
-    target: ModelSpec | None = None,
-    draft: ModelSpec | None = None,
+    pair: PairOptions | None = None,
+    prompt_options: PromptOptions | None = None,
     policies: list[PolicyGrid] | None = None,
     temperatures: list[float] | None = None,
     max_new_tokens: int = 128,
     cost_model: str = "bundle",
-    prompt_mode: str = "chat",
-    system_prompt: str | None = None,
-    max_prompt_tokens: int = 512,
     seed: int = 0,
-    split_seed: int = 0,
-    device: str | None = None,
-    dtype: str | None = None,
     output_dir: str = "eval_out/sweep",
     progress: bool = True,
 ) -> dict:
@@ -119,37 +110,29 @@ def sweep(
 
     Args:
         prompts: Prompt sources, e.g. ``[{path: humaneval, limit: 16}]`` or files with ``field`` and ``split``.
-        bundle: SpecDecPP bundle folder (needed for the ``specdecpp`` policies); or give target and draft.
-        target: Target model spec (overrides the bundle's).
-        draft: Draft model spec (overrides the bundle's).
+        pair: The pair; its bundle is needed for the ``specdecpp`` policies.
+        prompt_options: How prompts are encoded.
         policies: Method grids, e.g. ``[{kind: fixed_k, grid: {k: [2, 4]}}, {kind: entropy, grid: {threshold:
             [0.3, 0.5]}}]``; kinds: autoregressive, fixed_k, specdecpp, heuristic, confidence, entropy, hf_assisted,
             oracle. Default: :data:`DEFAULT_GRIDS`.
         temperatures: Sampling temperatures (0 = greedy; the oracle runs only there). Default [0, 1].
         max_new_tokens: Tokens generated per prompt (at most).
         cost_model: ``bundle``, ``measure`` or a costs.json from ``python -m eval costs``.
-        prompt_mode: ``chat`` (apply the chat template) or ``raw``.
-        system_prompt: Optional system message for chat prompts.
-        max_prompt_tokens: Prompts longer than this are skipped.
         seed: Seed of the prompt shuffle and of every decoding generator.
-        split_seed: Seed of the prompt-id hash splits (data_gen's split_seed; 0 by default).
-        device: Device for both models (overrides the specs).
-        dtype: float32, bfloat16 or float16 (overrides the specs).
         output_dir: Folder for sweep.json and the PNGs.
         progress: Show a progress bar.
     """
+    pair_options, prompt_options = pair or PairOptions(), prompt_options or PromptOptions()
     temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
     grids = policies if policies is not None else [PolicyGrid(**g) for g in DEFAULT_GRIDS]
     specs = expand_grids(grids)
     if not specs:
         raise ValueError("No methods to sweep: give --policies with at least one grid.")
     folder = output_folder(output_dir)
-    pair = load_pair(bundle, target, draft, device, dtype)
+    pair = pair_options.load()
     if pair.bundle is None:
         specs = [s for s in specs if s.kind != "specdecpp"] if policies is None else specs
-    prompt_set = encode_prompts(
-        "prompts", prompts, pair.tokenizer, prompt_mode, system_prompt, max_prompt_tokens, seed, split_seed=split_seed
-    )
+    prompt_set = prompt_options.encode("prompts", prompts, pair.tokenizer, seed)
     model, model_source = resolve_cost_model(cost_model, pair, seed)
     results: dict = {}
     for temperature in temperatures:
@@ -173,7 +156,7 @@ def sweep(
         "machine": machine_info(),
         "pair": pair.describe(),
         "prompts": prompt_set.describe(),
-        "settings": {"max_new_tokens": max_new_tokens, "seed": seed, "prompt_mode": prompt_mode},
+        "settings": {"max_new_tokens": max_new_tokens, "seed": seed, "prompt_mode": prompt_options.prompt_mode},
         "cost_model": {"source": model_source, **model.to_dict()},
         "results": results,
     }

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -18,9 +19,8 @@ from accept_head.decoding import DecodeStats
 from accept_head.engine import MethodSpec, PolicyGrid, expand_grids, headroom_share, run_interleaved
 from accept_head.labels import FORMAT, FORMAT_VERSION, label_features
 from accept_head.pairs import ModelSpec
-from accept_head.prompts import EncodedPrompt
+from accept_head.prompts import EncodedPrompt, round_robin
 from eval.__main__ import main
-from eval.common import round_robin
 from eval.report import _h_star_spec, head_sources
 
 # SpecDec++ §2 measured these on 2×A100 for Llama-2-chat 7B (draft) / 70B (target).
@@ -524,3 +524,28 @@ def test_shipped_eval_configs_parse_through_the_real_cli(config: Path, capsys) -
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["bundle"] == "checkpoints/smollm2-135m-specdecpp"
     assert not math.isnan(float(printed["max_new_tokens"]))
+
+
+PROMPTED = {"bench", "report", "sweep", "calibration", "free_stop"}  # commands taking PromptOptions
+
+
+@pytest.mark.parametrize("command", ["bench", "report", "sweep", "calibration", "free_stop", "costs", "ablate"])
+def test_every_subcommand_lists_the_shared_options_as_flat_flags(command: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main([command, "--help"])
+    assert exit_info.value.code in (0, None)
+    flags = set(re.findall(r"--[\w.]+", capsys.readouterr().out))
+    assert "--bundle" in flags  # ablate's own bundle (its cost model) included
+    assert ("--prompt_mode" in flags) == ("--split_seed" in flags) == (command in PROMPTED)
+    assert ("--draft.help" in flags) == (command not in ("free_stop", "ablate"))  # free_stop decodes the target alone
+    assert not [f for f in flags if f.startswith(("--pair", "--prompt_options"))]
+
+
+@pytest.mark.parametrize("command", ["report", "calibration", "bench"])
+def test_a_command_that_needs_a_bundle_names_the_flag_in_one_line(command: str, capsys) -> None:
+    argv = [command, "--prompts", "[{path: humaneval}]", "--validation_prompts", "[{path: humaneval}]"]
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv if command == "bench" else [command])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("python -m eval: error: ") and "--bundle" in err
