@@ -61,15 +61,16 @@ def summary(function) -> str:
     return " ".join((inspect.getdoc(function) or "").split("\n\n")[0].split())
 
 
-def build_parser(prog: str = "python -m eval"):
-    """One sub-parser per command: its shared option groups, then its own parameters, every flag at the top level."""
+def build_parser(functions: dict, prog: str = "python -m eval"):
+    """One sub-parser per command of ``functions`` (:func:`commands`): its shared option groups, then its own
+    parameters, every flag at the top level."""
     from jsonargparse import ArgumentParser
 
     parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0] if __doc__ else None)
     parser.add_argument("--config", action="config")
     subcommands = parser.add_subcommands(required=True)
     groups = option_groups()
-    for name, function in commands().items():
+    for name, function in functions.items():
         parameters = inspect.signature(function).parameters
         sub = ArgumentParser(description=summary(function))
         sub.add_argument("--config", action="config", help="A YAML file of this command's flags (top-level keys).")
@@ -87,13 +88,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m eval"):
     from jsonargparse import set_parsing_settings
 
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
-    parser = build_parser(prog)
+    functions = commands()
+    parser = build_parser(functions, prog)
     try:
         parsed = parser.parse_args(list(argv) if argv is not None else None)
         name = parsed.subcommand
         kwargs = dict(vars(parser.instantiate(parsed)[name]))
         kwargs.pop("config", None)
-        function = commands()[name]
+        function = functions[name]
         parameters = inspect.signature(function).parameters
         for key, options in option_groups().items():
             if key in parameters:
