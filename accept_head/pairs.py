@@ -379,6 +379,7 @@ class Pair:
                 max_candidates=self.bundle.max_candidates,
                 temperature=self.bundle.temperature,
                 calibration=self.bundle.calibration.kind if self.bundle.calibration is not None else None,
+                greedy_calibration=getattr(self.bundle.greedy_calibration, "kind", None),
             )
         return out
 

@@ -13,9 +13,11 @@ q(y) (the training-free predictor ConfidenceThreshold stops on) scored as a pred
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -221,10 +223,14 @@ def calibration_views(
     seed: int,
 ) -> dict:
     """Metrics and reliability bins of every available view ({view: {variant: ...}}) plus on-policy by position."""
-    calibration = pair.bundle.calibration if pair.bundle is not None else None
     views: dict = {}
     if dataset is not None:
         probs, labels, confidence = offline_predictions(pair, dataset, mix_ratio, seed, max_rows)
+        calibration = None
+        if pair.bundle is not None:  # the bundle's map for the mode the labels were made in
+            meta = json.loads((Path(dataset) / "meta.json").read_text())
+            transform = meta.get("label_transform") or meta.get("sampling") or {}
+            calibration = pair.bundle.calibration_for(greedy=transform.get("temperature") == 0)
         views["offline"] = {
             "raw": (probs, labels),
             "calibrated": (_calibrate(calibration, probs), labels),
