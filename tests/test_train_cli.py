@@ -161,6 +161,8 @@ def test_a_wandb_sweep_point_runs_offline_through_the_cli(setup, tmp_path, monke
         f"--data.draft.path={setup.draft}",
         "--data.draft.dtype=float32",
         "--data.data_gen=null",
+        "--data.greedy_path=null",  # the shipped greedy labels belong to the embedded pair, not the tiny one
+        "--data.greedy_data_gen=null",
         "--data.val_size=4",
         "--data.batch_size=8",
         "--trainer.max_epochs=1",
