@@ -322,10 +322,10 @@ def report(
     page = Path(output)
     if page.suffix != ".md":
         raise ValueError(f"output={output!r} must be a Markdown file path ending in .md.")
-    figures = output_folder(page.with_suffix(""))
-    for pattern in FIGURES_WRITTEN:  # from scratch: nothing of an earlier run survives
-        for stale in figures.glob(pattern):
-            stale.unlink()
+    figures = page.with_suffix("")
+    staging = output_folder(figures.with_name(figures.name + ".partial"))  # an interrupted run leaves the last page
+    for leftover in staging.iterdir():  # of a run interrupted before
+        leftover.unlink()
     temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
     grid = expand_grids(policies if policies is not None else REPORT_GRIDS)  # checked before any model loads
     pair = pair_options.load()
@@ -381,7 +381,7 @@ def report(
             "chosen": [spec.name for spec in chosen[key]],
             "skipped": skipped,
         }
-        figures_made[f"pareto validation {key}"] = _show(runs, figures, "validation", key, len(val_set.prompts))
+        figures_made[f"pareto validation {key}"] = _show(runs, staging, "validation", key, len(val_set.prompts))
     for set_name, prompt_set in sets.items():
         summaries[set_name], results[set_name] = {}, {}
         for temperature in temperatures:
@@ -390,7 +390,7 @@ def report(
                 pair, prompt_set, chosen[key], temperature, max_new_tokens, model, seed, progress, bigram_cache
             )
             summaries[set_name][key] = runs
-            figures_made[f"pareto {set_name} {key}"] = _show(runs, figures, set_name, key, len(prompt_set.prompts))
+            figures_made[f"pareto {set_name} {key}"] = _show(runs, staging, set_name, key, len(prompt_set.prompts))
             results[set_name][key] = {
                 "temperature": temperature,
                 "methods": [s.to_dict() for s in runs],
@@ -409,11 +409,11 @@ def report(
         seed,
     )
     figures_made["reliability"] = reliability_plot(
-        reliability_panels(calibration), figures / "reliability.png", "acceptance head calibration"
+        reliability_panels(calibration), staging / "reliability.png", "acceptance head calibration"
     ).name
     print(text_table(CALIBRATION_HEADER, calibration_rows(calibration), title="acceptance head calibration"))
     if model.measured.get("target"):
-        figures_made["costs"] = costs_plot(model, figures / "costs.png", "cost model of this run").name
+        figures_made["costs"] = costs_plot(model, staging / "costs.png", "cost model of this run").name
     keys = [temperature_key(t) for t in temperatures]
     goals = goal_rows(sets, keys, select_by, summaries)
     payload = {
@@ -440,10 +440,21 @@ def report(
         "goals": goals,
         "figures": figures_made,
     }
-    write_json(figures / "results.json", payload)
+    write_json(staging / "results.json", payload)
+    _replace_figures(staging, output_folder(figures))
     page.write_text(render_markdown(payload, figures.name))
     print(f"wrote {page} and {len(figures_made)} figure(s) + results.json in {figures}")
     return payload
+
+
+def _replace_figures(staging: Path, figures: Path) -> None:
+    """Move a finished run's figures from ``staging`` into ``figures``; nothing of an earlier run survives."""
+    for pattern in FIGURES_WRITTEN:
+        for stale in figures.glob(pattern):
+            stale.unlink()
+    for made in staging.iterdir():
+        made.replace(figures / made.name)
+    staging.rmdir()
 
 
 def _show(runs: Sequence[MethodSummary], figures: Path, set_name: str, key: str, prompts: int) -> str:

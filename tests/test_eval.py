@@ -435,6 +435,37 @@ def test_bench_command_end_to_end(tiny, tmp_path, capsys) -> None:
 
 
 @pytest.mark.slow
+def test_an_interrupted_report_leaves_the_last_page_and_its_figures(tiny, tmp_path, monkeypatch) -> None:
+    from eval import report
+
+    figures = tmp_path / "docs" / "results"
+    figures.mkdir(parents=True)
+    (figures / "pareto_old.png").write_bytes(b"old")
+    (figures / "results.json").write_text("{}")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(report, "calibration_views", interrupted)  # after every sweep has drawn its figure
+    config = {
+        "bundle": tiny["bundle"],
+        "out_of_distribution": [{"path": str(tiny["root"] / "ood.jsonl")}],
+        "validation_prompts": [{"path": str(tiny["root"] / "val.jsonl")}],
+        "validation_limit": 1,
+        "limit": 1,
+        "temperatures": [0],
+        "policies": [{"kind": "autoregressive"}, {"kind": "fixed_k", "grid": {"k": [2]}}],
+        "max_new_tokens": 4,
+        "cost_model": "bundle",
+        "output": str(tmp_path / "docs" / "results.md"),
+        "progress": False,
+    }
+    with pytest.raises(KeyboardInterrupt):
+        main(["report", "--config", write_config(tmp_path / "report.yaml", config)])
+    assert sorted(p.name for p in figures.iterdir()) == ["pareto_old.png", "results.json"]
+    assert (figures / "results.json").read_text() == "{}" and not (tmp_path / "docs" / "results.md").exists()
+
+
 def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> None:
     page = tmp_path / "docs" / "results.md"
     figures = tmp_path / "docs" / "results"
@@ -468,7 +499,7 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
         "progress": False,
     }
     main(["report", "--config", write_config(tmp_path / "report.yaml", config)])
-    assert not (figures / "stale.png").exists()
+    assert not (figures / "stale.png").exists() and not (tmp_path / "docs" / "results.partial").exists()
     stored = json.loads((figures / "results.json").read_text())
     text = page.read_text()
     # In-distribution prompts come from the bundle's provenance (eval split of id.jsonl).
