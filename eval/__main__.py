@@ -1,4 +1,4 @@
-"""Command line of ``python -m eval`` (jsonargparse over the documented functions of the ``eval`` modules).
+"""Command line of ``python -m eval`` (jsonargparse over the documented functions of :mod:`accept_head.evaluation`).
 
 Examples::
 
@@ -7,6 +7,8 @@ Examples::
     python -m eval ablate --config configs/eval/ablate.yaml
     python -m eval free_stop --config configs/eval/free_stop.yaml
     python -m eval costs --bundle checkpoints/smollm2-135m-specdecpp
+    python -m eval costs --draft.path checkpoints/smollm2-135m-draft --head_depth 3   # head overhead, no bundle yet
+    python -m eval label_modes --dataset data/labels/label-modes/standalone-heldout
     python -m eval sweep --bundle B --prompts '[{path: humaneval, limit: 8}]' --temperatures '[0]'
     python -m eval calibration --bundle B --prompts '[{path: humaneval, limit: 8}]'
     python -m eval bench --help
@@ -29,13 +31,14 @@ SKIPPED = {"free_stop": {"draft"}}
 
 def commands() -> dict:
     """Subcommand name → function (imported when the command line is parsed, not when this module is)."""
-    from .ablate import ablate
-    from .bench import bench
-    from .calibration import calibration
-    from .costs import costs
-    from .free_stop import free_stop
-    from .report import report
-    from .sweep import sweep
+    from accept_head.evaluation.ablate import ablate
+    from accept_head.evaluation.bench import bench
+    from accept_head.evaluation.calibration import calibration
+    from accept_head.evaluation.costs import costs
+    from accept_head.evaluation.free_stop import free_stop
+    from accept_head.evaluation.label_modes import label_modes
+    from accept_head.evaluation.report import report
+    from accept_head.evaluation.sweep import sweep
 
     return {
         "calibration": calibration,
@@ -45,6 +48,7 @@ def commands() -> dict:
         "report": report,
         "ablate": ablate,
         "free_stop": free_stop,
+        "label_modes": label_modes,
     }
 
 

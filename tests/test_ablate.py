@@ -8,7 +8,7 @@ import pytest
 import yaml
 from train_helpers import REPO, train_config, write_config
 
-import eval.ablate as ablate_module
+import accept_head.evaluation.ablate as ablate_module
 from eval.__main__ import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")

@@ -60,6 +60,21 @@ def test_every_library_module_is_named_in_docs_architecture() -> None:
     )
 
 
+def test_every_library_package_is_installed() -> None:
+    """A sub-package missing from pyproject's package list imports from the repository, not after ``pip install``."""
+    tomllib = pytest.importorskip("tomllib", reason="tomllib is in the standard library from Python 3.11")
+    listed = set(tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    packages = {".".join(p.parent.relative_to(REPO).parts) for p in LIBRARY.rglob("__init__.py")}
+    assert packages <= listed, f"add {sorted(packages - listed)} to [tool.setuptools] packages in pyproject.toml"
+
+
+def test_entry_points_are_argument_parsing_only() -> None:
+    """``data_gen/``, ``train/`` and ``eval/`` parse flags and call the library; their code lives in ``accept_head``."""
+    for name in ENTRY_POINTS:
+        lines = sum(len(p.read_text().splitlines()) for p in (REPO / name).glob("*.py"))
+        assert lines < 200, f"{name}/ holds {lines} lines; move the logic into accept_head/ and call it from there"
+
+
 def test_entry_points_install_only_under_a_namespaced_package() -> None:
     """``pip install`` must not put generic top-level names (``train``, ``eval``) into site-packages, and every console
     script must name a function that exists in the entry point it is mapped to."""

@@ -25,10 +25,10 @@ import accept_head.engine as engine
 from accept_head import AcceptanceHead, SpecDecPP
 from accept_head.drafters import ModelDrafter
 from accept_head.engine import MethodSpec, Runner, greedy_identity
+from accept_head.evaluation.bench import add_comparison_drafts
 from accept_head.feature_draft import FeatureDraft
 from accept_head.pairs import ModelSpec, load_pair
 from eval.__main__ import main
-from eval.bench import add_comparison_drafts
 
 WORDS = "write a short poem about the number two . explain why python code is fun please give me one answer".split()
 NEW_TOKENS = 10

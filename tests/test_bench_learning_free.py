@@ -37,14 +37,14 @@ from accept_head.engine import (
     throughput,
     tree_params,
 )
+from accept_head.evaluation.bench import tree_settings, tree_specs
+from accept_head.evaluation.report import analyse
+from accept_head.evaluation.report_page import _table_one
 from accept_head.feature_draft import FeatureDraft
 from accept_head.ngrammys import ModelBigram
 from accept_head.pairs import ModelSpec, Pair
 from accept_head.tree_verify import TreeDecodeStats
 from eval.__main__ import main
-from eval.bench import tree_settings, tree_specs
-from eval.report import analyse
-from eval.report_page import _table_one
 
 WORDS = "write a short poem about the number two . explain why python code is fun please give me one answer".split()
 TEXTS = ["write a short poem about the number two . write a short poem", "explain why python code is fun . explain"]

@@ -17,11 +17,11 @@ from accept_head import AcceptanceHead, Calibration, SpecDecPP
 from accept_head.cost_model import CostModel, fit_decode_costs, latency_per_token
 from accept_head.decoding import DecodeStats
 from accept_head.engine import MethodSpec, PolicyGrid, expand_grids, headroom_share, run_interleaved
+from accept_head.evaluation.report import _h_star_spec, head_sources
 from accept_head.labels import FORMAT, FORMAT_VERSION, label_features
 from accept_head.pairs import ModelSpec
 from accept_head.prompts import EncodedPrompt, round_robin
 from eval.__main__ import main
-from eval.report import _h_star_spec, head_sources
 
 # SpecDec++ §2 measured these on 2×A100 for Llama-2-chat 7B (draft) / 70B (target).
 PAPER_T_DRAFT, PAPER_T_TARGET = 0.0234, 0.112
@@ -289,6 +289,18 @@ def test_costs_command_writes_json_and_plot(tiny, tmp_path) -> None:
     assert payload["settings"]["ks"] == [1, 2, 4]
 
 
+def test_costs_command_times_a_fresh_head_of_a_given_depth_without_a_bundle(tiny, tmp_path) -> None:
+    root = tiny["root"]
+    pair = ["--target.path", str(root / "target"), "--draft.path", str(root / "draft"), "--dtype", "float32"]
+    timing = ["--ks", "[1]", "--repeats", "2", "--warmup", "0", "--context", "8"]
+    with_head = main(["costs", *pair, *timing, "--head_depth", "2", "--output_dir", str(tmp_path / "head")])
+    measured = with_head["cost_model"]["measured"]
+    assert measured["head"]["median"] > 0
+    assert with_head["head_over_draft_step"] == measured["head"]["median"] / measured["draft"]["median"]
+    without = main(["costs", *pair, *timing, "--output_dir", str(tmp_path / "none")])
+    assert without["cost_model"]["measured"]["head"]["median"] == 0 and without["head_over_draft_step"] == 0
+
+
 def test_sweep_command_runs_every_family_and_plots_pareto(tiny, tmp_path, capsys) -> None:
     out = tmp_path / "sweep"
     config = {
@@ -384,9 +396,9 @@ def test_a_trained_head_decodes_like_the_bundle_it_becomes(tiny) -> None:
 
 
 def test_on_policy_records_decode_with_the_bundles_own_policy(tiny) -> None:
+    from accept_head.evaluation.calibration import RecordingHeadThreshold
     from accept_head.pairs import load_pair
     from accept_head.policies import HeadThreshold
-    from eval.calibration import RecordingHeadThreshold
 
     pair = load_pair(tiny["bundle"])
     base = HeadThreshold(pair.bundle.head, 0.4, 1, 7, calibration=pair.bundle.calibration, unscored="confidence")
@@ -436,7 +448,7 @@ def test_bench_command_end_to_end(tiny, tmp_path, capsys) -> None:
 
 @pytest.mark.slow
 def test_an_interrupted_report_leaves_the_last_page_and_its_figures(tiny, tmp_path, monkeypatch) -> None:
-    from eval import report
+    from accept_head.evaluation import report
 
     figures = tmp_path / "docs" / "results"
     figures.mkdir(parents=True)

@@ -257,13 +257,14 @@ def test_train_fit_on_rollout_labels_trains_on_stored_hidden_states(tiny: TinySe
     card = (tmp_path / "bundle" / "README.md").read_text()
     assert "On-policy rollout labels" in card and "labelled candidates" in card
 
-    # eval.label_modes scores the exported head on the stored states of a rollout dataset, raw and calibrated.
+    # `python -m eval label_modes` scores the exported head on the stored states of a rollout dataset, raw and
+    # calibrated.
     from accept_head import SpecDecPP
     from accept_head.calibration import apply_calibration
+    from accept_head.evaluation import label_modes
     from accept_head.metrics import acceptance_metrics
-    from eval import label_modes
 
-    scores = label_modes.main(dataset=str(tiny.labels), bundles=[str(tmp_path / "bundle")])
+    scores = label_modes.label_modes(dataset=str(tiny.labels), bundles=[str(tmp_path / "bundle")])
     dataset, _ = load_label_dataset(tiny.labels)
     states = torch.cat(read_hidden(dataset, 16)).float()
     labels = torch.tensor([x for row in dataset["accept_prob"] for x in row])
@@ -288,7 +289,7 @@ def test_train_fit_on_feature_draft_rollout_labels(feature_setup: TinySetup, tmp
 
 
 def test_label_mode_scoring_refuses_token_mixing_labels(tiny: TinySetup, tmp_path) -> None:
-    from eval import label_modes
+    from accept_head.evaluation import label_modes
 
     run_data_gen(tiny.data_gen_config(label_mode="sample", batch_size=8, max_new_tokens=6), tmp_path / "sample")
     with pytest.raises(ValueError, match="label_mode='sample' labels; scoring needs on-policy rollout labels"):

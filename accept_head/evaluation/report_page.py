@@ -1,14 +1,13 @@
 """The results page of ``python -m eval report``, written from a run's results.json alone (so a page can be
 re-rendered without rerunning: ``render_markdown(load_results(path), figures_dir)``). The analysis that fills
-results.json lives in :mod:`eval.report`."""
+results.json lives in :mod:`accept_head.evaluation.report`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from accept_head.cost_model import DecodeCostFit, fit_decode_costs
-from accept_head.engine import TREE_DECODERS
-
+from ..cost_model import DecodeCostFit, fit_decode_costs
+from ..engine import TREE_DECODERS
 from .calibration import CALIBRATION_HEADER, calibration_rows
 from .common import fmt, markdown_table
 from .sweep import temperature_key

@@ -21,22 +21,21 @@ from pathlib import Path
 
 import torch
 
-from accept_head.calibration import Calibration
-from accept_head.engine import MethodSpec, Runner, run_interleaved
-from accept_head.metrics import (
+from ..calibration import Calibration
+from ..engine import MethodSpec, Runner, run_interleaved
+from ..metrics import (
     binary_auc,
     brier_score,
     expected_calibration_error,
     reliability_bins,
     soft_auc,
 )
-from accept_head.pairs import Pair, PairOptions
-from accept_head.plots import reliability_plot
-from accept_head.policies import HeadThreshold, RoundState
-from accept_head.prompts import PromptOptions, PromptSet, PromptSource
-from accept_head.seeds import seeded_generator
-from accept_head.tables import text_table
-
+from ..pairs import Pair, PairOptions
+from ..plots import reliability_plot
+from ..policies import HeadThreshold, RoundState
+from ..prompts import PromptOptions, PromptSet, PromptSource
+from ..seeds import seeded_generator
+from ..tables import text_table
 from .common import fmt, machine_info, output_folder, write_json
 
 N_BINS = 15
@@ -81,9 +80,9 @@ def offline_predictions(
     For each row the draft reads (prompt, Z) once; the hidden state at the position whose input is Z_i = Y_i is the
     head's input e_i (the state SpecDec++ scores y_i with). Mixing is seeded per row from (seed, prompt id).
     """
-    from accept_head.features import decoder_matches_lm_head_input, final_hidden_states
-    from accept_head.labels import load_label_dataset
-    from accept_head.mixing import mix_tokens
+    from ..features import decoder_matches_lm_head_input, final_hidden_states
+    from ..labels import load_label_dataset
+    from ..mixing import mix_tokens
 
     if pair.bundle is None:
         raise ValueError("offline calibration needs a bundle with a head (--bundle).")
@@ -286,7 +285,7 @@ CALIBRATION_HEADER = ["view", "n", "ECE", "Brier", "AUC", "mean pred", "mean lab
 
 
 def reliability_panels(views: dict) -> dict:
-    from accept_head.metrics import ReliabilityBins
+    from ..metrics import ReliabilityBins
 
     titles = {"offline": "offline (data_gen, token mixing)", "on_policy": "on-policy (decoder's visited states)"}
     return {

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from accept_head.cost_model import CostModel, measure_costs
-from accept_head.pairs import Pair
-from accept_head.tables import markdown_table as markdown_table  # eval.report and eval.bench import these here
-from accept_head.tables import text_table as text_table
+from ..cost_model import CostModel, measure_costs
+from ..pairs import Pair
+from ..tables import markdown_table as markdown_table  # report and bench import these here
+from ..tables import text_table as text_table
 
 # ---- cost model ----------------------------------------------------------------------------------------------------
 

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from accept_head.cost_model import CostModel
-from accept_head.engine import MethodSpec, MethodSummary, PolicyGrid, Runner, expand_grids, run_interleaved, summarize
-from accept_head.pairs import Pair, PairOptions
-from accept_head.prompts import PromptOptions, PromptSet, PromptSource
-from accept_head.tables import text_table
-
+from ..cost_model import CostModel
+from ..engine import MethodSpec, MethodSummary, PolicyGrid, Runner, expand_grids, run_interleaved, summarize
+from ..pairs import Pair, PairOptions
+from ..prompts import PromptOptions, PromptSet, PromptSource
+from ..tables import text_table
 from .common import (
     fmt,
     machine_info,

@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from pathlib import Path
 
-from accept_head import plots
-from accept_head.cost_model import CostModel
-from accept_head.engine import MethodSummary
-from accept_head.plots import ParetoSeries, new_figure, save_figure
-from accept_head.plots import reliability_plot as reliability_plot  # eval.report imports it from here
+from .. import plots
+from ..cost_model import CostModel
+from ..engine import MethodSummary
+from ..plots import ParetoSeries, new_figure, save_figure
+from ..plots import reliability_plot as reliability_plot  # report imports it from here
 
 _STYLE = {
     "fixed_k": ("s", "tab:blue"),

@@ -1,7 +1,7 @@
 """Score acceptance heads on the same held-out on-policy labels: does a head trained on rollout labels predict real
 speculative rounds better than one trained on token-mixing labels?
 
-    python -m eval.label_modes --dataset data/labels/label-modes/standalone-heldout \
+    python -m eval label_modes --dataset data/labels/label-modes/standalone-heldout \
         --bundles '[runs/label-modes/rollout, runs/label-modes/sample]'   # the defaults
 
 ``dataset`` is a ``label_mode: rollout`` dataset (``python -m data_gen``) made with the bundles' draft on prompts none
@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from accept_head import SpecDecPP
-from accept_head.calibration import apply_calibration
-from accept_head.labels import load_label_dataset
-from accept_head.metrics import acceptance_metrics
-from accept_head.rollout import read_hidden
-from accept_head.tables import text_table
-from accept_head.training.data import is_rollout
+from .. import SpecDecPP
+from ..calibration import apply_calibration
+from ..labels import load_label_dataset
+from ..metrics import acceptance_metrics
+from ..rollout import read_hidden
+from ..tables import text_table
+from ..training.data import is_rollout
 
 SHOWN = ("auc", "ece", "brier", "bce", "mean_pred", "mean_label", "positions")
 
@@ -64,7 +64,7 @@ def score(bundle: SpecDecPP, hidden: torch.Tensor, labels: torch.Tensor) -> dict
     }
 
 
-def main(
+def label_modes(
     dataset: str = "data/labels/label-modes/standalone-heldout",
     bundles: list[str] | None = None,
     output: str | None = None,
@@ -95,9 +95,3 @@ def main(
         Path(output).parent.mkdir(parents=True, exist_ok=True)
         Path(output).write_text(json.dumps(payload, indent=2) + "\n")
     return payload
-
-
-if __name__ == "__main__":
-    from jsonargparse import CLI
-
-    CLI(main)

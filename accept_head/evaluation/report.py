@@ -15,7 +15,7 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from accept_head.engine import (
+from ..engine import (
     TREE_DECODERS,
     MethodSpec,
     MethodSummary,
@@ -28,9 +28,8 @@ from accept_head.engine import (
     selection_basis,
     throughput,
 )
-from accept_head.pairs import ModelSpec, Pair, PairOptions
-from accept_head.prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
-
+from ..pairs import ModelSpec, Pair, PairOptions
+from ..prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
 from .bench import add_comparison_drafts
 from .calibration import CALIBRATION_HEADER, calibration_rows, calibration_views, reliability_panels
 from .common import machine_info, output_folder, resolve_cost_model, text_table, write_json

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from accept_head.cost_model import CostModel, measure_costs
-from accept_head.pairs import PairOptions
-from accept_head.tables import text_table
-
+from ..cost_model import CostModel, measure_costs
+from ..head import AcceptanceHead
+from ..pairs import PairOptions
+from ..tables import text_table
 from .common import fmt, machine_info, output_folder, write_json
 from .plots import costs_plot
 
@@ -17,6 +17,7 @@ def costs(
     repeats: int = 15,
     warmup: int = 3,
     seed: int = 0,
+    head_depth: int | None = None,
     output_dir: str = "eval_out/costs",
 ) -> dict:
     """Measure the cost model of a pair: one cached draft step (plus the head's scoring when a bundle is given) and
@@ -31,6 +32,8 @@ def costs(
         repeats: Timed runs per measurement (the median is kept, min and max reported).
         warmup: Untimed runs before each measurement.
         seed: Seed of the random token ids used as inputs.
+        head_depth: Without a bundle, time a fresh head of this depth (its weights do not change its cost), so the
+            head's overhead per draft step is measured before any head is trained.
         output_dir: Folder for costs.json and costs.png.
     """
     ks = list(range(1, 21)) if ks is None else [int(k) for k in ks]
@@ -41,6 +44,8 @@ def costs(
     folder = output_folder(output_dir)
     pair = (pair or PairOptions()).load()
     head = pair.bundle.head if pair.bundle is not None else None
+    if head is None and head_depth is not None:
+        head = AcceptanceHead(pair.draft.config.hidden_size, depth=head_depth).to(pair.draft.device).eval()
     model: CostModel = measure_costs(pair.target, pair.draft, head, ks, context, repeats, warmup, seed)
     payload = {
         "command": "costs",
@@ -49,6 +54,7 @@ def costs(
         "settings": {"ks": ks, "context": context, "repeats": repeats, "warmup": warmup, "seed": seed},
         "cost_model": model.to_dict(),
         "t_draft_over_t_target": model.t_draft / model.t_target(1),
+        "head_over_draft_step": model.measured["head"]["median"] / model.measured["draft"]["median"],
     }
     write_json(folder / "costs.json", payload)
     costs_plot(model, folder / "costs.png", title=f"costs on {payload['machine']['cpu'] or 'this machine'}")
@@ -88,5 +94,7 @@ def costs(
             f"(R² {fmt(model.r2, 3)}), t_draft = {model.t_draft * 1e3:.2f} ms",
         )
     )
+    if head is not None:
+        print(f"head: {100 * payload['head_over_draft_step']:.2f}% of a draft step")
     print(f"wrote {folder / 'costs.json'} and {folder / 'costs.png'}")
     return payload

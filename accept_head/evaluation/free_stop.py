@@ -30,12 +30,11 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from accept_head.cost_model import TreeCost, measure_tree_costs
-from accept_head.engine import MethodSpec, MethodSummary, Runner, best_of, run_interleaved, summarize, tree_params
-from accept_head.free_stop import AdaptiveRowStop, fit_predictor
-from accept_head.pairs import ModelSpec, Pair, PairOptions, load_model, load_pair, load_tokenizer
-from accept_head.prompts import PromptOptions, PromptSource, check_disjoint
-
+from ..cost_model import TreeCost, measure_tree_costs
+from ..engine import MethodSpec, MethodSummary, Runner, best_of, run_interleaved, summarize, tree_params
+from ..free_stop import AdaptiveRowStop, fit_predictor
+from ..pairs import ModelSpec, Pair, PairOptions, load_model, load_pair, load_tokenizer
+from ..prompts import PromptOptions, PromptSource, check_disjoint
 from .common import fmt, machine_info, output_folder, text_table, write_json
 from .sweep import temperature_key
 

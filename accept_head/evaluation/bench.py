@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PreTrainedModel
 
-from accept_head.baselines import ConfidenceThreshold, confidence_pairs_from_dataset, roc_threshold
-from accept_head.cost_model import CostModel
-from accept_head.decoding import speculative_generate
-from accept_head.engine import (
+from ..baselines import ConfidenceThreshold, confidence_pairs_from_dataset, roc_threshold
+from ..cost_model import CostModel
+from ..decoding import speculative_generate
+from ..engine import (
     TREE_DECODERS,
     MethodSpec,
     MethodSummary,
@@ -33,9 +33,8 @@ from accept_head.engine import (
     throughput,
     tree_params,
 )
-from accept_head.pairs import ModelSpec, Pair, PairOptions
-from accept_head.prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
-
+from ..pairs import ModelSpec, Pair, PairOptions
+from ..prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
 from .common import (
     fmt,
     machine_info,
@@ -412,7 +411,7 @@ def fixed_k_ceiling(pair: Pair, temperature: float, k: int, cost: CostModel) -> 
     import json
     from pathlib import Path
 
-    from accept_head.cost_model import expected_fixed_k_speedup
+    from ..cost_model import expected_fixed_k_speedup
 
     spec = pair.draft_spec
     path = Path(spec.path) / "eval.json" if spec is not None else None
@@ -434,8 +433,8 @@ def fixed_k_ceiling(pair: Pair, temperature: float, k: int, cost: CostModel) -> 
 def add_comparison_drafts(pair: Pair, spec: ModelSpec) -> None:
     """Load the standalone draft ``spec`` as comparison draft ``standalone`` and, when the pair's draft is a feature
     draft, the same model restricted to that draft's pruned vocabulary as ``standalone-pruned``."""
-    from accept_head.drafters import ModelDrafter
-    from accept_head.pairs import load_model
+    from ..drafters import ModelDrafter
+    from ..pairs import load_model
 
     standalone = load_model(spec)
     pair.comparison_drafts["standalone"] = standalone

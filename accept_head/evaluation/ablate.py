@@ -19,8 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from accept_head.tables import markdown_table, text_table
-
+from ..tables import markdown_table, text_table
 from .common import fmt, machine_info, output_folder, write_json
 
 
@@ -113,7 +112,7 @@ def run_variant(args: list[str]) -> dict[str, Any]:
     """Fit one variant in this process and read its :class:`~accept_head.training.report.FitReport`."""
     import torch
 
-    from accept_head.training.cli import cli_main
+    from ..training.cli import cli_main
 
     threads = torch.get_num_threads()
     cli = cli_main(args)
@@ -249,7 +248,7 @@ def ablate(
 
 
 def _cost_model(bundle: str | None, cost_model: str | None) -> tuple[dict, str]:
-    from accept_head.cost_model import CostModel
+    from ..cost_model import CostModel
 
     if cost_model is not None:
         if not Path(cost_model).is_file():
@@ -380,7 +379,7 @@ def _page(payload: dict, header: list[str], rows: list[list[str]], figure: Path)
 
 def ablate_plot(results: list[dict], path: str | Path) -> Path:
     """Horizontal bars: SpecDec++'s modeled tokens/s per variant, with the reference run's baselines as lines."""
-    from accept_head.plots import new_figure, save_figure
+    from ..plots import new_figure, save_figure
 
     ar, best_k = _baselines(results)
     fig = new_figure(6.4, 0.45 * len(results) + 1.6)
