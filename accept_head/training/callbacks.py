@@ -564,25 +564,20 @@ class ExportBundle(EndOfFitStage):
             "split": {k: v for k, v in split.items() if k not in ("train", "val")} | {"file": "split.json"},
             "training": {"epochs": trainer.current_epoch, "steps": trainer.global_step},
             "val_metrics": report.val_metrics,
-            "calibration": None
-            if report.calibration_choice is None
-            else {
-                "chosen": report.calibration_choice.chosen,
-                "scores": report.calibration_choice.scores,
-                "evaluation": report.calibration_choice.evaluation,
-            },
-            "greedy_calibration": None
-            if report.greedy_calibration_choice is None
-            else {
-                "chosen": report.greedy_calibration_choice.chosen,
-                "scores": report.greedy_calibration_choice.scores,
-                "evaluation": report.greedy_calibration_choice.evaluation,
-                "dataset": dm.greedy_path,
-                "prompts": len(dm.split.get("greedy", [])),
-            },
+            "calibration": _choice_record(report.calibration_choice),
+            "greedy_calibration": _choice_record(
+                report.greedy_calibration_choice, dataset=dm.greedy_path, prompts=len(dm.split.get("greedy", []))
+            ),
             "cost_model_source": report.cost_model_source,
             "sampling": dm.sampling.to_dict(),
             "threshold_selection": report.threshold_selection,
             "sweep": report.sweep.to_records() if report.sweep is not None else None,
             "closing": {"prompts": report.closing_prompts, "rows": [row.to_dict() for row in report.closing]},
         }
+
+
+def _choice_record(choice, **extra) -> dict | None:
+    """A calibration choice as the bundle's provenance records it (None when no map was fitted)."""
+    if choice is None:
+        return None
+    return {"chosen": choice.chosen, "scores": choice.scores, "evaluation": choice.evaluation, **extra}
