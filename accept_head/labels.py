@@ -95,6 +95,12 @@ def label_transform(sampling: SamplingConfig, label_mode: str) -> SamplingConfig
     return SamplingConfig(temperature=0.0) if label_mode == "greedy" else sampling
 
 
+def recorded_temperature(meta: dict) -> float | None:
+    """The temperature a label dataset's meta.json says its labels were made at (0 for greedy labels)."""
+    transform = meta.get("label_transform") or meta.get("sampling") or {}
+    return transform.get("temperature")
+
+
 @dataclass
 class PositionLabels:
     """Labels and features at N response positions; every field is an (N,) tensor on the CPU."""

@@ -301,7 +301,8 @@ def test_train_fit_with_greedy_labels_fits_a_greedy_calibration(tiny: TinySetup,
     fitted only on prompts the head did not train on; the bundle decodes greedily with it and samples with the
     other."""
     from accept_head import SpecDecPP
-    from accept_head.calibration import choose_calibration
+    from accept_head.calibration import apply_calibration, choose_calibration
+    from accept_head.metrics import acceptance_metrics
 
     greedy = tmp_path / "greedy-labels"
     run_data_gen(rollout_config(tiny, temperature=0.0), greedy)  # the head's prompts, so the filter has work to do
@@ -335,6 +336,17 @@ def test_train_fit_with_greedy_labels_fits_a_greedy_calibration(tiny: TinySetup,
     assert "with the greedy calibration" in report.greedy_threshold_selection
     assert "Greedy decoding uses a second map" in (tmp_path / "bundle" / "README.md").read_text()
     assert bundle.provenance["greedy_calibration"]["prompts"] == len(held)
+
+    # `python -m eval label_modes` scores greedy labels with the greedy map.
+    from accept_head.evaluation.label_modes import label_modes
+
+    scored = label_modes(dataset=str(greedy), bundles=[str(tmp_path / "bundle")])["heads"][str(tmp_path / "bundle")]
+    everything = torch.cat(hidden).float()
+    all_labels = torch.tensor([x for row in dataset["accept_prob"] for x in row])
+    with torch.no_grad():
+        probs = torch.sigmoid(bundle.head(everything).float())
+    mapped = apply_calibration(bundle.greedy_calibration, probs).clamp(1e-6, 1 - 1e-6)
+    assert scored["calibrated"]["ece"] == pytest.approx(acceptance_metrics(torch.logit(mapped), all_labels)["ece"])
 
 
 def test_greedy_path_must_hold_greedy_labels(tiny: TinySetup, tmp_path) -> None:

@@ -23,6 +23,7 @@ import torch
 
 from ..calibration import Calibration
 from ..engine import MethodSpec, Runner, run_interleaved
+from ..labels import recorded_temperature
 from ..metrics import (
     binary_auc,
     brier_score,
@@ -228,8 +229,7 @@ def calibration_views(
         calibration = None
         if pair.bundle is not None:  # the bundle's map for the mode the labels were made in
             meta = json.loads((Path(dataset) / "meta.json").read_text())
-            transform = meta.get("label_transform") or meta.get("sampling") or {}
-            calibration = pair.bundle.calibration_for(greedy=transform.get("temperature") == 0)
+            calibration = pair.bundle.calibration_for(greedy=recorded_temperature(meta) == 0)
         views["offline"] = {
             "raw": (probs, labels),
             "calibrated": (_calibrate(calibration, probs), labels),

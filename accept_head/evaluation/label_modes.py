@@ -20,7 +20,7 @@ import torch
 
 from .. import SpecDecPP
 from ..calibration import apply_calibration
-from ..labels import load_label_dataset
+from ..labels import load_label_dataset, recorded_temperature
 from ..metrics import acceptance_metrics
 from ..rollout import read_hidden
 from ..tables import text_table
@@ -46,8 +46,11 @@ def held_out_states(dataset: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
     return hidden, labels, meta
 
 
-def score(bundle: SpecDecPP, hidden: torch.Tensor, labels: torch.Tensor) -> dict[str, dict[str, float]]:
-    """The bundle's head on ``hidden``: metrics of its raw and calibrated predictions against ``labels``."""
+def score(
+    bundle: SpecDecPP, hidden: torch.Tensor, labels: torch.Tensor, greedy: bool = False
+) -> dict[str, dict[str, float]]:
+    """The bundle's head on ``hidden``: metrics of its raw and calibrated predictions against ``labels`` (calibrated
+    by the bundle's map for greedy decoding when the labels are greedy ones)."""
     head = bundle.head
     if hidden.shape[-1] != head.hidden_size:
         raise ValueError(
@@ -57,7 +60,7 @@ def score(bundle: SpecDecPP, hidden: torch.Tensor, labels: torch.Tensor) -> dict
     param = next(head.parameters())
     with torch.inference_mode():
         logits = head(hidden.to(param.device, param.dtype)).float().cpu()
-    calibrated = apply_calibration(bundle.calibration, torch.sigmoid(logits)).clamp(1e-6, 1 - 1e-6)
+    calibrated = apply_calibration(bundle.calibration_for(greedy), torch.sigmoid(logits)).clamp(1e-6, 1 - 1e-6)
     return {
         "raw": acceptance_metrics(logits, labels),
         "calibrated": acceptance_metrics(torch.logit(calibrated), labels),
@@ -82,7 +85,8 @@ def label_modes(
     for path in bundles:
         bundle = SpecDecPP.from_pretrained(path)
         data_meta = bundle.provenance.get("data_meta") or {}
-        results[path] = {"label_mode": data_meta.get("label_mode"), **score(bundle, hidden, labels)}
+        greedy = recorded_temperature(meta) == 0
+        results[path] = {"label_mode": data_meta.get("label_mode"), **score(bundle, hidden, labels, greedy)}
     rows = [
         [path, str(r["label_mode"]), view] + [f"{r[view][k]:.4g}" for k in SHOWN]
         for path, r in results.items()

@@ -26,6 +26,7 @@ from lightning.pytorch import LightningDataModule
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
+from ..labels import recorded_temperature
 from ..mixing import check_ratio, mix_tokens
 from ..pairs import ModelSpec, eos_token_ids, load_model, load_tokenizer, local_folder, local_path
 from ..sampling import SamplingConfig
@@ -509,11 +510,11 @@ class AcceptanceDataModule(LightningDataModule):
     def _greedy_examples(self, train_ids: set[str]) -> MixedTokenDataset | StoredHiddenDataset:
         """The greedy labels (``greedy_path``) of the prompts the head does not train on."""
         rows, meta = self._load(self.greedy_path)
-        transform = meta.get("label_transform") or meta.get("sampling") or {}
-        if transform.get("temperature") != 0:
+        temperature = recorded_temperature(meta)
+        if temperature != 0:
             raise ValueError(
-                f"data.greedy_path={self.greedy_path!r} holds labels made at temperature "
-                f"{transform.get('temperature')!r}; greedy calibration needs data_gen --temperature 0 labels."
+                f"data.greedy_path={self.greedy_path!r} holds labels made at temperature {temperature!r}; greedy "
+                "calibration needs data_gen --temperature 0 labels."
             )
         held = [row for row in rows if row.prompt_id not in train_ids]
         if not held:
