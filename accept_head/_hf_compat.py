@@ -15,6 +15,15 @@ TRANSFORMERS_VERSION = Version(transformers.__version__)
 _NEGATIVE_CROP = TRANSFORMERS_VERSION >= Version("5.0.0")
 
 
+CACHE_KWARGS = ("past_key_values", "cache")
+"""The names a forward call or ``generate`` passes the KV cache under (``cache`` from transformers 5.24)."""
+
+
+def passed_cache(kwargs: dict):
+    """The KV cache in a forward call's or ``generate``'s keyword arguments, under either name; None if absent."""
+    return next((kwargs[name] for name in CACHE_KWARGS if kwargs.get(name) is not None), None)
+
+
 def cache_length(cache) -> int:
     """Number of positions held by a ``DynamicCache`` (0 for None)."""
     return 0 if cache is None else cache.get_seq_length()

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ._hf_compat import cache_length, passed_cache
 from .decoding import DecodeStats, GenerationResult, _as_input_ids, _eos_set
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
@@ -68,8 +69,8 @@ class _PassRecorder:
         self._start = time.perf_counter()
         if self._record_shapes:
             input_ids = kwargs.get("input_ids", args[0] if args else None)
-            cache = kwargs.get("past_key_values")
-            cached = cache.get_seq_length() if cache is not None else 0
+            cache = passed_cache(kwargs)
+            cached = cache_length(cache) if cache is not None else 0
             self.shapes.append((int(cached), int(input_ids.shape[1])))
 
     def _post(self, module, args, output) -> None:

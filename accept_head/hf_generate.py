@@ -39,7 +39,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from ._hf_compat import cache_length, crop_cache, enclosing_generate_arguments
+from ._hf_compat import CACHE_KWARGS, cache_length, crop_cache, enclosing_generate_arguments, passed_cache
 from .decoding import DecodeStats, _check_lengths, _check_pair, _target_pass, _timed, draft_round, prefill, verify
 from .drafters import Drafter, DraftStep, as_drafter
 from .policies import StopPolicy
@@ -60,9 +60,8 @@ UNSUPPORTED_PROCESSORS: dict[str, str] = {
 }
 """Logits processors (by class name) that cannot be evaluated at speculative positions, with the reason."""
 
-_HANDLED_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "past_key_values", "cache", "use_cache"}
-"""What ``generate`` prepares for a plain decoder-only prompt (transformers 5.24 names the cache ``cache``, earlier
-versions ``past_key_values``); anything else (images, embeddings) is refused."""
+_HANDLED_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "use_cache", *CACHE_KWARGS}
+"""What ``generate`` prepares for a plain decoder-only prompt; anything else (images, embeddings) is refused."""
 
 
 @dataclass
@@ -202,7 +201,7 @@ def check_request(
     mask = model_kwargs.get("attention_mask")
     if mask is not None and not bool((mask == 1).all()):
         raise ValueError("The attention_mask masks some prompt tokens (padding); pass the unpadded prompt.")
-    cache = model_kwargs.get("past_key_values", model_kwargs.get("cache"))
+    cache = passed_cache(model_kwargs)
     if cache is not None and cache_length(cache) > 0:
         raise ValueError("past_key_values holds a prefix already; SpecDec++ starts from the prompt, pass none.")
     unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HANDLED_MODEL_KWARGS)

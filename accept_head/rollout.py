@@ -134,11 +134,6 @@ class RolloutLabels:
     label_seconds: float = 0.0
     """Seconds spent only because labels were asked for (the extra draft steps and the label maths)."""
 
-    @property
-    def draft_prob(self) -> torch.Tensor:
-        """(C,) q_k(y_k)."""
-        return self.draft_logp.exp()
-
     def row(self, hidden_dtype: str = "float16") -> dict[str, list | np.ndarray]:
         """The per-candidate lists of a rollout dataset row (:data:`ROLLOUT_COLUMNS`); ``hidden`` is the (C·d,)
         array of ``hidden_dtype`` (the (C, d) states flattened row-major)."""
