@@ -347,6 +347,8 @@ def test_train_fit_with_greedy_labels_fits_a_greedy_calibration(tiny: TinySetup,
         probs = torch.sigmoid(bundle.head(everything).float())
     mapped = apply_calibration(bundle.greedy_calibration, probs).clamp(1e-6, 1 - 1e-6)
     assert scored["calibrated"]["ece"] == pytest.approx(acceptance_metrics(torch.logit(mapped), all_labels)["ece"])
+    other = apply_calibration(bundle.calibration, probs).clamp(1e-6, 1 - 1e-6)  # the sampling map, for comparison
+    assert scored["other map"]["ece"] == pytest.approx(acceptance_metrics(torch.logit(other), all_labels)["ece"])
 
 
 def test_greedy_path_must_hold_greedy_labels(tiny: TinySetup, tmp_path) -> None:

@@ -26,6 +26,7 @@ from ..rollout import read_hidden
 from ..tables import text_table
 from ..training.data import is_rollout
 
+VIEWS = ("raw", "calibrated", "other map")
 SHOWN = ("auc", "ece", "brier", "bce", "mean_pred", "mean_label", "positions")
 
 
@@ -50,7 +51,8 @@ def score(
     bundle: SpecDecPP, hidden: torch.Tensor, labels: torch.Tensor, greedy: bool = False
 ) -> dict[str, dict[str, float]]:
     """The bundle's head on ``hidden``: metrics of its raw and calibrated predictions against ``labels`` (calibrated
-    by the bundle's map for greedy decoding when the labels are greedy ones)."""
+    by the bundle's map for greedy decoding when the labels are greedy ones). A bundle with a greedy map is also
+    scored with the other mode's map (``other map``), which shows what a map fitted for the mode buys."""
     head = bundle.head
     if hidden.shape[-1] != head.hidden_size:
         raise ValueError(
@@ -60,11 +62,15 @@ def score(
     param = next(head.parameters())
     with torch.inference_mode():
         logits = head(hidden.to(param.device, param.dtype)).float().cpu()
-    calibrated = apply_calibration(bundle.calibration_for(greedy), torch.sigmoid(logits)).clamp(1e-6, 1 - 1e-6)
-    return {
-        "raw": acceptance_metrics(logits, labels),
-        "calibrated": acceptance_metrics(torch.logit(calibrated), labels),
-    }
+
+    def calibrated(calibration) -> dict[str, float]:
+        probs = apply_calibration(calibration, torch.sigmoid(logits)).clamp(1e-6, 1 - 1e-6)
+        return acceptance_metrics(torch.logit(probs), labels)
+
+    views = {"raw": acceptance_metrics(logits, labels), "calibrated": calibrated(bundle.calibration_for(greedy))}
+    if bundle.greedy_calibration is not None:
+        views["other map"] = calibrated(bundle.calibration_for(not greedy))
+    return views
 
 
 def label_modes(
@@ -90,7 +96,8 @@ def label_modes(
     rows = [
         [path, str(r["label_mode"]), view] + [f"{r[view][k]:.4g}" for k in SHOWN]
         for path, r in results.items()
-        for view in ("raw", "calibrated")
+        for view in VIEWS
+        if view in r
     ]
     title = f"heads on {dataset} ({int(labels.numel())} held-out candidates)"
     print(text_table(["bundle", "trained on", "view", *SHOWN], rows, title=title))
