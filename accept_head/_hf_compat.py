@@ -1,10 +1,12 @@
 """The one place that touches version-sensitive details of transformers' KV cache.
 
-Everything else drives models through ``forward(past_key_values=..., use_cache=True)``.
+Everything else drives models through ``forward(**cache_kwargs(model, cache))``.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Sequence
 
 import torch
@@ -17,6 +19,37 @@ _NEGATIVE_CROP = TRANSFORMERS_VERSION >= Version("5.0.0")
 
 CACHE_KWARGS = ("past_key_values", "cache")
 """The names a forward call or ``generate`` passes the KV cache under (``cache`` from transformers 5.24)."""
+
+
+_DEFAULT_CACHE_ARG = "cache" if TRANSFORMERS_VERSION >= Version("5.24.0") else "past_key_values"
+
+
+@functools.cache
+def _cache_arg(forward_owner: type) -> str:
+    """The keyword ``forward_owner.forward`` takes its KV cache under: ``cache`` where it names that parameter
+    (transformers' models from 5.24, which deprecates ``past_key_values`` for removal in 5.40), ``past_key_values``
+    where it names only that one (older releases, remote code), else (``**kwargs`` wrappers such as PEFT's) the
+    installed release's default."""
+    parameters = inspect.signature(forward_owner.forward).parameters
+    if "cache" in parameters:
+        return "cache"
+    return "past_key_values" if "past_key_values" in parameters else _DEFAULT_CACHE_ARG
+
+
+def cache_kwargs(model: torch.nn.Module, cache, use_cache: bool = True) -> dict:
+    """Keyword arguments that hand ``model``'s forward its KV cache: ``model(input_ids=..., **cache_kwargs(model,
+    cache))``, under the name this model's forward takes it (see :func:`_cache_arg`)."""
+    return {_cache_arg(type(model)): cache, "use_cache": use_cache}
+
+
+def _output_cache_field() -> str:
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    return "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
+
+OUTPUT_CACHE_FIELD = _output_cache_field()
+"""The field of ``generate``'s output that holds the KV cache (``cache`` from 5.24, ``past_key_values`` before)."""
 
 
 def passed_cache(kwargs: dict):

@@ -13,6 +13,7 @@ import torch
 from torch.nn.utils.rnn import pad_sequence
 from transformers import DynamicCache
 
+from ._hf_compat import cache_kwargs
 from .sampling import SamplingConfig, probabilities, sample
 
 
@@ -100,8 +101,7 @@ def sample_batch(
             input_ids=step_ids,
             attention_mask=mask,
             position_ids=step_pos,
-            past_key_values=cache,
-            use_cache=True,
+            **cache_kwargs(model, cache),
             logits_to_keep=1,
         )
         logits = out.logits[:, -1, :]

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
-from ._hf_compat import crop_cache
+from ._hf_compat import cache_kwargs, crop_cache
 
 
 @dataclass
@@ -204,7 +204,7 @@ def measure_costs(
         ids = torch.randint(0, vocab, (1, k + 1), generator=gen).to(device)
 
         def target_step(ids=ids):
-            target(input_ids=ids, past_key_values=target_cache, use_cache=True)
+            target(input_ids=ids, **cache_kwargs(target, target_cache))
             crop_cache(target_cache, context - 1)
 
         steps[k] = target_step
@@ -290,7 +290,7 @@ def measure_tree_costs(
     gen = torch.Generator().manual_seed(seed)
     vocab = target.config.vocab_size
     cache = DynamicCache()
-    target(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device), past_key_values=cache)
+    target(input_ids=torch.randint(0, vocab, (1, context), generator=gen).to(device), **cache_kwargs(target, cache))
     steps = {}
     for size in sizes:
         tokens = torch.randint(0, vocab, (size,), generator=gen).tolist()

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 from transformers import DynamicCache
 
-from ._hf_compat import crop_cache
+from ._hf_compat import cache_kwargs, crop_cache
 from .drafters import Drafter, as_drafter
 from .features import capture_lm_head_input
 from .policies import RoundState, StopPolicy
@@ -159,7 +159,7 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
 
 def _forward(model, ids: torch.Tensor, cache: DynamicCache, last_only: bool) -> torch.Tensor:
     """Run new tokens (1, T) through ``model`` with its cache; return logits (T, V) or (1, V) if ``last_only``."""
-    out = model(input_ids=ids, past_key_values=cache, use_cache=True, logits_to_keep=1 if last_only else 0)
+    out = model(input_ids=ids, **cache_kwargs(model, cache), logits_to_keep=1 if last_only else 0)
     return out.logits[0]
 
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
-from ._hf_compat import crop_cache
+from ._hf_compat import cache_kwargs, crop_cache
 from .features import capture_lm_head_input
 
 
@@ -105,12 +105,12 @@ class ModelDrafter(Drafter):
     def _run(self, ids: list[int]) -> DraftStep:
         x = torch.tensor([ids], device=self.device)
         if self._pruned_head:
-            hidden = self._base(input_ids=x, past_key_values=self.cache, use_cache=True).last_hidden_state[0, -1]
+            hidden = self._base(input_ids=x, **cache_kwargs(self._base, self.cache)).last_hidden_state[0, -1]
             logits = torch.full((self.vocab_size,), float("-inf"), device=self.device, dtype=hidden.dtype)
             logits[self.kept_ids] = torch.nn.functional.linear(hidden, self._kept_weight)
             return DraftStep(logits, hidden)
         with capture_lm_head_input(self.model) if self.with_hidden else nullcontext([None]) as box:
-            logits = self.model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1).logits[0, -1]
+            logits = self.model(input_ids=x, **cache_kwargs(self.model, self.cache), logits_to_keep=1).logits[0, -1]
         if self.kept_ids is not None:  # a model without a separate base: mask instead of slicing the head
             logits = torch.full_like(logits, float("-inf")).index_copy(0, self.kept_ids, logits[self.kept_ids])
         return DraftStep(logits, None if box[0] is None else box[0][0, -1])

@@ -29,7 +29,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import DynamicCache
 
-from ._hf_compat import crop_cache
+from ._hf_compat import cache_kwargs, crop_cache
 from .drafters import Drafter, DraftStep, check_kept_ids
 
 FORMAT = "accept_head.feature_draft"
@@ -203,8 +203,7 @@ class FeatureDraft(nn.Module):
             inputs_embeds=x,
             attention_mask=attention_mask,
             position_ids=position_ids,
-            past_key_values=past_key_values,
-            use_cache=use_cache,
+            **cache_kwargs(self.decoder, past_key_values, use_cache),
         )
         return out.last_hidden_state
 

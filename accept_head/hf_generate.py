@@ -39,7 +39,14 @@ import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
 
-from ._hf_compat import CACHE_KWARGS, cache_length, crop_cache, enclosing_generate_arguments, passed_cache
+from ._hf_compat import (
+    CACHE_KWARGS,
+    OUTPUT_CACHE_FIELD,
+    cache_length,
+    crop_cache,
+    enclosing_generate_arguments,
+    passed_cache,
+)
 from .decoding import DecodeStats, _check_lengths, _check_pair, _target_pass, _timed, draft_round, prefill, verify
 from .drafters import Drafter, DraftStep, as_drafter
 from .policies import StopPolicy
@@ -67,7 +74,8 @@ _HANDLED_MODEL_KWARGS = {"attention_mask", "position_ids", "logits_to_keep", "us
 @dataclass
 class SpecDecGenerateOutput(GenerateDecoderOnlyOutput):
     """``GenerateDecoderOnlyOutput`` (sequences (1, L + N); scores/logits: N tensors (1, V) when asked for;
-    past_key_values: the target's cache of all but the last token) plus the decoder's counters."""
+    ``cache`` (``past_key_values`` before transformers 5.24): the target's cache of all but the last token) plus the
+    decoder's counters."""
 
     stats: DecodeStats | None = None
 
@@ -203,7 +211,10 @@ def check_request(
         raise ValueError("The attention_mask masks some prompt tokens (padding); pass the unpadded prompt.")
     cache = passed_cache(model_kwargs)
     if cache is not None and cache_length(cache) > 0:
-        raise ValueError("past_key_values holds a prefix already; SpecDec++ starts from the prompt, pass none.")
+        raise ValueError(
+            "The KV cache passed to generate (cache= / past_key_values=) holds a prefix already; SpecDec++ starts "
+            "from the prompt, pass none."
+        )
     unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HANDLED_MODEL_KWARGS)
     if unknown:
         raise ValueError(f"SpecDec++ custom_generate does not forward model inputs {unknown} (text-only prompts).")
@@ -371,7 +382,7 @@ def run_custom_generate(
         sequences=sequences,
         scores=tuple(result.scores) if generation_config.output_scores else None,
         logits=tuple(result.logits) if generation_config.output_logits else None,
-        past_key_values=result.cache if generation_config.use_cache else None,
+        **{OUTPUT_CACHE_FIELD: result.cache if generation_config.use_cache else None},
         stats=result.stats,
     )
     return output, result.stats

@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from ._hf_compat import cache_kwargs
 from .batch_generate import left_pad
 from .sampling import SamplingConfig, inverse_cdf_sample, probabilities
 
@@ -335,8 +336,7 @@ class LockstepLabeller:
             input_ids=input_ids.to(_device(self.draft)),
             attention_mask=attention_mask.to(_device(self.draft)),
             position_ids=position_ids.to(_device(self.draft)),
-            past_key_values=self.cache,
-            use_cache=True,
+            **cache_kwargs(self.draft, self.cache),
             logits_to_keep=1,
         ).logits[:, -1, :]
         u = None if self.uniforms is None else self.uniforms[rows, step]

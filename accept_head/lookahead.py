@@ -21,7 +21,7 @@ its G most recently produced continuations (least recently used dropped first); 
 and the output's own n-grams (``context_ngrams=True``) and carried across calls by passing the same
 :class:`NgramPool`. Guesses already in the pool are verified while the window is still filling.
 
-transformers API: ``forward(attention_mask=<(1, 1, T, L + T) float mask>, position_ids=(1, T), past_key_values=
+transformers API: ``forward(attention_mask=<(1, 1, T, L + T) float mask>, position_ids=(1, T), cache=
 DynamicCache, logits_to_keep=<1-D index tensor>)``; a 4D mask is passed through unchanged by
 ``masking_utils.create_causal_mask`` in transformers 5.x (checked in 5.23). Batch size 1.
 """

@@ -14,7 +14,7 @@ in ONE target call and keeps the longest accepted row plus the target's own next
 
 The rows share the committed prefix's KV cache and the last token as their root: they are laid out as one token
 tree under a custom 4D attention mask (:mod:`~accept_head.tree_verify`, public transformers API
-``forward(attention_mask=<4D>, position_ids=..., past_key_values=DynamicCache)``). Greedy verification accepts a
+``forward(attention_mask=<4D>, position_ids=..., cache=DynamicCache)``). Greedy verification accepts a
 row while its tokens equal the target's argmax (the paper's rule). Beyond the paper, temperature > 0 verifies the
 rows by Lookahead decoding's multi-candidate sample verification (:func:`~accept_head.tree_verify.verify_sampled`),
 which keeps the output distribution exactly the target's. Rows are not merged into a trie: each row costs its

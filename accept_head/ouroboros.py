@@ -40,7 +40,7 @@ Simplifications against the paper, all of which cost speed only, never exactness
   verification, which is lossless for any candidates fixed before the target's draw.
 - Batch size 1; a ``DynamicCache`` for both models (no static cache or CUDA graphs).
 
-transformers API: ``forward(attention_mask=<(1, 1, T, L + T) float mask>, position_ids=(1, T), past_key_values=
+transformers API: ``forward(attention_mask=<(1, 1, T, L + T) float mask>, position_ids=(1, T), cache=
 DynamicCache, logits_to_keep=<1-D index tensor>)`` for both models (see :mod:`~accept_head.tree_verify`).
 """
 

@@ -7,11 +7,11 @@ and attends to the whole KV cache of the prefix plus its ancestors and itself; i
 plus its depth. Rows that share the root share its keys and values, and the prefix is never copied per row.
 
 transformers API: ``model(input_ids, attention_mask=<(1, 1, T, L + T) additive float mask>, position_ids=(1, T),
-past_key_values=DynamicCache, use_cache=True, logits_to_keep=<1-D index tensor>)``. In transformers 5.x
-``masking_utils.create_causal_mask`` returns a 4D mask unchanged ("already prepared 4D mask ... returned as-is",
-checked in 5.23), and the eager, SDPA and this toolkit's grouped eager attention add a float mask to the scores, so
-the tree pattern reaches every layer. After verification :func:`~accept_head._hf_compat.keep_cache_positions`
-keeps the prefix, the root and the accepted row's positions.
+cache=DynamicCache, use_cache=True, logits_to_keep=<1-D index tensor>)`` (``past_key_values=`` before 5.24). In
+transformers 5.x ``masking_utils.create_causal_mask`` returns a 4D mask unchanged ("already prepared 4D mask ...
+returned as-is", checked in 5.23), and the eager, SDPA and this toolkit's grouped eager attention add a float mask
+to the scores, so the tree pattern reaches every layer. After verification
+:func:`~accept_head._hf_compat.keep_cache_positions` keeps the prefix, the root and the accepted row's positions.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Protocol
 import torch
 from transformers import DynamicCache
 
-from ._hf_compat import GQA_EAGER, keep_cache_positions
+from ._hf_compat import GQA_EAGER, cache_kwargs, keep_cache_positions
 from .decoding import DecodeStats, _forward
 from .sampling import generator_device, sample
 
@@ -192,8 +192,7 @@ def tree_forward(
         input_ids=torch.tensor([list(tokens)], device=device),
         attention_mask=additive,
         position_ids=positions[None].to(device),
-        past_key_values=cache,
-        use_cache=True,
+        **cache_kwargs(model, cache),
         logits_to_keep=0 if keep is None else torch.tensor(list(keep), device=device),
     )
     return out.logits[0]

@@ -41,7 +41,7 @@ from accept_head import (
     load_tokenizer,
     make_custom_generate,
 )
-from accept_head._hf_compat import enclosing_generate_arguments
+from accept_head._hf_compat import OUTPUT_CACHE_FIELD, enclosing_generate_arguments
 from accept_head.bundle import CUSTOM_GENERATE
 from accept_head.chat import main as chat_main
 from accept_head.pairs import normalize_device, normalize_dtype
@@ -105,7 +105,7 @@ def test_return_dict_scores_and_logits_match_hf(pair) -> None:
     assert len(ours.scores) == len(ref.scores) == len(ours.logits) == ours.sequences.shape[1] - len(PROMPTS[1])
     for mine, theirs in zip(ours.scores + ours.logits, ref.scores + ref.logits):
         torch.testing.assert_close(mine, theirs, atol=1e-4, rtol=1e-4)  # processed identically, position by position
-    assert ours.past_key_values.get_seq_length() == ours.sequences.shape[1] - 1
+    assert getattr(ours, OUTPUT_CACHE_FIELD).get_seq_length() == ours.sequences.shape[1] - 1
     assert ours.stats.generated == ours.sequences.shape[1] - len(PROMPTS[1])
     # The loop runs under inference_mode; what it returns is ordinary tensors a caller may modify or train on.
     assert not any(t.is_inference() for t in (ours.sequences, *ours.scores, *ours.logits))

@@ -96,7 +96,7 @@ def time_draft_step(target, drafter, rounds: int, head=None, context: int = 128,
     """
     from transformers import DynamicCache
 
-    from .._hf_compat import crop_cache
+    from .._hf_compat import cache_kwargs, crop_cache
     from ..decoding import prefill
 
     ids = torch.randint(0, target.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
@@ -114,7 +114,7 @@ def time_draft_step(target, drafter, rounds: int, head=None, context: int = 128,
             draft_times.append(time.perf_counter() - t0)
         for _ in range(steps):
             t0 = time.perf_counter()
-            target(input_ids=torch.tensor([[token]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+            target(input_ids=torch.tensor([[token]]), **cache_kwargs(target, cache), logits_to_keep=1)
             target_times.append(time.perf_counter() - t0)
             crop_cache(cache, cache.get_seq_length() - 1)
     d, t = statistics.median(draft_times), statistics.median(target_times)
