@@ -220,6 +220,13 @@ def local_folder(spec: ModelSpec) -> str:
     return spec.path
 
 
+def is_feature_draft(spec: ModelSpec) -> bool:
+    """Whether ``spec`` names a :class:`~accept_head.feature_draft.FeatureDraft` folder (not a standalone LM)."""
+    from .feature_draft import is_feature_draft_folder
+
+    return is_feature_draft_folder(local_folder(spec))
+
+
 def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
     """Load a causal LM in eval mode on ``spec.device`` with ``spec.dtype`` (weights from safetensors only).
 

@@ -26,7 +26,7 @@ from accept_head import (
     lookahead_generate,
     ngrammys_generate,
 )
-from accept_head._hf_compat import keep_cache_positions
+from accept_head._hf_compat import cache_kwargs, keep_cache_positions
 from accept_head.lookahead import JacobiWindow, lookahead_tree
 from accept_head.ngrammys import ContextNgrams
 from accept_head.tree_verify import add_rows, commit_nodes, tree_forward, tree_mask
@@ -111,7 +111,7 @@ def test_eos_and_short_budgets(targets, bigrams, references, method: str, settin
 
 def prefilled(model, tokens: list[int]) -> DynamicCache:
     cache = DynamicCache()
-    model(input_ids=torch.tensor([tokens]), past_key_values=cache, use_cache=True)
+    model(input_ids=torch.tensor([tokens]), **cache_kwargs(model, cache))
     return cache
 
 

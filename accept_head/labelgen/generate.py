@@ -39,13 +39,12 @@ from ..labels import (
     label_transform,
 )
 from ..pairs import (
-    ModelSpec,
     check_same_tokenizer,
     check_same_vocab,
     eos_token_ids,
+    is_feature_draft,
     load_model,
     load_tokenizer,
-    local_folder,
 )
 from ..prompts import Prompt, PromptStats, chat_prompt_ids, load_prompts
 from ..rollout import rollout_features, rollout_labels
@@ -291,13 +290,6 @@ def load_run(cfg: DataGenConfig) -> tuple[PromptPlan, LoadedPair]:
     eos = eos_token_ids(tokenizer, target)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     return plan, LoadedPair(target, draft, tokenizer, eos, pad)
-
-
-def is_feature_draft(spec: ModelSpec) -> bool:
-    """Whether ``spec`` names a :class:`~accept_head.feature_draft.FeatureDraft` folder (not a standalone LM)."""
-    from ..feature_draft import is_feature_draft_folder
-
-    return is_feature_draft_folder(local_folder(spec))
 
 
 @dataclass

@@ -28,7 +28,7 @@ from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, S
 
 from ..labels import recorded_temperature
 from ..mixing import check_ratio, mix_tokens
-from ..pairs import ModelSpec, eos_token_ids, load_model, load_tokenizer, local_folder, local_path
+from ..pairs import ModelSpec, eos_token_ids, is_feature_draft, load_model, load_tokenizer, local_folder, local_path
 from ..sampling import SamplingConfig
 from ..seeds import seeded_generator
 
@@ -79,13 +79,6 @@ class HiddenRow:
 def is_rollout(meta: dict) -> bool:
     """Whether a dataset's ``meta.json`` describes rollout labels with stored hidden states."""
     return meta.get("label_mode") == ROLLOUT
-
-
-def is_feature_draft(spec: ModelSpec) -> bool:
-    """Whether ``spec`` names a :class:`~accept_head.feature_draft.FeatureDraft` folder."""
-    from ..feature_draft import is_feature_draft_folder
-
-    return is_feature_draft_folder(local_folder(spec))
 
 
 def _same_model(a: ModelSpec, b: ModelSpec) -> bool:

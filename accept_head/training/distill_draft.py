@@ -176,7 +176,7 @@ def pooled_acceptance(scores: Sequence[tuple[float, int, int]]) -> dict:
     }
 
 
-def acceptance_metrics(draft, target_probs: list[torch.Tensor], examples: Sequence[Example]) -> dict:
+def held_out_acceptance(draft, target_probs: list[torch.Tensor], examples: Sequence[Example]) -> dict:
     """Mean Σ_x min(p, q) (expected acceptance at temperature 1) and greedy agreement over response positions."""
     return pooled_acceptance([response_acceptance(draft, e, p) for e, p in zip(examples, target_probs, strict=True)])
 
@@ -200,7 +200,7 @@ class ShardBatches(torch.utils.data.IterableDataset):
 
 class DistillDraftModule(LightningModule):
     """Trains a standalone draft on response shards with :func:`distill_loss` (AdamW, linear warm-up then cosine
-    decay to 10% of ``lr``); each validation scores :func:`acceptance_metrics` on the held-out responses and hands
+    decay to 10% of ``lr``); each validation scores :func:`held_out_acceptance` on the held-out responses and hands
     the row to ``on_validation`` (the recipe appends it to its learning curve)."""
 
     def __init__(

@@ -32,8 +32,8 @@ from .distill_draft import (
     DistillDraftModule,
     DraftArchitecture,
     ShardBatches,
-    acceptance_metrics,
     build_draft,
+    held_out_acceptance,
     load_shards,
     pooled_acceptance,
     response_acceptance,
@@ -190,7 +190,7 @@ def fit(cfg: DistillConfig) -> None:
         module, work, total_steps, val_every_steps, checkpoint_every_steps=100, enable_model_summary=False
     )
     draft.eval()
-    metrics = acceptance_metrics(draft, target_probs, eval_examples)
+    metrics = held_out_acceptance(draft, target_probs, eval_examples)
     row = {
         "train_tokens": int(module.tokens_seen),
         "distinct_tokens": module.data.distinct_tokens,
