@@ -21,7 +21,18 @@ CACHE_KWARGS = ("past_key_values", "cache")
 """The names a forward call or ``generate`` passes the KV cache under (``cache`` from transformers 5.24)."""
 
 
-_DEFAULT_CACHE_ARG = "cache" if TRANSFORMERS_VERSION >= Version("5.24.0") else "past_key_values"
+def _output_cache_field() -> str:
+    from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+    return "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
+
+
+OUTPUT_CACHE_FIELD = _output_cache_field()
+"""The field of ``generate``'s output that holds the KV cache (``cache`` from 5.24, ``past_key_values`` before)."""
+
+
+_DEFAULT_CACHE_ARG = OUTPUT_CACHE_FIELD
+"""The installed release's own name for the cache, read from it rather than guessed from its version."""
 
 
 @functools.cache
@@ -40,16 +51,6 @@ def cache_kwargs(model: torch.nn.Module, cache, use_cache: bool = True) -> dict:
     """Keyword arguments that hand ``model``'s forward its KV cache: ``model(input_ids=..., **cache_kwargs(model,
     cache))``, under the name this model's forward takes it (see :func:`_cache_arg`)."""
     return {_cache_arg(type(model)): cache, "use_cache": use_cache}
-
-
-def _output_cache_field() -> str:
-    from transformers.generation.utils import GenerateDecoderOnlyOutput
-
-    return "cache" if "cache" in GenerateDecoderOnlyOutput.__dataclass_fields__ else "past_key_values"
-
-
-OUTPUT_CACHE_FIELD = _output_cache_field()
-"""The field of ``generate``'s output that holds the KV cache (``cache`` from 5.24, ``past_key_values`` before)."""
 
 
 def passed_cache(kwargs: dict):
