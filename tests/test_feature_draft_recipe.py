@@ -152,9 +152,10 @@ def test_feature_shards_hold_the_targets_final_hidden_states_and_log_normalisers
 
 
 def test_text_stage_cuts_files_into_prompted_chunks_that_features_read_but_vocab_does_not(run, tmp_path) -> None:
-    """``text`` writes each kept file's tokens as ``text_chunk``-token responses to the chat-templated ``text_prompt``
-    (tails under 64 tokens dropped, excluded folders skipped, at most ``text_tokens``); ``features`` teacher-forces
-    the target over them as training sequences; ``vocab`` still counts only the target's own responses."""
+    """``text`` writes each kept file's tokens as ``text_chunk``-token responses to its source's chat-templated
+    ``prompt`` (tails under 64 tokens dropped, excluded folders skipped, at most the source's ``tokens``; a second
+    source with its own prompt and template follows in its own shard); ``features`` teacher-forces the target over
+    them as training sequences; ``vocab`` still counts only the target's own responses."""
     from tiny_models import WORDS
 
     words = [w for w in WORDS if w.isalpha()]
@@ -163,19 +164,39 @@ def test_text_stage_cuts_files_into_prompted_chunks_that_features_read_but_vocab
     for name, body in bodies.items():
         (tmp_path / "src" / name).write_text(body)
     (tmp_path / "src" / "tests" / "c.txt").write_text(" ".join(words[:100]))
-    cfg = dict(run["cfg"], work_dir=str(tmp_path / "work"), text_sources=[str(tmp_path / "src" / "**" / "*.txt")])
-    cfg |= {"text_template": "{text}", "text_prompt": "write code", "text_chunk": 70, "text_tokens": 10_000}
+    (tmp_path / "doc.md").write_text(" ".join(words[i % len(words)] for i in range(90)))
+    code = {
+        "patterns": [str(tmp_path / "src" / "**" / "*.txt")],
+        "tokens": 10_000,
+        "template": "{text}",
+        "prompt": "write code",
+    }
+    prose = {
+        "patterns": [str(tmp_path / "*.md")],
+        "tokens": 100,
+        "template": "# {text}",
+        "prompt": "go on",
+        "exclude": [],
+    }
+    cfg = dict(run["cfg"], work_dir=str(tmp_path / "work"), text_sources=[code, prose], text_chunk=70)
     run_cli("text", "--config", str(write_config(tmp_path / "text.yaml", cfg)))
     tokenizer = make_tokenizer()
     chat = [{"role": "user", "content": "write code"}]
     prompt = tokenizer.apply_chat_template(chat, add_generation_prompt=True, return_dict=True)["input_ids"]
     shards = sorted((tmp_path / "work" / "text").glob("train-text-*.pt"))
-    assert [p.name for p in shards] == ["train-text-000.pt"]
+    assert [p.name for p in shards] == ["train-text-000.pt", "train-text-001.pt"]
     shard = torch.load(shards[0], weights_only=True)
     assert all(p.tolist() == list(prompt) for p in shard["prompt_ids"])
     ids = tokenizer(bodies["a.txt"], add_special_tokens=False)["input_ids"]  # b.txt (40) is under 64; c.txt excluded
     assert [r.tolist() for r in shard["response_ids"]] == [ids[:70], ids[70:140]]  # the 10-token tail is dropped
-    assert json.loads((tmp_path / "work" / "text" / "meta.json").read_text())["tokens"] == 140 + 2 * len(prompt)
+    second = torch.load(shards[1], weights_only=True)
+    prose_ids = tokenizer("# " + (tmp_path / "doc.md").read_text(), add_special_tokens=False)["input_ids"]
+    prose_chat = [{"role": "user", "content": "go on"}]
+    prose_prompt = tokenizer.apply_chat_template(prose_chat, add_generation_prompt=True, return_dict=True)["input_ids"]
+    assert [p.tolist() for p in second["prompt_ids"]] == [list(prose_prompt)]  # its tail under 64 tokens is dropped
+    assert [r.tolist() for r in second["response_ids"]] == [prose_ids[:70]]
+    meta = json.loads((tmp_path / "work" / "text" / "meta.json").read_text())
+    assert [s["tokens"] for s in meta["sources"]] == [140 + 2 * len(prompt), 70 + len(prose_prompt)]
 
     run_cli("features", "--config", str(write_config(tmp_path / "text.yaml", cfg)))
     stored = feature_sequences(tmp_path / "work" / "features" / "train-text-000.safetensors")
@@ -365,8 +386,8 @@ def test_more_text_recipe_differs_from_the_committed_one_only_by_its_text_and_fo
         printed[name] = yaml.safe_load(capsys.readouterr().out)["cfg"]
     base, text = printed.values()
     changed = {key for key in base if base[key] != text[key]}
-    assert changed == {"work_dir", "output_dir", "text_sources", "text_exclude", "text_tokens"}
-    assert text["text_tokens"] > 0 and text["text_sources"] == ["{stdlib}/**/*.py"]
+    assert changed == {"work_dir", "output_dir", "text_sources"}
+    assert [(s["patterns"], s["tokens"] > 0) for s in text["text_sources"]] == [(["{stdlib}/**/*.py"], True)]
 
 
 def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None:

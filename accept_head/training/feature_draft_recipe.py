@@ -42,6 +42,22 @@ from .feature_draft import FeatureDataModule, FeatureDraftModule, read_feature_s
 
 
 @dataclass
+class TextSource:
+    """One kind of text for the recipe's ``text`` stage: the files ``patterns`` match, written as responses."""
+
+    patterns: list[str]
+    """Glob patterns of text files; ``{stdlib}`` stands for Python's standard-library folder."""
+    tokens: int
+    """Tokens (prompts included) this source writes at most."""
+    exclude: list[str] = field(default_factory=lambda: ["site-packages", "test", "tests"])
+    """Folder names whose files are skipped."""
+    prompt: str = "Write the next part of this Python module."
+    """The user turn each chunk answers (through the target's chat template)."""
+    template: str = "```python\n{text}\n```"
+    """How a file's text is written as a response before it is cut into chunks."""
+
+
+@dataclass
 class FeatureDraftRecipe:
     """The ``cfg:`` of ``python -m train.feature_draft`` (``configs/distill/smollm2-135m-feature-draft.yaml``)."""
 
@@ -86,19 +102,11 @@ class FeatureDraftRecipe:
     standalone: ModelSpec | None = None
     """A standalone draft of the same target, timed beside this one with its full and with this draft's pruned
     vocabulary (what pruning alone does to its cost ratio)."""
-    text_sources: list[str] = field(default_factory=list)
-    """Glob patterns of text files the ``text`` stage turns into more training sequences (teacher forcing reads text
-    several times faster than the target writes it); ``{stdlib}`` stands for Python's standard-library folder."""
-    text_exclude: list[str] = field(default_factory=lambda: ["site-packages", "test", "tests"])
-    """Folder names whose files ``text_sources`` skips."""
-    text_prompt: str = "Write the next part of this Python module."
-    """The user turn each text chunk answers (through the target's chat template)."""
-    text_template: str = "```python\n{text}\n```"
-    """How a file's text is written as a response before it is cut into chunks."""
+    text_sources: list[TextSource] = field(default_factory=list)
+    """Text files the ``text`` stage turns into more training sequences (teacher forcing reads text several times
+    faster than the target writes it), each source with its own prompt and token budget."""
     text_chunk: int = 384
     """Response tokens per text sequence (shorter tails than 64 tokens are dropped)."""
-    text_tokens: int = 0
-    """Tokens (prompts included) the ``text`` stage writes at most; 0 turns it off."""
 
 
 def _shards(cfg: FeatureDraftRecipe, kind: str) -> list[Path]:
@@ -112,10 +120,11 @@ def _text_shards(cfg: FeatureDraftRecipe) -> list[Path]:
 
 
 def text(cfg: FeatureDraftRecipe) -> dict:
-    """Stage 0 (optional): cut the files of ``text_sources`` into generation-format shards (``train-text-*.pt`` in
-    ``<work_dir>/text``): each chunk of ``text_chunk`` tokens is the response to ``text_prompt``. Files are taken in a
-    seeded order until ``text_tokens`` tokens are written; ``features`` then teacher-forces the target over them
-    beside its own responses (``vocab`` still counts only those). Returns what was written."""
+    """Stage 0 (optional): cut the files of each of ``text_sources`` into generation-format shards
+    (``train-text-*.pt`` in ``<work_dir>/text``): each chunk of ``text_chunk`` tokens is the response to the source's
+    ``prompt``. Each source takes its files in a seeded order until its ``tokens`` are written; ``features`` then
+    teacher-forces the target over them beside its own responses (``vocab`` still counts only those). Returns what
+    was written."""
     import random
     import sysconfig
 
@@ -123,29 +132,17 @@ def text(cfg: FeatureDraftRecipe) -> dict:
 
     out = expand(cfg.work_dir) / "text"
     done = out / "meta.json"
-    if done.exists() or cfg.text_tokens <= 0:
+    if done.exists() or not cfg.text_sources:
         return json.loads(done.read_text()) if done.exists() else {"shards": 0, "tokens": 0}
     for partial in _text_shards(cfg):  # a killed run's shards: written again, in the same order
         partial.unlink()
     stdlib = sysconfig.get_paths()["stdlib"]
-    files = sorted(
-        {path for pattern in cfg.text_sources for path in Path("/").glob(pattern.format(stdlib=stdlib).lstrip("/"))}
-    )
-    files = [f for f in files if f.is_file() and not set(cfg.text_exclude) & set(f.parts)]
-    if not files:
-        raise FileNotFoundError(f"text_sources={cfg.text_sources} match no file; give glob patterns of text files.")
-    random.Random(cfg.seed).shuffle(files)
     tokenizer = load_tokenizer(cfg.target)
-    chat = [{"role": "user", "content": cfg.text_prompt}]
-    prompt = torch.tensor(
-        tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"],
-        dtype=torch.int32,
-    )
     out.mkdir(parents=True, exist_ok=True)
     rows: list[torch.Tensor] = []
-    written, shards = 0, 0
+    shards, per_source = 0, []
 
-    def flush() -> None:
+    def flush(prompt: torch.Tensor) -> None:
         nonlocal rows, shards
         if rows:
             ids = [f"text-{shards}-{i}" for i in range(len(rows))]
@@ -153,25 +150,39 @@ def text(cfg: FeatureDraftRecipe) -> dict:
             save_atomic(shard, out / f"train-text-{shards:03d}.pt", torch.save)
             shards, rows = shards + 1, []
 
-    for path in files:
-        try:
-            body = path.read_text()
-        except (UnicodeDecodeError, OSError):
-            continue
-        ids = tokenizer(cfg.text_template.format(text=body), add_special_tokens=False)["input_ids"]
-        for start in range(0, len(ids), cfg.text_chunk):
-            piece = ids[start : start + cfg.text_chunk]
-            if len(piece) >= 64 and written < cfg.text_tokens:
-                rows.append(torch.tensor(piece, dtype=torch.int32))
-                written += len(piece) + len(prompt)
-                if len(rows) == 256:
-                    flush()
-        if written >= cfg.text_tokens:
-            break
-    flush()
-    meta = {"shards": shards, "tokens": written, "candidate_files": len(files)}
+    for source in cfg.text_sources:
+        patterns = [pattern.format(stdlib=stdlib).lstrip("/") for pattern in source.patterns]
+        files = sorted({path for pattern in patterns for path in Path("/").glob(pattern)})
+        files = [f for f in files if f.is_file() and not set(source.exclude) & set(f.parts)]
+        if not files:
+            raise FileNotFoundError(
+                f"text source patterns={source.patterns} match no file; give glob patterns of text files."
+            )
+        random.Random(cfg.seed).shuffle(files)
+        chat = [{"role": "user", "content": source.prompt}]
+        prompt_ids = tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=True)
+        prompt = torch.tensor(prompt_ids["input_ids"], dtype=torch.int32)
+        written = 0
+        for path in files:
+            try:
+                body = path.read_text()
+            except (UnicodeDecodeError, OSError):
+                continue
+            ids = tokenizer(source.template.format(text=body), add_special_tokens=False)["input_ids"]
+            for start in range(0, len(ids), cfg.text_chunk):
+                piece = ids[start : start + cfg.text_chunk]
+                if len(piece) >= 64 and written < source.tokens:
+                    rows.append(torch.tensor(piece, dtype=torch.int32))
+                    written += len(piece) + len(prompt)
+                    if len(rows) == 256:
+                        flush(prompt)
+            if written >= source.tokens:
+                break
+        flush(prompt)
+        per_source.append({"patterns": source.patterns, "tokens": written, "candidate_files": len(files)})
+    meta = {"shards": shards, "tokens": sum(s["tokens"] for s in per_source), "sources": per_source}
     done.write_text(json.dumps(meta, indent=2) + "\n")
-    print(f"[text] {shards} shards, {written} tokens from {len(files)} candidate files", flush=True)
+    print(f"[text] {shards} shards, {meta['tokens']} tokens from {len(per_source)} sources", flush=True)
     return meta
 
 
