@@ -120,8 +120,6 @@ def _gqa_eager_attention(module, query, key, value, attention_mask, scaling, dro
     with left padding spends most of its time in ``repeat_kv`` copies and in SDPA's flash kernel for Q = 1; this
     computes the same attention with two batched matmuls. Returns (B, Q, H, D) like transformers' eager attention.
     """
-    import torch
-
     batch, heads, q_len, dim = query.shape
     kv_heads, s_len = key.shape[1], key.shape[2]
     rep = heads // kv_heads
@@ -167,7 +165,6 @@ def enclosing_generate_arguments(names: tuple[str, ...] = ("streamer", "assistan
         raise ImportError(
             f"generate(custom_generate=<callable>) needs transformers >= 4.56 (found {TRANSFORMERS_VERSION})."
         )
-    import inspect
     import sys
 
     from transformers.generation.utils import GenerationMixin

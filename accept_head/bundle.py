@@ -36,6 +36,7 @@ from .hf_generate import CUSTOM_GENERATE_SOURCE, SpecDecGenerateOutput, run_cust
 from .pairs import (
     ModelSpec,
     check_same_tokenizer,
+    check_same_vocab,
     eos_token_ids,
     load_model,
     load_tokenizer,
@@ -144,10 +145,7 @@ class SpecDecPP:
                 f"head hidden_size={head.hidden_size} != draft hidden_size={draft.config.hidden_size}: "
                 "the head must be trained on this draft's hidden states."
             )
-        if target.config.vocab_size != draft.config.vocab_size:
-            raise ValueError(
-                f"target vocab_size={target.config.vocab_size} != draft vocab_size={draft.config.vocab_size}."
-            )
+        check_same_vocab(target, draft)
         # Validates threshold and candidate bounds with the same messages as the policy.
         HeadThreshold(head, threshold, min_candidates, max_candidates, unscored=unscored)
         if greedy_threshold is not None:
@@ -177,9 +175,7 @@ class SpecDecPP:
     def calibration_for(self, greedy: bool = False) -> Calibration | None:
         """The calibration map for a decoding mode: the one fitted on greedy labels when the bundle has one
         (greedy verification accepts by another rule than the sampling labels the head trains on)."""
-        if greedy and self.greedy_calibration is not None:
-            return self.greedy_calibration
-        return self.calibration
+        return self.greedy_calibration if greedy and self.greedy_calibration is not None else self.calibration
 
     def policy(self, threshold: float | None = None, greedy: bool = False) -> HeadThreshold:
         """The stop policy this bundle decodes with in a mode (``greedy``): its h* for that mode

@@ -72,9 +72,7 @@ def apply_calibration(calibration: Calibration | None, probs: torch.Tensor) -> t
     if calibration.kind == "temperature":
         p = probs.clamp(1e-7, 1 - 1e-7)
         return torch.sigmoid(torch.log(p / (1 - p)) / calibration.temperature)
-    x = torch.tensor(calibration.x, dtype=torch.float64)
-    y = torch.tensor(calibration.y, dtype=torch.float64)
-    return torch.from_numpy(np.interp(probs.numpy(), x.numpy(), y.numpy())).reshape(probs.shape)
+    return torch.from_numpy(np.interp(probs.numpy(), calibration.x, calibration.y)).reshape(probs.shape)
 
 
 def fit_temperature(logits: torch.Tensor, labels: torch.Tensor, max_iter: int = 100) -> Calibration:

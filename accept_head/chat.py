@@ -18,7 +18,7 @@ import argparse
 import statistics
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import TextIO
 
 import torch
@@ -157,26 +157,25 @@ def chat(args: argparse.Namespace, out: TextIO = sys.stdout, inp: TextIO = sys.s
         raise SystemExit(f"{args.bundle} names no tokenizer (its target spec); chat needs one.")
     policy = parse_policy(args.policy, specdec)
     messages = [{"role": "system", "content": args.system}] if args.system else []
-    turns = [args.prompt] if args.prompt is not None else None
-    if turns is None:
+    if args.prompt is None:
         out.write(f"SpecDec++ chat on {args.bundle} ({policy.describe()}); /exit or Ctrl-D to quit.\n")
-    while True:
-        if turns is not None:
-            if not turns:
-                return 0
-            text = turns.pop(0)
-        else:
-            out.write("you> ")
-            out.flush()
-            text = inp.readline()
-            if not text or text.strip() == "/exit":
-                return 0
-            text = text.strip()
-            if not text:
-                continue
+    for text in [args.prompt] if args.prompt is not None else _read_turns(out, inp):
         messages.append({"role": "user", "content": text})
         reply = answer(specdec, messages, policy, args, out)
         messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def _read_turns(out: TextIO, inp: TextIO) -> Iterator[str]:
+    """The user's non-empty lines from ``inp``, each after a ``you>`` prompt, until EOF or ``/exit``."""
+    while True:
+        out.write("you> ")
+        out.flush()
+        text = inp.readline()
+        if not text or text.strip() == "/exit":
+            return
+        if text.strip():
+            yield text.strip()
 
 
 def overhead(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:

@@ -123,6 +123,20 @@ def _as_input_ids(input_ids: torch.Tensor | Sequence[int]) -> torch.Tensor:
     return ids
 
 
+def _check_int(name: str, value, low: int = 1) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
+
+
+def _prepare(
+    input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None, *models
+) -> tuple[torch.Tensor, int, set[int]]:
+    """The checked prompt (1, L), the usable number of new tokens (:func:`_check_lengths` against ``models``) and
+    the set of EOS ids: the prologue every decoder shares."""
+    ids = _as_input_ids(input_ids)
+    return ids, _check_lengths(ids.shape[1], max_new_tokens, *models), _eos_set(eos_token_id)
+
+
 def _check_lengths(prompt_len: int, max_new_tokens: int, *models) -> int:
     """Validate the prompt against each model's (or drafter's) context and return the usable number of new tokens."""
     if max_new_tokens < 0:
@@ -176,10 +190,8 @@ def autoregressive_generate(
 ) -> GenerationResult:
     """Sample from the target alone, one token per forward pass (the reference every speed-up is measured against)."""
     sampling = SamplingConfig(temperature, top_k, top_p)
-    ids = _as_input_ids(input_ids)
+    ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     device = next(target.parameters()).device
-    budget = _check_lengths(ids.shape[1], max_new_tokens, target)
-    eos = _eos_set(eos_token_id)
     stats = DecodeStats()
     tokens = ids[0].tolist()
     cache = DynamicCache()
@@ -336,12 +348,10 @@ def speculative_generate(
     accepts a prefix and adds one token of its own, and both sides keep only what was accepted.
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
-    ids = _as_input_ids(input_ids)
     drafter = as_drafter(draft, target, with_hidden=policy.uses_hidden)
     _check_pair(drafter, policy, sampling)
+    ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target, drafter)
     device = next(target.parameters()).device
-    budget = _check_lengths(ids.shape[1], max_new_tokens, target, drafter)
-    eos = _eos_set(eos_token_id)
     stats = DecodeStats()
     policy.reset()
     tokens = ids[0].tolist()

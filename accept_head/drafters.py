@@ -29,6 +29,7 @@ from transformers import DynamicCache
 
 from ._hf_compat import cache_kwargs, crop_cache
 from .features import capture_lm_head_input
+from .pairs import check_same_vocab
 
 
 @dataclass
@@ -161,10 +162,6 @@ def as_drafter(draft, target: torch.nn.Module, with_hidden: bool = True) -> Draf
     if isinstance(draft, FeatureDraft):
         return FeatureDrafter(draft, target)
     if isinstance(draft, torch.nn.Module):
-        if target.config.vocab_size != draft.config.vocab_size:
-            raise ValueError(
-                f"target vocab_size={target.config.vocab_size} != draft vocab_size={draft.config.vocab_size}: "
-                "the pair must share one tokenizer."
-            )
+        check_same_vocab(target, draft)
         return ModelDrafter(draft, with_hidden=with_hidden)
     raise TypeError(f"Cannot draft with a {type(draft).__name__}: pass an HF causal LM, a FeatureDraft or a Drafter.")

@@ -460,9 +460,9 @@ class Runner:
         draft = self.pair.draft_for(params.pop("draft", None))
         spec = MethodSpec(spec.kind, params, label=spec.name)
         common = dict(temperature=self.temperature, eos_token_id=eos, **self.sampling)
+        if spec.kind in ("autoregressive", "oracle") and spec.params:
+            raise ValueError(f"{spec.kind} takes no parameters, got {spec.params}.")
         if spec.kind == "autoregressive":
-            if spec.params:
-                raise ValueError(f"autoregressive takes no parameters, got {spec.params}.")
             return lambda ids, gen: autoregressive_generate(target, ids, self.max_new_tokens, generator=gen, **common)
         if spec.kind == "hf_assisted":
             try:
@@ -471,8 +471,6 @@ class Runner:
                 raise ValueError(f"bad parameters {spec.params} for hf_assisted: {err}") from err
             return lambda ids, gen: runner.generate(ids, self.max_new_tokens, generator=gen, **common)
         if spec.kind == "oracle":
-            if spec.params:
-                raise ValueError(f"oracle takes no parameters, got {spec.params}.")
             return lambda ids, gen: self._decode_oracle(ids, gen, common)
         policy = self.policy(spec)
         return lambda ids, gen: speculative_generate(
@@ -525,18 +523,14 @@ def run_interleaved(
         if spec.kind == "oracle":
             for prompt in prompts:
                 runner.oracle(prompt.ids)
-    total = len(decoders) * (len(prompts) * repeats + min(warmup, len(prompts)))
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
+    from tqdm.auto import tqdm
 
-        bar = tqdm(total=total, desc=desc, unit="run", leave=False)
-    try:
+    total = len(decoders) * (len(prompts) * repeats + min(warmup, len(prompts)))
+    with tqdm(total=total, desc=desc, unit="run", leave=False, disable=not progress) as bar:
         for index, prompt in enumerate(prompts[:warmup]):
             for decode in decoders.values():
                 decode(prompt.ids, seeded_generator(seed, -1, index))
-                if bar is not None:
-                    bar.update()
+                bar.update()
         out: dict[str, list[list[DecodeStats]]] = {name: [] for name in decoders}
         for repeat in range(repeats):
             for name in decoders:
@@ -549,11 +543,7 @@ def run_interleaved(
                     out[name][repeat].append(result.stats)
                     if outputs is not None:
                         outputs[name][repeat].append(tuple(result.sequences[0, len(prompt.ids) :].tolist()))
-                    if bar is not None:
-                        bar.update()
-    finally:
-        if bar is not None:
-            bar.close()
+                    bar.update()
     return out
 
 

@@ -60,6 +60,7 @@ import torch
 
 from .calibration import Calibration, apply_calibration, choose_calibration
 from .cost_model import TreeCost
+from .decoding import _check_int
 from .engine import MethodSpec, Runner
 from .ngrammys import ContextNgrams, ModelBigram
 from .prompts import EncodedPrompt
@@ -139,8 +140,7 @@ class GuessFeatures:
 
     def __init__(self, bigram: ModelBigram | None = None, q: int = 2, max_matches: int = 16) -> None:
         for name, value in (("q", q), ("max_matches", max_matches)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+            _check_int(name, value)
         self.bigram, self.q, self.max_matches = bigram, q, max_matches
         self.index = ContextNgrams(q)
         self._ranks: dict[int, dict[int, int]] = {}

@@ -19,6 +19,7 @@ import torch
 
 from ._hf_compat import cache_length, passed_cache
 from .decoding import DecodeStats, GenerationResult, _as_input_ids, _eos_set
+from .pairs import check_same_vocab
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
@@ -69,9 +70,7 @@ class _PassRecorder:
         self._start = time.perf_counter()
         if self._record_shapes:
             input_ids = kwargs.get("input_ids", args[0] if args else None)
-            cache = passed_cache(kwargs)
-            cached = cache_length(cache) if cache is not None else 0
-            self.shapes.append((int(cached), int(input_ids.shape[1])))
+            self.shapes.append((int(cache_length(passed_cache(kwargs))), int(input_ids.shape[1])))
 
     def _post(self, module, args, output) -> None:
         self.seconds += time.perf_counter() - self._start
@@ -115,11 +114,7 @@ class HFAssisted:
     """
 
     def __init__(self, target: torch.nn.Module, draft: torch.nn.Module, settings: AssistedSettings) -> None:
-        if target.config.vocab_size != draft.config.vocab_size:
-            raise ValueError(
-                f"target vocab_size={target.config.vocab_size} != draft vocab_size={draft.config.vocab_size}: "
-                "the pair must share one tokenizer."
-            )
+        check_same_vocab(target, draft)
         self.target, self.draft, self.settings = target, draft, settings
         self.reset()
 

@@ -80,10 +80,16 @@ PER_POSITION = (
 
 def label_features():
     """The ``datasets.Features`` of a label dataset (see :data:`COLUMNS`)."""
+    return _list_features(COLUMNS)
+
+
+def _list_features(columns: dict[str, str]):
+    """``datasets.Features`` of ``columns`` (name → value type): every column a list but ``prompt_id`` and
+    ``source``."""
     import datasets
 
     features = {}
-    for name, dtype in COLUMNS.items():
+    for name, dtype in columns.items():
         value = datasets.Value(dtype)
         features[name] = value if name in ("prompt_id", "source") else datasets.List(value)
     return datasets.Features(features)
@@ -195,10 +201,6 @@ def position_labels(
     )
 
 
-def _accepts_logits_to_keep(model: torch.nn.Module) -> bool:
-    return "logits_to_keep" in inspect.signature(model.forward).parameters
-
-
 @torch.inference_mode()
 def response_logits(
     model: torch.nn.Module,
@@ -220,7 +222,8 @@ def response_logits(
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     keep = max(len(r) for r in response_ids)
-    kwargs: dict[str, Any] = {"logits_to_keep": keep} if _accepts_logits_to_keep(model) else {}
+    accepts_keep = "logits_to_keep" in inspect.signature(model.forward).parameters
+    kwargs: dict[str, Any] = {"logits_to_keep": keep} if accepts_keep else {}
     logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=False, **kwargs).logits
     logits = logits[:, -keep:]  # (B, keep, V): left padding right-aligns every row's response positions
     return torch.cat([logits[b, keep - len(r) :] for b, r in enumerate(response_ids)])

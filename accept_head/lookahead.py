@@ -29,12 +29,11 @@ DynamicCache, logits_to_keep=<1-D index tensor>)``; a 4D mask is passed through 
 from __future__ import annotations
 
 import random
-import time
 from collections.abc import Sequence
 
 import torch
 
-from .decoding import GenerationResult, _as_input_ids, _check_lengths, _eos_set, _timed, _until_eos
+from .decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos
 from .sampling import SamplingConfig, probabilities
 from .tree_verify import (
     RowOrigin,
@@ -54,8 +53,7 @@ from .tree_verify import (
 def check_lookahead_params(window: int, ngram: int, guess_set: int) -> None:
     """W >= 1 columns, N >= 2 (an N-gram is a key token plus N − 1 guesses), G >= 1 guesses per key."""
     for name, value, low in (("window (W)", window, 1), ("ngram (N)", ngram, 2), ("guess_set (G)", guess_set, 1)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < low:
-            raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
+        _check_int(name, value, low)
 
 
 class NgramPool:
@@ -190,59 +188,55 @@ def lookahead_generate(
         pool = NgramPool(ngram, guess_set, vocab)
     pool.check(ngram, guess_set, vocab)
     check_masked_attention(target)
-    ids = _as_input_ids(input_ids)
-    budget = _check_lengths(ids.shape[1], max_new_tokens, target)
+    ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     limit = getattr(target.config, "max_position_embeddings", None)
-    eos = _eos_set(eos_token_id)
     stats = TreeDecodeStats()
-    start = time.perf_counter()
-    tokens = ids[0].tolist()
-    if context_ngrams:
-        pool.add_sequence(tokens)
-    jacobi = JacobiWindow(window, ngram, tokens[-1], random.Random(seed).choices(tokens, k=window + ngram - 3))
-    if stop is not None:
-        stop.start(tokens)
-    with _timed(stats, "target_time"):
-        cache = prefill_root(target, ids)  # lacks x_t, fed at the window's root
-    while stats.generated < budget:
-        # 1. Lay out the window and the pool's guesses for x_t (no longer than the budget leaves room for).
-        with _timed(stats, "draft_time"):
-            room = budget - stats.generated - 1
-            guesses = list(dict.fromkeys(g[:room] for g in pool.get(tokens[-1]))) if room > 0 else []
-            if stop is not None:
-                origins = [RowOrigin("pool", rank) for rank in range(len(guesses))]
-                fed = len(jacobi.levels) * len(jacobi.levels[0])  # the window, x_t included
-                guesses, origins = apply_stop(stop, tokens, [list(g) for g in guesses], origins, fed)
-            tree, parents, top, nodes = lookahead_tree(jacobi, guesses)
-            keep = sorted({0, *top, *(n for row in nodes for n in row)})  # logits rows needed; 0 (x_t) first
-            row_of = {n: i for i, n in enumerate(keep)}
-            nodes = [[row_of[n] for n in row] for row in nodes]
-        # 2. One target call: Jacobi step of the window and verification of the guesses.
-        with _timed(stats, "target_time"):
-            logits = tree_forward(target, cache, tree, parents, keep, None if limit is None else limit - 1)
-            argmax = logits.argmax(-1).tolist()
-            if sampling.greedy:
-                row, m, next_token = verify_greedy(argmax, guesses, nodes)
-            else:
-                row, m, next_token = verify_sampled(probabilities(logits, sampling), guesses, nodes, generator)
-            accepted = list(guesses[row][:m]) if m else []
-            commit_nodes(cache, len(tokens) - 1, [keep[n] for n in nodes[row][:m]] if m else [])
+    with _timed(stats, "total_time"):
+        tokens = ids[0].tolist()
+        if context_ngrams:
+            pool.add_sequence(tokens)
+        jacobi = JacobiWindow(window, ngram, tokens[-1], random.Random(seed).choices(tokens, k=window + ngram - 3))
         if stop is not None:
+            stop.start(tokens)
+        with _timed(stats, "target_time"):
+            cache = prefill_root(target, ids)  # lacks x_t, fed at the window's root
+        while stats.generated < budget:
+            # 1. Lay out the window and the pool's guesses for x_t (no longer than the budget leaves room for).
             with _timed(stats, "draft_time"):
-                stop.observe(tokens, guesses, origins, nodes, logits)
-        # 3. Commit (up to an EOS); harvest the window's n-grams and move it one position on.
-        new = _until_eos([*accepted, next_token], eos)
-        stats.record_tree_round(len(tree), len(guesses), len(guesses[row]) if row >= 0 else 0, m, len(new))
-        tokens.extend(new)
-        if new[-1] in eos:
-            break
-        with _timed(stats, "draft_time"):
-            predictions = [argmax[row_of[n]] for n in top]
-            if jacobi.full:
-                for key, continuation in jacobi.ngrams(predictions):
-                    pool.add(key, continuation)
-            if context_ngrams:
-                pool.add_sequence(tokens, len(tokens) - len(new))
-            jacobi.advance(tokens[-1], predictions)
-    stats.total_time = time.perf_counter() - start
+                room = budget - stats.generated - 1
+                guesses = list(dict.fromkeys(g[:room] for g in pool.get(tokens[-1]))) if room > 0 else []
+                if stop is not None:
+                    origins = [RowOrigin("pool", rank) for rank in range(len(guesses))]
+                    fed = len(jacobi.levels) * len(jacobi.levels[0])  # the window, x_t included
+                    guesses, origins = apply_stop(stop, tokens, [list(g) for g in guesses], origins, fed)
+                tree, parents, top, nodes = lookahead_tree(jacobi, guesses)
+                keep = sorted({0, *top, *(n for row in nodes for n in row)})  # logits rows needed; 0 (x_t) first
+                row_of = {n: i for i, n in enumerate(keep)}
+                nodes = [[row_of[n] for n in row] for row in nodes]
+            # 2. One target call: Jacobi step of the window and verification of the guesses.
+            with _timed(stats, "target_time"):
+                logits = tree_forward(target, cache, tree, parents, keep, None if limit is None else limit - 1)
+                argmax = logits.argmax(-1).tolist()
+                if sampling.greedy:
+                    row, m, next_token = verify_greedy(argmax, guesses, nodes)
+                else:
+                    row, m, next_token = verify_sampled(probabilities(logits, sampling), guesses, nodes, generator)
+                commit_nodes(cache, len(tokens) - 1, [keep[n] for n in nodes[row][:m]] if m else [])
+            if stop is not None:
+                with _timed(stats, "draft_time"):
+                    stop.observe(tokens, guesses, origins, nodes, logits)
+            # 3. Commit (up to an EOS); harvest the window's n-grams and move it one position on.
+            new = _until_eos([*guesses[row][:m], next_token] if m else [next_token], eos)
+            stats.record_tree_round(len(tree), len(guesses), len(guesses[row]) if row >= 0 else 0, m, len(new))
+            tokens.extend(new)
+            if new[-1] in eos:
+                break
+            with _timed(stats, "draft_time"):
+                predictions = [argmax[row_of[n]] for n in top]
+                if jacobi.full:
+                    for key, continuation in jacobi.ngrams(predictions):
+                        pool.add(key, continuation)
+                if context_ngrams:
+                    pool.add_sequence(tokens, len(tokens) - len(new))
+                jacobi.advance(tokens[-1], predictions)
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)

@@ -23,14 +23,13 @@ length, as in the paper's batched rows. Batch size 1.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from .decoding import GenerationResult, _as_input_ids, _check_lengths, _eos_set, _timed, _until_eos
+from .decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos
 from .feature_draft import model_fingerprint
 from .sampling import SamplingConfig, probabilities
 from .tree_verify import (
@@ -193,8 +192,7 @@ class ContextNgrams:
 
 def check_ngrammys_params(k: int, w: int, q: int, strategy: str) -> None:
     for name, value in (("k", k), ("w", w), ("q", q)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be an integer >= 1.")
+        _check_int(name, value)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} must be one of {STRATEGIES}.")
 
@@ -257,42 +255,39 @@ def ngrammys_generate(
         if k > bigram.top:
             raise ValueError(f"k={k} rows need a bigram table with top >= {k}; this one has top={bigram.top}.")
     check_masked_attention(target)
-    ids = _as_input_ids(input_ids)
-    budget = _check_lengths(ids.shape[1], max_new_tokens, target)
-    eos = _eos_set(eos_token_id)
+    ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats = TreeDecodeStats()
-    start = time.perf_counter()
-    tokens = ids[0].tolist()
-    context = ContextNgrams(q) if strategy != "model" else None
-    if stop is not None:
-        stop.start(tokens)
-    with _timed(stats, "target_time"):
-        cache = prefill_root(target, ids)  # lacks the last token: the next round's root
-    while stats.generated < budget:
-        # 1. Guess: rows may not outrun the budget (the target always adds a token of its own).
-        with _timed(stats, "draft_time"):
-            width = min(w, budget - stats.generated - 1)
-            rows, origins = propose_rows(tokens, k, width, strategy, context, bigram) if width > 0 else ([], [])
-            if stop is not None:
-                rows, origins = apply_stop(stop, tokens, rows, origins, fed=1)
-        # 2. Verify every row in one pass over the tree [root = last token, row 1, ..., row k].
-        with _timed(stats, "target_time"):
-            tree, parents = [tokens[-1]], [-1]
-            nodes = add_rows(tree, parents, 0, rows)
-            logits = tree_forward(target, cache, tree, parents)
-            if sampling.greedy:
-                row, m, next_token = verify_greedy(logits.argmax(-1).tolist(), rows, nodes)
-            else:
-                row, m, next_token = verify_sampled(probabilities(logits, sampling), rows, nodes, generator)
-            commit_nodes(cache, len(tokens) - 1, nodes[row][:m] if m else [])
+    with _timed(stats, "total_time"):
+        tokens = ids[0].tolist()
+        context = ContextNgrams(q) if strategy != "model" else None
         if stop is not None:
+            stop.start(tokens)
+        with _timed(stats, "target_time"):
+            cache = prefill_root(target, ids)  # lacks the last token: the next round's root
+        while stats.generated < budget:
+            # 1. Guess: rows may not outrun the budget (the target always adds a token of its own).
             with _timed(stats, "draft_time"):
-                stop.observe(tokens, rows, origins, nodes, logits)
-        # 3. Commit the winning row's accepted tokens and the target's own (up to an EOS).
-        new = _until_eos([*rows[row][:m], next_token] if m else [next_token], eos)
-        stats.record_tree_round(len(tree), len(rows), len(rows[row]) if row >= 0 else 0, m, len(new))
-        tokens.extend(new)
-        if new[-1] in eos:
-            break
-    stats.total_time = time.perf_counter() - start
+                width = min(w, budget - stats.generated - 1)
+                rows, origins = propose_rows(tokens, k, width, strategy, context, bigram) if width > 0 else ([], [])
+                if stop is not None:
+                    rows, origins = apply_stop(stop, tokens, rows, origins, fed=1)
+            # 2. Verify every row in one pass over the tree [root = last token, row 1, ..., row k].
+            with _timed(stats, "target_time"):
+                tree, parents = [tokens[-1]], [-1]
+                nodes = add_rows(tree, parents, 0, rows)
+                logits = tree_forward(target, cache, tree, parents)
+                if sampling.greedy:
+                    row, m, next_token = verify_greedy(logits.argmax(-1).tolist(), rows, nodes)
+                else:
+                    row, m, next_token = verify_sampled(probabilities(logits, sampling), rows, nodes, generator)
+                commit_nodes(cache, len(tokens) - 1, nodes[row][:m] if m else [])
+            if stop is not None:
+                with _timed(stats, "draft_time"):
+                    stop.observe(tokens, rows, origins, nodes, logits)
+            # 3. Commit the winning row's accepted tokens and the target's own (up to an EOS).
+            new = _until_eos([*rows[row][:m], next_token] if m else [next_token], eos)
+            stats.record_tree_round(len(tree), len(rows), len(rows[row]) if row >= 0 else 0, m, len(new))
+            tokens.extend(new)
+            if new[-1] in eos:
+                break
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)

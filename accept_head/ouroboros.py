@@ -48,7 +48,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,8 +56,9 @@ import torch
 from transformers import DynamicCache
 
 from ._hf_compat import crop_cache, keep_cache_positions
-from .decoding import GenerationResult, _as_input_ids, _check_lengths, _eos_set, _timed, _until_eos
+from .decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos
 from .drafters import Drafter
+from .pairs import check_same_vocab
 from .sampling import SamplingConfig, probabilities
 from .tree_verify import (
     TreeDecodeStats,
@@ -74,11 +74,6 @@ from .tree_verify import (
 POOL_FORMAT = "accept_head.ouroboros.pool/1"
 
 Phrase = tuple[int, ...]
-
-
-def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name}={value!r} must be an integer >= {low}.")
 
 
 def check_ouroboros_params(gamma: int, phrase_length: int, phrases_per_token: int, candidates: int) -> None:
@@ -260,10 +255,8 @@ class PhraseDraft:
         prefix = self.cache.get_seq_length()
         pending = list(context[prefix:])
         assert pending, "the cache must lack at least the context's last token"
-        by_row: dict[Phrase, Phrase] = {}
-        for phrase in pool.get(pending[-1]) if room > 0 else []:
-            by_row.setdefault(phrase[1 : room + 1], phrase)
-        rows = list(by_row)
+        phrases = lengthening_phrases(pool, pending, pool.phrases_per_token, room)
+        rows = [phrase[1 : room + 1] for phrase in phrases]
         root = len(pending) - 1  # the pending text is a causal chain; the phrases hang off its last token
         tokens, parents = list(pending), list(range(-1, root))
         nodes = add_rows(tokens, parents, root, rows)
@@ -272,7 +265,7 @@ class PhraseDraft:
         row, m, next_token = verify_greedy(argmax, rows, [[n - root for n in row_nodes] for row_nodes in nodes])
         keep_cache_positions(self.cache, prefix + len(pending), [prefix + n for n in nodes[row][:m]] if m else [])
         self.calls += 1
-        return [*rows[row][:m], next_token] if m else [next_token], by_row[rows[row]] if m else None
+        return [*rows[row][:m], next_token] if m else [next_token], phrases[row] if m else None
 
     def draft(self, committed: Sequence[int], pool: PhrasePool, gamma: int) -> list[int]:
         """The sentence draft after ``committed``: ``gamma`` tokens of the draft model's greedy continuation (fewer
@@ -409,61 +402,54 @@ def ouroboros_generate(
             f"Ouroboros drafts with a Hugging Face causal LM (it verifies phrases in the draft's own forward pass); "
             f"got a {type(draft).__name__}."
         )
+    check_same_vocab(target, draft)
     vocab = int(target.config.vocab_size)
-    if int(draft.config.vocab_size) != vocab:
-        raise ValueError(
-            f"target vocab_size={vocab} != draft vocab_size={draft.config.vocab_size}: the pair must share one "
-            "tokenizer."
-        )
     if pool is None:
         pool = PhrasePool(phrase_length, phrases_per_token, vocab)
     pool.check(phrase_length, phrases_per_token, vocab)
     check_masked_attention(target)
     check_masked_attention(draft)
-    ids = _as_input_ids(input_ids)
-    budget = _check_lengths(ids.shape[1], max_new_tokens, target, draft)
+    ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target, draft)
     limit = getattr(target.config, "max_position_embeddings", None)
-    eos = _eos_set(eos_token_id)
     stats = OuroborosStats()
-    start = time.perf_counter()
-    tokens = ids[0].tolist()
-    if prompt_phrases:
-        pool.add_sequence(tokens)
-    drafter = PhraseDraft(draft)
-    with _timed(stats, "target_time"):
-        cache = prefill_root(target, ids)  # lacks the last token: the next round's root
-    while stats.generated < budget:
-        # 1. Draft phrase by phrase, then lengthen with pool phrases (no row may outrun the budget: the target
-        #    always adds a token of its own).
-        room = budget - stats.generated - 1
-        with _timed(stats, "draft_time"):
-            drafted = drafter.draft(tokens, pool, min(gamma, room)) if room > 0 else []
-            extensions = lengthening_phrases(pool, drafted, candidates - 1, room - len(drafted))
-            appended = [p[1 : room - len(drafted) + 1] for p in extensions]
-            tree, parents, rows, nodes = candidate_tree(tokens[-1], drafted, appended)
-        # 2. One target call verifies every candidate.
+    with _timed(stats, "total_time"):
+        tokens = ids[0].tolist()
+        if prompt_phrases:
+            pool.add_sequence(tokens)
+        drafter = PhraseDraft(draft)
         with _timed(stats, "target_time"):
-            logits = tree_forward(target, cache, tree, parents, None, None if limit is None else limit - 1)
-            argmax = logits.argmax(-1).tolist()
-            if sampling.greedy:
-                row, m, next_token = verify_greedy(argmax, rows, nodes)
-            else:
-                row, m, next_token = verify_sampled(probabilities(logits, sampling), rows, nodes, generator)
-            commit_nodes(cache, len(tokens) - 1, nodes[row][:m] if m else [])
-        # 3. Commit the winning row's accepted tokens and the target's own (up to an EOS).
-        verified = [*rows[row][:m], next_token] if m else [next_token]
-        new = _until_eos(verified, eos)
-        stats.record_tree_round(len(tree), len(rows), len(rows[row]) if row >= 0 else 0, m, len(new))
-        stats.drafted.append(len(drafted))
-        drafter.commit(len(tokens), drafted, new)
-        tokens.extend(new)
-        # 4. Refinement, then inspiration: the target's own continuations become phrases.
-        with _timed(stats, "draft_time"):
-            refine_pool(pool, len(drafted), extensions, verified)
-            for phrase in inspiration_phrases(tree[0], argmax, nodes, phrase_length, row):
-                pool.add(phrase)
-        if new[-1] in eos:
-            break
+            cache = prefill_root(target, ids)  # lacks the last token: the next round's root
+        while stats.generated < budget:
+            # 1. Draft phrase by phrase, then lengthen with pool phrases (no row may outrun the budget: the target
+            #    always adds a token of its own).
+            room = budget - stats.generated - 1
+            with _timed(stats, "draft_time"):
+                drafted = drafter.draft(tokens, pool, min(gamma, room)) if room > 0 else []
+                extensions = lengthening_phrases(pool, drafted, candidates - 1, room - len(drafted))
+                appended = [p[1 : room - len(drafted) + 1] for p in extensions]
+                tree, parents, rows, nodes = candidate_tree(tokens[-1], drafted, appended)
+            # 2. One target call verifies every candidate.
+            with _timed(stats, "target_time"):
+                logits = tree_forward(target, cache, tree, parents, None, None if limit is None else limit - 1)
+                argmax = logits.argmax(-1).tolist()
+                if sampling.greedy:
+                    row, m, next_token = verify_greedy(argmax, rows, nodes)
+                else:
+                    row, m, next_token = verify_sampled(probabilities(logits, sampling), rows, nodes, generator)
+                commit_nodes(cache, len(tokens) - 1, nodes[row][:m] if m else [])
+            # 3. Commit the winning row's accepted tokens and the target's own (up to an EOS).
+            verified = [*rows[row][:m], next_token] if m else [next_token]
+            new = _until_eos(verified, eos)
+            stats.record_tree_round(len(tree), len(rows), len(rows[row]) if row >= 0 else 0, m, len(new))
+            stats.drafted.append(len(drafted))
+            drafter.commit(len(tokens), drafted, new)
+            tokens.extend(new)
+            # 4. Refinement, then inspiration: the target's own continuations become phrases.
+            with _timed(stats, "draft_time"):
+                refine_pool(pool, len(drafted), extensions, verified)
+                for phrase in inspiration_phrases(tree[0], argmax, nodes, phrase_length, row):
+                    pool.add(phrase)
+            if new[-1] in eos:
+                break
     stats.draft_calls = drafter.calls
-    stats.total_time = time.perf_counter() - start
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)

@@ -322,9 +322,7 @@ def check_same_vocab(target: torch.nn.Module, draft: torch.nn.Module) -> None:
     """Raise ValueError unless the two models' output layers cover the same vocabulary size."""
     vt, vd = target.config.vocab_size, draft.config.vocab_size
     if vt != vd:
-        raise ValueError(
-            f"Target vocab_size={vt} differs from draft vocab_size={vd}; the pair must share one tokenizer."
-        )
+        raise ValueError(f"target vocab_size={vt} != draft vocab_size={vd}: the pair must share one tokenizer.")
 
 
 # ---- a loaded pair -------------------------------------------------------------------------------------------------

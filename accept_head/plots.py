@@ -84,15 +84,9 @@ def reliability_plot(panels: dict[str, dict[str, ReliabilityBins]], path: str | 
             ]
             if not pts:
                 continue
-            total = sum(c for _, _, c in pts)
-            ax.plot([p for p, _, _ in pts], [y for _, y, _ in pts], color=color, label=label)
-            ax.scatter(
-                [p for p, _, _ in pts],
-                [y for _, y, _ in pts],
-                s=[8 + 300 * c / total for _, _, c in pts],
-                color=color,
-                alpha=0.6,
-            )
+            preds, realised, counts = zip(*pts)
+            ax.plot(preds, realised, color=color, label=label)
+            ax.scatter(preds, realised, s=[8 + 300 * c / sum(counts) for c in counts], color=color, alpha=0.6)
         ax.set_xlim(0, 1)
         ax.set_ylim(0, 1)
         ax.set_xlabel("predicted acceptance probability")

@@ -13,6 +13,7 @@ import hashlib
 import importlib.util
 import json
 import random
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -280,9 +281,7 @@ class PromptOptions:
                 f"The prompt set {name!r} is empty after filtering ({skipped} longer than max_prompt_tokens="
                 f"{self.max_prompt_tokens}); raise the limits or max_prompt_tokens."
             )
-        per_source: dict[str, int] = {}
-        for prompt in prompts:
-            per_source[prompt.source] = per_source.get(prompt.source, 0) + 1
+        per_source = dict(Counter(prompt.source for prompt in prompts))
         return PromptSet(name, prompts, [s.to_dict() for s in sources], skipped, per_source)
 
 

@@ -40,9 +40,7 @@ from transformers import DynamicCache
 from ._hf_compat import crop_cache
 from .decoding import (
     DecodeStats,
-    _as_input_ids,
-    _check_lengths,
-    _eos_set,
+    _prepare,
     _target_pass,
     _timed,
     _until_eos,
@@ -51,7 +49,7 @@ from .decoding import (
     verify,
 )
 from .drafters import Drafter, DraftStep, as_drafter
-from .labels import COLUMNS, PER_POSITION, position_labels
+from .labels import COLUMNS, PER_POSITION, _list_features, position_labels
 from .policies import FixedK
 from .sampling import SamplingConfig, probabilities
 
@@ -90,15 +88,9 @@ HIDDEN_DTYPES = ("float16", "float32")
 
 def rollout_features(hidden_dtype: str = "float16"):
     """The ``datasets.Features`` of a rollout dataset (see :data:`ROLLOUT_COLUMNS`)."""
-    import datasets
-
     if hidden_dtype not in HIDDEN_DTYPES:
         raise ValueError(f"hidden_dtype={hidden_dtype!r} must be one of {HIDDEN_DTYPES}.")
-    features = {}
-    for name, dtype in ROLLOUT_COLUMNS.items():
-        value = datasets.Value(hidden_dtype if name == "hidden" else dtype)
-        features[name] = value if name in ("prompt_id", "source") else datasets.List(value)
-    return datasets.Features(features)
+    return _list_features(ROLLOUT_COLUMNS | {"hidden": hidden_dtype})
 
 
 @dataclass
@@ -206,17 +198,15 @@ def rollout_labels(
     """
     check_k_max(k_max)
     policy = FixedK(k_max)
-    ids = _as_input_ids(prompt_ids)
     inner = as_drafter(draft, target, with_hidden=True)
     if inner.hidden_size is None:
         raise ValueError(
             f"{type(inner).__name__} exposes no hidden state: rollout labels need the drafter's hidden state of each "
             "candidate (the acceptance head's input)."
         )
+    ids, budget, eos = _prepare(prompt_ids, max_new_tokens, eos_token_ids, target, inner)
     drafter = _RecordingDrafter(inner)
     device = next(target.parameters()).device
-    budget = _check_lengths(ids.shape[1], max_new_tokens, target, inner)
-    eos = _eos_set(eos_token_ids)
     with_features = drafter.needs_target_features
     stats = DecodeStats()
     label_seconds = 0.0
@@ -295,14 +285,9 @@ def _cat(parts: list[dict[str, torch.Tensor]], width: int) -> dict[str, torch.Te
     names = (*ROLLOUT_PER_CANDIDATE, "hidden")
     if parts:
         return {name: torch.cat([part[name].cpu() for part in parts]) for name in names}
-    empty = {name: torch.zeros(0) for name in PER_POSITION}
-    empty["draft_ids"] = torch.zeros(0, dtype=torch.long)
-    return empty | {
-        "round": torch.zeros(0, dtype=torch.long),
-        "step": torch.zeros(0, dtype=torch.long),
-        "accepted": torch.zeros(0, dtype=torch.bool),
-        "hidden": torch.zeros((0, width)),
-    }
+    dtypes = {"draft_ids": torch.long, "round": torch.long, "step": torch.long, "accepted": torch.bool}
+    empty = {name: torch.zeros(0, dtype=dtypes.get(name, torch.float32)) for name in ROLLOUT_PER_CANDIDATE}
+    return empty | {"hidden": torch.zeros((0, width))}
 
 
 def read_hidden(dataset, hidden_size: int, counts: Sequence[int] | None = None) -> list[torch.Tensor]:

@@ -27,7 +27,6 @@ from .sampling import SamplingConfig
 
 THRESHOLDS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 FIXED_K = (1, 2, 3, 4, 6, 8, 10, 12)
-FAMILIES = ("autoregressive", "fixed_k", "threshold")
 
 
 def check_thresholds(thresholds: Sequence[float]) -> list[float]:
@@ -152,8 +151,6 @@ def run_sweep(
     thresholds, fixed_k = check_thresholds(thresholds), check_fixed_k(fixed_k)
     if not prompts:
         raise ValueError("The sweep needs at least one prompt; raise --sweep.prompts or the validation split size.")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
     rows = [SweepRow("autoregressive", None, None)] if autoregressive else []  # type: ignore[arg-type]
     rows += [SweepRow("fixed_k", k, None) for k in fixed_k]  # type: ignore[arg-type]
     rows += [SweepRow("threshold", h, None, u) for u in unscored for h in thresholds]  # type: ignore[arg-type]

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..tables import markdown_table, text_table
-from .common import fmt, machine_info, output_folder, write_json
+from .common import fmt, machine_info, output_folder, ratio, write_json
 
 
 @dataclass
@@ -291,16 +291,15 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
         "× best K",
         "measured tok/s",
     ]
+
+    def vs_best_k(row: dict) -> str:
+        return fmt(ratio(row["modeled_tokens_per_second"], best_k and best_k["modeled_tokens_per_second"]), 3, "×")
+
     rows = []
     for res in results:
         val, best = res["val"], res["best"]
         cal = res.get("calibration") or {}
         kept = (cal.get("scores") or {}).get(cal.get("chosen") or "raw", {})
-        ratio = (
-            best["modeled_tokens_per_second"] / best_k["modeled_tokens_per_second"]
-            if best_k and best_k["modeled_tokens_per_second"]
-            else None
-        )
         rows.append(
             [
                 res["name"],
@@ -312,7 +311,7 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
                 f"{res['h_star']:g}" + (" +conf" if res.get("unscored") else ""),
                 fmt(best["mean_proposed"], 2),
                 fmt(best["modeled_tokens_per_second"], 1),
-                fmt(ratio, 3, "×"),
+                vs_best_k(best),
                 fmt(best["tokens_per_second"], 1),
             ]
         )
@@ -322,20 +321,10 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
                 [
                     base["label"],
                     "baseline (reference run)",
-                    "",
-                    "",
-                    "",
-                    "",
-                    "",
+                    *[""] * 5,  # no head: no training prompts, AUC, ECEs or h*
                     fmt(base["mean_proposed"], 2) if base["family"] == "fixed_k" else "–",
                     fmt(base["modeled_tokens_per_second"], 1),
-                    fmt(
-                        base["modeled_tokens_per_second"] / best_k["modeled_tokens_per_second"]
-                        if best_k and best_k["modeled_tokens_per_second"]
-                        else None,
-                        3,
-                        "×",
-                    ),
+                    vs_best_k(base),
                     fmt(base["tokens_per_second"], 1),
                 ]
             )
@@ -393,8 +382,8 @@ def ablate_plot(results: list[dict], path: str | Path) -> Path:
             ax.axvline(base["modeled_tokens_per_second"], color="black", linestyle=style, label=base["label"])
     finite = [v for v in values if v and math.isfinite(v)]
     if finite:
-        low = min(finite + [b["modeled_tokens_per_second"] for b in (ar, best_k) if b])
-        ax.set_xlim(0.9 * low, 1.05 * max(finite + [b["modeled_tokens_per_second"] for b in (ar, best_k) if b]))
+        shown = finite + [b["modeled_tokens_per_second"] for b in (ar, best_k) if b]
+        ax.set_xlim(0.9 * min(shown), 1.05 * max(shown))
     ax.set_xlabel("SpecDec++ modeled tokens/s at its best h")
     ax.legend(loc="lower right", fontsize=8)
     ax.set_title("one factor at a time", fontsize=10)

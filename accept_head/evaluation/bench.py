@@ -35,16 +35,17 @@ from ..engine import (
 )
 from ..pairs import ModelSpec, Pair, PairOptions
 from ..prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
+from ..tables import text_table
 from .common import (
     fmt,
     machine_info,
     output_folder,
+    ratios,
     resolve_cost_model,
-    text_table,
     write_json,
 )
 from .plots import bench_plot
-from .sweep import temperature_key
+from .sweep import run_sweep, temperature_key
 
 
 @dataclass
@@ -258,11 +259,8 @@ def bench(
         if entropy_thresholds is None
         else [float(x) for x in entropy_thresholds]
     )
-    settings = (
-        [HFSetting(**s) for s in DEFAULT_HF_SETTINGS]
-        if hf_settings is None
-        else [HFSetting(**s) if isinstance(s, dict) else s for s in hf_settings]
-    )
+    given = DEFAULT_HF_SETTINGS if hf_settings is None else hf_settings
+    settings = [HFSetting(**s) if isinstance(s, dict) else s for s in given]
     if select_by not in ("modeled", "measured"):
         raise ValueError(f"select_by={select_by!r} must be 'modeled' or 'measured'.")
     if not fixed_k or not entropy_thresholds:
@@ -474,18 +472,10 @@ def _validate(
     specs = [MethodSpec("fixed_k", {"k": k}) for k in fixed_k]
     specs += [MethodSpec("fixed_k", {"k": k, "draft": name}) for name in pair.comparison_drafts for k in fixed_k]
     specs += [MethodSpec("entropy", {"threshold": lam, "gamma": entropy_gamma}) for lam in entropy_thresholds]
-    runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache)
-    skipped = []
-    for spec in trees:
-        reason = runner.supports(spec)
-        if reason:
-            skipped.append({**spec.to_dict(), "reason": reason})
-        else:
-            specs.append(spec)
-    runs = run_interleaved(
-        runner, specs, val_set.prompts, seed, progress=progress, desc=f"validation {temperature_key(temperature)}"
+    # run_sweep leaves out, with the reason, what this pair cannot run (only tree decoders can be refused).
+    summaries, skipped = run_sweep(
+        pair, val_set, [*specs, *trees], temperature, max_new_tokens, cost_model, seed, progress, bigram_cache
     )
-    summaries = summarize(specs, runs, cost_model)
     own = [s for s in summaries if "draft" not in s.spec.params]
     best_k = best_of(own, select_by, "fixed_k")
     best_entropy = best_of(own, select_by, "entropy")
@@ -525,17 +515,4 @@ def _with_ratios(summaries: Sequence[MethodSummary]) -> list[dict]:
         for s in summaries
         if s.spec.kind in ("autoregressive", "fixed_k") and "draft" not in s.spec.params
     }
-    ar, fk = by_kind.get("autoregressive"), by_kind.get("fixed_k")
-    out = []
-    for s in summaries:
-        row = s.to_dict()
-        median = s.median_tokens_per_second
-        modeled = s.pooled.modeled_tokens_per_second
-        for name, base in (("autoregressive", ar), ("best_fixed_k", fk)):
-            row[f"ratio_to_{name}"] = (
-                median / base.median_tokens_per_second if base and base.median_tokens_per_second else None
-            )
-            base_modeled = base.pooled.modeled_tokens_per_second if base else None
-            row[f"modeled_ratio_to_{name}"] = modeled / base_modeled if modeled and base_modeled else None
-        out.append(row)
-    return out
+    return [s.to_dict() | ratios(s, by_kind.get("autoregressive"), by_kind.get("fixed_k")) for s in summaries]

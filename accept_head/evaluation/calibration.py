@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from ..calibration import Calibration
 from ..engine import MethodSpec, Runner, run_interleaved
 from ..labels import recorded_temperature
 from ..metrics import (
+    ReliabilityBins,
     binary_auc,
     brier_score,
     expected_calibration_error,
@@ -47,15 +47,7 @@ def probability_metrics(probs: Sequence[float] | torch.Tensor, labels: Sequence[
     p = torch.as_tensor(probs, dtype=torch.float64).reshape(-1)
     y = torch.as_tensor(labels, dtype=torch.float64).reshape(-1)
     if p.numel() == 0:
-        return {
-            "n": 0,
-            "ece": math.nan,
-            "brier": math.nan,
-            "auc": math.nan,
-            "auc_binary": math.nan,
-            "mean_pred": math.nan,
-            "mean_label": math.nan,
-        }
+        return {"n": 0} | dict.fromkeys(("ece", "brier", "auc", "auc_binary", "mean_pred", "mean_label"), math.nan)
     return {
         "n": int(p.numel()),
         "ece": expected_calibration_error(p, y, N_BINS),
@@ -67,8 +59,10 @@ def probability_metrics(probs: Sequence[float] | torch.Tensor, labels: Sequence[
     }
 
 
-def _calibrate(calibration: Calibration | None, probs: Sequence[float]) -> list[float]:
-    return list(probs) if calibration is None else [float(calibration(float(p))) for p in probs]
+def _scored(probs: Sequence[float], labels: Sequence[float]) -> dict:
+    """:func:`probability_metrics` and the reliability bins of one predictor."""
+    p, y = torch.tensor(probs, dtype=torch.float64), torch.tensor(labels, dtype=torch.float64)
+    return {"metrics": probability_metrics(p, y), "reliability": reliability_bins(p, y, N_BINS).__dict__}
 
 
 @torch.inference_mode()
@@ -113,50 +107,11 @@ def offline_predictions(
     return probs, labels, confidence
 
 
-class RecordingHeadThreshold(HeadThreshold):
-    """SpecDec++'s policy that also records, for every scored candidate, its raw and calibrated predicted acceptance,
-    the draft's probability of it, and — after verification — whether it was accepted (1), the first rejected one
-    (0), or never judged (dropped)."""
-
-    def __init__(self, base: HeadThreshold) -> None:
-        super().__init__(
-            base.head,
-            base.threshold,
-            base.min_candidates,
-            base.max_candidates,
-            base.calibration,
-            unscored=base.unscored,
-        )
-        self.raw: list[float] = []
-        self.calibrated: list[float] = []
-        self.confidence: list[float] = []
-        self.labels: list[float] = []
-        self.index: list[int] = []
-        """1-based position of the candidate in its round."""
-        self._raw: list[float] = []
-        """The raw scores of the round being drafted (``RoundState.accept_probs`` holds the calibrated ones)."""
-
-    def score(self, hidden: torch.Tensor) -> float:
-        with torch.inference_mode():
-            raw = self.head.accept_prob_one(hidden)
-        self._raw.append(raw)
-        return float(self.calibration(raw)) if self.calibration is not None else raw
-
-    def update(self, state: RoundState, accepted: int) -> None:
-        scored = zip(self._raw, state.accept_probs, state.token_probs)
-        for i, (raw, calibrated, confidence) in enumerate(scored):
-            if i > accepted:  # after the first rejection: never judged
-                break
-            self.raw.append(raw)
-            self.calibrated.append(calibrated)
-            self.confidence.append(confidence)
-            self.labels.append(1.0 if i < accepted else 0.0)
-            self.index.append(i + 1)
-        self._raw = []
-
-
 @dataclass
 class OnPolicy:
+    """Every candidate SpecDec++ judged while decoding: raw and calibrated prediction, the draft's probability q(y),
+    the label (1 accepted, 0 the first rejected one) and the candidate's 1-based position in its round."""
+
     raw: list[float] = field(default_factory=list)
     calibrated: list[float] = field(default_factory=list)
     confidence: list[float] = field(default_factory=list)
@@ -182,6 +137,44 @@ class OnPolicy:
         return out
 
 
+class RecordingHeadThreshold(HeadThreshold):
+    """SpecDec++'s policy that also records, for every scored candidate, its raw and calibrated predicted acceptance,
+    the draft's probability of it, and — after verification — whether it was accepted (1), the first rejected one
+    (0), or never judged (dropped)."""
+
+    def __init__(self, base: HeadThreshold) -> None:
+        super().__init__(
+            base.head,
+            base.threshold,
+            base.min_candidates,
+            base.max_candidates,
+            base.calibration,
+            unscored=base.unscored,
+        )
+        self.records = OnPolicy()
+        self._raw: list[float] = []
+        """The raw scores of the round being drafted (``RoundState.accept_probs`` holds the calibrated ones)."""
+
+    def score(self, hidden: torch.Tensor) -> float:
+        with torch.inference_mode():
+            raw = self.head.accept_prob_one(hidden)
+        self._raw.append(raw)
+        return float(self.calibration(raw)) if self.calibration is not None else raw
+
+    def update(self, state: RoundState, accepted: int) -> None:
+        scored = zip(self._raw, state.accept_probs, state.token_probs)
+        records = self.records
+        for i, (raw, calibrated, confidence) in enumerate(scored):
+            if i > accepted:  # after the first rejection: never judged
+                break
+            records.raw.append(raw)
+            records.calibrated.append(calibrated)
+            records.confidence.append(confidence)
+            records.labels.append(1.0 if i < accepted else 0.0)
+            records.index.append(i + 1)
+        self._raw = []
+
+
 def on_policy_records(
     pair: Pair,
     prompt_set: PromptSet,
@@ -198,8 +191,7 @@ def on_policy_records(
     method = MethodSpec("specdecpp", {"threshold": h if threshold is None else threshold, "unscored": unscored})
     runner = _RecordingRunner(pair, max_new_tokens, temperature)
     run_interleaved(runner, [method], prompt_set.prompts, seed, progress=False)
-    policy = runner.recorder
-    return OnPolicy(policy.raw, policy.calibrated, policy.confidence, policy.labels, policy.index)
+    return runner.recorder.records
 
 
 class _RecordingRunner(Runner):
@@ -225,39 +217,24 @@ def calibration_views(
     """Metrics and reliability bins of every available view ({view: {variant: ...}}) plus on-policy by position."""
     views: dict = {}
     if dataset is not None:
-        probs, labels, confidence = offline_predictions(pair, dataset, mix_ratio, seed, max_rows)
-        calibration = None
-        if pair.bundle is not None:  # the bundle's map for the mode the labels were made in
-            meta = json.loads((Path(dataset) / "meta.json").read_text())
-            calibration = pair.bundle.calibration_for(greedy=recorded_temperature(meta) == 0)
+        probs, labels, confidence = offline_predictions(pair, dataset, mix_ratio, seed, max_rows)  # needs a bundle
+        meta = json.loads((Path(dataset) / "meta.json").read_text())
+        calibration = pair.bundle.calibration_for(greedy=recorded_temperature(meta) == 0)  # the labels' mode's map
+        calibrated = probs if calibration is None else [float(calibration(float(p))) for p in probs]
         views["offline"] = {
-            "raw": (probs, labels),
-            "calibrated": (_calibrate(calibration, probs), labels),
-            "draft confidence": (confidence, labels),
+            "raw": _scored(probs, labels),
+            "calibrated": _scored(calibrated, labels),
+            "draft confidence": _scored(confidence, labels),
         }
     if prompt_set is not None:
         records = on_policy_records(pair, prompt_set, temperature, max_new_tokens, threshold, seed)
         views["on_policy"] = {
-            "raw": (records.raw, records.labels),
-            "calibrated": (records.calibrated, records.labels),
-            "draft confidence": (records.confidence, records.labels),
+            "raw": _scored(records.raw, records.labels),
+            "calibrated": _scored(records.calibrated, records.labels),
+            "draft confidence": _scored(records.confidence, records.labels),
             "by_position": records.by_position(),
         }
-    out: dict = {}
-    for view, variants in views.items():
-        out[view] = {}
-        for variant, value in variants.items():
-            if variant == "by_position":
-                out[view][variant] = value
-                continue
-            probs, labels = value
-            out[view][variant] = {
-                "metrics": probability_metrics(probs, labels),
-                "reliability": reliability_bins(
-                    torch.tensor(probs, dtype=torch.float64), torch.tensor(labels, dtype=torch.float64), N_BINS
-                ).__dict__,
-            }
-    return out
+    return views
 
 
 def calibration_rows(views: dict) -> list[list[str]]:
@@ -284,9 +261,15 @@ def calibration_rows(views: dict) -> list[list[str]]:
 CALIBRATION_HEADER = ["view", "n", "ECE", "Brier", "AUC", "mean pred", "mean label"]
 
 
-def reliability_panels(views: dict) -> dict:
-    from ..metrics import ReliabilityBins
+def position_rows(positions: Sequence[dict]) -> list[list[str]]:
+    """Table cells of :meth:`OnPolicy.by_position`: candidate, n, predicted raw and calibrated, realised."""
+    return [
+        [str(r["candidate"]), str(r["n"]), fmt(r["mean_pred_raw"], 3), fmt(r["mean_pred"], 3), fmt(r["realised"], 3)]
+        for r in positions
+    ]
 
+
+def reliability_panels(views: dict) -> dict:
     titles = {"offline": "offline (data_gen, token mixing)", "on_policy": "on-policy (decoder's visited states)"}
     return {
         titles.get(view, view): {
@@ -361,16 +344,7 @@ def calibration(
     write_json(folder / "calibration.json", payload)
     print(text_table(CALIBRATION_HEADER, calibration_rows(views), title="acceptance head calibration"))
     if "on_policy" in views:
-        rows = [
-            [
-                str(r["candidate"]),
-                str(r["n"]),
-                fmt(r["mean_pred_raw"], 3),
-                fmt(r["mean_pred"], 3),
-                fmt(r["realised"], 3),
-            ]
-            for r in views["on_policy"]["by_position"]
-        ]
+        rows = position_rows(views["on_policy"]["by_position"])
         print(text_table(["candidate", "n", "pred raw", "pred cal.", "realised"], rows, title="on-policy by position"))
     print(f"wrote {folder / 'calibration.json'} and {plot}")
     return payload

@@ -19,9 +19,8 @@ from typing import Any
 import torch
 
 from ..cost_model import CostModel, measure_costs
+from ..engine import MethodSummary
 from ..pairs import Pair
-from ..tables import markdown_table as markdown_table  # report and bench import these here
-from ..tables import text_table as text_table
 
 # ---- cost model ----------------------------------------------------------------------------------------------------
 
@@ -117,6 +116,23 @@ def output_folder(output_dir: str | Path) -> Path:
     except OSError as err:
         raise ValueError(f"output_dir={str(folder)!r} is not writable ({err}); pick another --output_dir.") from err
     return folder
+
+
+def ratio(a: float | None, b: float | None) -> float | None:
+    """a / b, or None when either is missing or b is zero."""
+    return a / b if a is not None and b else None
+
+
+def ratios(summary: MethodSummary, autoregressive: MethodSummary | None, fixed_k: MethodSummary | None) -> dict:
+    """``ratio_to_autoregressive`` / ``ratio_to_best_fixed_k`` of ``summary``'s median measured tokens/s, and the
+    ``modeled_ratio_to_...`` of its modeled tokens/s (None where the baseline is missing)."""
+    out = {}
+    for name, base in (("autoregressive", autoregressive), ("best_fixed_k", fixed_k)):
+        out[f"ratio_to_{name}"] = ratio(summary.median_tokens_per_second, base and base.median_tokens_per_second)
+        out[f"modeled_ratio_to_{name}"] = ratio(
+            summary.pooled.modeled_tokens_per_second, base and base.pooled.modeled_tokens_per_second
+        )
+    return out
 
 
 def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:

@@ -59,33 +59,12 @@ def costs(
     write_json(folder / "costs.json", payload)
     costs_plot(model, folder / "costs.png", title=f"costs on {payload['machine']['cpu'] or 'this machine'}")
     measured = model.measured
-    rows = [
-        [
-            "draft step",
-            fmt(measured["draft"]["median"] * 1e3, 2),
-            fmt(measured["draft"]["min"] * 1e3, 2),
-            fmt(measured["draft"]["max"] * 1e3, 2),
-            "–",
-        ],
-        [
-            "head",
-            fmt(measured["head"]["median"] * 1e3, 3),
-            fmt(measured["head"]["min"] * 1e3, 3),
-            fmt(measured["head"]["max"] * 1e3, 3),
-            "–",
-        ],
-    ]
-    for k in ks:
-        r = measured["target"][k]
-        rows.append(
-            [
-                f"target K={k}",
-                fmt(r["median"] * 1e3, 2),
-                fmt(r["min"] * 1e3, 2),
-                fmt(r["max"] * 1e3, 2),
-                fmt(model.t_target(k) * 1e3, 2),
-            ]
-        )
+
+    def row(name: str, seconds: dict, digits: int, fit: str = "–") -> list[str]:
+        return [name, *(fmt(seconds[stat] * 1e3, digits) for stat in ("median", "min", "max")), fit]
+
+    rows = [row("draft step", measured["draft"], 2), row("head", measured["head"], 3)]
+    rows += [row(f"target K={k}", measured["target"][k], 2, fmt(model.t_target(k) * 1e3, 2)) for k in ks]
     print(
         text_table(
             ["pass", "median ms", "min ms", "max ms", "fit ms"],

@@ -23,6 +23,7 @@ Writes ``free_stop.json``, ``tree_costs.json`` and each fitted predictor (``<dec
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import time
@@ -35,7 +36,8 @@ from ..engine import MethodSpec, MethodSummary, Runner, best_of, run_interleaved
 from ..free_stop import AdaptiveRowStop, fit_predictor
 from ..pairs import ModelSpec, Pair, PairOptions, load_model, load_pair, load_tokenizer
 from ..prompts import PromptOptions, PromptSource, check_disjoint
-from .common import fmt, machine_info, output_folder, text_table, write_json
+from ..tables import text_table
+from .common import fmt, machine_info, output_folder, write_json
 from .sweep import temperature_key
 
 DECODERS = ("ngrammys", "lookahead")
@@ -246,9 +248,8 @@ def free_stop(
         name: prompt_options.encode(name, sources, pair.tokenizer, seed)
         for name, sources in (("test", prompts), ("validation", validation_prompts), ("training", training_prompts))
     }
-    check_disjoint(sets["test"], sets["validation"])
-    check_disjoint(sets["test"], sets["training"])
-    check_disjoint(sets["validation"], sets["training"])
+    for first, second in itertools.combinations(sets.values(), 2):
+        check_disjoint(first, second)
     test, validation, training = (sets[name].prompts for name in ("test", "validation", "training"))
     cost, cost_source = _tree_cost(pair.target, tree_costs, tree_cost_sizes, pools, cost_repeats, seed)
     write_json(folder / "tree_costs.json", {"tree_cost": cost.to_dict(), "source": cost_source})

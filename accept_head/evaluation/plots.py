@@ -9,7 +9,6 @@ from .. import plots
 from ..cost_model import CostModel
 from ..engine import MethodSummary
 from ..plots import ParetoSeries, new_figure, save_figure
-from ..plots import reliability_plot as reliability_plot  # report imports it from here
 
 _STYLE = {
     "fixed_k": ("s", "tab:blue"),

@@ -29,12 +29,14 @@ from ..engine import (
     throughput,
 )
 from ..pairs import ModelSpec, Pair, PairOptions
+from ..plots import reliability_plot
 from ..prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
+from ..tables import text_table
 from .bench import add_comparison_drafts
 from .calibration import CALIBRATION_HEADER, calibration_rows, calibration_views, reliability_panels
-from .common import machine_info, output_folder, resolve_cost_model, text_table, write_json
-from .plots import costs_plot, pareto_plot, reliability_plot
-from .report_page import TRAINING_FREE, ratio, render_markdown
+from .common import machine_info, output_folder, ratio, ratios, resolve_cost_model, write_json
+from .plots import costs_plot, pareto_plot
+from .report_page import TRAINING_FREE, render_markdown
 from .sweep import run_sweep, sweep_table, temperature_key
 
 REPORT_GRIDS: list[dict] = [
@@ -151,16 +153,7 @@ def analyse(summaries: Sequence[MethodSummary], select_by: str) -> dict:
                 {
                     **s.to_dict(),
                     "best_of_family": s is best[kind],
-                    "ratio_to_autoregressive": ratio(s.median_tokens_per_second, ar and ar.median_tokens_per_second),
-                    "ratio_to_best_fixed_k": ratio(
-                        s.median_tokens_per_second, fixed and fixed.median_tokens_per_second
-                    ),
-                    "modeled_ratio_to_autoregressive": ratio(
-                        s.pooled.modeled_tokens_per_second, ar and ar.pooled.modeled_tokens_per_second
-                    ),
-                    "modeled_ratio_to_best_fixed_k": ratio(
-                        s.pooled.modeled_tokens_per_second, fixed and fixed.pooled.modeled_tokens_per_second
-                    ),
+                    **ratios(s, ar, fixed),
                     "oracle_headroom_share": share,
                 }
             )
@@ -196,13 +189,13 @@ def goal_rows(sets: dict, temperature_keys: Sequence[str], select_by: str, summa
                 return max(pool, key=lambda s: throughput(s, select_by)) if pool else None
 
             vs_ar = GOALS["autoregressive" if key == "greedy" else "autoregressive_sampling"]
+            fixed, oracle = against(["fixed_k"]), against(["oracle"])
             checks = [
-                ("≥ 1.15× best FixedK", against(["fixed_k"]), GOALS["fixed_k"]),
+                ("≥ 1.15× best FixedK", fixed, GOALS["fixed_k"]),
                 (f"≥ {vs_ar:g}× autoregressive", against(["autoregressive"]), vs_ar),
                 ("≥ 1.15× best HF assisted setting", against(["hf_assisted"]), GOALS["hf_assisted"]),
                 ("≥ 1.05× best of Heuristic / Confidence / Entropy", against(TRAINING_FREE), GOALS["training_free"]),
             ]
-            oracle = against(["oracle"])
             for goal, other, target in checks:
                 if other is None:
                     continue
@@ -226,7 +219,6 @@ def goal_rows(sets: dict, temperature_keys: Sequence[str], select_by: str, summa
                         "met": measured is not None and measured >= target,
                     }
                 )
-            fixed = against(["fixed_k"])
             if fixed is not None and oracle is not None:
                 share = headroom_share(
                     star.pooled.modeled_tokens_per_second,
@@ -315,7 +307,7 @@ def report(
         progress: Show progress bars.
     """
     pair_options, prompt_options = pair or PairOptions(), prompt_options or PromptOptions()
-    bundle = pair_options.require_bundle("report")
+    pair_options.require_bundle("report")
     if select_by not in ("modeled", "measured"):
         raise ValueError(f"select_by={select_by!r} must be 'modeled' or 'measured'.")
     page = Path(output)
@@ -327,19 +319,14 @@ def report(
         leftover.unlink()
     temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
     grid = expand_grids(policies if policies is not None else REPORT_GRIDS)  # checked before any model loads
-    pair = pair_options.load()
-    if pair.bundle is None:
-        raise ValueError(f"{bundle} did not load as a SpecDecPP bundle.")
+    pair = pair_options.load()  # a bundle path always loads as pair.bundle (or raises)
     if comparison_draft is not None:
         add_comparison_drafts(pair, ModelSpec.coerce(comparison_draft))
         grid = [_with_comparison_draft(pair, spec) for spec in grid]
-    if in_distribution:
-        id_sources, recorded_split_seed = in_distribution, 0
-    else:
-        id_sources, recorded_split_seed = head_sources(pair.bundle.provenance)
-    if prompt_options.split_seed is None:
+    id_sources = in_distribution or head_sources(pair.bundle.provenance)[0]
+    if prompt_options.split_seed is None:  # the one the head's data was split with (as head_sources reads it)
         meta = pair.bundle.provenance.get("data_meta") or {}
-        prompt_options = replace(prompt_options, split_seed=int(meta.get("split_seed") or recorded_split_seed or 0))
+        prompt_options = replace(prompt_options, split_seed=int(meta.get("split_seed") or 0))
     ood_sources = out_of_distribution if out_of_distribution else [PromptSource(path="humaneval")]
     encode = dict(tokenizer=pair.tokenizer, seed=seed, limit=limit)
     sets: dict[str, PromptSet] = {
@@ -458,8 +445,7 @@ def _replace_figures(staging: Path, figures: Path) -> None:
 
 def _show(runs: Sequence[MethodSummary], figures: Path, set_name: str, key: str, prompts: int) -> str:
     """Print the runs of one prompt set and temperature as a table and draw their Pareto plot; the PNG's name."""
-    baseline = next((s for s in runs if s.spec.kind == "autoregressive"), None)
-    print(sweep_table(runs, baseline, f"{set_name}, {key}, {prompts} prompts"))
+    print(sweep_table(runs, f"{set_name}, {key}, {prompts} prompts"))
     title = f"{set_name}, {key}: {prompts} prompts" + (", every setting searched" if set_name == "validation" else "")
     return pareto_plot(runs, figures / f"pareto_{_slug(set_name)}_{_slug(key)}.png", title).name
 

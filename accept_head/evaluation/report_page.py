@@ -8,17 +8,13 @@ from collections.abc import Sequence
 
 from ..cost_model import DecodeCostFit, fit_decode_costs
 from ..engine import TREE_DECODERS
-from .calibration import CALIBRATION_HEADER, calibration_rows
-from .common import fmt, markdown_table
+from ..tables import markdown_table
+from .calibration import CALIBRATION_HEADER, calibration_rows, position_rows
+from .common import fmt, ratio
 from .sweep import temperature_key
 
 TRAINING_FREE = ("heuristic", "confidence", "entropy")
 """The training-free stop rules for the draft (HF's schedule, confidence and entropy stopping)."""
-
-
-def ratio(a: float | None, b: float | None) -> float | None:
-    """a / b, or None when either is missing or b is zero."""
-    return a / b if a is not None and b else None
 
 
 def in_page_order(payload: dict) -> dict:
@@ -102,8 +98,7 @@ def render_markdown(payload: dict, figures_dir: str) -> str:
         "Modeled tokens/s prices each run's counted passes with it (eq. 2.1).",
         "",
     ]
-    if "costs" in payload["figures"]:
-        lines += [f"![cost model]({figures_dir}/{payload['figures']['costs']})", ""]
+    lines += _figure(payload, "costs", "cost model", figures_dir)
     lines += _cost_check(payload)
     lines += _table_one(payload)
     lines += _winners(payload)
@@ -114,14 +109,8 @@ def render_markdown(payload: dict, figures_dir: str) -> str:
         for key, result in by_temperature.items():
             lines += [f"### {set_name}, {key}", ""]
             lines += [_family_table(result["analysis"]["rows"]), ""]
-            if result["skipped"]:
-                lines += [
-                    "Not run here: " + "; ".join(f"{s['name']} ({s['reason']})" for s in result["skipped"]) + ".",
-                    "",
-                ]
-            png = payload["figures"].get(f"pareto {set_name} {key}")
-            if png:
-                lines += [f"![Pareto plot, {set_name}, {key}]({figures_dir}/{png})", ""]
+            lines += _not_run("Not run here: ", result["skipped"])
+            lines += _figure(payload, f"pareto {set_name} {key}", f"Pareto plot, {set_name}, {key}", figures_dir)
             lines += [
                 "<details><summary>every method</summary>",
                 "",
@@ -141,6 +130,17 @@ def render_markdown(payload: dict, figures_dir: str) -> str:
     return "\n".join(lines)
 
 
+def _figure(payload: dict, name: str, alt: str, figures_dir: str) -> list[str]:
+    """The Markdown image of the run's figure ``name``, or nothing if the run drew none."""
+    png = payload["figures"].get(name)
+    return [f"![{alt}]({figures_dir}/{png})", ""] if png else []
+
+
+def _not_run(lead: str, skipped: Sequence[dict]) -> list[str]:
+    """``lead`` and every method a run left out, with the reason (nothing if none was)."""
+    return [lead + "; ".join(f"{s['name']} ({s['reason']})" for s in skipped) + ".", ""] if skipped else []
+
+
 def _h_stars(pair: dict) -> str:
     """``h* = 0.5 (T=1), 0.9 unscored=confidence (greedy)``; one value when the bundle keeps one h* for both modes."""
 
@@ -154,16 +154,9 @@ def _h_stars(pair: dict) -> str:
     return f"h* = {sampled}" if greedy == sampled else f"h* = {sampled} (sampling), {greedy} (greedy)"
 
 
-def _find(rows: Sequence[dict], kind: str, star: bool = False) -> dict | None:
-    for row in rows:
-        if row["kind"] != kind:
-            continue
-        if kind == "specdecpp" and star != (row.get("role") == "h_star"):
-            continue
-        if kind != "specdecpp" and not row["best_of_family"]:
-            continue
-        return row
-    return None
+def _find(rows: Sequence[dict], kind: str) -> dict | None:
+    """The best row of ``kind`` in an analysis."""
+    return next((row for row in rows if row["kind"] == kind and row["best_of_family"]), None)
 
 
 def _tps(row: dict | None) -> str:
@@ -197,7 +190,8 @@ def _table_one(payload: dict) -> list[str]:
         for key, result in by_temperature.items():
             analysis = result["analysis"]["rows"]
             ar, fixed = _find(analysis, "autoregressive"), _find(analysis, "fixed_k")
-            star, oracle = _find(analysis, "specdecpp", star=True), _find(analysis, "oracle")
+            star = next((r for r in analysis if r.get("role") == "h_star"), None)
+            oracle = _find(analysis, "oracle")
             others = [
                 r
                 for r in analysis
@@ -301,11 +295,8 @@ def _validation(payload: dict, figures_dir: str) -> list[str]:
             markdown_table(["method", "tok/s", "modeled tok/s", "tokens/call", "chosen by"], rows),
             "",
         ]
-        if result["skipped"]:
-            lines += ["Not run: " + "; ".join(f"{s['name']} ({s['reason']})" for s in result["skipped"]) + ".", ""]
-        png = payload["figures"].get(f"pareto validation {key}")
-        if png:
-            lines += [f"![Pareto plot, validation, {key}]({figures_dir}/{png})", ""]
+        lines += _not_run("Not run: ", result["skipped"])
+        lines += _figure(payload, f"pareto validation {key}", f"Pareto plot, validation, {key}", figures_dir)
     return lines
 
 
@@ -316,11 +307,11 @@ def _goals(payload: dict) -> list[str]:
             g["set"],
             g["temperature"],
             g["against"],
-            fmt(g["measured"], 2, "×") if g["measured"] is not None else "–",
+            fmt(g["measured"], 2, "×"),
             (fmt(100 * g["modeled"], 0, "%") if "headroom" in g["goal"] else fmt(g["modeled"], 2, "×"))
             if g["modeled"] is not None
             else "–",
-            fmt(g.get("oracle_modeled"), 2, "×") if g.get("oracle_modeled") is not None else "–",
+            fmt(g.get("oracle_modeled"), 2, "×"),
             "yes" if g["met"] else "**no**",
         ]
         for g in payload["goals"]
@@ -404,25 +395,14 @@ def _calibration(payload: dict, figures_dir: str) -> list[str]:
     ]
     if "offline" not in views:
         lines += ["No data_gen dataset was given (--dataset), so only the on-policy view was measured.", ""]
-    if "reliability" in payload["figures"]:
-        lines += [f"![reliability diagram]({figures_dir}/{payload['figures']['reliability']})", ""]
+    lines += _figure(payload, "reliability", "reliability diagram", figures_dir)
     positions = views.get("on_policy", {}).get("by_position", [])
     if positions:
         lines += [
             "On-policy, by candidate index in the round (predicted vs realised acceptance):",
             "",
             markdown_table(
-                ["candidate", "n", "predicted (raw)", "predicted (calibrated)", "realised"],
-                [
-                    [
-                        str(r["candidate"]),
-                        str(r["n"]),
-                        fmt(r["mean_pred_raw"], 3),
-                        fmt(r["mean_pred"], 3),
-                        fmt(r["realised"], 3),
-                    ]
-                    for r in positions
-                ],
+                ["candidate", "n", "predicted (raw)", "predicted (calibrated)", "realised"], position_rows(positions)
             ),
             "",
         ]

@@ -35,9 +35,10 @@ def temperature_key(temperature: float) -> str:
     return "greedy" if temperature == 0 else f"T={temperature:g}"
 
 
-def sweep_table(summaries: Sequence[MethodSummary], baseline: MethodSummary | None, title: str) -> str:
-    """Terminal table of a sweep (speedups against ``baseline``, measured tokens/s)."""
+def sweep_table(summaries: Sequence[MethodSummary], title: str) -> str:
+    """Terminal table of a sweep (speedups in measured tokens/s against its autoregressive run, if any)."""
     rows = []
+    baseline = next((s for s in summaries if s.spec.kind == "autoregressive"), None)
     base = baseline.median_tokens_per_second if baseline is not None else None
     for s in summaries:
         r = s.pooled
@@ -129,16 +130,15 @@ def sweep(
         raise ValueError("No methods to sweep: give --policies with at least one grid.")
     folder = output_folder(output_dir)
     pair = pair_options.load()
-    if pair.bundle is None:
-        specs = [s for s in specs if s.kind != "specdecpp"] if policies is None else specs
+    if pair.bundle is None and policies is None:  # the default grids' SpecDec++ needs a bundle
+        specs = [s for s in specs if s.kind != "specdecpp"]
     prompt_set = prompt_options.encode("prompts", prompts, pair.tokenizer, seed)
     model, model_source = resolve_cost_model(cost_model, pair, seed)
     results: dict = {}
     for temperature in temperatures:
         key = temperature_key(temperature)
         summaries, skipped = run_sweep(pair, prompt_set, specs, temperature, max_new_tokens, model, seed, progress)
-        baseline = next((s for s in summaries if s.spec.kind == "autoregressive"), None)
-        print(sweep_table(summaries, baseline, f"sweep, {key}, {len(prompt_set.prompts)} prompts"))
+        print(sweep_table(summaries, f"sweep, {key}, {len(prompt_set.prompts)} prompts"))
         plot = pareto_plot(
             summaries,
             folder / f"pareto_{key.replace('=', '')}.png",

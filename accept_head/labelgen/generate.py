@@ -92,11 +92,6 @@ class PromptPlan:
         return h.hexdigest()
 
 
-def tokenize_prompts(cfg: DataGenConfig, prompts: list[Prompt], tokenizer) -> list[list[int]]:
-    """Token ids of every prompt: chat template (with the optional system prompt) or raw, as configured."""
-    return [chat_prompt_ids(tokenizer, p.text, cfg.prompt_mode, cfg.system_prompt) for p in prompts]
-
-
 def context_length(*models: torch.nn.Module) -> int | None:
     """The shortest ``max_position_embeddings`` among the models (None if none declares one)."""
     limits = [getattr(m.config, "max_position_embeddings", None) for m in models]
@@ -280,7 +275,7 @@ def load_run(cfg: DataGenConfig) -> tuple[PromptPlan, LoadedPair]:
     tokenizer = load_tokenizer(cfg.target)
     if not feature_draft:  # a feature draft has no tokenizer of its own: binding checks it was made for the target
         check_same_tokenizer(tokenizer, load_tokenizer(cfg.draft), cfg.target.path, cfg.draft.path)
-    ids = tokenize_prompts(cfg, prompts, tokenizer)
+    ids = [chat_prompt_ids(tokenizer, p.text, cfg.prompt_mode, cfg.system_prompt) for p in prompts]
     target = load_model(cfg.target)
     draft = load_model(cfg.draft)
     if feature_draft:
@@ -432,13 +427,13 @@ def _generate(cfg: DataGenConfig, out: Path, status: str, started: float) -> dic
         smoothing=0.0,
     )
     tokens, seconds = 0, 0.0
+    features = dataset_features(cfg)
     with quiet_datasets(), bar:
         for b in todo:
             rows = _batch_slice(plan, b, cfg.batch_size)
             prompt_ids = [plan.ids[i] for i in rows]
             batch = label_batch(cfg, pair, prompt_ids, b)
-            features = dataset_features(cfg)
-            _write_batch(batch_root, b, [plan.prompts[i] for i in rows], prompt_ids, batch, pair.eos, features=features)
+            _write_batch(batch_root, b, [plan.prompts[i] for i in rows], prompt_ids, batch, pair.eos, features)
             tokens += sum(len(r) for r in batch.response_ids)
             seconds += batch.generation_s + batch.scoring_s
             bar.update(len(rows))
@@ -464,7 +459,7 @@ def _write_batch(
     prompt_ids: list[list[int]],
     batch: LabelledBatch,
     eos: list[int],
-    features=None,
+    features,
 ) -> None:
     """Write one finished batch atomically: a temporary folder renamed to ``batches/<b>``."""
     import datasets
@@ -491,7 +486,6 @@ def _write_batch(
     }
     tmp = batch_root / f".tmp-{b:06d}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    features = label_features() if features is None else features
     datasets.Dataset.from_dict(columns, features=features).save_to_disk(str(tmp))
     write_json_atomic(tmp / "batch.json", totals)
     os.replace(tmp, batch_root / f"{b:06d}")
@@ -530,9 +524,6 @@ def _finalize(
     meta = {
         "format": FORMAT,
         "format_version": FORMAT_VERSION,
-        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        "target": cfg.target.to_dict(),
-        "draft": cfg.draft.to_dict(),
         "tokenizer": {
             "name_or_path": getattr(pair.tokenizer, "name_or_path", None),
             "vocab_size": len(pair.tokenizer),
@@ -572,6 +563,22 @@ def _finalize(
         "shard": None
         if shard is None
         else {"index": shard[0], "count": shard[1], "batches": [batches.start, batches.stop]},
+        **run_record(cfg, totals, started),
+    }
+    if cfg.rollout:
+        meta["rollout"] = rollout_meta(cfg, pair)
+    write_json_atomic(out / META, meta)
+    shutil.rmtree(out / WORK, ignore_errors=True)
+    return meta
+
+
+def run_record(cfg: DataGenConfig, totals: dict[str, float], started: float) -> dict[str, Any]:
+    """The ``meta.json`` keys a finished run and a merge both write: the models, summed totals and their stats,
+    times, code version and config."""
+    return {
+        "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "target": cfg.target.to_dict(),
+        "draft": cfg.draft.to_dict(),
         "totals": totals,
         "stats": summary_stats(totals),
         "timing": {
@@ -583,11 +590,6 @@ def _finalize(
         "config": cfg.to_dict(),
         "fingerprint": cfg.fingerprint(),
     }
-    if cfg.rollout:
-        meta["rollout"] = rollout_meta(cfg, pair)
-    write_json_atomic(out / META, meta)
-    shutil.rmtree(out / WORK, ignore_errors=True)
-    return meta
 
 
 def rollout_meta(cfg: DataGenConfig, pair: LoadedPair) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from typing import Any
 
 from ..labels import load_label_dataset
 from .config import DataGenConfig, config_differences
-from .generate import code_version, format_summary, summary_stats, total_keys
+from .generate import format_summary, run_record, total_keys
 from .output import (
     META,
     SHARD_NAME,
@@ -110,13 +110,10 @@ def _merged_meta(cfg: DataGenConfig, metas: list[dict[str, Any]], started: float
     """meta.json of the merged dataset: shard 0's description, summed counts and times, this config."""
     keys = total_keys(metas[0].get("label_mode") == "rollout")
     totals = {key: sum(m["totals"].get(key, 0.0) for m in metas) for key in keys}
-    merged = dict(metas[0])
-    merged.update(
-        created=time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-        target=cfg.target.to_dict(),
-        draft=cfg.draft.to_dict(),
-        shard=None,
-        merged_from=[
+    return {
+        **metas[0],
+        "shard": None,
+        "merged_from": [
             {
                 "shard": f"{i}/{len(metas)}",
                 "rows": m["totals"]["rows"],
@@ -124,18 +121,8 @@ def _merged_meta(cfg: DataGenConfig, metas: list[dict[str, Any]], started: float
             }
             for i, m in enumerate(metas)
         ],
-        sources=[
+        "sources": [
             {**src, "rows": sum(m["sources"][k]["rows"] for m in metas)} for k, src in enumerate(metas[0]["sources"])
         ],
-        totals=totals,
-        stats=summary_stats(totals),
-        timing={
-            "wall_s_last_run": time.perf_counter() - started,
-            "generation_s": totals["generation_s"],
-            "scoring_s": totals["scoring_s"],
-        },
-        code=code_version(),
-        config=cfg.to_dict(),
-        fingerprint=cfg.fingerprint(),
-    )
-    return merged
+        **run_record(cfg, totals, started),
+    }

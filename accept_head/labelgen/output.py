@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..labels import FORMAT, label_features
+from ..labels import FORMAT
 from .config import config_differences
 
 META = "meta.json"
@@ -174,11 +174,10 @@ def quiet_datasets() -> Iterator[None]:
             ds_logging.enable_progress_bar()
 
 
-def empty_dataset(features=None):
-    """A label dataset with no rows (a shard that got no batch); ``features`` default to :func:`label_features`."""
+def empty_dataset(features):
+    """A label dataset with no rows (a shard that got no batch), of the given ``datasets.Features``."""
     import datasets
 
-    features = label_features() if features is None else features
     return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
 
 

@@ -314,6 +314,8 @@ class ThresholdSweep(EndOfFitStage):
         calibration: Calibration | None = None,
         **grid: Any,
     ):
+        """:func:`run_sweep` of ``prompts``; ``grid`` overrides the stage's thresholds, fixed_k and unscored."""
+        grid = {"thresholds": self.thresholds, "fixed_k": self.fixed_k, "unscored": self.unscored} | grid
         target = dm.target()
         _check_same_device(target, pl_module.draft)
         return run_sweep(
@@ -331,6 +333,7 @@ class ThresholdSweep(EndOfFitStage):
             seed=self.seed,
             progress=self.progress,
             desc=desc,
+            autoregressive=self.autoregressive,
             **grid,
         )
 
@@ -340,17 +343,7 @@ class ThresholdSweep(EndOfFitStage):
         if len(prompts) < self.prompts:
             print(f"sweep: the validation split has only {len(prompts)} prompts (asked for {self.prompts})")
         by = self.select if report.cost_model is not None else "measured"
-        result = self._run(
-            dm,
-            pl_module,
-            report,
-            prompts,
-            "threshold sweep",
-            thresholds=self.thresholds,
-            fixed_k=self.fixed_k,
-            unscored=self.unscored,
-            autoregressive=self.autoregressive,
-        )
+        result = self._run(dm, pl_module, report, prompts, "threshold sweep")
         best = result.best("threshold", by)
         report.sweep, report.threshold, report.unscored = result, float(best.param), best.variant
         report.min_candidates, report.max_candidates = self.min_candidates, self.max_candidates
@@ -363,10 +356,7 @@ class ThresholdSweep(EndOfFitStage):
         report.artifacts["pareto"] = str(pareto_plot(result, folder / "pareto.png"))
         report.artifacts["sweep_csv"] = str(_write_sweep(result.to_records(), folder))
         self._log_table(trainer, result.to_records())
-        baseline = result.family("autoregressive")[0] if result.family("autoregressive") else None
-        print(format_table(result.rows, baseline, title=f"threshold sweep ({len(prompts)} validation prompts)"))
-        variant = f", unscored={report.unscored}" if report.unscored else ""
-        print(f"h* = {report.threshold:g}{variant} ({by} latency)", flush=True)
+        baseline = _print_sweep(result, best, len(prompts), by)
         if self.greedy and not dm.sampling.greedy:
             self._greedy_h_star(dm, pl_module, report, prompts, by)
 
@@ -384,7 +374,6 @@ class ThresholdSweep(EndOfFitStage):
                 thresholds=[report.threshold],
                 unscored=[report.unscored],
                 fixed_k=[int(best_k.param)] if best_k is not None else [],
-                autoregressive=self.autoregressive,
             )
             report.closing = closing.rows
             report.closing_prompts = (
@@ -409,10 +398,7 @@ class ThresholdSweep(EndOfFitStage):
             "greedy threshold sweep",
             sampling=SamplingConfig(0.0),
             calibration=report.greedy_calibration,
-            thresholds=self.thresholds,
             fixed_k=[],
-            unscored=self.unscored,
-            autoregressive=self.autoregressive,
         )
         best = result.best("threshold", by)
         report.greedy_threshold, report.greedy_unscored = float(best.param), best.variant
@@ -420,10 +406,7 @@ class ThresholdSweep(EndOfFitStage):
             f"lowest {by} latency per token over the same grid and prompts, decoding greedily"
             + (" with the greedy calibration" if report.greedy_calibration is not None else "")
         )
-        baseline = result.family("autoregressive")[0] if result.family("autoregressive") else None
-        print(format_table(result.rows, baseline, title=f"greedy threshold sweep ({len(prompts)} validation prompts)"))
-        variant = f", unscored={best.variant}" if best.variant else ""
-        print(f"greedy h* = {report.greedy_threshold:g}{variant} ({by} latency)", flush=True)
+        _print_sweep(result, best, len(prompts), by, prefix="greedy ")
 
     @staticmethod
     def _log_table(trainer: Trainer, records: list[dict]) -> None:
@@ -454,6 +437,15 @@ class ThresholdSweep(EndOfFitStage):
                 if r.modeled_tokens_per_second and base.modeled_tokens_per_second:
                     metrics[f"{prefix}/modeled_speedup"] = r.modeled_tokens_per_second / base.modeled_tokens_per_second
         _log(trainer, metrics)
+
+
+def _print_sweep(result, best, prompts: int, by: str, prefix: str = ""):
+    """Print a sweep's table and its h*; returns the autoregressive row (the table's reference), if any."""
+    baseline = next(iter(result.family("autoregressive")), None)
+    print(format_table(result.rows, baseline, title=f"{prefix}threshold sweep ({prompts} validation prompts)"))
+    variant = f", unscored={best.variant}" if best.variant else ""
+    print(f"{prefix}h* = {float(best.param):g}{variant} ({by} latency)", flush=True)
+    return baseline
 
 
 def closing_table(report: FitReport) -> str:

@@ -157,7 +157,20 @@ def prompt_split(
 # ---- mixing dataset, bucketed batches, collation -------------------------------------------------------------------
 
 
-class MixedTokenDataset(Dataset):
+class _RowDataset(Dataset):
+    """A dataset of one example per row; ``lengths`` drive :class:`BucketBatchSampler`."""
+
+    rows: list
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    @property
+    def lengths(self) -> list[int]:
+        return [len(row) for row in self.rows]
+
+
+class MixedTokenDataset(_RowDataset):
     """Examples for the head: ``dataset[(row, epoch)]`` mixes row ``row`` for epoch ``epoch``.
 
     The generator of each (row, epoch) is seeded from (seed, epoch, prompt_id) (:func:`accept_head.seeds.derive_seed`),
@@ -171,13 +184,6 @@ class MixedTokenDataset(Dataset):
         self.rows = list(rows)
         self.mix_ratio = mix_ratio
         self.seed = seed
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(row) for row in self.rows]
 
     def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
         index, epoch = key if isinstance(key, tuple) else (key, 0)
@@ -269,12 +275,11 @@ class BucketBatchSampler(BatchSampler):
         n = len(self.sampler)  # type: ignore[arg-type]
         pool_size = self.batch_size * self.pool
         full, rest = divmod(n, pool_size)
-        per_pool = self.pool
         last = rest // self.batch_size if self.drop_last else math.ceil(rest / self.batch_size)
-        return full * per_pool + last
+        return full * self.pool + last
 
 
-class StoredHiddenDataset(Dataset):
+class StoredHiddenDataset(_RowDataset):
     """Examples for the head from stored hidden states: ``dataset[(row, epoch)]`` is row ``row``'s candidates.
 
     Items: ``hidden`` (C, d), ``labels`` (C,), ``row`` the row index. The epoch is accepted (and ignored) so the same
@@ -283,13 +288,6 @@ class StoredHiddenDataset(Dataset):
 
     def __init__(self, rows: Sequence[HiddenRow]) -> None:
         self.rows = list(rows)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    @property
-    def lengths(self) -> list[int]:
-        return [len(row) for row in self.rows]
 
     def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
         index = key[0] if isinstance(key, tuple) else key
@@ -472,25 +470,19 @@ class AcceptanceDataModule(LightningDataModule):
             return
         rows, self.meta = self._load(self.path)
         labelled = self.meta.get("target")
-        if self.target_override is not None and isinstance(labelled, dict):
-            if not _same_model(self.target_override, ModelSpec(**labelled)):
-                raise ValueError(
-                    f"data.target={self.target_override.path!r} is not the target the labels of {self.path} were "
-                    f"made with ({labelled.get('path')!r}); data.target may change dtype/device/attention only."
-                )
+        override = self.target_override
+        if override is not None and isinstance(labelled, dict) and not _same_model(override, ModelSpec(**labelled)):
+            raise ValueError(
+                f"data.target={override.path!r} is not the target the labels of {self.path} were made with "
+                f"({labelled.get('path')!r}); data.target may change dtype/device/attention only."
+            )
         self.split = prompt_split(
             [row.prompt_id for row in rows], self.val_fraction, self.val_size, self.split_seed, self.train_fraction
         )
-        val_ids = set(self.split["val"])
         by_id = {row.prompt_id: row for row in rows}
-        train_rows = [by_id[pid] for pid in self.split["train"]]
-        val_rows = [by_id[pid] for pid in self.split["val"]]
-        if not any(len(row) if isinstance(row, HiddenRow) else len(row.response_ids) for row in val_rows):
-            raise ValueError(f"The validation split of {self.path} holds no response tokens; raise the split size.")
-        assert not val_ids.intersection(self.split["train"]), "train and validation prompts overlap"
         self.rollout = is_rollout(self.meta)
-        self.train_set = self._examples(train_rows)
-        self.val_set = self._examples(val_rows)
+        self.train_set = self._examples([by_id[pid] for pid in self.split["train"]])
+        self.val_set = self._examples([by_id[pid] for pid in self.split["val"]])
         if self.test_path is not None:
             test_rows, _ = self._load(self.test_path)
             self.test_set = self._examples(test_rows)
@@ -536,7 +528,17 @@ class AcceptanceDataModule(LightningDataModule):
         dataset, meta = load_label_dataset(path)
         check_draft(meta, self.draft, path)
         if is_rollout(meta):
-            return self._load_rollout(path, dataset, meta), meta
+            rows, dropped = self._load_rollout(path, dataset, meta)
+        else:
+            rows, dropped = self._load_tokens(path, dataset)
+        if path == self.path:
+            self.dropped = dropped
+        if not rows:
+            raise ValueError(f"{path} holds no prompt with a response or a labelled candidate to train on ({dropped}).")
+        return rows, meta
+
+    def _load_tokens(self, path: str, dataset) -> tuple[list[LabelRow], dict[str, int]]:
+        """Rows of a token-level dataset, each (prompt + response) cut to ``max_length``; and the rows dropped."""
         if is_feature_draft(self.draft):
             raise ValueError(
                 f"data.draft={self.draft.path!r} is a feature draft, whose hidden states depend on the target's and "
@@ -572,14 +574,11 @@ class AcceptanceDataModule(LightningDataModule):
                     accept_prob=torch.tensor(record["accept_prob"][:n], dtype=torch.float32),
                 )
             )
-        if path == self.path:
-            self.dropped = dropped
-        if not rows:
-            raise ValueError(f"{path} holds no prompt with a response to train on ({dropped}).")
-        return rows, meta
+        return rows, dropped
 
-    def _load_rollout(self, path: str, dataset, meta: dict) -> list[HiddenRow]:
-        """Rows of a rollout dataset: each prompt's stored hidden states (C, d) and labels (C,)."""
+    def _load_rollout(self, path: str, dataset, meta: dict) -> tuple[list[HiddenRow], dict[str, int]]:
+        """Rows of a rollout dataset: each prompt's stored hidden states (C, d) and labels (C,); and the rows
+        dropped."""
         from ..rollout import read_hidden
 
         width = (meta.get("rollout") or {}).get("hidden_size")
@@ -604,11 +603,7 @@ class AcceptanceDataModule(LightningDataModule):
                     accept_prob=torch.tensor(record["accept_prob"], dtype=torch.float32),
                 )
             )
-        if path == self.path:
-            self.dropped = dropped
-        if not rows:
-            raise ValueError(f"{path} holds no prompt with a labelled candidate to train on ({dropped}).")
-        return rows
+        return rows, dropped
 
     def _record_split(self) -> None:
         trainer = getattr(self, "_trainer", None)
@@ -637,7 +632,6 @@ class AcceptanceDataModule(LightningDataModule):
         batches = BucketBatchSampler(
             sampler,
             batch_size=self.batch_size,
-            drop_last=False,
             lengths=dataset.lengths,
             pool=self.bucket_pool,
             shuffle=train,
@@ -649,7 +643,6 @@ class AcceptanceDataModule(LightningDataModule):
             batch_sampler=batches,
             collate_fn=collate_hidden if isinstance(dataset, StoredHiddenDataset) else collate,
             num_workers=self.num_workers,
-            persistent_workers=False,
         )
 
     def train_dataloader(self) -> DataLoader:

@@ -22,6 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..labels import draft_acceptance
 from ..seeds import seeded_generator
+from .module import adamw_cosine
 
 Example = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """(prompt_ids, response_ids, topk_ids, topk_logprobs) of one target response."""
@@ -261,10 +262,5 @@ class DistillDraftModule(LightningModule):
             self.on_validation(row)
 
     def configure_optimizers(self):
-        from transformers import get_cosine_with_min_lr_schedule_with_warmup
-
-        optimizer = torch.optim.AdamW(self.draft.parameters(), lr=self.lr, weight_decay=0.01, betas=(0.9, 0.95))
-        schedule = get_cosine_with_min_lr_schedule_with_warmup(
-            optimizer, self.warmup_steps, self.total_steps, min_lr_rate=0.1
-        )
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        adamw = {"weight_decay": 0.01, "betas": (0.9, 0.95)}
+        return adamw_cosine(self.draft.parameters(), self.lr, self.warmup_steps, self.total_steps, 0.1, **adamw)

@@ -214,13 +214,7 @@ def _save_draft(draft, tokenizer, folder: Path, name: str, record: dict, sort_ke
     (folder / name).write_text(json.dumps(record, indent=2, sort_keys=sort_keys) + "\n")
 
 
-def _experiments(folder: Path) -> list[dict]:
-    """Earlier runs recorded in ``distill_experiments.json`` (name, what differed, their learning curve), if any."""
-    path = folder / "distill_experiments.json"
-    return json.loads(path.read_text()) if path.is_file() else []
-
-
-def _experiments_section(experiments: list[dict], curve: list[dict], final: dict) -> str:
+def _experiments_section(experiments: list[dict], curve: list[dict]) -> str:
     """The model card's "What was tried" section: each earlier run's held-out acceptance against this one's."""
     if not experiments:
         return ""
@@ -296,7 +290,9 @@ def model_card(cfg: DistillConfig, draft_dir: str | None = None) -> str:
         (xs, [c["expected_accept"] for c in curve], {"marker": "o", "label": "expected acceptance Σ min(p, q)"}),
         (xs, [c["greedy_agreement"] for c in curve], {"marker": "s", "label": "greedy agreement"}),
     ]
-    experiments = _experiments(folder)
+    # Earlier runs recorded in distill_experiments.json (name, what differed, their learning curve), if any.
+    experiments_path = folder / "distill_experiments.json"
+    experiments = json.loads(experiments_path.read_text()) if experiments_path.is_file() else []
     for run in experiments:
         label = f"expected acceptance, {run['name']}"
         tokens, accept = [c["train_tokens"] / 1e6 for c in run["curve"]], [c["expected_accept"] for c in run["curve"]]
@@ -416,7 +412,7 @@ the table above uses all {acc["all"]["positions"]:,}. {pool_note}
 |---|---|---|---|
 {curve_rows}
 
-{_experiments_section(experiments, curve, acc["all"])}## Limits
+{_experiments_section(experiments, curve)}## Limits
 
 Trained on a small CPU budget; acceptance is far below that of a same-family draft. SmolLM2-135M-Instruct is
 Apache-2.0; this draft is derived from its outputs and embeddings and carries the same license.

@@ -27,11 +27,13 @@ from pathlib import Path
 import torch
 from lightning.pytorch import LightningDataModule, LightningModule
 from safetensors.torch import load_file
+from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 
 from ..feature_draft import FeatureDraft, FeatureDraftConfig
 from ..labels import draft_acceptance
 from ..seeds import seeded_generator
+from .module import adamw_cosine
 
 
 @dataclass
@@ -87,19 +89,16 @@ def collate_sequences(items: Sequence[FeatureSequence], loss_from: int) -> dict[
     """Right-pad a batch: tokens (B, T), features (B, T, d), lse (B, T), mask (B, T) and loss_mask (B, T − 1) — the
     pairs t whose target position t + 1 is at or after ``loss_from`` (positions before it, e.g. a system prompt
     every sequence shares, carry no loss)."""
-    width = max(len(s.tokens) for s in items)
-    d = items[0].features.shape[-1]
-    b = len(items)
-    tokens = torch.zeros((b, width), dtype=torch.long)
-    features = torch.zeros((b, width, d), dtype=items[0].features.dtype)
-    lse = torch.zeros((b, width))
-    mask = torch.zeros((b, width), dtype=torch.long)
-    for row, s in enumerate(items):
-        n = len(s.tokens)
-        tokens[row, :n], features[row, :n], lse[row, :n], mask[row, :n] = s.tokens, s.features, s.lse, 1
-    loss_mask = mask[:, 1:].bool().clone()
+    mask = pad_sequence([torch.ones_like(s.tokens) for s in items], batch_first=True)
+    loss_mask = mask[:, 1:].bool()
     loss_mask[:, : max(loss_from - 1, 0)] = False
-    return {"tokens": tokens, "features": features, "lse": lse, "mask": mask, "loss_mask": loss_mask}
+    return {
+        "tokens": pad_sequence([s.tokens for s in items], batch_first=True),
+        "features": pad_sequence([s.features for s in items], batch_first=True),
+        "lse": pad_sequence([s.lse.float() for s in items], batch_first=True),
+        "mask": mask,
+        "loss_mask": loss_mask,
+    }
 
 
 class _Batches(torch.utils.data.IterableDataset):
@@ -182,11 +181,9 @@ class FeatureDraftModule(LightningModule):
         self.generator = torch.Generator().manual_seed(seed)
 
     def init_from_target(self, target: torch.nn.Module, kept_ids: torch.Tensor) -> None:
-        fresh = FeatureDraft.from_target(target, kept_ids, **{k: getattr(self.config, k) for k in ("train_lm_head",)})
+        """Start from ``target``'s own weights (:meth:`FeatureDraft.from_target`) and keep its kept-vocabulary rows."""
+        fresh = FeatureDraft.from_target(target, kept_ids, train_lm_head=self.config.train_lm_head)
         self.draft.load_state_dict(fresh.state_dict(), strict=False)
-        self.bind(target)
-
-    def bind(self, target: torch.nn.Module) -> None:
         self.draft.bind(target)
         with torch.no_grad():
             self.target_rows.copy_(target.get_output_embeddings().weight[self.draft.kept_ids].float())
@@ -238,13 +235,8 @@ class FeatureDraftModule(LightningModule):
                 self.log(f"val/{name}_{k}", value, batch_size=n, prog_bar=(name == "accept" and k == 1))
 
     def configure_optimizers(self):
-        from transformers import get_cosine_schedule_with_warmup
-
         params = [p for p in self.draft.parameters() if p.requires_grad]
-        optimizer = torch.optim.AdamW(
-            params, lr=self.hparams.lr, betas=(0.9, 0.95), weight_decay=self.hparams.weight_decay
-        )
         total = self.trainer.estimated_stepping_batches
         total = total if math.isfinite(total) else 10_000
-        schedule = get_cosine_schedule_with_warmup(optimizer, self.hparams.warmup_steps, int(total))
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+        h = self.hparams
+        return adamw_cosine(params, h.lr, h.warmup_steps, int(total), betas=(0.9, 0.95), weight_decay=h.weight_decay)

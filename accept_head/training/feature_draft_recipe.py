@@ -12,6 +12,8 @@ from __future__ import annotations
 import csv
 import dataclasses
 import json
+import random
+import sysconfig
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,7 +29,7 @@ from ..feature_draft import FeatureDraft, FeatureDraftConfig, FeatureDrafter
 from ..features import decoder_matches_lm_head_input, final_hidden_states
 from ..head import AcceptanceHead
 from ..labels import draft_acceptance
-from ..pairs import ModelSpec, load_model
+from ..pairs import ModelSpec, load_model, load_tokenizer
 from .draft_recipe import (
     expand,
     fit_resumable,
@@ -125,11 +127,6 @@ def text(cfg: FeatureDraftRecipe) -> dict:
     ``prompt``. Each source takes its files in a seeded order until its ``tokens`` are written; ``features`` then
     teacher-forces the target over them beside its own responses (``vocab`` still counts only those). Returns what
     was written."""
-    import random
-    import sysconfig
-
-    from ..pairs import load_tokenizer
-
     out = expand(cfg.work_dir) / "text"
     done = out / "meta.json"
     if done.exists() or not cfg.text_sources:

@@ -130,13 +130,8 @@ def model_card(
     if choice is None:
         lines.append("Calibration was not run; the head's raw probabilities are used.")
     else:
-        lines += [
-            f"Kept: **{choice.chosen}** (lowest ECE; scores {choice.evaluation}).",
-            "",
-            "| map | ECE | Brier |",
-            "|---|---:|---:|",
-        ]
-        lines += [f"| {n} | {_fmt(s['ece'])} | {_fmt(s['brier'])} |" for n, s in choice.scores.items()]
+        lines += [f"Kept: **{choice.chosen}** (lowest ECE; scores {choice.evaluation}).", ""]
+        lines += _scores_table(choice, "map")
         greedy = report.greedy_calibration_choice
         if greedy is not None:
             prompts = len(datamodule.split.get("greedy", []))
@@ -146,10 +141,8 @@ def model_card(
                 f"prompts the head did not train on (`{datamodule.greedy_path}`): kept **{greedy.chosen}** "
                 f"(scores {greedy.evaluation}).",
                 "",
-                "| map (greedy labels) | ECE | Brier |",
-                "|---|---:|---:|",
             ]
-            lines += [f"| {n} | {_fmt(s['ece'])} | {_fmt(s['brier'])} |" for n, s in greedy.scores.items()]
+            lines += _scores_table(greedy, "map (greedy labels)")
         if "reliability" in report.artifacts:
             lines += ["", "![reliability diagram](reliability.png)"]
     cost = report.cost_model
@@ -188,6 +181,12 @@ def model_card(
         lines.append(markdown_table(report.closing, base))
     lines.append("")
     return "\n".join(lines)
+
+
+def _scores_table(choice, header: str) -> list[str]:
+    """A calibration choice's ECE and Brier score per candidate map, as markdown table lines."""
+    rows = [f"| {n} | {_fmt(s['ece'])} | {_fmt(s['brier'])} |" for n, s in choice.scores.items()]
+    return [f"| {header} | ECE | Brier |", "|---|---:|---:|", *rows]
 
 
 def _unscored(bundle) -> str:

@@ -185,36 +185,37 @@ class AcceptanceHeadModule(LightningModule):
 
     @torch.no_grad()
     def predict_loader(self, loader) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Head logits, labels and row ids (M,) over a dataloader, on this process only (for calibration)."""
-        was_training = self.training
-        self.eval()
+        """Head logits, labels and row ids (M,) over a dataloader, on this process only (for calibration; the
+        end-of-fit stages call it in eval mode)."""
         logits, labels, rows = [], [], []
-        try:
-            for batch in loader:
-                batch = {k: v.to(self.device) for k, v in batch.items()}
-                batch_logits, batch_labels = self(batch)
-                logits.append(batch_logits.float().cpu())
-                labels.append(batch_labels.float().cpu())
-                counts = batch["loss_mask"].sum(-1).cpu()
-                rows.append(batch["row"].cpu().repeat_interleave(counts))
-        finally:
-            self.train(was_training)
+        for batch in loader:
+            batch = {k: v.to(self.device) for k, v in batch.items()}
+            batch_logits, batch_labels = self(batch)
+            logits.append(batch_logits.float().cpu())
+            labels.append(batch_labels.float().cpu())
+            counts = batch["loss_mask"].sum(-1).cpu()
+            rows.append(batch["row"].cpu().repeat_interleave(counts))
         return torch.cat(logits), torch.cat(labels), torch.cat(rows)
 
     # -- optimisation
 
     def configure_optimizers(self) -> dict[str, Any]:
         """AdamW on the head with a linear warm-up then a cosine decay to ``lr * min_lr_ratio``, stepped per batch."""
-        from transformers import get_cosine_with_min_lr_schedule_with_warmup
-
         hp = self.hparams
-        optimizer = torch.optim.AdamW(
-            self.head.parameters(), lr=hp.lr, weight_decay=hp.weight_decay, betas=tuple(hp.betas)
-        )
         total = max(int(self.trainer.estimated_stepping_batches), 1)
         warmup = int(round(hp.warmup_fraction * total))
-        scheduler = get_cosine_with_min_lr_schedule_with_warmup(optimizer, warmup, total, min_lr_rate=hp.min_lr_ratio)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        adamw = {"weight_decay": hp.weight_decay, "betas": tuple(hp.betas)}
+        return adamw_cosine(self.head.parameters(), hp.lr, warmup, total, hp.min_lr_ratio, **adamw)
+
+
+def adamw_cosine(params, lr: float, warmup_steps: int, total_steps: int, min_lr_rate: float = 0.0, **adamw) -> dict:
+    """``configure_optimizers``' answer for AdamW (``adamw``: its other arguments) with a linear warm-up over
+    ``warmup_steps``, then a cosine decay to ``lr * min_lr_rate`` at ``total_steps``, stepped per optimizer step."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup as cosine
+
+    optimizer = torch.optim.AdamW(params, lr=lr, **adamw)
+    scheduler = cosine(optimizer, warmup_steps, total_steps, min_lr_rate=min_lr_rate)
+    return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
 def _as_1d(value: torch.Tensor | list) -> torch.Tensor:
