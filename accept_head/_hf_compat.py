@@ -10,12 +10,6 @@ import inspect
 from collections.abc import Sequence
 
 import torch
-import transformers
-from packaging.version import Version
-
-TRANSFORMERS_VERSION = Version(transformers.__version__)
-_NEGATIVE_CROP = TRANSFORMERS_VERSION >= Version("5.0.0")
-
 
 CACHE_KWARGS = ("past_key_values", "cache")
 """The names a forward call or ``generate`` passes the KV cache under (``cache`` from transformers 5.24)."""
@@ -64,16 +58,14 @@ def cache_length(cache) -> int:
 
 
 def crop_cache(cache, length: int) -> None:
-    """Crop a ``DynamicCache`` in place to its first ``length`` positions.
-
-    transformers < 5 takes the final length; 5.x takes a negative count of positions to remove.
-    """
+    """Crop a ``DynamicCache`` in place to its first ``length`` positions (transformers 5 takes a negative count of
+    positions to remove)."""
     current = cache.get_seq_length()
     if length > current:
         raise AssertionError(f"cannot crop a cache of {current} positions to {length}")
     if length == current:
         return
-    cache.crop(length - current if _NEGATIVE_CROP else length)
+    cache.crop(length - current)
 
 
 def keep_cache_positions(cache, keep: int, extra: Sequence[int]) -> None:
@@ -147,10 +139,6 @@ def register_gqa_eager() -> str:
     return GQA_EAGER
 
 
-CALLABLE_CUSTOM_GENERATE = TRANSFORMERS_VERSION >= Version("4.56.0")
-"""Whether ``generate(custom_generate=<callable>)`` exists (it hands the decoding loop to the callable)."""
-
-
 def enclosing_generate_arguments(names: tuple[str, ...] = ("streamer", "assistant_model")) -> dict:
     """The values of ``names`` in the innermost ``GenerationMixin.generate`` call on the current stack ({} if none).
 
@@ -161,10 +149,6 @@ def enclosing_generate_arguments(names: tuple[str, ...] = ("streamer", "assistan
     object (never by name), so a user's ``generate(..., streamer=...)`` reaches the decoding loop. Pinned by
     ``tests/test_hf_generate.py``, which fails if transformers changes either behaviour.
     """
-    if not CALLABLE_CUSTOM_GENERATE:
-        raise ImportError(
-            f"generate(custom_generate=<callable>) needs transformers >= 4.56 (found {TRANSFORMERS_VERSION})."
-        )
     import sys
 
     from transformers.generation.utils import GenerationMixin

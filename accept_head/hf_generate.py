@@ -437,17 +437,6 @@ def make_custom_generate(draft: torch.nn.Module | Drafter, policy: StopPolicy) -
     return SpecDecGenerate(draft, policy)
 
 
-def generate_with(
-    target: torch.nn.Module,
-    custom_generate: Callable,
-    *args: Any,
-    **generate_kwargs: Any,
-) -> Any:
-    """``target.generate(*args, **generate_kwargs, custom_generate=custom_generate)`` through the class's own
-    ``generate`` (never an instance override, which would recurse when the hub convention replaced it)."""
-    return GenerationMixin.generate(target, *args, custom_generate=custom_generate, **generate_kwargs)
-
-
 _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 """target model → {bundle folder: SpecDecPP} built around it (the hub entry point loads each bundle once)."""
 
@@ -468,7 +457,8 @@ def bundle_generate(folder: str | Path, model: torch.nn.Module, *args: Any, **ge
         device = str(next(model.parameters()).device)
         per_model[folder] = SpecDecPP.from_pretrained(folder, target=model, device=device)
     specdec = per_model[folder]
-    return generate_with(model, specdec.custom_generate, *args, **generate_kwargs)
+    # The class's own generate, never an instance override (which would recurse when the hub convention replaced it).
+    return GenerationMixin.generate(model, *args, custom_generate=specdec.custom_generate, **generate_kwargs)
 
 
 CUSTOM_GENERATE_SOURCE = '''"""SpecDec++ decoding with the bundle in the folder above (hub ``custom_generate`` layout).

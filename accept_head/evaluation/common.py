@@ -20,6 +20,7 @@ import torch
 
 from ..cost_model import CostModel, measure_costs
 from ..engine import MethodSummary
+from ..labelgen.output import make_writable_dir
 from ..pairs import Pair
 
 # ---- cost model ----------------------------------------------------------------------------------------------------
@@ -108,13 +109,7 @@ def write_json(path: str | Path, payload: dict) -> Path:
 def output_folder(output_dir: str | Path) -> Path:
     """Create ``output_dir`` (failing early, before any model is loaded, if it cannot be written)."""
     folder = Path(output_dir)
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        probe = folder / ".write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as err:
-        raise ValueError(f"output_dir={str(folder)!r} is not writable ({err}); pick another --output_dir.") from err
+    make_writable_dir(folder)
     return folder
 
 

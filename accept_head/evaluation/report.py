@@ -7,7 +7,6 @@ typed by hand. The same numbers are stored next to the figures as ``results.json
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -452,8 +451,3 @@ def _show(runs: Sequence[MethodSummary], figures: Path, set_name: str, key: str,
 
 def _slug(text: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in text.lower()).strip("-").replace("--", "-")
-
-
-def load_results(path: str | Path) -> dict:
-    """Read a report's results.json back (e.g. to re-render the page without rerunning)."""
-    return json.loads(Path(path).read_text())

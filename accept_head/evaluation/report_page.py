@@ -1,5 +1,5 @@
 """The results page of ``python -m eval report``, written from a run's results.json alone (so a page can be
-re-rendered without rerunning: ``render_markdown(load_results(path), figures_dir)``). The analysis that fills
+re-rendered without rerunning: ``render_markdown(json.loads(path.read_text()), figures_dir)``). The analysis that fills
 results.json lives in :mod:`accept_head.evaluation.report`."""
 
 from __future__ import annotations

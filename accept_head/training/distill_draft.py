@@ -251,15 +251,15 @@ class DistillDraftModule(LightningModule):
         metrics, self._scores = pooled_acceptance(self._scores), []
         self.log("val/expected_accept", metrics["expected_accept"])
         self.log("val/greedy_agreement", metrics["greedy_agreement"])
-        row = {
-            "train_tokens": int(self.tokens_seen),
-            "distinct_tokens": self.data.distinct_tokens,
-            "step": self.global_step,
-            **metrics,
-        }
+        row = self.curve_row(metrics)
         print(f"[fit] eval {row}", flush=True)
         if self.on_validation is not None and not self.trainer.sanity_checking:
             self.on_validation(row)
+
+    def curve_row(self, metrics: dict) -> dict:
+        """A learning-curve row: tokens trained on so far, the step and the held-out ``metrics``."""
+        return {"train_tokens": int(self.tokens_seen), "distinct_tokens": self.data.distinct_tokens,
+                "step": self.global_step, **metrics}  # fmt: skip
 
     def configure_optimizers(self):
         adamw = {"weight_decay": 0.01, "betas": (0.9, 0.95)}

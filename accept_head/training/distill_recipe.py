@@ -186,17 +186,9 @@ def fit(cfg: DistillConfig) -> None:
         on_validation=record,
     )
     val_every_steps = max(1, cfg.eval_every_tokens // cfg.batch_tokens)
-    trainer = fit_resumable(
-        module, work, total_steps, val_every_steps, checkpoint_every_steps=100, enable_model_summary=False
-    )
+    fit_resumable(module, work, total_steps, val_every_steps, checkpoint_every_steps=100, enable_model_summary=False)
     draft.eval()
-    metrics = held_out_acceptance(draft, target_probs, eval_examples)
-    row = {
-        "train_tokens": int(module.tokens_seen),
-        "distinct_tokens": module.data.distinct_tokens,
-        "step": trainer.global_step,
-        **metrics,
-    }
+    row = module.curve_row(held_out_acceptance(draft, target_probs, eval_examples))
     append(row)
     print(f"[fit] final {row}", flush=True)
     curve = [json.loads(line) for line in curve_path.read_text().splitlines() if line.strip()]
