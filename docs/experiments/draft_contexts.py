@@ -9,7 +9,7 @@ the full vocabulary and greedy agreement 1[argmax q = argmax p], on response pos
 * ``greedy, shuffled f``: the greedy contexts with the target features permuted across positions (a control: how
   much the feature draft reads its features at all).
 
-Run from the repository root (about 10 minutes on 2 CPU cores):
+Run from the repository root (about 5 minutes on 2 CPU cores):
     python docs/experiments/draft_contexts.py --out docs/experiments/draft_contexts.json
 """
 

@@ -9,7 +9,7 @@ rms(h_27); f_t]), started as the identity on f_t), ``init`` (the layer starts fr
 ``fuse+init`` (``committed`` scores the committed draft without training); an arm named with ``hard`` trains on the
 target's argmax token (hard cross-entropy over the kept vocabulary) instead of its distribution. Prints per arm, per
 held-out set, steps 1-3: (expected acceptance over the kept vocabulary, greedy agreement).
-Run from the repository root (about 45 minutes on 2 CPU cores):
+Run from the repository root (about 35 minutes on 2 CPU cores, feature extraction included):
     STEPS=300 python docs/experiments/feature_fusion.py base fuse init fuse+init
 """
 
