@@ -507,7 +507,29 @@ def run_interleaved(
     desc: str = "decoding",
     outputs: dict[str, list[list[tuple[int, ...]]]] | None = None,
 ) -> dict[str, list[list[DecodeStats]]]:
-    """Decode every prompt with every method, interleaved (A B C … per prompt), ``repeats`` times.
+    """Decode every prompt with every method of ``runner``, interleaved (A B C … per prompt), ``repeats`` times
+    (:func:`run_decoders`); oracles are built before anything is timed. Returns ``{method name: [repeat][prompt]
+    DecodeStats]}``."""
+    decoders = {spec.name: runner.decoder(spec) for spec in specs}
+    for spec in specs:
+        if spec.kind == "oracle":
+            for prompt in prompts:
+                runner.oracle(prompt.ids)
+    return run_decoders(decoders, prompts, seed, repeats, warmup, progress, desc, outputs)
+
+
+def run_decoders(
+    decoders: dict[str, Decoder],
+    prompts: Sequence[EncodedPrompt],
+    seed: int = 0,
+    repeats: int = 1,
+    warmup: int = 0,
+    progress: bool = True,
+    desc: str = "decoding",
+    outputs: dict[str, list[list[tuple[int, ...]]]] | None = None,
+) -> dict[str, list[list[DecodeStats]]]:
+    """Decode every prompt with every decoder (name → :data:`Decoder`, e.g. from several runners), interleaved
+    (A B C … per prompt), ``repeats`` times.
 
     Prompt ``index`` of repeat ``r`` decodes with ``seeded_generator(seed, r, index)`` (:func:`prompt_seed`) in
     every method; the first ``warmup`` prompts are decoded once by every method beforehand (repeat −1) and not
@@ -518,11 +540,6 @@ def run_interleaved(
         raise ValueError(f"repeats={repeats} must be >= 1.")
     if warmup < 0:
         raise ValueError(f"warmup={warmup} must be >= 0.")
-    decoders = {spec.name: runner.decoder(spec) for spec in specs}
-    for spec in specs:  # build oracles before anything is timed
-        if spec.kind == "oracle":
-            for prompt in prompts:
-                runner.oracle(prompt.ids)
     from tqdm.auto import tqdm
 
     total = len(decoders) * (len(prompts) * repeats + min(warmup, len(prompts)))

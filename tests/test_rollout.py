@@ -12,12 +12,14 @@ from tiny_models import make_llama, make_pair, make_tokenizer, perturbed_copy
 from train_helpers import TinySetup, run_data_gen, train_config, write_config, write_prompts
 
 from accept_head import FixedK, autoregressive_generate, speculative_generate
+from accept_head.engine import h_star_label
 from accept_head.feature_draft import FeatureDraft
 from accept_head.features import lm_head_input
 from accept_head.labelgen import generate as generate_module
 from accept_head.labelgen.run import parse_config
 from accept_head.labels import load_label_dataset
 from accept_head.pairs import load_model
+from accept_head.prompts import PromptOptions
 from accept_head.rollout import read_hidden, rollout_labels
 from accept_head.sampling import SamplingConfig, probabilities
 from accept_head.seeds import seeded_generator
@@ -277,6 +279,32 @@ def test_train_fit_on_rollout_labels_trains_on_stored_hidden_states(tiny: TinySe
     assert ours["calibrated"]["ece"] == pytest.approx(acceptance_metrics(torch.logit(calibrated), labels)["ece"])
     with pytest.raises(ValueError, match="width 7 but the head reads 16"):
         label_modes.score(bundle, torch.zeros(3, 7), torch.ones(3))
+
+    # With test prompts, every bundle also decodes them at its h*, interleaved with the target alone and FixedK.
+    # Two copies of one bundle decide alike, so their greedy rows count the same rounds and tokens.
+    import shutil
+
+    twin = shutil.copytree(tmp_path / "bundle", tmp_path / "twin")
+    first = str(tmp_path / "bundle")
+    paths = [first, str(twin)]
+    greedy = label_modes.label_modes(
+        dataset=str(tiny.labels), bundles=paths, prompts=[{"path": str(tiny.prompts), "limit": 3}],
+        temperatures=[0, 1], max_new_tokens=6, repeats=2, warmup=0, fixed_k=[2], progress=False,
+    )["throughput"]
+    assert set(greedy) == {"greedy", "T=1"}
+    rows = {m["name"]: m for m in greedy["greedy"]["methods"]}
+    h_star = rows[f"{h_star_label(bundle, greedy=True)} ({first})"]
+    twin_row = rows[f"{h_star_label(bundle, greedy=True)} ({twin})"]
+    assert list(rows)[:2] == ["Autoregressive", "FixedK k=2"] and len(rows) == 4
+    assert 0 < rows["Autoregressive"]["generated"] == h_star["generated"] <= 2 * 3 * 6  # greedy: the same text
+    for key in ("rounds", "generated", "target_calls", "mean_accepted"):
+        assert h_star[key] == twin_row[key]
+    assert h_star["ratio_to_autoregressive"] > 0 and len(greedy["greedy"]["prompts"]) == 3
+    config = json.loads((twin / "config.json").read_text())
+    config["draft"]["path"] = "elsewhere"
+    (twin / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=r"was trained for draft .* pass bundles of the same target and draft"):
+        label_modes.decode_throughput(paths, [{"path": str(tiny.prompts)}], PromptOptions(), [0], 4, 1, 0, [], 0, False)
 
 
 def test_train_fit_on_feature_draft_rollout_labels(feature_setup: TinySetup, tmp_path) -> None:
