@@ -408,3 +408,46 @@ def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None
     assert printed["data"]["path"] == labels.output_dir
     assert printed["data"]["data_gen"] == "configs/data_gen/instructions-rollout.yaml"
     assert printed["export"]["dir"] == "checkpoints/smollm2-135m-specdecpp"
+
+
+# ---- the training loss against its textbook form -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("train_lm_head", [False, True])
+def test_soft_cross_entropy_equals_the_direct_form_with_its_gradients(train_lm_head: bool) -> None:
+    """The module computes −Σ p log q as P·logsumexp(z) − f̂·(pᵀW) (:class:`WeightedLogSumExp`); in fp32 loss and
+    gradients equal the direct −Σ_v p(v) log_softmax(z)(v) over the kept vocabulary, frozen or trained LM head."""
+    from accept_head.feature_draft import FeatureDraftConfig
+    from accept_head.training.feature_draft import FeatureDraftModule, unrolled_predictions
+
+    torch.manual_seed(0)
+    target = make_llama()
+    vocab = target.config.vocab_size
+    kept = torch.arange(0, vocab, 2)
+    config = FeatureDraftConfig.for_target(target, len(kept), target_name="tiny", train_lm_head=train_lm_head)
+    module = FeatureDraftModule(config, unroll=2, noise=0.0, feature_weight=0.0)
+    module.init_from_target(target, kept)
+    features = torch.randn(3, 9, 32) * 2
+    lse = (features @ target.get_output_embeddings().weight.detach().T).logsumexp(-1)
+    mask = torch.ones(3, 9, dtype=torch.long)
+    batch = {"tokens": torch.randint(0, vocab, (3, 9)), "features": features, "lse": lse, "mask": mask}
+    batch["loss_mask"] = mask[:, 1:].bool()
+    batch["loss_mask"][0, 5:] = False  # padding carries no loss
+    params = [p for p in module.draft.parameters() if p.requires_grad]
+    assert any(p is module.draft.lm_head.weight for p in params) == train_lm_head
+
+    loss, per_step = module._losses(batch, train=False)
+    fused = torch.autograd.grad(loss, params, allow_unused=True)
+
+    p = ((features[:, 1:] @ module.target_rows.T) - lse[:, 1:, None]).exp()
+    m = batch["loss_mask"]
+    steps = unrolled_predictions(module.draft, batch, 2)
+    direct = [(-(p * module.draft.kept_logits(f).log_softmax(-1)).sum(-1) * m).sum() / m.sum() for f in steps]
+    expected = direct[0] + 0.8 * direct[1]
+    grads = torch.autograd.grad(expected, params, allow_unused=True)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    assert float(per_step[0]["ce"]) == pytest.approx(float(direct[0]), rel=1e-5)
+    for a, b in zip(fused, grads):
+        assert (a is None) == (b is None)
+        if a is not None:
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
