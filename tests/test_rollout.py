@@ -288,8 +288,15 @@ def test_train_fit_on_rollout_labels_trains_on_stored_hidden_states(tiny: TinySe
     first = str(tmp_path / "bundle")
     paths = [first, str(twin)]
     greedy = label_modes.label_modes(
-        dataset=str(tiny.labels), bundles=paths, prompts=[{"path": str(tiny.prompts), "limit": 3}],
-        temperatures=[0, 1], max_new_tokens=6, repeats=2, warmup=0, fixed_k=[2], progress=False,
+        dataset=str(tiny.labels),
+        bundles=paths,
+        prompts=[{"path": str(tiny.prompts), "limit": 3}],
+        temperatures=[0, 1],
+        max_new_tokens=6,
+        repeats=2,
+        warmup=0,
+        fixed_k=[2],
+        progress=False,
     )["throughput"]
     assert set(greedy) == {"greedy", "T=1"}
     rows = {m["name"]: m for m in greedy["greedy"]["methods"]}
