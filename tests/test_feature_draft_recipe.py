@@ -377,17 +377,16 @@ def test_committed_recipe_config_parses_through_the_cli(capsys, monkeypatch) -> 
         assert printed["standalone"]["path"] == "checkpoints/smollm2-135m-draft"
 
 
-def test_more_text_recipe_differs_from_the_committed_one_only_by_its_text_and_folders(capsys, monkeypatch) -> None:
+def test_committed_recipe_teacher_forces_text_beside_the_responses(capsys, monkeypatch) -> None:
     monkeypatch.chdir(REPO)
-    printed = {}
-    for name in ("smollm2-135m-feature-draft", "smollm2-135m-feature-draft-text"):
-        with pytest.raises(SystemExit):
-            run_cli("text", "--config", f"configs/distill/{name}.yaml", "--print_config")
-        printed[name] = yaml.safe_load(capsys.readouterr().out)["cfg"]
-    base, text = printed.values()
-    changed = {key for key in base if base[key] != text[key]}
-    assert changed == {"work_dir", "output_dir", "text_sources"}
-    assert [(s["patterns"], s["tokens"] > 0) for s in text["text_sources"]] == [(["{stdlib}/**/*.py"], True)]
+    with pytest.raises(SystemExit):
+        run_cli("text", "--config", "configs/distill/smollm2-135m-feature-draft.yaml", "--print_config")
+    sources = yaml.safe_load(capsys.readouterr().out)["cfg"]["text_sources"]
+    assert sources[0]["patterns"] == ["{stdlib}/**/*.py"]
+    assert len(sources) >= 2 and all(s["tokens"] > 0 for s in sources)
+    assert all(s["prompt"] and "{text}" in s["template"] for s in sources)
+    recorded = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft/config.json").read_text())["extra"]["recipe"]
+    assert [s["patterns"] for s in recorded["text_sources"]] == [s["patterns"] for s in sources]
 
 
 def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None:
