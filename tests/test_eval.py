@@ -556,6 +556,13 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
         oracle["modeled_tokens_per_second"] / fixed["modeled_tokens_per_second"]
     )
     assert stored["calibration"]["offline"]["raw"]["metrics"]["n"] > 0
+    # Greedy outputs are compared with autoregressive decoding's on every test set: in float32 all are identical.
+    for set_name, by_key in stored["results"].items():
+        identity = by_key["greedy"]["greedy_identity"]
+        others = {m["name"] for m in by_key["greedy"]["methods"] if m["kind"] != "autoregressive"}
+        assert set(identity) == others and "T=1" in by_key and "greedy_identity" not in by_key["T=1"]
+        assert all(v["identical"] == v["decodes"] == 2 and v["first_divergence"] == [] for v in identity.values())
+    assert "Greedy outputs against autoregressive decoding" in text
 
 
 @pytest.mark.parametrize("config", sorted(Path("configs/eval").glob("*.yaml")), ids=lambda p: p.name)

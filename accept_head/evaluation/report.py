@@ -22,6 +22,7 @@ from ..engine import (
     best_of,
     choose_settings,
     expand_grids,
+    greedy_identity,
     h_star_spec,
     headroom_share,
     selection_basis,
@@ -371,8 +372,9 @@ def report(
         summaries[set_name], results[set_name] = {}, {}
         for temperature in temperatures:
             key = temperature_key(temperature)
+            outputs: dict = {}
             runs, skipped = run_sweep(
-                pair, prompt_set, chosen[key], temperature, max_new_tokens, model, seed, progress, bigram_cache
+                pair, prompt_set, chosen[key], temperature, max_new_tokens, model, seed, progress, bigram_cache, outputs
             )
             summaries[set_name][key] = runs
             figures_made[f"pareto {set_name} {key}"] = _show(runs, staging, set_name, key, len(prompt_set.prompts))
@@ -382,6 +384,9 @@ def report(
                 "skipped": skipped,
                 "analysis": analyse(runs, select_by),
             }
+            reference = next((r.spec.name for r in runs if r.spec.kind == "autoregressive"), None)
+            if temperature == 0 and reference is not None:
+                results[set_name][key]["greedy_identity"] = greedy_identity(outputs, reference)
     calibration = calibration_views(
         pair,
         dataset,

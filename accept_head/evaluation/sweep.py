@@ -67,9 +67,10 @@ def run_sweep(
     seed: int = 0,
     progress: bool = True,
     bigram_cache: str | None = None,
+    outputs: dict[str, list[list[tuple[int, ...]]]] | None = None,
 ) -> tuple[list[MethodSummary], list[dict]]:
     """Run every spec that can run at ``temperature`` on ``prompt_set``; return the summaries and the skipped specs
-    (with the reason)."""
+    (with the reason). ``outputs``, when a dict, receives each decode's new tokens (see :func:`run_decoders`)."""
     runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache)
     runnable, skipped = [], []
     for spec in specs:
@@ -85,6 +86,7 @@ def run_sweep(
         seed=seed,
         progress=progress,
         desc=f"{prompt_set.name} {temperature_key(temperature)}",
+        outputs=outputs,
     )
     return summarize(runnable, runs, cost_model), skipped
 
