@@ -612,9 +612,10 @@ Speed (context 128, bf16, interleaved, medians of {t["samples_each"]}): one draf
 
 {_ablation_section(folder)}## Limits
 
-Trained on what one 2-core CPU session could generate (target responses at ~330 tok/s). On so little data the draft
-fits its training text far better than new text: compare the held-out numbers above with the training curve's
-acceptance in `docs/findings.md`. More target-written text is the first lever; the recipe resumes at every stage.
+Trained on what one 2-core CPU could supply in a session: the target writes responses at ~300 tok/s here and reads
+text for teacher forcing at ~2,000 tok/s. On so little data the draft fits its training text far better than new
+text. More teacher-forced tokens are the first lever (`docs/findings.md` §0 measures how held-out acceptance grew
+with them); the recipe resumes at every stage.
 
 ## License
 
