@@ -4,6 +4,7 @@ results.json lives in :mod:`accept_head.evaluation.report`."""
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 
 from ..cost_model import DecodeCostFit, fit_decode_costs
@@ -120,6 +121,7 @@ def render_markdown(payload: dict, figures_dir: str) -> str:
                 "",
             ]
     lines += _calibration(payload, figures_dir)
+    lines += _near_ties(payload)
     lines += _diagnostics(payload)
     lines += [
         "## How to reproduce",
@@ -438,7 +440,7 @@ def _diagnostics(payload: dict) -> list[str]:
                     ),
                 ]
             )
-    return _near_ties(payload) + [
+    return [
         "## Diagnostics",
         "",
         "Greedy agreement: share of positions where the draft's greedy token is the target's (from the oracle's "
@@ -466,8 +468,8 @@ def _near_ties(payload: dict) -> list[str]:
     for set_name, by_temperature in payload["results"].items():
         for key, result in by_temperature.items():
             for method, counts in result.get("greedy_identity", {}).items():
-                parts = sorted(counts["first_divergence"])
-                median = parts[len(parts) // 2] if parts else None
+                parts = counts["first_divergence"]
+                median = statistics.median_high(parts) if parts else None
                 rows.append([set_name, key, method, f"{counts['identical']}/{counts['decodes']}", fmt(median, 0)])
     if not rows:
         return []
