@@ -22,11 +22,8 @@ def _output_cache_field() -> str:
 
 
 OUTPUT_CACHE_FIELD = _output_cache_field()
-"""The field of ``generate``'s output that holds the KV cache (``cache`` from 5.24, ``past_key_values`` before)."""
-
-
-_DEFAULT_CACHE_ARG = OUTPUT_CACHE_FIELD
-"""The installed release's own name for the cache, read from it rather than guessed from its version."""
+"""The field of ``generate``'s output that holds the KV cache (``cache`` from 5.24, ``past_key_values`` before): the
+installed release's own name for the cache, read from it rather than guessed from its version."""
 
 
 @functools.cache
@@ -34,11 +31,11 @@ def _cache_arg(forward_owner: type) -> str:
     """The keyword ``forward_owner.forward`` takes its KV cache under: ``cache`` where it names that parameter
     (transformers' models from 5.24, which deprecates ``past_key_values`` for removal in 5.40), ``past_key_values``
     where it names only that one (older releases, remote code), else (``**kwargs`` wrappers such as PEFT's) the
-    installed release's default."""
+    installed release's default, :data:`OUTPUT_CACHE_FIELD`."""
     parameters = inspect.signature(forward_owner.forward).parameters
     if "cache" in parameters:
         return "cache"
-    return "past_key_values" if "past_key_values" in parameters else _DEFAULT_CACHE_ARG
+    return "past_key_values" if "past_key_values" in parameters else OUTPUT_CACHE_FIELD
 
 
 def cache_kwargs(model: torch.nn.Module, cache, use_cache: bool = True) -> dict:

@@ -158,11 +158,9 @@ class ConfidenceThreshold(StopPolicy):
     ) -> None:
         if not tau >= 0:
             raise ValueError(f"tau={tau} must be >= 0 (a probability threshold; 0 never stops early).")
-        _check_candidates(min_candidates, max_candidates)
+        self.min_candidates, self.max_candidates = _check_candidates(min_candidates, max_candidates)
         self.initial_tau = float(tau)
         self.tau = float(tau)
-        self.min_candidates = min_candidates
-        self.max_candidates = max_candidates
         self.auto_tune = auto_tune
         self.fn_cost = fn_cost
         self.min_pairs = min_pairs
@@ -170,9 +168,7 @@ class ConfidenceThreshold(StopPolicy):
         self.matches: list[int] = []
 
     def should_stop(self, state: RoundState) -> bool:
-        if state.n < max(self.min_candidates, 1):
-            return False
-        return state.token_probs[-1] < self.tau
+        return state.n >= max(self.min_candidates, 1) and state.token_probs[-1] < self.tau
 
     def update(self, state: RoundState, accepted: int) -> None:
         if not self.auto_tune or state.n == 0:
@@ -225,11 +221,9 @@ class EntropyStop(StopPolicy):
             raise ValueError(f"threshold={threshold} must be in [0, 1]: it bounds an acceptance probability (λ).")
         if not gamma > 0:
             raise ValueError(f"gamma={gamma} must be > 0 (AdaEDL's entropy scale).")
-        _check_candidates(min_candidates, max_candidates)
+        self.min_candidates, self.max_candidates = _check_candidates(min_candidates, max_candidates)
         self.threshold = float(threshold)
         self.gamma = float(gamma)
-        self.min_candidates = min_candidates
-        self.max_candidates = max_candidates
 
     def should_stop(self, state: RoundState) -> bool:
         if state.n < max(self.min_candidates, 1):
@@ -281,46 +275,29 @@ class Oracle(StopPolicy):
         self.prompt_length = prompt_length
         self.continuation = [int(t) for t in continuation]
         self.mismatches = frozenset(int(p) for p in mismatches)
-        end = prompt_length + len(self.continuation)
-        outside = sorted(p for p in self.mismatches if not prompt_length <= p < end - 1)
+        self.end = prompt_length + len(self.continuation)
+        outside = sorted(p for p in self.mismatches if not prompt_length <= p < self.end - 1)
         if outside:
             raise ValueError(
-                f"mismatch positions {outside[:5]} lie outside [{prompt_length}, {end - 1}) "
+                f"mismatch positions {outside[:5]} lie outside [{prompt_length}, {self.end - 1}) "
                 "(absolute indices of the continuation, last token excluded)."
             )
         self.max_candidates = max(len(self.continuation), 1)
-
-    @property
-    def expected_target_calls(self) -> int:
-        """Lemma 2.1: |S| + 1."""
-        return len(self.mismatches) + 1
-
-    @property
-    def greedy_agreement(self) -> float:
-        """Share of the continuation's positions (last excluded) where the draft's greedy token is the target's."""
-        judged = max(len(self.continuation) - 1, 1)
-        return 1.0 - len(self.mismatches) / judged
-
-    def rounds(self) -> list[int]:
-        """Candidates per round of the oracle's decoding (Lemma 2.1): each run of matching positions is drafted and
-        accepted, and the target writes the mismatch (or the final token) that ends it; 0 for a round that starts on
-        a mismatch."""
-        end = self.prompt_length + len(self.continuation)
-        out, position = [], self.prompt_length
-        while position < end:
-            k = 0
-            while position + k < end - 1 and position + k not in self.mismatches:
-                k += 1
-            out.append(k)
-            position += k + 1
-        return out
 
     def limit_stats(self) -> DecodeStats:
         """The counters of decoding with this oracle exactly as Lemma 2.1 defines it: N_target = |S| + 1 rounds,
         one draft step per candidate, zero discards (no timing). Decoding in bf16 can drift from the greedy
         continuation the oracle was built on (verifying several tokens at once may flip a near-tie argmax); these
         counts are the limit itself, free of that drift."""
-        rounds = self.rounds()
+        # Each run of matching positions is drafted and accepted, and the target writes the mismatch (or the final
+        # token) that ends it; 0 candidates in a round that starts on a mismatch.
+        rounds, position = [], self.prompt_length
+        while position < self.end:
+            k = 0
+            while position + k < self.end - 1 and position + k not in self.mismatches:
+                k += 1
+            rounds.append(k)
+            position += k + 1
         return DecodeStats(
             generated=len(self.continuation),
             target_calls=len(rounds),
@@ -331,7 +308,6 @@ class Oracle(StopPolicy):
         )
 
     def should_stop(self, state: RoundState) -> bool:
-        end = self.prompt_length + len(self.continuation)
         if state.n == 0 and state.position < self.prompt_length:
             raise ValueError(
                 f"This Oracle was built for a prompt of {self.prompt_length} tokens and a {len(self.continuation)}-"
@@ -341,7 +317,7 @@ class Oracle(StopPolicy):
         # At or past the continuation's last token the target writes alone. Decoding can get there and beyond: in bf16
         # a multi-token verification may flip a near-tie argmax, and the drifted sequence need not end where the
         # greedy continuation did (its counts are not the oracle's anyway: see limit_stats).
-        return state.position in self.mismatches or state.position >= end - 1
+        return state.position in self.mismatches or state.position >= self.end - 1
 
     def describe(self) -> str:
         return "Oracle"

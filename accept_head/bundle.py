@@ -251,10 +251,7 @@ class SpecDecPP:
     def eos_token_ids(self) -> list[int] | None:
         """Ids that end a response (:func:`~accept_head.pairs.eos_token_ids`; None when neither the tokenizer nor
         the target defines one)."""
-        try:
-            return eos_token_ids(self.tokenizer, self.target)
-        except ValueError:
-            return None
+        return eos_token_ids(self.tokenizer, self.target, required=False)
 
     def custom_generate(
         self,
@@ -326,7 +323,11 @@ class SpecDecPP:
         tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         tmp_weights.replace(folder / HEAD_WEIGHTS)
         tmp_config.replace(folder / CONFIG_NAME)
-        write_custom_generate(folder)
+        custom = folder / CUSTOM_GENERATE
+        custom.parent.mkdir(exist_ok=True)
+        tmp_custom = custom.with_name(custom.name + ".tmp")
+        tmp_custom.write_text(CUSTOM_GENERATE_SOURCE)
+        tmp_custom.replace(custom)
 
     @staticmethod
     def read_config(folder: str | Path) -> dict:
@@ -434,13 +435,3 @@ class SpecDecPP:
             greedy_unscored=config.get("greedy_unscored"),
             greedy_calibration=greedy_calibration,
         )
-
-
-def write_custom_generate(folder: str | Path) -> Path:
-    """Write ``custom_generate/generate.py`` into a bundle folder (atomically) and return its path."""
-    path = Path(folder) / CUSTOM_GENERATE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(CUSTOM_GENERATE_SOURCE)
-    tmp.replace(path)
-    return path

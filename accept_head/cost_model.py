@@ -43,12 +43,9 @@ class CostModel:
     def t_target(self, k: int | float) -> float:
         return self.t_target_a + self.t_target_b * k
 
-    def modeled_time(self, draft_calls: int, proposed: Sequence[int]) -> float:
-        """Eq. 2.1 with t_target(K): seconds the counted passes cost under this model."""
-        return self.t_draft * draft_calls + sum(self.t_target(k) for k in proposed)
-
     def modeled_tokens_per_second(self, generated: int, draft_calls: int, proposed: Sequence[int]) -> float:
-        seconds = self.modeled_time(draft_calls, proposed)
+        """Tokens per second of the counted passes, timed by eq. 2.1 with t_target(K)."""
+        seconds = self.t_draft * draft_calls + sum(self.t_target(k) for k in proposed)
         return generated / seconds if seconds > 0 else 0.0
 
     def to_dict(self) -> dict:
@@ -212,12 +209,9 @@ def measure_costs(
     # measurement alike instead of bending the line fitted through them.
     times = _timed_interleaved(steps, repeats, warmup, device)
     draft_times, head_times = times.pop("draft"), times.pop("head", [0.0])
-    measured: dict = {"draft": _summary(draft_times), "head": _summary(head_times), "target": {}}
-    medians = []
-    for k, k_times in times.items():
-        measured["target"][k] = _summary(k_times)
-        medians.append(statistics.median(k_times))
-    a, b, r2 = fit_linear(list(times), medians)
+    per_k = {k: _summary(k_times) for k, k_times in times.items()}
+    measured: dict = {"draft": _summary(draft_times), "head": _summary(head_times), "target": per_k}
+    a, b, r2 = fit_linear(list(per_k), [summary["median"] for summary in per_k.values()])
     t_draft = statistics.median(draft_times) + statistics.median(head_times)
     return CostModel(t_draft=t_draft, t_target_a=max(a, 1e-9), t_target_b=b, r2=r2, measured=measured)
 

@@ -18,7 +18,7 @@ from ._hf_compat import cache_kwargs, crop_cache
 from .drafters import Drafter, as_drafter
 from .features import capture_lm_head_input
 from .policies import RoundState, StopPolicy
-from .sampling import SamplingConfig, probabilities, sample
+from .sampling import SamplingConfig, generator_device, probabilities, sample
 
 
 @dataclass
@@ -224,7 +224,7 @@ def verify(
     p_tok, q_tok = p[rows, candidates], q[rows, candidates]
     # Accept y_i iff u_i < p_i(y_i) / q_i(y_i), u_i ~ U[0, 1): probability min(1, p/q). Written as a rejection test
     # u·q >= p so that p = 0 always rejects (even for u = 0) and p >= q always accepts — exact in the greedy limit.
-    uniforms = torch.rand(k, generator=generator, device=generator.device if generator is not None else "cpu")
+    uniforms = torch.rand(k, generator=generator, device=generator_device(generator))
     rejected = uniforms.to(p.device) * q_tok >= p_tok
     m = int(rejected.int().argmax()) if bool(rejected.any()) else k
     if m < k:

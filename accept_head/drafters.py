@@ -87,12 +87,10 @@ class ModelDrafter(Drafter):
         self.context_limit = getattr(model.config, "max_position_embeddings", None)
         self.device = next(model.parameters()).device
         self.kept_ids = None if kept_ids is None else check_kept_ids(kept_ids, self.vocab_size).to(self.device)
-        base = getattr(model, "base_model", model)
-        self._pruned_head = self.kept_ids is not None and base is not model
-        self._base = base
+        self._base = getattr(model, "base_model", model)
+        self._pruned_head = self.kept_ids is not None and self._base is not model
         # The kept rows of the LM head, gathered once (a copy: re-create the drafter if the model is trained further).
-        weight = model.get_output_embeddings().weight
-        self._kept_weight = weight[self.kept_ids].detach() if self._pruned_head else None
+        self._kept_weight = model.get_output_embeddings().weight[self.kept_ids].detach() if self._pruned_head else None
         self.with_hidden = with_hidden
         self.cache = DynamicCache()
         self.committed: list[int] = []

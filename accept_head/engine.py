@@ -35,7 +35,7 @@ from .ouroboros import check_ouroboros_params, ouroboros_generate
 from .pairs import Pair, cache_root
 from .policies import FixedK, HeadThreshold, StopPolicy
 from .prompts import EncodedPrompt
-from .seeds import derive_seed, seeded_generator
+from .seeds import seeded_generator
 from .tree_verify import MASKED_ATTENTION, TreeDecodeStats
 
 FAMILIES = {
@@ -490,12 +490,6 @@ class Runner:
         return lambda ids, gen: generate(target, ids, budget, generator=gen, **common, **params)
 
 
-def prompt_seed(seed: int, repeat: int, index: int) -> int:
-    """The generator seed of prompt ``index`` in ``repeat`` (−1: warm-up), the same for every method:
-    :func:`~accept_head.seeds.derive_seed` of ``(seed, repeat, index)``, what :func:`run_interleaved` seeds with."""
-    return derive_seed(seed, repeat, index)
-
-
 def run_interleaved(
     runner: Runner,
     specs: Sequence[MethodSpec],
@@ -531,10 +525,10 @@ def run_decoders(
     """Decode every prompt with every decoder (name → :data:`Decoder`, e.g. from several runners), interleaved
     (A B C … per prompt), ``repeats`` times.
 
-    Prompt ``index`` of repeat ``r`` decodes with ``seeded_generator(seed, r, index)`` (:func:`prompt_seed`) in
-    every method; the first ``warmup`` prompts are decoded once by every method beforehand (repeat −1) and not
-    recorded. Returns ``{method name: [repeat][prompt] DecodeStats]}``; when ``outputs`` is a dict it is filled the
-    same way with each decode's new tokens (for :func:`greedy_identity`).
+    Prompt ``index`` of repeat ``r`` decodes with ``seeded_generator(seed, r, index)`` in every method; the first
+    ``warmup`` prompts are decoded once by every method beforehand (repeat −1) and not recorded. Returns ``{method
+    name: [repeat][prompt] DecodeStats]}``; when ``outputs`` is a dict it is filled the same way with each decode's
+    new tokens (for :func:`greedy_identity`).
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats} must be >= 1.")
@@ -572,20 +566,19 @@ def greedy_identity(outputs: dict[str, list[list[tuple[int, ...]]]], reference: 
     decodes with the same tokens, "decodes": n, "first_divergence": [token index of the first difference, per
     differing decode]}}`` for every method but the reference.
     """
-    ref = outputs[reference]
     report = {}
     for name, runs in outputs.items():
         if name == reference:
             continue
-        same, divergence, total = 0, [], 0
-        for ref_repeat, repeat in zip(ref, runs):
-            for a, b in zip(ref_repeat, repeat):
-                total += 1
-                if a == b:
-                    same += 1
-                    continue
-                divergence.append(next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))))
-        report[name] = {"identical": same, "decodes": total, "first_divergence": divergence}
+        pairs = [(a, b) for ref_repeat, repeat in zip(outputs[reference], runs) for a, b in zip(ref_repeat, repeat)]
+        divergence = [
+            next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in pairs if a != b
+        ]
+        report[name] = {
+            "identical": len(pairs) - len(divergence),
+            "decodes": len(pairs),
+            "first_divergence": divergence,
+        }
     return report
 
 

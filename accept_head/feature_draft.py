@@ -214,9 +214,7 @@ class FeatureDraft(nn.Module):
     def full_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """(d,) → (V,) logits over the whole vocabulary, −inf outside ``kept_ids``."""
         kept = self.kept_logits(predicted)
-        out = torch.full(
-            (*kept.shape[:-1], self.config.vocab_size), float("-inf"), dtype=kept.dtype, device=kept.device
-        )
+        out = kept.new_full((*kept.shape[:-1], self.config.vocab_size), float("-inf"))
         out[..., self.kept_ids] = kept
         return out
 

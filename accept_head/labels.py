@@ -88,11 +88,9 @@ def _list_features(columns: dict[str, str]):
     ``source``."""
     import datasets
 
-    features = {}
-    for name, dtype in columns.items():
-        value = datasets.Value(dtype)
-        features[name] = value if name in ("prompt_id", "source") else datasets.List(value)
-    return datasets.Features(features)
+    values = {name: datasets.Value(dtype) for name, dtype in columns.items()}
+    scalars = ("prompt_id", "source")
+    return datasets.Features({name: v if name in scalars else datasets.List(v) for name, v in values.items()})
 
 
 def label_transform(sampling: SamplingConfig, label_mode: str) -> SamplingConfig:
@@ -190,15 +188,8 @@ def position_labels(
         draft_logp = q_y.log()
         draft_entropy = torch.special.entr(q).sum(-1)
         draft_top1 = q.max(-1).values
-    return PositionLabels(
-        draft_ids=draft_ids.cpu(),
-        target_logp=target_logp.cpu(),
-        draft_logp=draft_logp.cpu(),
-        accept_prob=accept_prob.cpu(),
-        expected_accept=expected_accept.cpu(),
-        draft_entropy=draft_entropy.cpu(),
-        draft_top1=draft_top1.cpu(),
-    )
+    values = (draft_ids, target_logp, draft_logp, accept_prob, expected_accept, draft_entropy, draft_top1)
+    return PositionLabels(*(value.cpu() for value in values))
 
 
 @torch.inference_mode()
@@ -260,19 +251,17 @@ def label_responses(
     generator: torch.Generator | None,
     pad_token_id: int,
     score_tokens: int = 2048,
-    chunk_positions: int | None = None,
 ) -> list[dict[str, list]]:
     """Label every response token of a batch of (prompt, response) pairs; one dict of lists per row.
 
     Both models are teacher-forced on the same micro-batches (at most ``score_tokens`` response positions of logits
-    each); p and q are transformed, compared and turned into labels ``chunk_positions`` positions at a time
-    (default: ~16M logits per chunk). One uniform per response position is drawn from ``generator`` up front, in
-    row-major order, so the draws do not depend on ``score_tokens`` or the chunking. Keys: :data:`PER_POSITION`.
+    each); p and q are transformed, compared and turned into labels ~16M logits at a time. One uniform per response
+    position is drawn from ``generator`` up front, in row-major order, so the draws do not depend on ``score_tokens``
+    or the chunking. Keys: :data:`PER_POSITION`.
     """
     transform = label_transform(sampling, label_mode)
     lengths = [len(r) for r in response_ids]
-    total = sum(lengths)
-    uniforms = None if transform.greedy else torch.rand(total, generator=generator, dtype=torch.float64)
+    uniforms = None if transform.greedy else torch.rand(sum(lengths), generator=generator, dtype=torch.float64)
     parts: list[PositionLabels] = []
     offset = 0
     for group in micro_batches(lengths, score_tokens):
@@ -281,19 +270,15 @@ def label_responses(
         p_logits = response_logits(target, prompts, responses, pad_token_id)  # (n, V)
         q_logits = response_logits(draft, prompts, responses, pad_token_id)
         n, vocab = p_logits.shape
-        chunk = chunk_positions or max(1, (1 << 24) // vocab)
+        chunk = max(1, (1 << 24) // vocab)
         for lo in range(0, n, chunk):
             hi = min(n, lo + chunk)
             u = None if uniforms is None else uniforms[offset + lo : offset + hi]
             parts.append(position_labels(p_logits[lo:hi], q_logits[lo:hi], transform=transform, uniforms=u))
         offset += n
     labels = PositionLabels.cat(parts)
-    rows: list[dict[str, list]] = []
-    start = 0
-    for length in lengths:
-        rows.append({name: getattr(labels, name)[start : start + length].tolist() for name in PER_POSITION})
-        start += length
-    return rows
+    columns = {name: getattr(labels, name).split(lengths) for name in PER_POSITION}
+    return [{name: columns[name][row].tolist() for name in PER_POSITION} for row in range(len(lengths))]
 
 
 class LockstepLabeller:
@@ -322,6 +307,7 @@ class LockstepLabeller:
         from transformers import DynamicCache
 
         self.draft = draft
+        self.device = next(draft.parameters()).device
         self.transform = label_transform(sampling, label_mode)
         self.uniforms = (
             None
@@ -336,9 +322,9 @@ class LockstepLabeller:
     def step(self, rows, step, input_ids, attention_mask, position_ids, logits) -> None:
         start = time.perf_counter()
         draft_logits = self.draft(
-            input_ids=input_ids.to(_device(self.draft)),
-            attention_mask=attention_mask.to(_device(self.draft)),
-            position_ids=position_ids.to(_device(self.draft)),
+            input_ids=input_ids.to(self.device),
+            attention_mask=attention_mask.to(self.device),
+            position_ids=position_ids.to(self.device),
             **cache_kwargs(self.draft, self.cache),
             logits_to_keep=1,
         ).logits[:, -1, :]
@@ -349,7 +335,7 @@ class LockstepLabeller:
         self.seconds += time.perf_counter() - start
 
     def select(self, keep: torch.Tensor) -> None:
-        self.cache.batch_select_indices(keep.to(_device(self.draft)))
+        self.cache.batch_select_indices(keep.to(self.device))
 
     def rows(self, lengths: Sequence[int]) -> list[dict[str, list]]:
         """Per row, the per-position label lists (keys :data:`PER_POSITION`) of its first ``lengths[row]`` tokens."""
@@ -360,10 +346,6 @@ class LockstepLabeller:
 
 
 _DTYPES = {name: torch.long if name == "draft_ids" else torch.float32 for name in PER_POSITION}
-
-
-def _device(model: torch.nn.Module) -> torch.device:
-    return next(model.parameters()).device
 
 
 def load_label_dataset(path: str | Path):

@@ -21,9 +21,8 @@ its G most recently produced continuations (least recently used dropped first); 
 and the output's own n-grams (``context_ngrams=True``) and carried across calls by passing the same
 :class:`NgramPool`. Guesses already in the pool are verified while the window is still filling.
 
-transformers API: ``forward(attention_mask=<(1, 1, T, L + T) float mask>, position_ids=(1, T), cache=
-DynamicCache, logits_to_keep=<1-D index tensor>)``; a 4D mask is passed through unchanged by
-``masking_utils.create_causal_mask`` in transformers 5.x (checked in 5.23). Batch size 1.
+The target call is :func:`~accept_head.tree_verify.tree_forward` (the transformers API it relies on is described
+there). Batch size 1.
 """
 
 from __future__ import annotations
@@ -189,7 +188,6 @@ def lookahead_generate(
     pool.check(ngram, guess_set, vocab)
     check_masked_attention(target)
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
-    limit = getattr(target.config, "max_position_embeddings", None)
     stats = TreeDecodeStats()
     with _timed(stats, "total_time"):
         tokens = ids[0].tolist()
@@ -215,7 +213,7 @@ def lookahead_generate(
                 nodes = [[row_of[n] for n in row] for row in nodes]
             # 2. One target call: Jacobi step of the window and verification of the guesses.
             with _timed(stats, "target_time"):
-                logits = tree_forward(target, cache, tree, parents, keep, None if limit is None else limit - 1)
+                logits = tree_forward(target, cache, tree, parents, keep)
                 argmax = logits.argmax(-1).tolist()
                 if sampling.greedy:
                     row, m, next_token = verify_greedy(argmax, guesses, nodes)

@@ -172,13 +172,9 @@ class ContextNgrams:
             self.follows.setdefault(tuple(tokens[end - self.q : end]), []).append(end)
         self.indexed = len(tokens) + 1
 
-    def rows(self, tokens: Sequence[int], k: int, w: int) -> list[list[int]]:
-        """Up to k distinct continuations (up to w tokens each) of earlier occurrences of the last q tokens, most
-        recent first."""
-        return [row for _, row in self.matches(tokens, k, w)]
-
     def matches(self, tokens: Sequence[int], k: int, w: int) -> list[tuple[int, list[int]]]:
-        """:meth:`rows` with the index in ``tokens`` where each continuation starts: (start, row) pairs."""
+        """Up to k distinct continuations (up to w tokens each) of earlier occurrences of the last q tokens, most
+        recent first, as (start, row) pairs: ``start`` is the index in ``tokens`` where the continuation starts."""
         self.update(tokens)
         matches: list[tuple[int, list[int]]] = []
         for start in reversed(self.follows.get(tuple(tokens[-self.q :]), [])):

@@ -34,14 +34,11 @@ Simplifications against the paper, all of which cost speed only, never exactness
 - Phrases come from the target's verification (inspiration), earlier generations (warm start) and, optionally, the
   prompt. Other phrase sources of the paper's implementation (such as n-grams the draft model mints itself) are not
   reproduced.
-- Refinement, which the paper does with the target's verification results, is reduced to removing a phrase whose
-  first appended token the target rejected; the target's own version of it arrives through inspiration.
+- Refinement is reduced to removing a lengthening phrase whose first appended token the target rejected (step 4).
 - Drafting is always greedy. Sampling at temperature > 0 is an addition: the rows are verified by Alg. 4 sample
   verification, which is lossless for any candidates fixed before the target's draw.
-- Batch size 1; a ``DynamicCache`` for both models (no static cache or CUDA graphs).
-
-transformers API: ``forward(attention_mask=<(1, 1, T, L + T) float mask>, position_ids=(1, T), cache=
-DynamicCache, logits_to_keep=<1-D index tensor>)`` for both models (see :mod:`~accept_head.tree_verify`).
+- Batch size 1; a ``DynamicCache`` for both models (no static cache or CUDA graphs), each run through
+  :func:`~accept_head.tree_verify.tree_forward` (the transformers API it relies on is described there).
 """
 
 from __future__ import annotations
@@ -242,8 +239,6 @@ class PhraseDraft:
 
     def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        limit = getattr(model.config, "max_position_embeddings", None)
-        self.max_position = None if limit is None else limit - 1
         self.cache = DynamicCache()
         self.calls = 0
         """Draft forward passes (the prompt's prefill is part of the first)."""
@@ -260,7 +255,7 @@ class PhraseDraft:
         root = len(pending) - 1  # the pending text is a causal chain; the phrases hang off its last token
         tokens, parents = list(pending), list(range(-1, root))
         nodes = add_rows(tokens, parents, root, rows)
-        logits = tree_forward(self.model, self.cache, tokens, parents, range(root, len(tokens)), self.max_position)
+        logits = tree_forward(self.model, self.cache, tokens, parents, range(root, len(tokens)))
         argmax = logits.argmax(-1).tolist()  # argmax[0]: after the root
         row, m, next_token = verify_greedy(argmax, rows, [[n - root for n in row_nodes] for row_nodes in nodes])
         keep_cache_positions(self.cache, prefix + len(pending), [prefix + n for n in nodes[row][:m]] if m else [])
@@ -335,26 +330,21 @@ def inspiration_phrases(
     return list(phrases)
 
 
-def refine_pool(
-    pool: PhrasePool, draft_length: int, extensions: Sequence[Phrase], verified: Sequence[int]
-) -> list[Phrase]:
+def refine_pool(pool: PhrasePool, draft_length: int, extensions: Sequence[Phrase], verified: Sequence[int]) -> None:
     """Candidate refinement after verifying the draft of ``draft_length`` tokens lengthened by ``extensions``.
 
     ``verified``: the accepted tokens then the target's own next token. If the whole draft was accepted, the target
     ruled on each extension's first appended token (``verified[draft_length]``): a phrase it rejected is removed from
     the pool, one it accepted moves to the front. Otherwise the extensions were never reached and are left alone.
-    Returns the removed phrases.
     """
     if len(verified) <= draft_length:
-        return []
+        return
     chosen = int(verified[draft_length])
-    removed = [p for p in extensions if p[1] != chosen]
     for phrase in extensions:
         if phrase[1] == chosen:
             pool.touch(phrase)
         else:
             pool.remove(phrase)
-    return removed
 
 
 @dataclass
@@ -410,7 +400,6 @@ def ouroboros_generate(
     check_masked_attention(target)
     check_masked_attention(draft)
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target, draft)
-    limit = getattr(target.config, "max_position_embeddings", None)
     stats = OuroborosStats()
     with _timed(stats, "total_time"):
         tokens = ids[0].tolist()
@@ -430,7 +419,7 @@ def ouroboros_generate(
                 tree, parents, rows, nodes = candidate_tree(tokens[-1], drafted, appended)
             # 2. One target call verifies every candidate.
             with _timed(stats, "target_time"):
-                logits = tree_forward(target, cache, tree, parents, None, None if limit is None else limit - 1)
+                logits = tree_forward(target, cache, tree, parents)
                 argmax = logits.argmax(-1).tolist()
                 if sampling.greedy:
                     row, m, next_token = verify_greedy(argmax, rows, nodes)

@@ -304,18 +304,19 @@ def check_same_tokenizer(target_tok, draft_tok, target_name: str = "target", dra
         )
 
 
-def eos_token_ids(tokenizer, model: torch.nn.Module | None = None) -> list[int]:
+def eos_token_ids(tokenizer, model: torch.nn.Module | None = None, required: bool = True) -> list[int] | None:
     """The token ids that end a response: the tokenizer's EOS plus the model's ``generation_config`` EOS ids (chat
-    models often add an end-of-turn id there). Every decoder, label generator and benchmark stops on these."""
+    models often add an end-of-turn id there). Every decoder, label generator and benchmark stops on these. When
+    neither defines one: a ValueError, or None if not ``required``."""
     ids = {int(tokenizer.eos_token_id)} if tokenizer is not None and tokenizer.eos_token_id is not None else set()
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     if isinstance(configured, int):
         ids.add(configured)
     elif configured:
         ids.update(int(i) for i in configured)
-    if not ids:
+    if not ids and required:
         raise ValueError("Neither the tokenizer nor the target's generation_config defines an EOS token.")
-    return sorted(ids)
+    return sorted(ids) if ids else None
 
 
 def check_same_vocab(target: torch.nn.Module, draft: torch.nn.Module) -> None:
@@ -360,10 +361,7 @@ class Pair:
         (:func:`eos_token_ids`)."""
         if self.stop_ids is not None:
             return list(self.stop_ids)
-        try:
-            return eos_token_ids(self.tokenizer, self.target)
-        except ValueError:
-            return None
+        return eos_token_ids(self.tokenizer, self.target, required=False)
 
     def describe(self) -> dict:
         out: dict[str, Any] = {

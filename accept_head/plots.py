@@ -28,6 +28,14 @@ def save_figure(fig, path: str | Path) -> Path:
     return path
 
 
+def finish_axes(ax, title: str, **settings) -> None:
+    """Apply ``settings`` (``ax.set``: labels, limits), then the house title size, a light grid and a small legend."""
+    ax.set(**settings)
+    ax.set_title(title, fontsize=9)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+
+
 class ParetoSeries(NamedTuple):
     """One line of :func:`pareto_plot`: a family of policies."""
 
@@ -61,11 +69,7 @@ def pareto_plot(series: Sequence[ParetoSeries], path: str | Path, title: str) ->
             shared.setdefault((x, y), []).append(text)
         for (x, y), texts in shared.items():
             ax.annotate(",".join(texts), (x, y), textcoords="offset points", xytext=(3, 3), fontsize=6, color=s.color)
-    ax.set_xlabel("verification rate  N_target / N")
-    ax.set_ylabel("discard rate  N_discarded / N")
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    finish_axes(ax, title, xlabel="verification rate  N_target / N", ylabel="discard rate  N_discarded / N")
     return save_figure(fig, path)
 
 
@@ -87,12 +91,8 @@ def reliability_plot(panels: dict[str, dict[str, ReliabilityBins]], path: str | 
             preds, realised, counts = zip(*pts)
             ax.plot(preds, realised, color=color, label=label)
             ax.scatter(preds, realised, s=[8 + 300 * c / sum(counts) for c in counts], color=color, alpha=0.6)
-        ax.set_xlim(0, 1)
-        ax.set_ylim(0, 1)
-        ax.set_xlabel("predicted acceptance probability")
-        ax.set_ylabel("realised acceptance")
-        ax.set_title(name, fontsize=9)
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        finish_axes(
+            ax, name, xlim=(0, 1), ylim=(0, 1), xlabel="predicted acceptance probability", ylabel="realised acceptance"
+        )
     fig.suptitle(title, fontsize=10)
     return save_figure(fig, path)

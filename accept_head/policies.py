@@ -73,13 +73,15 @@ class StopPolicy:
         return type(self).__name__
 
 
-def _check_candidates(min_candidates: int, max_candidates: int) -> None:
+def _check_candidates(min_candidates: int, max_candidates: int) -> tuple[int, int]:
+    """(min_candidates, max_candidates) once they are valid bounds on the candidates per round."""
     if min_candidates < 0:
         raise ValueError(f"min_candidates={min_candidates} must be >= 0.")
     if max_candidates < 1:
         raise ValueError(f"max_candidates={max_candidates} must be >= 1.")
     if max_candidates < min_candidates:
         raise ValueError(f"max_candidates={max_candidates} must be >= min_candidates={min_candidates}.")
+    return min_candidates, max_candidates
 
 
 class FixedK(StopPolicy):
@@ -129,11 +131,9 @@ class HeadThreshold(StopPolicy):
             raise ValueError(f"threshold={threshold} must be in (0, 1): it bounds P(some candidate is rejected).")
         if unscored not in UNSCORED:
             raise ValueError(f"unscored={unscored!r} must be one of {UNSCORED}.")
-        _check_candidates(min_candidates, max_candidates)
+        self.min_candidates, self.max_candidates = _check_candidates(min_candidates, max_candidates)
         self.head = head
         self.threshold = float(threshold)
-        self.min_candidates = min_candidates
-        self.max_candidates = max_candidates
         self.calibration = calibration
         self.unscored = unscored
         self.uses_confidence = unscored == "confidence"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import gzip
 import hashlib
 import importlib.util
+import itertools
 import json
 import random
 from collections import Counter
@@ -203,9 +204,8 @@ def chat_prompt_ids(tokenizer, text: str, mode: str = "chat", system_prompt: str
     if mode not in ("chat", "raw"):
         raise ValueError(f"prompt mode={mode!r} must be 'chat' or 'raw'.")
     if mode == "chat" and getattr(tokenizer, "chat_template", None):
-        messages = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
-            {"role": "user", "content": text}
-        ]
+        messages = [{"role": "system", "content": system_prompt}] if system_prompt else []
+        messages.append({"role": "user", "content": text})
         ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
         return list(ids)
     return tokenizer.encode(text)
@@ -285,18 +285,12 @@ class PromptOptions:
         return PromptSet(name, prompts, [s.to_dict() for s in sources], skipped, per_source)
 
 
-def round_robin(prompts: Sequence[Any], limit: int | None = None) -> list[Any]:
-    """Prompts (anything with a ``.source``) taken in turn from each source, sources in order of first appearance,
-    optionally only the first ``limit``."""
-    if limit is not None and limit < 1:
-        raise ValueError(f"limit={limit} must be >= 1.")
+def round_robin(prompts: Sequence[Any]) -> list[Any]:
+    """Prompts (anything with a ``.source``) taken in turn from each source, sources in order of first appearance."""
     groups: dict[str, list[Any]] = {}
     for prompt in prompts:
         groups.setdefault(prompt.source, []).append(prompt)
-    out: list[Any] = []
-    for rank in range(max((len(g) for g in groups.values()), default=0)):
-        out += [g[rank] for g in groups.values() if rank < len(g)]
-    return out if limit is None else out[:limit]
+    return [prompt for rank in itertools.zip_longest(*groups.values()) for prompt in rank if prompt is not None]
 
 
 def check_disjoint(a: PromptSet, b: PromptSet) -> None:

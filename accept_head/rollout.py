@@ -270,11 +270,9 @@ def rollout_labels(
             round_index += 1
             if new[-1] in eos:
                 break
-    width = inner.hidden_size
-    joined = _cat(parts, width)
     return RolloutLabels(
         response_ids=torch.tensor(tokens[prompt_len:], dtype=torch.long),
-        **joined,
+        **_cat(parts, inner.hidden_size),
         stats=stats,
         label_seconds=label_seconds,
     )

@@ -31,7 +31,6 @@ FIXED_K = (1, 2, 3, 4, 6, 8, 10, 12)
 
 def check_thresholds(thresholds: Sequence[float]) -> list[float]:
     """Validate a grid of thresholds h: each strictly inside (0, 1), since h bounds P(some candidate is rejected)."""
-    out = []
     for h in thresholds:
         if not isinstance(h, int | float) or not 0.0 < float(h) < 1.0:
             raise ValueError(
@@ -39,8 +38,7 @@ def check_thresholds(thresholds: Sequence[float]) -> list[float]:
                 "rejected, so h <= 0 stops after every token and h >= 1 never stops. Use values like "
                 "--sweep.thresholds=[0.1,0.3,0.5,0.7,0.9]."
             )
-        out.append(float(h))
-    return out
+    return [float(h) for h in thresholds]
 
 
 def check_fixed_k(ks: Sequence[int]) -> list[int]:

@@ -170,14 +170,13 @@ def tree_forward(
     tokens: Sequence[int],
     parents: Sequence[int],
     keep: Sequence[int] | None = None,
-    max_position: int | None = None,
 ) -> torch.Tensor:
     """Run a token tree through ``model`` on top of its KV cache (prefix length L) in one forward pass.
 
-    tokens / parents: length T. Position ids are L + depth, clamped to ``max_position`` (for guesses that would run
-    past the context; they are never committed). Returns logits (len(keep), V), rows in ``keep`` order (all T rows
-    if ``keep`` is None). The cache grows by T positions; the caller keeps what was accepted with
-    :func:`commit_nodes`.
+    tokens / parents: length T. Position ids are L + depth, clamped to the model's last position
+    (``max_position_embeddings`` − 1; for guesses that would run past the context: they are never committed).
+    Returns logits (len(keep), V), rows in ``keep`` order (all T rows if ``keep`` is None). The cache grows by T
+    positions; the caller keeps what was accepted with :func:`commit_nodes`.
     """
     device = next(model.parameters()).device
     dtype = getattr(model, "dtype", torch.float32)
@@ -186,8 +185,9 @@ def tree_forward(
     additive = torch.zeros(1, 1, len(tokens), prefix + len(tokens), dtype=dtype, device=device)
     additive[0, 0, :, prefix:] = torch.where(mask, 0.0, torch.finfo(dtype).min).to(device, dtype)
     positions = prefix + depths
-    if max_position is not None:
-        positions = positions.clamp(max=max_position)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None:
+        positions = positions.clamp(max=limit - 1)
     out = model(
         input_ids=torch.tensor([list(tokens)], device=device),
         attention_mask=additive,

@@ -9,7 +9,7 @@ import torch
 from tiny_models import make_llama
 from transformers import DynamicCache
 
-from accept_head._hf_compat import _DEFAULT_CACHE_ARG, cache_kwargs, cache_length, crop_cache, register_gqa_eager
+from accept_head._hf_compat import OUTPUT_CACHE_FIELD, cache_kwargs, cache_length, crop_cache, register_gqa_eager
 
 
 def test_cropped_cache_continues_exactly_like_a_fresh_prefix() -> None:
@@ -43,7 +43,7 @@ def test_the_cache_goes_under_the_name_each_forward_takes() -> None:
     expected = "cache" if "cache" in inspect.signature(type(llama).forward).parameters else "past_key_values"
     assert cache_kwargs(llama, cache) == {expected: cache, "use_cache": True}
     assert cache_kwargs(OldStyle(), cache, use_cache=False) == {"past_key_values": cache, "use_cache": False}
-    assert cache_kwargs(Wrapper(), cache) == {_DEFAULT_CACHE_ARG: cache, "use_cache": True}
+    assert cache_kwargs(Wrapper(), cache) == {OUTPUT_CACHE_FIELD: cache, "use_cache": True}
 
 
 def test_cropping_a_cache_beyond_its_length_is_an_internal_error() -> None:

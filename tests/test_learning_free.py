@@ -252,10 +252,10 @@ def test_bigram_table_matches_direct_computation(targets, tmp_path) -> None:
 def test_context_ngrams_and_pool() -> None:
     context = ContextNgrams(q=2)
     tokens = [1, 2, 3, 4, 1, 2, 5, 1, 2]
-    assert context.rows(tokens, k=5, w=3) == [[5, 1, 2], [3, 4, 1]]  # most recent match first
-    assert context.rows(tokens, k=1, w=2) == [[5, 1]]
+    assert context.matches(tokens, k=5, w=3) == [(6, [5, 1, 2]), (2, [3, 4, 1])]  # most recent match first
+    assert context.matches(tokens, k=1, w=2) == [(6, [5, 1])]
     tokens += [3]
-    assert context.rows(tokens, k=5, w=2) == [[4, 1]]  # (2, 3) matched once; the index grew incrementally
+    assert context.matches(tokens, k=5, w=2) == [(3, [4, 1])]  # (2, 3) matched once; the index grew incrementally
     pool = NgramPool(ngram=3, guess_set=2, vocab_size=10)
     pool.add(1, (2, 3))
     pool.add(1, (4, 5))

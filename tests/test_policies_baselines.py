@@ -4,8 +4,6 @@ the target's distribution at temperature 1 (the χ² check of ``stats_helpers``,
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -228,7 +226,7 @@ def test_oracle_stops_right_before_each_mismatch() -> None:
     decisions = [oracle.should_stop(RoundState(n=n, position=3 + n)) for n in range(6)]
     assert decisions == [False, False, True, True, False, True]
     assert oracle.should_stop(RoundState(n=1, position=8))  # the final token is always the target's
-    assert oracle.expected_target_calls == 3
+    assert oracle.limit_stats().target_calls == 3  # Lemma 2.1: |S| + 1
     # A decoding that drifted past the continuation (bf16) gets no candidates, not an error.
     assert oracle.should_stop(RoundState(n=0, position=9)) and oracle.should_stop(RoundState(n=0, position=40))
 
@@ -439,8 +437,3 @@ def test_rounds_from_target_passes_reconstructs_proposed_and_accepted() -> None:
 def test_assisted_settings_reject_bad_values(bad: dict) -> None:
     with pytest.raises(ValueError):
         AssistedSettings(**bad)
-
-
-def test_oracle_greedy_agreement_reports_share_of_matching_positions() -> None:
-    oracle = Oracle(prompt_length=2, continuation=[5, 6, 7, 8, 9], mismatches=[3])
-    assert math.isclose(oracle.greedy_agreement, 0.75)

@@ -18,8 +18,7 @@ from accept_head.training.distill_recipe import evaluate, fit, generate, model_c
 def main() -> None:
     from jsonargparse import CLI
 
-    stages = [generate, fit, evaluate, model_card]
-    CLI({stage.__name__: stage for stage in stages}, as_positional=False)
+    CLI([generate, fit, evaluate, model_card], as_positional=False)  # one subcommand per stage, by name
 
 
 if __name__ == "__main__":

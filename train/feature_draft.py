@@ -22,8 +22,7 @@ from accept_head.training.feature_draft_recipe import ablate, evaluate, features
 def main() -> None:
     from jsonargparse import CLI
 
-    stages = [text, features, vocab, fit, evaluate, model_card, ablate]
-    CLI({stage.__name__: stage for stage in stages}, as_positional=False)
+    CLI([text, features, vocab, fit, evaluate, model_card, ablate], as_positional=False)  # subcommands by name
 
 
 if __name__ == "__main__":

@@ -92,20 +92,14 @@ def _fit_args(
     return ["fit", "--config", config, "--config", str(path), *variant.args]
 
 
+_ROW_KEYS = ("label", "family", "param", "variant", "modeled_tokens_per_second", "tokens_per_second")
+_ROW_KEYS += ("verification_rate", "discard_rate", "mean_proposed", "mean_accepted")
+"""What a variant's result keeps of each sweep row (:meth:`~accept_head.sweep.SweepRow.to_dict`)."""
+
+
 def _row_dict(row) -> dict[str, Any]:
-    r = row.result
-    return {
-        "label": row.label,
-        "family": row.family,
-        "param": row.param,
-        "variant": row.variant,
-        "modeled_tokens_per_second": r.modeled_tokens_per_second,
-        "tokens_per_second": r.tokens_per_second,
-        "verification_rate": r.verification_rate,
-        "discard_rate": r.discard_rate,
-        "mean_proposed": r.mean_proposed,
-        "mean_accepted": r.mean_accepted,
-    }
+    full = row.to_dict()
+    return {key: full[key] for key in _ROW_KEYS}
 
 
 def run_variant(args: list[str]) -> dict[str, Any]:

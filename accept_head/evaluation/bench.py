@@ -12,7 +12,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
 from transformers import PreTrainedModel
 
 from ..baselines import ConfidenceThreshold, confidence_pairs_from_dataset, roc_threshold
@@ -26,7 +25,6 @@ from ..engine import (
     best_of,
     greedy_identity,
     h_star_spec,
-    prompt_seed,
     run_interleaved,
     selection_basis,
     summarize,
@@ -35,15 +33,9 @@ from ..engine import (
 )
 from ..pairs import ModelSpec, Pair, PairOptions
 from ..prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
+from ..seeds import seeded_generator
 from ..tables import text_table
-from .common import (
-    fmt,
-    machine_info,
-    output_folder,
-    ratios,
-    resolve_cost_model,
-    write_json,
-)
+from .common import fmt, machine_info, output_folder, ratios, resolve_cost_model, tokens_per_second_cells, write_json
 from .plots import bench_plot
 from .sweep import run_sweep, temperature_key
 
@@ -77,7 +69,7 @@ def tune_confidence(
     probs: list[float] = []
     matches: list[int] = []
     for index, prompt in enumerate(prompt_set.prompts):
-        generator = torch.Generator().manual_seed(prompt_seed(seed, 0, index))
+        generator = seeded_generator(seed, 0, index)
         speculative_generate(
             pair.target,
             pair.draft,
@@ -138,24 +130,20 @@ def tree_specs(pair: Pair, settings: dict[str, list[dict]]) -> tuple[list[Method
 
 
 def _method_rows(methods: Sequence[dict]) -> list[list[str]]:
-    rows = []
-    for m in methods:
-        tps = m["tokens_per_second"]
-        rows.append(
-            [
-                m["name"],
-                fmt(tps["median"]),
-                f"{fmt(tps['min'])}–{fmt(tps['max'])}",
-                fmt(m["ratio_to_autoregressive"], 2, "x"),
-                fmt(m["ratio_to_best_fixed_k"], 2, "x"),
-                fmt(m["modeled_tokens_per_second"]),
-                fmt(m["tokens_per_target_call"], 2),
-                fmt(m["verification_rate"], 3),
-                fmt(m["discard_rate"], 3),
-                "–" if m["kind"] == "autoregressive" else f"{m['mean_accepted']:.2f}/{m['mean_proposed']:.2f}",
-            ]
-        )
-    return rows
+    return [
+        [
+            m["name"],
+            *tokens_per_second_cells(m),
+            fmt(m["ratio_to_autoregressive"], 2, "x"),
+            fmt(m["ratio_to_best_fixed_k"], 2, "x"),
+            fmt(m["modeled_tokens_per_second"]),
+            fmt(m["tokens_per_target_call"], 2),
+            fmt(m["verification_rate"], 3),
+            fmt(m["discard_rate"], 3),
+            "–" if m["kind"] == "autoregressive" else f"{m['mean_accepted']:.2f}/{m['mean_proposed']:.2f}",
+        ]
+        for m in methods
+    ]
 
 
 BENCH_HEADER = [

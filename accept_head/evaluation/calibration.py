@@ -39,7 +39,8 @@ from ..seeds import seeded_generator
 from ..tables import text_table
 from .common import fmt, machine_info, output_folder, write_json
 
-N_BINS = 15
+VARIANTS = ("raw", "calibrated", "draft confidence")
+"""The predictors each view scores: the head raw, the head after its calibration map, the draft's own q(y)."""
 
 
 def probability_metrics(probs: Sequence[float] | torch.Tensor, labels: Sequence[float] | torch.Tensor) -> dict:
@@ -50,7 +51,7 @@ def probability_metrics(probs: Sequence[float] | torch.Tensor, labels: Sequence[
         return {"n": 0} | dict.fromkeys(("ece", "brier", "auc", "auc_binary", "mean_pred", "mean_label"), math.nan)
     return {
         "n": int(p.numel()),
-        "ece": expected_calibration_error(p, y, N_BINS),
+        "ece": expected_calibration_error(p, y),
         "brier": brier_score(p, y),
         "auc": soft_auc(p, y),
         "auc_binary": binary_auc(p, y),
@@ -62,7 +63,7 @@ def probability_metrics(probs: Sequence[float] | torch.Tensor, labels: Sequence[
 def _scored(probs: Sequence[float], labels: Sequence[float]) -> dict:
     """:func:`probability_metrics` and the reliability bins of one predictor."""
     p, y = torch.tensor(probs, dtype=torch.float64), torch.tensor(labels, dtype=torch.float64)
-    return {"metrics": probability_metrics(p, y), "reliability": reliability_bins(p, y, N_BINS).__dict__}
+    return {"metrics": probability_metrics(p, y), "reliability": reliability_bins(p, y).__dict__}
 
 
 @torch.inference_mode()
@@ -221,26 +222,19 @@ def calibration_views(
         meta = json.loads((Path(dataset) / "meta.json").read_text())
         calibration = pair.bundle.calibration_for(greedy=recorded_temperature(meta) == 0)  # the labels' mode's map
         calibrated = probs if calibration is None else [float(calibration(float(p))) for p in probs]
-        views["offline"] = {
-            "raw": _scored(probs, labels),
-            "calibrated": _scored(calibrated, labels),
-            "draft confidence": _scored(confidence, labels),
-        }
+        views["offline"] = {v: _scored(p, labels) for v, p in zip(VARIANTS, (probs, calibrated, confidence))}
     if prompt_set is not None:
         records = on_policy_records(pair, prompt_set, temperature, max_new_tokens, threshold, seed)
-        views["on_policy"] = {
-            "raw": _scored(records.raw, records.labels),
-            "calibrated": _scored(records.calibrated, records.labels),
-            "draft confidence": _scored(records.confidence, records.labels),
-            "by_position": records.by_position(),
-        }
+        scores = (records.raw, records.calibrated, records.confidence)
+        views["on_policy"] = {v: _scored(p, records.labels) for v, p in zip(VARIANTS, scores)}
+        views["on_policy"]["by_position"] = records.by_position()
     return views
 
 
 def calibration_rows(views: dict) -> list[list[str]]:
     rows = []
     for view, variants in views.items():
-        for variant in ("raw", "calibrated", "draft confidence"):
+        for variant in VARIANTS:
             if variant not in variants:
                 continue
             m = variants[variant]["metrics"]

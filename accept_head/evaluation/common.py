@@ -135,3 +135,9 @@ def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
     return f"{value:.{digits}f}{suffix}"
+
+
+def tokens_per_second_cells(method: dict) -> list[str]:
+    """Table cells of a method dict's measured tokens/s: the median, and min–max over repeats."""
+    tps = method["tokens_per_second"]
+    return [fmt(tps["median"]), f"{fmt(tps['min'])}–{fmt(tps['max'])}"]

@@ -37,7 +37,7 @@ from ..free_stop import AdaptiveRowStop, fit_predictor
 from ..pairs import ModelSpec, Pair, PairOptions, load_model, load_pair, load_tokenizer
 from ..prompts import PromptOptions, PromptSource, check_disjoint
 from ..tables import text_table
-from .common import fmt, machine_info, output_folder, write_json
+from .common import fmt, machine_info, output_folder, tokens_per_second_cells, write_json
 from .sweep import temperature_key
 
 DECODERS = ("ngrammys", "lookahead")
@@ -111,22 +111,18 @@ TABLE_HEADER = ["method", "tok/call", "fed/call", "tok/s", "min–max", "modeled
 
 
 def _table_rows(rows: Sequence[dict]) -> list[list[str]]:
-    out = []
-    for row in rows:
-        tps = row["tokens_per_second"]
-        out.append(
-            [
-                row["name"],
-                fmt(row["tokens_per_target_call"], 2),
-                fmt(row["fed_per_call"], 1),
-                fmt(tps["median"]),
-                f"{fmt(tps['min'])}–{fmt(tps['max'])}",
-                fmt(row["modeled_tokens_per_second"]),
-                fmt(row.get("ratio_to_static"), 2, "x"),
-                fmt(row.get("ratio_to_autoregressive"), 2, "x"),
-            ]
-        )
-    return out
+    return [
+        [
+            row["name"],
+            fmt(row["tokens_per_target_call"], 2),
+            fmt(row["fed_per_call"], 1),
+            *tokens_per_second_cells(row),
+            fmt(row["modeled_tokens_per_second"]),
+            fmt(row.get("ratio_to_static"), 2, "x"),
+            fmt(row.get("ratio_to_autoregressive"), 2, "x"),
+        ]
+        for row in rows
+    ]
 
 
 def free_stop(

@@ -8,7 +8,7 @@ from pathlib import Path
 from .. import plots
 from ..cost_model import CostModel
 from ..engine import MethodSummary
-from ..plots import ParetoSeries, new_figure, save_figure
+from ..plots import ParetoSeries, finish_axes, new_figure, save_figure
 
 _STYLE = {
     "fixed_k": ("s", "tab:blue"),
@@ -68,12 +68,7 @@ def costs_plot(cost_model: CostModel, path: str | Path, title: str = "measured c
     )
     if ks and len(ks) <= 20:
         ax.set_xticks(ks)
-    ax.set_xlabel("candidates verified per target pass  K")
-    ax.set_ylabel("milliseconds")
-    ax.set_ylim(bottom=0)
-    ax.set_title(title, fontsize=9)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    finish_axes(ax, title, xlabel="candidates verified per target pass  K", ylabel="milliseconds", ylim=(0, None))
     return save_figure(fig, path)
 
 

@@ -26,7 +26,6 @@ from ..engine import (
     h_star_spec,
     headroom_share,
     selection_basis,
-    throughput,
 )
 from ..pairs import ModelSpec, Pair, PairOptions
 from ..plots import reliability_plot
@@ -144,11 +143,7 @@ def analyse(summaries: Sequence[MethodSummary], select_by: str) -> dict:
         for s in members:
             share = None
             if oracle is not None and fixed is not None and s.spec.kind not in ("oracle", "autoregressive"):
-                share = headroom_share(
-                    s.pooled.modeled_tokens_per_second,
-                    fixed.pooled.modeled_tokens_per_second,
-                    oracle.pooled.modeled_tokens_per_second,
-                )
+                share = _modeled_headroom(s, fixed, oracle)
             rows.append(
                 {
                     **s.to_dict(),
@@ -158,6 +153,11 @@ def analyse(summaries: Sequence[MethodSummary], select_by: str) -> dict:
                 }
             )
     return {"rows": rows, "best": {k: v.spec.name for k, v in best.items()}, "h_star": star.spec.name if star else None}
+
+
+def _modeled_headroom(s: MethodSummary, fixed: MethodSummary, oracle: MethodSummary) -> float | None:
+    """:func:`~accept_head.engine.headroom_share` of ``s`` over the best FixedK, in modeled tokens/s."""
+    return headroom_share(*(m.pooled.modeled_tokens_per_second for m in (s, fixed, oracle)))
 
 
 _ORDER = (
@@ -185,8 +185,7 @@ def goal_rows(sets: dict, temperature_keys: Sequence[str], select_by: str, summa
                 continue
 
             def against(kinds: Sequence[str]) -> MethodSummary | None:
-                pool = [s for s in runs if s.spec.kind in kinds]
-                return max(pool, key=lambda s: throughput(s, select_by)) if pool else None
+                return best_of([s for s in runs if s.spec.kind in kinds], select_by)
 
             vs_ar = GOALS["autoregressive" if key == "greedy" else "autoregressive_sampling"]
             fixed, oracle = against(["fixed_k"]), against(["oracle"])
@@ -202,10 +201,8 @@ def goal_rows(sets: dict, temperature_keys: Sequence[str], select_by: str, summa
                 measured = ratio(star.median_tokens_per_second, other.median_tokens_per_second)
                 modeled = ratio(star.pooled.modeled_tokens_per_second, other.pooled.modeled_tokens_per_second)
                 # The same ratio for the oracle: how far any stop rule could go with this draft (greedy only).
-                ceiling = (
-                    None
-                    if oracle is None
-                    else ratio(oracle.pooled.modeled_tokens_per_second, other.pooled.modeled_tokens_per_second)
+                ceiling = ratio(
+                    oracle and oracle.pooled.modeled_tokens_per_second, other.pooled.modeled_tokens_per_second
                 )
                 out.append(
                     {
@@ -220,11 +217,7 @@ def goal_rows(sets: dict, temperature_keys: Sequence[str], select_by: str, summa
                     }
                 )
             if fixed is not None and oracle is not None:
-                share = headroom_share(
-                    star.pooled.modeled_tokens_per_second,
-                    fixed.pooled.modeled_tokens_per_second,
-                    oracle.pooled.modeled_tokens_per_second,
-                )
+                share = _modeled_headroom(star, fixed, oracle)
                 out.append(
                     {
                         "goal": "≥ 50% of the oracle headroom (modeled)",

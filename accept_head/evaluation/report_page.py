@@ -138,6 +138,11 @@ def _figure(payload: dict, name: str, alt: str, figures_dir: str) -> list[str]:
     return [f"![{alt}]({figures_dir}/{png})", ""] if png else []
 
 
+def _each_result(payload: dict) -> list[tuple[str, str, dict]]:
+    """(prompt set, temperature key, result) of every test run, in the page's order."""
+    return [(name, key, result) for name, runs in payload["results"].items() for key, result in runs.items()]
+
+
 def _not_run(lead: str, skipped: Sequence[dict]) -> list[str]:
     """``lead`` and every method a run left out, with the reason (nothing if none was)."""
     return [lead + "; ".join(f"{s['name']} ({s['reason']})" for s in skipped) + ".", ""] if skipped else []
@@ -188,31 +193,28 @@ def _table_one(payload: dict) -> list[str]:
         "Oracle",
     ]
     rows = []
-    for set_name, by_temperature in payload["results"].items():
-        for key, result in by_temperature.items():
-            analysis = result["analysis"]["rows"]
-            ar, fixed = _find(analysis, "autoregressive"), _find(analysis, "fixed_k")
-            star = next((r for r in analysis if r.get("role") == "h_star"), None)
-            oracle = _find(analysis, "oracle")
-            others = [
-                r
-                for r in analysis
-                if r["kind"] in (*TRAINING_FREE, "hf_assisted", *TREE_DECODERS) and r["best_of_family"]
+    for set_name, key, result in _each_result(payload):
+        analysis = result["analysis"]["rows"]
+        ar, fixed = _find(analysis, "autoregressive"), _find(analysis, "fixed_k")
+        star = next((r for r in analysis if r.get("role") == "h_star"), None)
+        oracle = _find(analysis, "oracle")
+        others = [
+            r for r in analysis if r["kind"] in (*TRAINING_FREE, "hf_assisted", *TREE_DECODERS) and r["best_of_family"]
+        ]
+        other = max(others, key=lambda r: r["tokens_per_second"]["median"]) if others else None
+        rows.append(
+            [
+                set_name,
+                key,
+                _tps(ar),
+                (f"K={fixed['params']['k']}: " + _tps(fixed)) if fixed else "–",
+                _tps(star),
+                fmt(star and star["ratio_to_autoregressive"], 2, "×"),
+                fmt(star and star["ratio_to_best_fixed_k"], 2, "×"),
+                (f"{other['name']}: " + _tps(other)) if other else "–",
+                _tps(oracle),
             ]
-            other = max(others, key=lambda r: r["tokens_per_second"]["median"]) if others else None
-            rows.append(
-                [
-                    set_name,
-                    key,
-                    _tps(ar),
-                    (f"K={fixed['params']['k']}: " + _tps(fixed)) if fixed else "–",
-                    _tps(star),
-                    fmt(star and star["ratio_to_autoregressive"], 2, "×"),
-                    fmt(star and star["ratio_to_best_fixed_k"], 2, "×"),
-                    (f"{other['name']}: " + _tps(other)) if other else "–",
-                    _tps(oracle),
-                ]
-            )
+        )
     return lines + [markdown_table(header, rows), ""]
 
 
@@ -239,22 +241,21 @@ def winners(methods: Sequence[dict]) -> dict | None:
 
 def _winners(payload: dict) -> list[str]:
     rows = []
-    for set_name, by_temperature in payload["results"].items():
-        for key, result in by_temperature.items():
-            w = winners(result["methods"])
-            if w is None:
-                continue
-            rows.append(
-                [
-                    set_name,
-                    key,
-                    w["winner"],
-                    fmt(w["tokens_per_second"]),
-                    f"{fmt(w['over_runner_up'], 2, '×')} ({w['runner_up']})" if w["runner_up"] else "–",
-                    "–" if w["h_star_rank"] is None else f"{w['h_star_rank']} of {w['methods']}",
-                    fmt(w["winner_over_h_star"], 2, "×"),
-                ]
-            )
+    for set_name, key, result in _each_result(payload):
+        w = winners(result["methods"])
+        if w is None:
+            continue
+        rows.append(
+            [
+                set_name,
+                key,
+                w["winner"],
+                fmt(w["tokens_per_second"]),
+                f"{fmt(w['over_runner_up'], 2, '×')} ({w['runner_up']})" if w["runner_up"] else "–",
+                "–" if w["h_star_rank"] is None else f"{w['h_star_rank']} of {w['methods']}",
+                fmt(w["winner_over_h_star"], 2, "×"),
+            ]
+        )
     return [
         "## Which method wins",
         "",
@@ -346,22 +347,21 @@ def _family_table(rows: Sequence[dict]) -> str:
         "accepted/proposed",
         "oracle headroom",
     ]
-    body = []
-    for r in rows:
-        body.append(
-            [
-                r["name"],
-                fmt(r["tokens_per_second"]["median"]),
-                fmt(r["modeled_tokens_per_second"]),
-                fmt(r["ratio_to_autoregressive"], 2, "×"),
-                fmt(r["ratio_to_best_fixed_k"], 2, "×"),
-                fmt(r["tokens_per_target_call"], 2),
-                fmt(r["verification_rate"], 3),
-                fmt(r["discard_rate"], 3),
-                "–" if r["kind"] == "autoregressive" else f"{r['mean_accepted']:.2f}/{r['mean_proposed']:.2f}",
-                fmt(None if r["oracle_headroom_share"] is None else 100 * r["oracle_headroom_share"], 0, "%"),
-            ]
-        )
+    body = [
+        [
+            r["name"],
+            fmt(r["tokens_per_second"]["median"]),
+            fmt(r["modeled_tokens_per_second"]),
+            fmt(r["ratio_to_autoregressive"], 2, "×"),
+            fmt(r["ratio_to_best_fixed_k"], 2, "×"),
+            fmt(r["tokens_per_target_call"], 2),
+            fmt(r["verification_rate"], 3),
+            fmt(r["discard_rate"], 3),
+            "–" if r["kind"] == "autoregressive" else f"{r['mean_accepted']:.2f}/{r['mean_proposed']:.2f}",
+            fmt(None if r["oracle_headroom_share"] is None else 100 * r["oracle_headroom_share"], 0, "%"),
+        ]
+        for r in rows
+    ]
     return markdown_table(header, body)
 
 
@@ -414,32 +414,29 @@ def _calibration(payload: dict, figures_dir: str) -> list[str]:
 def _diagnostics(payload: dict) -> list[str]:
     """Numbers that explain the headline ones, all from this run."""
     rows = []
-    for set_name, by_temperature in payload["results"].items():
-        for key, result in by_temperature.items():
-            methods = result["methods"]
-            oracle = next((m for m in methods if m["kind"] == "oracle"), None)
-            star = next((m for m in methods if m.get("role") == "h_star"), None)
-            swept = [m for m in methods if m["kind"] == "specdecpp"]
-            best_h = max(swept, key=lambda m: m["modeled_tokens_per_second"] or 0.0) if swept else None
-            prompts = payload["prompt_sets"][set_name]["prompts"]
-            agreement = None
-            if oracle is not None and oracle["generated"] > prompts:
-                agreement = 1 - (oracle["target_calls"] - prompts) / (oracle["generated"] - prompts)
-            rows.append(
-                [
-                    set_name,
-                    key,
-                    fmt(agreement, 3),
-                    f"{star['mean_accepted']:.2f}/{star['mean_proposed']:.2f}" if star else "–",
-                    best_h["name"] if best_h else "–",
-                    fmt(
-                        ratio(
-                            star and star["modeled_tokens_per_second"], best_h and best_h["modeled_tokens_per_second"]
-                        ),
-                        3,
-                    ),
-                ]
-            )
+    for set_name, key, result in _each_result(payload):
+        methods = result["methods"]
+        oracle = next((m for m in methods if m["kind"] == "oracle"), None)
+        star = next((m for m in methods if m.get("role") == "h_star"), None)
+        swept = [m for m in methods if m["kind"] == "specdecpp"]
+        best_h = max(swept, key=lambda m: m["modeled_tokens_per_second"] or 0.0) if swept else None
+        prompts = payload["prompt_sets"][set_name]["prompts"]
+        agreement = None
+        if oracle is not None and oracle["generated"] > prompts:
+            agreement = 1 - (oracle["target_calls"] - prompts) / (oracle["generated"] - prompts)
+        rows.append(
+            [
+                set_name,
+                key,
+                fmt(agreement, 3),
+                f"{star['mean_accepted']:.2f}/{star['mean_proposed']:.2f}" if star else "–",
+                best_h["name"] if best_h else "–",
+                fmt(
+                    ratio(star and star["modeled_tokens_per_second"], best_h and best_h["modeled_tokens_per_second"]),
+                    3,
+                ),
+            ]
+        )
     return [
         "## Diagnostics",
         "",
@@ -465,12 +462,11 @@ def _diagnostics(payload: dict) -> list[str]:
 def _near_ties(payload: dict) -> list[str]:
     """How often each greedy method wrote exactly autoregressive decoding's tokens on this page's test prompts."""
     rows = []
-    for set_name, by_temperature in payload["results"].items():
-        for key, result in by_temperature.items():
-            for method, counts in result.get("greedy_identity", {}).items():
-                parts = counts["first_divergence"]
-                median = statistics.median_high(parts) if parts else None
-                rows.append([set_name, key, method, f"{counts['identical']}/{counts['decodes']}", fmt(median, 0)])
+    for set_name, key, result in _each_result(payload):
+        for method, counts in result.get("greedy_identity", {}).items():
+            parts = counts["first_divergence"]
+            median = statistics.median_high(parts) if parts else None
+            rows.append([set_name, key, method, f"{counts['identical']}/{counts['decodes']}", fmt(median, 0)])
     if not rows:
         return []
     return [
@@ -495,12 +491,11 @@ def decode_cost_check(payload: dict) -> DecodeCostFit | None:
     """Per-round and per-candidate costs fitted to the wall times of this run's own decoding runs (one intercept per
     prompt set and temperature); None when there are too few runs."""
     runs = []
-    for set_name, by_temperature in payload["results"].items():
-        for key, result in by_temperature.items():
-            for row in result["methods"]:
-                if row["kind"] in _OWN_LOOP:
-                    candidates = row["mean_proposed"] * row["rounds"]
-                    runs.append((f"{set_name}/{key}", row["seconds"], row["target_calls"], candidates))
+    for set_name, key, result in _each_result(payload):
+        for row in result["methods"]:
+            if row["kind"] in _OWN_LOOP:
+                candidates = row["mean_proposed"] * row["rounds"]
+                runs.append((f"{set_name}/{key}", row["seconds"], row["target_calls"], candidates))
     try:
         return fit_decode_costs(runs)
     except ValueError:

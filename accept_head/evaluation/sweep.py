@@ -10,13 +10,7 @@ from ..engine import MethodSpec, MethodSummary, PolicyGrid, Runner, expand_grids
 from ..pairs import Pair, PairOptions
 from ..prompts import PromptOptions, PromptSet, PromptSource
 from ..tables import text_table
-from .common import (
-    fmt,
-    machine_info,
-    output_folder,
-    resolve_cost_model,
-    write_json,
-)
+from .common import fmt, machine_info, output_folder, resolve_cost_model, write_json
 from .plots import pareto_plot
 
 DEFAULT_GRIDS: list[dict] = [
@@ -37,22 +31,20 @@ def temperature_key(temperature: float) -> str:
 
 def sweep_table(summaries: Sequence[MethodSummary], title: str) -> str:
     """Terminal table of a sweep (speedups in measured tokens/s against its autoregressive run, if any)."""
-    rows = []
     baseline = next((s for s in summaries if s.spec.kind == "autoregressive"), None)
     base = baseline.median_tokens_per_second if baseline is not None else None
-    for s in summaries:
-        r = s.pooled
-        rows.append(
-            [
-                s.spec.name,
-                fmt(s.median_tokens_per_second),
-                fmt(r.modeled_tokens_per_second),
-                fmt(s.median_tokens_per_second / base, 2, "x") if base else "–",
-                fmt(r.verification_rate, 3),
-                fmt(r.discard_rate, 3),
-                "–" if s.spec.kind == "autoregressive" else f"{r.mean_accepted:.2f}/{r.mean_proposed:.2f}",
-            ]
-        )
+    rows = [
+        [
+            s.spec.name,
+            fmt(s.median_tokens_per_second),
+            fmt(s.pooled.modeled_tokens_per_second),
+            fmt(s.median_tokens_per_second / base, 2, "x") if base else "–",
+            fmt(s.pooled.verification_rate, 3),
+            fmt(s.pooled.discard_rate, 3),
+            "–" if s.spec.kind == "autoregressive" else f"{s.pooled.mean_accepted:.2f}/{s.pooled.mean_proposed:.2f}",
+        ]
+        for s in summaries
+    ]
     header = ["method", "tok/s", "modeled tok/s", "vs AR", "verif. rate", "discard rate", "accepted/proposed"]
     return text_table(header, rows, title=title)
 

@@ -95,8 +95,7 @@ class PromptPlan:
 def context_length(*models: torch.nn.Module) -> int | None:
     """The shortest ``max_position_embeddings`` among the models (None if none declares one)."""
     limits = [getattr(m.config, "max_position_embeddings", None) for m in models]
-    limits = [int(n) for n in limits if n]
-    return min(limits) if limits else None
+    return min((int(n) for n in limits if n), default=None)
 
 
 def fit_prompts(
@@ -144,18 +143,15 @@ def code_version() -> dict[str, Any]:
 
     info: dict[str, Any] = {"package": "accept-head", "version": accept_head.__version__, "git_commit": None}
     root = Path(accept_head.__file__).resolve().parent
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
+
     try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10)
+        commit = git("rev-parse", "HEAD")
         if commit.returncode == 0:
             info["git_commit"] = commit.stdout.strip()
-            status = subprocess.run(
-                ["git", "status", "--porcelain", "--untracked-files=no"],
-                cwd=root,
-                capture_output=True,
-                text=True,
-                timeout=10,
-            )
-            info["git_dirty"] = bool(status.stdout.strip())
+            info["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip())
     except (OSError, subprocess.SubprocessError):
         pass
     return info
@@ -469,9 +465,8 @@ def _write_batch(
         "source": [p.source for p in prompts],
         "prompt_ids": prompt_ids,
         "response_ids": batch.response_ids,
+        **{name: [row[name] for row in batch.labels] for name in batch.labels[0]},
     }
-    for name in batch.labels[0]:
-        columns[name] = [row[name] for row in batch.labels]
     eos_set = set(eos)
     totals = {
         "rows": len(prompts),

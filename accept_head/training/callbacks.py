@@ -151,9 +151,8 @@ class CalibrateHead(EndOfFitStage):
         logits, labels, rows = pl_module.predict_loader(loader)
         choice = choose_calibration(logits, labels, rows, self.methods, self.folds, self.seed, self.n_bins)
         raw = torch.sigmoid(logits.double())
-        predictions = {"raw": raw}
-        for method in self.methods:
-            predictions[method] = apply_calibration(fit_calibration(method, logits, labels), raw)
+        fitted = {method: apply_calibration(fit_calibration(method, logits, labels), raw) for method in self.methods}
+        predictions = {"raw": raw} | fitted
         curves = {
             f"{name} (ECE {expected_calibration_error(probs, labels, self.n_bins):.3f})": reliability_bins(
                 probs, labels, self.n_bins
@@ -222,15 +221,8 @@ class MeasureCosts(EndOfFitStage):
             cost = CostModel(t_draft=self.t_draft, t_target_a=self.t_target_a, t_target_b=self.t_target_b)
             report.cost_model_source = "config"
         report.cost_model = cost
-        _log(
-            trainer,
-            {
-                "cost/t_draft_ms": 1e3 * cost.t_draft,
-                "cost/t_target_a_ms": 1e3 * cost.t_target_a,
-                "cost/t_target_b_ms": 1e3 * cost.t_target_b,
-            }
-            | ({"cost/r2": cost.r2} if cost.r2 is not None else {}),
-        )
+        metrics = {f"cost/{name}_ms": 1e3 * getattr(cost, name) for name in ("t_draft", "t_target_a", "t_target_b")}
+        _log(trainer, metrics | ({"cost/r2": cost.r2} if cost.r2 is not None else {}))
         r2 = f", R² {cost.r2:.3f}" if cost.r2 is not None else ""
         print(
             f"cost model ({report.cost_model_source}): t_draft {1e3 * cost.t_draft:.2f} ms, "
@@ -507,12 +499,11 @@ class ExportBundle(EndOfFitStage):
             raise ValueError("No threshold to export: enable the sweep (sweep.enabled=true) or set --export.threshold.")
         bundle_dir = Path(self.dir).expanduser()
         target, tokenizer = dm.target(), dm.tokenizer()
-        head = copy.deepcopy(pl_module.head).float().eval()
         provenance = self._provenance(trainer, dm, report)
         bundle = SpecDecPP(
             target=target,
             draft=pl_module.draft,
-            head=head,
+            head=copy.deepcopy(pl_module.head).float().eval(),
             threshold=threshold,
             tokenizer=tokenizer,
             min_candidates=report.min_candidates if report.min_candidates is not None else self.min_candidates,
@@ -546,14 +537,13 @@ class ExportBundle(EndOfFitStage):
     def _provenance(self, trainer: Trainer, dm: AcceptanceDataModule, report: FitReport) -> dict[str, Any]:
         import accept_head
 
-        split = dm.split_record()
         return {
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
             "accept_head_version": accept_head.__version__,
             "command": self.command,
             "config": self.run_config,
             "data_meta": dm.meta,
-            "split": {k: v for k, v in split.items() if k not in ("train", "val")} | {"file": "split.json"},
+            "split": {k: v for k, v in dm.split_record().items() if k not in ("train", "val")} | {"file": "split.json"},
             "training": {"epochs": trainer.current_epoch, "steps": trainer.global_step},
             "val_metrics": report.val_metrics,
             "calibration": _choice_record(report.calibration_choice),

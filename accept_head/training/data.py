@@ -306,11 +306,11 @@ def collate_hidden(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.
     }
 
 
-def collate(items: Sequence[dict[str, torch.Tensor]], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
-    """Right-pad examples into a batch: input_ids / attention_mask / loss_mask / labels (B, L), row (B,)."""
+def collate(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Right-pad examples with zeros into a batch: input_ids / attention_mask / loss_mask / labels (B, L), row (B,)."""
     ids = [item["input_ids"] for item in items]
     return {
-        "input_ids": pad_sequence(ids, batch_first=True, padding_value=pad_token_id),
+        "input_ids": pad_sequence(ids, batch_first=True),
         "attention_mask": pad_sequence([torch.ones_like(i) for i in ids], batch_first=True),
         "loss_mask": pad_sequence([item["loss_mask"].bool() for item in items], batch_first=True),
         "labels": pad_sequence([item["labels"].float() for item in items], batch_first=True),
@@ -483,11 +483,7 @@ class AcceptanceDataModule(LightningDataModule):
         self.rollout = is_rollout(self.meta)
         self.train_set = self._examples([by_id[pid] for pid in self.split["train"]])
         self.val_set = self._examples([by_id[pid] for pid in self.split["val"]])
-        if self.test_path is not None:
-            test_rows, _ = self._load(self.test_path)
-            self.test_set = self._examples(test_rows)
-        else:
-            self.test_set = self.val_set
+        self.test_set = self._examples(self._load(self.test_path)[0]) if self.test_path is not None else self.val_set
         if self.greedy_path is not None:
             self.greedy_set = self._greedy_examples(set(self.split["train"]))
         self._record_split()
@@ -527,10 +523,9 @@ class AcceptanceDataModule(LightningDataModule):
             raise FileNotFoundError(f"data.path={path!r} does not exist: {hint}.")
         dataset, meta = load_label_dataset(path)
         check_draft(meta, self.draft, path)
-        if is_rollout(meta):
-            rows, dropped = self._load_rollout(path, dataset, meta)
-        else:
-            rows, dropped = self._load_tokens(path, dataset)
+        rows, dropped = (
+            self._load_rollout(path, dataset, meta) if is_rollout(meta) else self._load_tokens(path, dataset)
+        )
         if path == self.path:
             self.dropped = dropped
         if not rows:
@@ -724,5 +719,4 @@ def draft_hidden_size(draft: ModelSpec) -> int:
             "fetch the draft first (the embedded pair's draft: `python -m train.distill_draft`), or point "
             "--data.draft.path at it."
         ) from err
-    config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    return int(config.hidden_size)
+    return int(config.get_text_config().hidden_size)

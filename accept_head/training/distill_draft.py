@@ -129,11 +129,8 @@ def distill_loss(draft, batch: Sequence[Example], pad_token_id: int) -> tuple[to
     mask = pad_sequence([torch.ones_like(s) for s in seqs], batch_first=True)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         hidden = draft.model(input_ids=ids, attention_mask=mask).last_hidden_state
-    rows, cols = [], []
-    for row, (p, r, _, _) in enumerate(batch):
-        rows.append(torch.full((len(r),), row))
-        cols.append(torch.arange(len(p) - 1, len(p) + len(r) - 1))
-    h = hidden[torch.cat(rows), torch.cat(cols)]  # (N, d): states predicting each response token
+    # (N, d): the states predicting each response token
+    h = torch.cat([hidden[row, len(p) - 1 : len(p) + len(r) - 1] for row, (p, r, _, _) in enumerate(batch)])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         logits = draft.lm_head(h)
     topk_ids = torch.cat([b[2] for b in batch])

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -52,9 +53,7 @@ def read_feature_shards(paths: Sequence[Path]) -> list[FeatureSequence]:
     out = []
     for path in paths:
         shard = load_file(str(path))
-        offsets = shard["offsets"].tolist()
-        for i, prompt_length in enumerate(shard["prompt_lengths"].tolist()):
-            a, b = offsets[i], offsets[i + 1]
+        for (a, b), prompt_length in zip(pairwise(shard["offsets"].tolist()), shard["prompt_lengths"].tolist()):
             out.append(
                 FeatureSequence(shard["tokens"][a:b].long(), shard["features"][a:b], shard["lse"][a:b], prompt_length)
             )
@@ -74,7 +73,7 @@ def token_batches(lengths: Sequence[int], batch_tokens: int, generator: torch.Ge
         chunk = sorted(order[start : start + 64], key=lambda i: lengths[i])
         batch: list[int] = []
         for i in chunk:
-            if batch and (len(batch) + 1) * max(lengths[j] for j in [*batch, i]) > batch_tokens:
+            if batch and (len(batch) + 1) * lengths[i] > batch_tokens:  # chunk is sorted: i is the longest
                 batches.append(batch)
                 batch = []
             batch.append(i)

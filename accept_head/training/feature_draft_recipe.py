@@ -16,6 +16,7 @@ import random
 import sysconfig
 import time
 from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 
 import torch
@@ -144,7 +145,7 @@ def text(cfg: FeatureDraftRecipe) -> dict:
         if rows:
             ids = [f"text-{shards}-{i}" for i in range(len(rows))]
             shard = {"prompt_id": ids, "prompt_ids": [prompt] * len(rows), "response_ids": rows}
-            save_atomic(shard, out / f"train-text-{shards:03d}.pt", torch.save)
+            save_atomic(shard, out / f"train-text-{shards:03d}.pt")
             shards, rows = shards + 1, []
 
     for source in cfg.text_sources:
@@ -331,8 +332,7 @@ def fit(cfg: FeatureDraftRecipe) -> Path:
         "loss_from": loss_from,
         "steps": int(trainer.global_step),
     }
-    draft = draft.to(torch.bfloat16)
-    out = draft.save_pretrained(cfg.output_dir)
+    out = draft.to(torch.bfloat16).save_pretrained(cfg.output_dir)
     print(f"[fit] exported {out} after {trainer.global_step} steps", flush=True)
     return out
 
@@ -355,16 +355,13 @@ def per_step_acceptance(
     picked = sorted(candidates[j] for j in torch.randperm(len(candidates), generator=generator)[:starts].tolist())
     weight = target.get_output_embeddings().weight.float()  # (V, d), once: exact target probabilities
     sums = [{"accept": 0.0, "agree": 0.0, "n": 0} for _ in range(steps)]
-    by_seq: dict[int, list[int]] = {}
-    for i, t in picked:
-        by_seq.setdefault(i, []).append(t)
     dtype = next(draft.parameters()).dtype
-    for i, starts_here in by_seq.items():
+    for i, starts_here in groupby(picked, key=lambda start: start[0]):
         s = sequences[i]
         feats = s.features.to(dtype)
         cache = DynamicCache()
         read = 0  # pairs in the cache
-        for t in starts_here:
+        for _, t in starts_here:
             if t > read:  # pairs read..t-1 with the target's features
                 pos = torch.arange(read, t)[None]
                 draft(feats[None, read:t], s.tokens[None, read + 1 : t + 1], cache, position_ids=pos, use_cache=True)
