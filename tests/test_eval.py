@@ -18,6 +18,7 @@ from accept_head.cost_model import CostModel, fit_decode_costs, latency_per_toke
 from accept_head.decoding import DecodeStats
 from accept_head.engine import MethodSpec, PolicyGrid, expand_grids, headroom_share, run_interleaved
 from accept_head.evaluation.report import _h_star_spec, head_sources
+from accept_head.evaluation.report_page import render_markdown
 from accept_head.labels import FORMAT, FORMAT_VERSION, label_features
 from accept_head.pairs import ModelSpec
 from accept_head.prompts import EncodedPrompt, round_robin
@@ -544,6 +545,7 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
     assert oracle["modeled_tokens_per_second"] > fixed["modeled_tokens_per_second"]
     assert stored["cost_model"]["source"] == str(costs)
     assert f"{star['tokens_per_second']['median']:.1f}" in text  # numbers in the page come from results.json
+    assert render_markdown(stored, figures.name) == text  # results.json alone re-renders the page, row order included
     goals = {g["goal"] for g in stored["goals"]}
     assert any("oracle headroom" in g for g in goals) and any("best FixedK" in g for g in goals)
     # Each greedy goal row carries the oracle's own ratio against the same baseline: the limit for this draft.

@@ -7,6 +7,7 @@ typed by hand. The same numbers are stored next to the figures as ``results.json
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -423,9 +424,9 @@ def report(
         "goals": goals,
         "figures": figures_made,
     }
-    write_json(staging / "results.json", payload)
+    stored = json.loads(write_json(staging / "results.json", payload).read_text())
     _replace_figures(staging, output_folder(figures))
-    page.write_text(render_markdown(payload, figures.name))
+    page.write_text(render_markdown(stored, figures.name))  # from what was stored, so results.json re-renders it
     print(f"wrote {page} and {len(figures_made)} figure(s) + results.json in {figures}")
     return payload
 
