@@ -19,10 +19,9 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tiny_models import make_llama, make_tokenizer, perturbed_copy
+from tiny_models import make_llama, make_tokenizer, perturbed_copy, save_bundle
 
 import accept_head.engine as engine
-from accept_head import AcceptanceHead, SpecDecPP
 from accept_head.drafters import ModelDrafter
 from accept_head.engine import MethodSpec, Runner, greedy_identity
 from accept_head.evaluation.bench import add_comparison_drafts
@@ -48,18 +47,7 @@ def tiny(tmp_path_factory) -> dict:
     feature_draft = FeatureDraft.from_target(target, torch.arange(3, 60), target_name=str(root / "target"))
     feature_draft.save_pretrained(root / "feature_draft")
     for name, model, path in (("hf", draft, "draft"), ("feature", feature_draft, "feature_draft")):
-        with torch.random.fork_rng():
-            torch.manual_seed(0)
-            head = AcceptanceHead(model.config.hidden_size, depth=1)
-        SpecDecPP(
-            target,
-            model,
-            head,
-            threshold=0.5,
-            tokenizer=tokenizer,
-            target_spec=ModelSpec(path=str(root / "target"), dtype="float32"),
-            draft_spec=ModelSpec(path=str(root / path), dtype="float32"),
-        ).save_pretrained(root / f"bundle_{name}")
+        save_bundle(root / f"bundle_{name}", target, model, tokenizer, root / "target", root / path)
     generator = torch.Generator().manual_seed(0)
     for name in ("test", "val"):
         with (root / f"{name}.jsonl").open("w") as f:

@@ -22,9 +22,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 import yaml
-from tiny_models import make_llama, make_tokenizer, near_bigram, perturbed_copy
+from tiny_models import make_llama, make_tokenizer, near_bigram, perturbed_copy, save_bundle
 
-from accept_head import AcceptanceHead, SpecDecPP, autoregressive_generate
+from accept_head import autoregressive_generate
 from accept_head.cost_model import CostModel
 from accept_head.decoding import DecodeStats
 from accept_head.engine import (
@@ -42,7 +42,7 @@ from accept_head.evaluation.report import analyse
 from accept_head.evaluation.report_page import _table_one
 from accept_head.feature_draft import FeatureDraft
 from accept_head.ngrammys import ModelBigram
-from accept_head.pairs import ModelSpec, Pair
+from accept_head.pairs import Pair
 from accept_head.tree_verify import TreeDecodeStats
 from eval.__main__ import main
 
@@ -73,18 +73,7 @@ def tiny(tmp_path_factory) -> dict:
     for name, model in (("target", target), ("draft", draft)):
         model.save_pretrained(root / name)
         tokenizer.save_pretrained(root / name)
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        head = AcceptanceHead(draft.config.hidden_size, depth=1)
-    SpecDecPP(
-        target,
-        draft,
-        head,
-        threshold=0.5,
-        tokenizer=tokenizer,
-        target_spec=ModelSpec(path=str(root / "target"), dtype="float32"),
-        draft_spec=ModelSpec(path=str(root / "draft"), dtype="float32"),
-    ).save_pretrained(root / "bundle")
+    save_bundle(root / "bundle", target, draft, tokenizer, root / "target", root / "draft")
     generator = torch.Generator().manual_seed(0)
     for name in ("test", "val"):
         with (root / f"{name}.jsonl").open("w") as f:

@@ -11,16 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from tiny_models import make_llama, make_tokenizer, perturbed_copy
+from tiny_models import make_llama, make_tokenizer, perturbed_copy, save_bundle
 
-from accept_head import AcceptanceHead, Calibration, SpecDecPP
+from accept_head import Calibration
 from accept_head.cost_model import CostModel, fit_decode_costs, latency_per_token
 from accept_head.decoding import DecodeStats
 from accept_head.engine import MethodSpec, PolicyGrid, expand_grids, headroom_share, run_interleaved
 from accept_head.evaluation.report import _h_star_spec, head_sources
 from accept_head.evaluation.report_page import render_markdown
 from accept_head.labels import FORMAT, FORMAT_VERSION, label_features
-from accept_head.pairs import ModelSpec
 from accept_head.prompts import EncodedPrompt, round_robin
 from eval.__main__ import main
 
@@ -194,21 +193,16 @@ def tiny(tmp_path_factory) -> dict:
     draft = perturbed_copy(target, relative_noise=0.05, seed=1)
     draft.save_pretrained(root / "draft")
     tokenizer.save_pretrained(root / "draft")
-    with torch.random.fork_rng():
-        torch.manual_seed(0)
-        head = AcceptanceHead(draft.config.hidden_size, depth=1)
-    bundle = SpecDecPP(
+    save_bundle(
+        root / "bundle",
         target,
         draft,
-        head,
-        threshold=0.5,
-        tokenizer=tokenizer,
+        tokenizer,
+        root / "target",
+        root / "draft",
         calibration=Calibration(kind="temperature", temperature=1.5),
         provenance={"data": {"sources": [{"path": str(root / "id.jsonl"), "name": "id"}]}},
-        target_spec=ModelSpec(path=str(root / "target"), dtype="float32"),
-        draft_spec=ModelSpec(path=str(root / "draft"), dtype="float32"),
     )
-    bundle.save_pretrained(root / "bundle")
     generator = torch.Generator().manual_seed(0)
     for name, count in (("id", 40), ("val", 6), ("ood", 6)):
         with (root / f"{name}.jsonl").open("w") as f:

@@ -226,3 +226,26 @@ class TableLM(torch.nn.Module):
     def cached_tokens(self) -> list[int]:
         """Token ids held by the last cache this model wrote to, in position order."""
         return self.last_cache.layers[0].keys[0, 0, :, 0].long().tolist()
+
+
+def save_bundle(folder: str | Path, target, draft, tokenizer, target_path: str | Path, draft_path: str | Path, **kw):
+    """Save a SpecDecPP bundle of ``target`` and ``draft`` (saved at the two paths) with a seeded depth-1 head and
+    threshold 0.5 (``kw`` goes to ``SpecDecPP``, e.g. ``calibration``); returns the bundle."""
+    from accept_head import AcceptanceHead, SpecDecPP
+    from accept_head.pairs import ModelSpec
+
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        head = AcceptanceHead(draft.config.hidden_size, depth=1)
+    bundle = SpecDecPP(
+        target,
+        draft,
+        head,
+        threshold=0.5,
+        tokenizer=tokenizer,
+        target_spec=ModelSpec(path=str(target_path), dtype="float32"),
+        draft_spec=ModelSpec(path=str(draft_path), dtype="float32"),
+        **kw,
+    )
+    bundle.save_pretrained(folder)
+    return bundle
