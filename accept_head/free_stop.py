@@ -48,10 +48,8 @@ target runs, and the decoders verify whatever they submit exactly as before (gre
 from __future__ import annotations
 
 import functools
-import itertools
 import json
 import math
-import operator
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -296,11 +294,14 @@ class LabelRecorder:
         parents = [p for row_nodes in nodes for p in [0, *row_nodes[:-1]]]  # the node each guessed token follows
         chosen = torch.tensor([t for row in rows for t in row])
         labels = probabilities(logits[parents], self.sampling)[torch.arange(len(parents)), chosen].double().tolist()
-        depth, prefix, start = [], [], 0
-        for row in rows:  # prefix: the product of the row's earlier labels
-            depth += range(1, len(row) + 1)
-            prefix += list(itertools.accumulate(labels[start : start + len(row)], operator.mul, initial=1.0))[:-1]
-            start += len(row)
+        depth, prefix, i = [], [], 0
+        for row in rows:
+            survival = 1.0  # prefix: the product of the row's earlier labels
+            for d in range(1, len(row) + 1):
+                depth.append(d)
+                prefix.append(survival)
+                survival *= labels[i]
+                i += 1
         self._records.append((self.features(tokens, rows, origins), labels, depth, prefix, self.group))
 
     def labels(self) -> GuessLabels:

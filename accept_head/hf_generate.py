@@ -235,7 +235,10 @@ def _stop_index(
     Criteria see exactly what HF's loop shows them after each token: input_ids (1, start + j + 1) and the processed
     scores (1, V) that token was drawn from (``scores`` is (≥count, V)).
     """
-    return next((j for j in range(count) if bool(criteria(buffer[:, : start + j + 1], scores[j : j + 1]).any())), None)
+    for j in range(count):
+        if bool(criteria(buffer[:, : start + j + 1], scores[j : j + 1]).any()):
+            return j
+    return None
 
 
 def _ordinary_outputs(decode: Callable[..., DecodeOutput]) -> Callable[..., DecodeOutput]:

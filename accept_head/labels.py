@@ -188,8 +188,15 @@ def position_labels(
         draft_logp = q_y.log()
         draft_entropy = torch.special.entr(q).sum(-1)
         draft_top1 = q.max(-1).values
-    values = (draft_ids, target_logp, draft_logp, accept_prob, expected_accept, draft_entropy, draft_top1)
-    return PositionLabels(*(value.cpu() for value in values))
+    return PositionLabels(
+        draft_ids=draft_ids.cpu(),
+        target_logp=target_logp.cpu(),
+        draft_logp=draft_logp.cpu(),
+        accept_prob=accept_prob.cpu(),
+        expected_accept=expected_accept.cpu(),
+        draft_entropy=draft_entropy.cpu(),
+        draft_top1=draft_top1.cpu(),
+    )
 
 
 @torch.inference_mode()

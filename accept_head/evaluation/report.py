@@ -202,8 +202,10 @@ def goal_rows(sets: dict, temperature_keys: Sequence[str], select_by: str, summa
                 measured = ratio(star.median_tokens_per_second, other.median_tokens_per_second)
                 modeled = ratio(star.pooled.modeled_tokens_per_second, other.pooled.modeled_tokens_per_second)
                 # The same ratio for the oracle: how far any stop rule could go with this draft (greedy only).
-                ceiling = ratio(
-                    oracle and oracle.pooled.modeled_tokens_per_second, other.pooled.modeled_tokens_per_second
+                ceiling = (
+                    None
+                    if oracle is None
+                    else ratio(oracle.pooled.modeled_tokens_per_second, other.pooled.modeled_tokens_per_second)
                 )
                 out.append(
                     {

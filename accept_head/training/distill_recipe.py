@@ -242,10 +242,12 @@ def evaluate(cfg: DistillConfig, draft_dir: str | None = None, rounds: int = 7, 
     shards = load_shards(expand(cfg.work_dir), "eval")
     groups: dict[str, list] = {}
     for shard in shards:
-        kept = [pid for pid, r in zip(shard["prompt_id"], shard["response_ids"]) if len(r)]  # as shard_examples
-        for pid, example in zip(kept, shard_examples([shard]), strict=True):
-            source = "humaneval" if pid.startswith("humaneval") else "instructions (eval split)"
-            groups.setdefault(source, []).append(example)
+        for pid, p, r, ti, tl in zip(
+            shard["prompt_id"], shard["prompt_ids"], shard["response_ids"], shard["topk_ids"], shard["topk_logprobs"]
+        ):
+            if len(r):
+                source = "humaneval" if pid.startswith("humaneval") else "instructions (eval split)"
+                groups.setdefault(source, []).append((p.long(), r.long(), ti.long(), tl.float()))
     scores = {}
     for name, examples in groups.items():
         probs = target_distributions(target, examples)
