@@ -3,8 +3,8 @@
 :func:`goodness_of_fit` is a χ² test of sampled outcomes against probabilities computed exactly from a model
 (:func:`exact_joint` for a small-vocabulary model; :func:`sampled_tokens` draws the seeded runs and
 :func:`pair_p_values` tests their token pairs); the broken verifiers below are drop-in replacements for
-:func:`accept_head.decoding.verify` that a correct check must reject, so a test that passes with the real verifier
-and fails with these says something about the decoder.
+:func:`accept_head.decoding.verify` (or :func:`accept_head.tree_verify.verify_sampled`) that a correct check must
+reject, so a test that passes with the real verifier and fails with these says something about the decoder.
 """
 
 from __future__ import annotations
@@ -82,6 +82,14 @@ def accept_every_candidate(p, q, candidates, generator):
     """A broken verifier: keeps all K candidates and samples the bonus token (the output follows the draft)."""
     k = candidates.shape[0]
     return k, int(sample(p[k : k + 1], generator)[0])
+
+
+def accept_first_guess(probs, rows, nodes, generator):
+    """A broken tree verifier (a drop-in for :func:`accept_head.tree_verify.verify_sampled`): accepts the first row's
+    first token whatever its probability, then draws the next token after it (the output follows the guesses)."""
+    if not rows:
+        return -1, 0, int(sample(probs[0][None], generator)[0])
+    return 0, 1, int(sample(probs[nodes[0][0]][None], generator)[0])
 
 
 def resample_from_target_on_rejection(p, q, candidates, generator):

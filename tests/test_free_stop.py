@@ -16,7 +16,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from stats_helpers import ALPHA, exact_joint, pair_p_values, sampled_tokens
+from stats_helpers import ALPHA, accept_first_guess, exact_joint, pair_p_values, sampled_tokens
 from tiny_models import make_llama, make_tokenizer, near_bigram, small_vocab_llama
 
 from accept_head import ModelBigram, autoregressive_generate, lookahead_generate, ngrammys_generate
@@ -341,9 +341,9 @@ NEW_TOKENS, SAMPLES = 4, 1500
 SMALL_PROMPT = [0, 3, 5, 0, 3, 5, 0]
 
 
-@pytest.mark.slow
-@torch.inference_mode()
-def test_adaptive_sampling_keeps_the_target_distribution() -> None:
+def adaptive_sampled_tokens(samples: int) -> tuple[torch.Tensor, float, torch.Tensor]:
+    """``samples`` seeded runs of N-Grammys at T = 1 under an :class:`AdaptiveRowStop`: the tokens (samples, 4),
+    the share of runs that accepted a guess, and the exact joint (V,)*4 of the target's first four tokens."""
     model = small_vocab_llama(seed=0)
     joint = exact_joint(model, SMALL_PROMPT, NEW_TOKENS)
     bigram = ModelBigram.build(model, top=3)
@@ -352,13 +352,29 @@ def test_adaptive_sampling_keeps_the_target_distribution() -> None:
         lambda generator: ngrammys_generate(
             model, SMALL_PROMPT, NEW_TOKENS, 1.0, generator=generator, k=3, w=3, q=1, bigram=bigram, stop=stop
         ),
-        SAMPLES,
+        samples,
         len(SMALL_PROMPT),
     )
+    return tokens, hit_rate, joint
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_adaptive_sampling_keeps_the_target_distribution() -> None:
+    tokens, hit_rate, joint = adaptive_sampled_tokens(SAMPLES)
     assert hit_rate > 0.1
     p_first, p_second = pair_p_values(tokens, joint)
     assert p_first > ALPHA
     assert p_second > ALPHA
+
+
+@pytest.mark.slow
+@torch.inference_mode()
+def test_broken_verification_under_adaptive_stop_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same check with a verifier that accepts the first selected guess unconditionally must fail."""
+    monkeypatch.setattr("accept_head.ngrammys.verify_sampled", accept_first_guess)
+    tokens, _, joint = adaptive_sampled_tokens(300)
+    assert max(pair_p_values(tokens, joint)) < 1e-6
 
 
 # ----------------------------------------------------------------------------------------------------------------
