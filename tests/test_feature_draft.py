@@ -20,7 +20,7 @@ import math
 import pytest
 import torch
 from stats_helpers import ALPHA, accept_every_candidate, exact_joint, pair_p_values
-from tiny_models import distilled_feature_draft, make_llama, perturbed_copy
+from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, perturbed_copy
 
 import accept_head.decoding as decoding
 from accept_head import AcceptanceHead, FixedK, HeadThreshold, autoregressive_generate, load_model, speculative_generate
@@ -115,17 +115,10 @@ def greedy_texts(target) -> list[list[int]]:
 
 
 def written_kept(target, texts: list[list[int]]) -> torch.Tensor:
-    """A pruned draft vocabulary for greedy decoding on GREEDY_PROMPTS: a random half of the vocabulary plus every
-    token the target writes there but the LEFT_OUT it writes least often — so the draft can propose most of the
-    target's tokens (candidates get accepted) and the target still writes tokens the draft never proposes."""
-    counts: dict[int, int] = {}
-    for text, prompt in zip(texts, GREEDY_PROMPTS):
-        for token in text[len(prompt) :]:
-            counts[token] = counts.get(token, 0) + 1
-    left_out = sorted(counts, key=lambda t: (counts[t], t))[:LEFT_OUT]
-    vocab = target.config.vocab_size
-    kept = (set(random_kept(vocab, vocab // 2, seed=0).tolist()) | set(counts)) - set(left_out)
-    return torch.tensor(sorted(kept))
+    """The draft vocabulary of a greedy setting: a random half plus the tokens the target writes on GREEDY_PROMPTS
+    but the LEFT_OUT it writes least often (:func:`tiny_models.draft_vocabulary`)."""
+    written = [t for text, prompt in zip(texts, GREEDY_PROMPTS) for t in text[len(prompt) :]]
+    return draft_vocabulary(target.config.vocab_size, written, LEFT_OUT)
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,15 @@ from pathlib import Path
 import pytest
 import torch
 from stats_helpers import goodness_of_fit
-from tiny_models import TableLM, make_llama, make_pair, make_tokenizer, perturbed_copy
+from tiny_models import (
+    TableLM,
+    distilled_feature_draft,
+    draft_vocabulary,
+    make_llama,
+    make_pair,
+    make_tokenizer,
+    perturbed_copy,
+)
 from transformers import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
@@ -30,7 +38,6 @@ import accept_head.hf_generate as hf_generate
 from accept_head import (
     AcceptanceHead,
     DraftStep,
-    FeatureDraft,
     FixedK,
     HeadThreshold,
     Heuristic,
@@ -83,16 +90,40 @@ def test_greedy_generate_equals_the_targets_own_greedy_generate(pair, policy_nam
     assert accepted > 0  # the draft's candidates were used, not only the target's own tokens
 
 
-def test_greedy_with_processors_and_other_drafters_equals_the_target(pair) -> None:
-    """Processors that read the sequence (repetition penalty, n-gram ban, min length) at every candidate position,
-    with a pruned standalone draft and a feature draft."""
+PROCESSED = dict(max_new_tokens=20, repetition_penalty=1.8, no_repeat_ngram_size=2, min_new_tokens=6)
+"""Greedy options whose processors read the sequence at every candidate position."""
+
+
+@pytest.fixture(scope="module")
+def processed_drafters(pair) -> dict[str, object]:
+    """The noisy copy, a pruned standalone draft and a feature draft distilled on the target's processed greedy text;
+    the pruned vocabulary keeps all but the 3 rarest tokens the target writes (so both paths run)."""
     target, draft = pair
-    kept = torch.arange(0, target.config.vocab_size, 2)
-    options = dict(max_new_tokens=20, repetition_penalty=1.8, no_repeat_ngram_size=2, min_new_tokens=6)
-    drafters = [draft, ModelDrafter(draft, kept_ids=kept), FeatureDraft.from_target(target, kept)]
-    for drafter, prompt in itertools.product(drafters, PROMPTS[:3]):
-        fn = make_custom_generate(drafter, FixedK(3))
-        assert torch.equal(greedy(target, prompt, custom_generate=fn, **options), greedy(target, prompt, **options))
+    texts = [greedy(target, prompt, **PROCESSED)[0].tolist() for prompt in PROMPTS[:3]]
+    written = [t for text, prompt in zip(texts, PROMPTS[:3]) for t in text[len(prompt) :]]
+    kept = draft_vocabulary(target.config.vocab_size, written, leave_out=3)
+    return {
+        "model": draft,
+        "model-pruned": ModelDrafter(draft, kept_ids=kept),
+        "feature": distilled_feature_draft(target, kept, texts, steps=100),
+    }
+
+
+@pytest.mark.parametrize("name", ["model", "model-pruned", "feature"])
+def test_greedy_with_processors_and_other_drafters_equals_the_target(pair, processed_drafters, name: str) -> None:
+    """Processors that read the sequence (repetition penalty, n-gram ban, min length) at every candidate position,
+    with a pruned standalone draft and a feature draft — each getting candidates accepted."""
+    target, _ = pair
+    accepted, proposed, full_rounds = 0, 0, 0
+    for prompt in PROMPTS[:3]:
+        fn = make_custom_generate(processed_drafters[name], FixedK(3))
+        ours = greedy(target, prompt, custom_generate=fn, **PROCESSED)
+        assert torch.equal(ours, greedy(target, prompt, **PROCESSED)), prompt
+        accepted += sum(fn.last_stats.accepted)
+        proposed += sum(fn.last_stats.proposed)
+        full_rounds += sum(n > 1 and m == n for n, m in zip(fn.last_stats.proposed, fn.last_stats.accepted))
+    assert 0.3 * proposed <= accepted < proposed, (accepted, proposed)  # both paths, the accept path often
+    assert full_rounds > 0
 
 
 def test_return_dict_scores_and_logits_match_hf(pair) -> None:

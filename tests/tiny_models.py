@@ -7,6 +7,7 @@ model never disturbs the global RNG of the test that calls it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -249,6 +250,19 @@ def save_bundle(folder: str | Path, target, draft, tokenizer, target_path: str |
     )
     bundle.save_pretrained(folder)
     return bundle
+
+
+def draft_vocabulary(vocab_size: int, written: Sequence[int], leave_out: int, seed: int = 0) -> torch.Tensor:
+    """Sorted kept ids of a pruned draft vocabulary for tests that decode known text: a seeded random half of the
+    vocabulary plus every token of ``written`` (the target's output) but the ``leave_out`` it holds least often
+    (ties: the larger id). The draft can then propose most of the target's tokens — candidates get accepted — and
+    the target still writes tokens the draft can never propose."""
+    counts: dict[int, int] = {}
+    for token in written:
+        counts[int(token)] = counts.get(int(token), 0) + 1
+    left_out = set(sorted(counts, key=lambda t: (counts[t], -t))[:leave_out])
+    half = torch.randperm(vocab_size, generator=torch.Generator().manual_seed(seed))[: vocab_size // 2].tolist()
+    return torch.tensor(sorted((set(half) | set(counts)) - left_out))
 
 
 def distilled_feature_draft(target, kept_ids: torch.Tensor, texts, steps: int = 150, unroll: int = 3, seed: int = 0):
