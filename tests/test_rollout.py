@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_llama, make_pair, make_tokenizer, perturbed_copy
+from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, make_pair, make_tokenizer, perturbed_copy
 from train_helpers import TinySetup, run_data_gen, train_config, write_config, write_prompts
 
 from accept_head import FixedK, autoregressive_generate, speculative_generate
@@ -44,10 +44,12 @@ def models() -> tuple[torch.nn.Module, torch.nn.Module]:
 
 @pytest.fixture(scope="module")
 def feature_draft(models) -> FeatureDraft:
+    """A feature draft distilled on the target's greedy text after PROMPT (so greedy rounds accept candidates), over
+    a vocabulary that leaves out 2 of the tokens the target writes there."""
     target = models[0]
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(3)
-        return FeatureDraft.from_target(target, torch.arange(target.config.vocab_size - 20)).eval()
+    text = autoregressive_generate(target, PROMPT, 24, temperature=0).sequences[0].tolist()
+    kept = draft_vocabulary(target.config.vocab_size, text[len(PROMPT) :], leave_out=2)
+    return distilled_feature_draft(target, kept, [text], steps=100)
 
 
 # ---- the library ---------------------------------------------------------------------------------------------------
@@ -98,11 +100,16 @@ def test_rollout_labels_equal_an_independent_recomputation(models, name: str) ->
 @pytest.mark.parametrize("drafter", ["model", "feature"])
 def test_greedy_rollout_writes_the_targets_greedy_text(models, feature_draft, drafter: str) -> None:
     target = models[0]
-    draft = models[1] if drafter == "model" else feature_draft
+    # A closer copy than models' draft, whose greedy candidates on PROMPT are accepted 2 times in 62.
+    draft = perturbed_copy(target, relative_noise=0.01, seed=1) if drafter == "model" else feature_draft
     result = rollout_labels(target, draft, PROMPT, 20, 4, SamplingConfig(temperature=0.0), None, None)
     reference = autoregressive_generate(target, PROMPT, 20, temperature=0)
     assert result.response_ids.tolist() == reference.sequences[0, len(PROMPT) :].tolist()
     assert len(result.draft_ids) == sum(result.stats.proposed) > 0
+    # The accept path ran: candidates accepted often, a whole round of 4 at least once, and rejections too.
+    accepted, proposed = sum(result.stats.accepted), sum(result.stats.proposed)
+    assert 0.3 * proposed <= accepted < proposed, (accepted, proposed)
+    assert any(m == n == 4 for n, m in zip(result.stats.proposed, result.stats.accepted))
 
 
 @pytest.mark.parametrize("drafter", ["model", "feature"])

@@ -105,13 +105,14 @@ def make_pair(root: str | Path, *, target_seed: int = 0, draft_seed: int = 1) ->
     return target, draft
 
 
-def small_vocab_llama(seed: int = 0):
-    """A random float32 Llama over a vocabulary of 8 (2 layers, hidden size 16, peaked by ``initializer_range=0.5``):
-    small enough to enumerate the distribution of its first few sampled tokens (``stats_helpers.exact_joint``)."""
+def small_vocab_llama(seed: int = 0, vocab_size: int = 8):
+    """A random float32 Llama over a vocabulary of ``vocab_size`` (2 layers, hidden size 16, peaked by
+    ``initializer_range=0.5``): small enough to enumerate the distribution of its first few sampled tokens
+    (``stats_helpers.exact_joint``)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=8,
+        vocab_size=vocab_size,
         hidden_size=16,
         intermediate_size=32,
         num_hidden_layers=2,
