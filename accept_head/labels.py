@@ -181,7 +181,7 @@ def position_labels(
         log_q = draft_logits.float().log_softmax(-1)
         target_logp = log_p.gather(-1, draft_ids[:, None]).squeeze(-1)
         draft_logp = log_q.gather(-1, draft_ids[:, None]).squeeze(-1)
-        draft_entropy = -(log_q.exp() * log_q).sum(-1)
+        draft_entropy = torch.special.entr(log_q.exp()).sum(-1)  # 0·log 0 = 0 where a pruned draft has −inf
         draft_top1 = log_q.max(-1).values.exp()
     else:
         target_logp = p_y.log()

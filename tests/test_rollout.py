@@ -130,6 +130,53 @@ def test_sampled_rollout_is_speculative_decoding_with_fixed_k(models, feature_dr
     assert result.hidden.shape == (sum(result.stats.proposed), width) and torch.isfinite(result.hidden).all()
 
 
+@pytest.mark.parametrize("name", ["t0.9-top_p0.95", "greedy"])
+def test_feature_rollout_labels_equal_an_independent_recomputation(models, feature_draft, name: str) -> None:
+    """The feature draft's rollout, recomputed without the decoder's code (no ``draft_round``, ``verify``,
+    ``FeatureDrafter`` or KV cache): for each round, the target's features of the committed text from one fresh pass,
+    then per candidate one fresh, uncached draft pass over the whole sequence of pairs — the target's features for
+    committed positions, the draft's own predictions for the round's earlier candidates — gives q_k and the hidden
+    state, and a fresh target pass gives p_k; the labels, ``accepted`` flags and text must follow from them."""
+    target = models[0]
+    sampling = SamplingConfig(temperature=0.9, top_p=0.95) if name != "greedy" else SamplingConfig(temperature=0.0)
+    result = rollout_labels(target, feature_draft, PROMPT, 18, 3, sampling, None, torch.Generator().manual_seed(7))
+    stats = result.stats
+    assert 0 < sum(stats.accepted) < sum(stats.proposed)  # both paths ran
+    response = result.response_ids.tolist()
+    assert len(response) == 18
+    start, c = 0, 0
+    for k, m in zip(stats.proposed, stats.accepted, strict=True):
+        committed = PROMPT + response[:start]
+        candidates = result.draft_ids[c : c + k].tolist()
+        assert result.accepted[c : c + k].tolist() == [True] * m + [False] * (k - m)
+        assert response[start : start + m] == candidates[:m]
+        with torch.no_grad():
+            true_features = lm_head_input(target, torch.tensor([committed]))[0]  # (n, d): f_t after x_0..x_t
+            features, tokens = true_features[:-1], committed[1:]  # pairs (f_t, x_{t+1}) the draft knows
+            predicted = feature_draft(features[None], torch.tensor([tokens]))[0, -1]  # f̂ predicting y_1
+            for j, y in enumerate(candidates):
+                p_logits = target(torch.tensor([committed + candidates[:j]])).logits[0, -1]
+                q_logits = feature_draft.full_logits(predicted)
+                p, q = probabilities(p_logits, sampling), probabilities(q_logits, sampling)
+                assert q[y] > 0
+                if sampling.greedy:
+                    assert y == int(q_logits.argmax())
+                    expected = float(y == int(p_logits.argmax()))
+                    q = q_logits.float().softmax(-1)  # features of the untransformed softmax
+                else:
+                    expected = min(1.0, float(p[y] / q[y]))
+                assert float(result.accept_prob[c + j]) == pytest.approx(expected, abs=1e-5)
+                assert float(result.draft_logp[c + j]) == pytest.approx(float(q[y].log()), abs=1e-4)
+                assert float(result.draft_entropy[c + j]) == pytest.approx(float(torch.special.entr(q).sum()), abs=1e-4)
+                # Feed (f̂, y): the state whose input is y is candidate j's hidden state and predicts y_{j+1}.
+                features, tokens = torch.cat([features, predicted[None]]), [*tokens, y]
+                predicted = feature_draft(features[None], torch.tensor([tokens]))[0, -1]
+                torch.testing.assert_close(result.hidden[c + j], predicted.float(), atol=1e-4, rtol=1e-4)
+        start += m + 1
+        c += k
+    assert start == len(response) and c == len(result.draft_ids)
+
+
 def test_bad_k_max_is_refused(models) -> None:
     with pytest.raises(ValueError, match=r"k_max=0 must be an integer >= 1"):
         rollout_labels(*models, PROMPT, 8, 0, SamplingConfig(), None, None)
