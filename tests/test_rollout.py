@@ -8,7 +8,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, make_pair, make_tokenizer, perturbed_copy
+from stats_helpers import ALPHA, exact_joint, goodness_of_fit, resample_from_target_on_rejection
+from tiny_models import (
+    distilled_feature_draft,
+    draft_vocabulary,
+    make_llama,
+    make_pair,
+    make_tokenizer,
+    perturbed_copy,
+    small_vocab_llama,
+)
 from train_helpers import TinySetup, run_data_gen, train_config, write_config, write_prompts
 
 from accept_head import FixedK, autoregressive_generate, speculative_generate
@@ -175,6 +184,56 @@ def test_feature_rollout_labels_equal_an_independent_recomputation(models, featu
         start += m + 1
         c += k
     assert start == len(response) and c == len(result.draft_ids)
+
+
+# ---- the joint distribution of the first tokens (χ² over every cell, not pair marginals) ---------------------------
+
+JOINT_VOCAB, JOINT_PROMPT, JOINT_TOKENS = 4, [0, 3, 1], 3
+"""A vocabulary of 4 and 3 tokens: the joint has 64 cells, few enough for one χ² over all of them; with k_max = 2
+a round boundary falls inside the horizon whenever a candidate is rejected, so the cross-round dependence counts."""
+
+
+@pytest.fixture(scope="module")
+def joint_setup() -> tuple[torch.nn.Module, dict[str, torch.nn.Module], torch.Tensor]:
+    """A vocabulary-4 target, a standalone and a feature draft for it, and the exact joint (4, 4, 4) of its first
+    three tokens at T = 1."""
+    target = small_vocab_llama(seed=1, vocab_size=JOINT_VOCAB)
+    drafts = {
+        "model": perturbed_copy(target, relative_noise=0.5, seed=1),
+        "feature": FeatureDraft.from_target(target, torch.arange(JOINT_VOCAB)),
+    }
+    return target, drafts, exact_joint(target, JOINT_PROMPT, JOINT_TOKENS)
+
+
+def joint_counts(target, draft, samples: int) -> tuple[torch.Tensor, float]:
+    """Counts (V,)*3 of the first three tokens of ``samples`` seeded rollouts (k_max 2, T = 1), and the share of
+    rollouts that accepted a candidate."""
+    generator = torch.Generator().manual_seed(0)
+    counts, hits = torch.zeros([JOINT_VOCAB] * JOINT_TOKENS, dtype=torch.long), 0
+    for _ in range(samples):
+        result = rollout_labels(target, draft, JOINT_PROMPT, JOINT_TOKENS, 2, SamplingConfig(1.0), None, generator)
+        counts[tuple(result.response_ids.tolist())] += 1
+        hits += sum(result.stats.accepted) > 0
+    return counts, hits / samples
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("drafter", ["model", "feature"])
+def test_sampled_rollout_keeps_the_targets_joint_distribution(joint_setup, drafter: str) -> None:
+    target, drafts, joint = joint_setup
+    counts, hit_rate = joint_counts(target, drafts[drafter], 800)
+    assert hit_rate > 0.2, hit_rate  # candidates were accepted: the accept rule is under test
+    p_value = goodness_of_fit(counts, joint)
+    assert p_value > ALPHA, p_value
+
+
+@pytest.mark.slow
+def test_joint_check_rejects_a_broken_verifier(joint_setup, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Redrawing a rejected position from p instead of the residual (p − q)+ must fail the same joint χ²."""
+    target, drafts, joint = joint_setup
+    monkeypatch.setattr("accept_head.rollout.verify", resample_from_target_on_rejection)
+    counts, _ = joint_counts(target, drafts["feature"], 400)
+    assert goodness_of_fit(counts, joint) < 1e-6
 
 
 def test_bad_k_max_is_refused(models) -> None:
