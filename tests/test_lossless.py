@@ -14,7 +14,13 @@ import itertools
 
 import pytest
 import torch
-from stats_helpers import ALPHA, accept_every_candidate, goodness_of_fit, resample_from_target_on_rejection
+from stats_helpers import (
+    ALPHA,
+    accept_every_candidate,
+    exact_joint,
+    goodness_of_fit,
+    resample_from_target_on_rejection,
+)
 from tiny_models import TableLM
 
 import accept_head.decoding as decoding
@@ -141,3 +147,43 @@ def test_goodness_of_fit_check_rejects_a_broken_verifier(models, exact, monkeypa
     joint = exact["T=1"]
     p_first_two = goodness_of_fit(pair_counts(tokens, 0), joint.sum(dim=(2, 3)))
     assert p_first_two < 1e-6
+
+
+# ---- the joint distribution over a short horizon (every cell, not pair marginals) ------------------------------------
+
+JOINT_VOCAB, JOINT_TOKENS = 4, 3
+"""A vocabulary of 4 and 3 tokens: 64 cells, few enough for one χ² over the whole joint, so dependence between
+tokens 2 and 3 — across a round boundary whenever a candidate is rejected — is tested too."""
+
+
+@pytest.fixture(scope="module")
+def joint_models() -> tuple[TableLM, TableLM, torch.Tensor]:
+    """A vocabulary-4 table target and draft (as :func:`table_pair`) and the exact joint (4, 4, 4) at T = 1."""
+    generator = torch.Generator().manual_seed(2)
+    target_logits = 1.5 * torch.randn(POSITIONS, JOINT_VOCAB, JOINT_VOCAB, generator=generator)
+    draft_logits = 0.5 * target_logits + torch.randn(POSITIONS, JOINT_VOCAB, JOINT_VOCAB, generator=generator)
+    target = TableLM(target_logits)
+    return target, TableLM(draft_logits), exact_joint(target, PROMPT, JOINT_TOKENS)
+
+
+def joint_p_value(target, draft, policy, joint: torch.Tensor, samples: int) -> float:
+    tokens, _ = sample_tokens(
+        lambda generator: speculative_generate(target, draft, PROMPT, policy, JOINT_TOKENS, generator=generator),
+        samples,
+    )
+    cells = (tokens[:, 0] * JOINT_VOCAB + tokens[:, 1]) * JOINT_VOCAB + tokens[:, 2]
+    return goodness_of_fit(torch.bincount(cells, minlength=JOINT_VOCAB**JOINT_TOKENS), joint)
+
+
+@pytest.mark.parametrize("policy_name", ["FixedK(1)", "FixedK(3)", "HeadThreshold(h=0.5)"])
+def test_speculative_sampling_matches_the_exact_joint(joint_models, policy_name: str) -> None:
+    target, draft, joint = joint_models
+    p_value = joint_p_value(target, draft, POLICIES[policy_name](draft), joint, SAMPLES)
+    assert p_value > ALPHA, p_value
+
+
+@pytest.mark.parametrize("broken_verify", [accept_every_candidate, resample_from_target_on_rejection])
+def test_joint_check_rejects_a_broken_verifier(joint_models, monkeypatch, broken_verify) -> None:
+    target, draft, joint = joint_models
+    monkeypatch.setattr(decoding, "verify", broken_verify)
+    assert joint_p_value(target, draft, FixedK(2), joint, 500) < 1e-6
