@@ -168,6 +168,30 @@ def test_greedy_speculative_equals_autoregressive(greedy_settings, setting, k) -
         assert full_rounds > 0
 
 
+def bonus_from_the_last_candidates_position(p, q, candidates, generator):
+    """A verifier broken only on the accept path: when every candidate is accepted, the bonus token is drawn from
+    p_{K-1} (the distribution the last candidate was checked against) instead of p_K."""
+    m, token = correct_verify(p, q, candidates, generator)
+    k = candidates.shape[0]
+    if m == k > 0:
+        token = int(sample(p[k - 1 : k], generator)[0])
+    return m, token
+
+
+@pytest.mark.parametrize("setting", ["feature", "feature-exact"])
+def test_greedy_check_catches_a_broken_accept_path(greedy_settings, monkeypatch, setting) -> None:
+    """The greedy equality check fails with a verifier that is wrong only after a fully accepted round — which a
+    draft that never gets its candidates accepted cannot reveal."""
+    target, make_draft, _ = greedy_settings[setting]
+    monkeypatch.setattr(decoding, "verify", bonus_from_the_last_candidates_position)
+    mismatches = 0
+    for prompt in GREEDY_PROMPTS:
+        expected = autoregressive_generate(target, prompt, GREEDY_NEW, temperature=0).sequences
+        result = speculative_generate(target, make_draft(), prompt, FixedK(3), GREEDY_NEW, temperature=0)
+        mismatches += not torch.equal(result.sequences, expected)
+    assert mismatches > 0
+
+
 def test_greedy_with_head_threshold_on_feature_draft(llama, kept) -> None:
     """An acceptance head reads the feature draft's predicted features (width d) and varies K per round."""
     head = AcceptanceHead(llama.config.hidden_size, depth=1)
