@@ -175,10 +175,10 @@ def joint_p_value(target, draft, policy, joint: torch.Tensor, samples: int) -> f
     return goodness_of_fit(torch.bincount(cells, minlength=JOINT_VOCAB**JOINT_TOKENS), joint)
 
 
-@pytest.mark.parametrize("policy_name", ["FixedK(1)", "FixedK(3)", "HeadThreshold(h=0.5)"])
-def test_speculative_sampling_matches_the_exact_joint(joint_models, policy_name: str) -> None:
+@pytest.mark.parametrize("k", [1, 2])  # the 3-token budget caps K at 2 (the target adds a token of its own)
+def test_speculative_sampling_matches_the_exact_joint(joint_models, k: int) -> None:
     target, draft, joint = joint_models
-    p_value = joint_p_value(target, draft, POLICIES[policy_name](draft), joint, SAMPLES)
+    p_value = joint_p_value(target, draft, FixedK(k), joint, SAMPLES)
     assert p_value > ALPHA, p_value
 
 
