@@ -13,7 +13,7 @@ Examples::
     python -m eval calibration --bundle B --prompts '[{path: humaneval, limit: 8}]'
     python -m eval bench --help
 
-The options several commands share, :class:`~accept_head.pairs.PairOptions` (``pair``) and
+The options several commands share, :class:`~accept_head.pair_loading.PairOptions` (``pair``) and
 :class:`~accept_head.prompts.PromptOptions` (``prompt_options``), are flat flags and top-level YAML keys
 (``--bundle``, ``--target.path``, ``--prompt_mode``, ``--split_seed``), like the command's own parameters.
 """
@@ -54,7 +54,7 @@ def commands() -> dict:
 
 def option_groups() -> dict[str, type]:
     """Parameter name → the dataclass of shared options it takes, whose fields are the command's flags."""
-    from accept_head.pairs import PairOptions
+    from accept_head.pair_loading import PairOptions
     from accept_head.prompts import PromptOptions
 
     return {"pair": PairOptions, "prompt_options": PromptOptions}

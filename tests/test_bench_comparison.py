@@ -26,7 +26,8 @@ from accept_head.drafters import ModelDrafter
 from accept_head.engine import MethodSpec, Runner, greedy_identity
 from accept_head.evaluation.bench import add_comparison_drafts
 from accept_head.feature_draft import FeatureDraft
-from accept_head.pairs import ModelSpec, load_pair
+from accept_head.pair_loading import load_pair
+from accept_head.pairs import ModelSpec
 from eval.__main__ import main
 
 WORDS = "write a short poem about the number two . explain why python code is fun please give me one answer".split()

@@ -19,7 +19,7 @@ from accept_head.features import lm_head_input
 from accept_head.labelgen import generate as generate_module
 from accept_head.labelgen.run import parse_config
 from accept_head.labels import load_label_dataset
-from accept_head.pairs import load_model
+from accept_head.loading import load_model
 from accept_head.prompts import PromptOptions
 from accept_head.rollout import read_hidden, rollout_labels
 from accept_head.sampling import SamplingConfig, probabilities

@@ -1,6 +1,6 @@
 """What every ``python -m eval`` command shares: the cost model and output. The pair and the prompts come from the
-options the commands share, :class:`accept_head.pairs.PairOptions` and :class:`accept_head.prompts.PromptOptions`,
-and are decoded by :mod:`accept_head.engine`.
+options the commands share, :class:`accept_head.pair_loading.PairOptions` and
+:class:`accept_head.prompts.PromptOptions`, and are decoded by :mod:`accept_head.engine`.
 
 Nothing here runs at import time.
 """
@@ -21,7 +21,7 @@ import torch
 from ..cost_model import CostModel, measure_costs
 from ..engine import MethodSummary
 from ..labelgen.output import make_writable_dir
-from ..pairs import Pair
+from ..pair_loading import Pair
 
 # ---- cost model ----------------------------------------------------------------------------------------------------
 

@@ -34,7 +34,9 @@ from pathlib import Path
 from ..cost_model import TreeCost, measure_tree_costs
 from ..engine import MethodSpec, MethodSummary, Runner, best_of, run_interleaved, summarize, tree_params
 from ..free_stop import AdaptiveRowStop, fit_predictor
-from ..pairs import ModelSpec, Pair, PairOptions, load_model, load_pair, load_tokenizer
+from ..loading import load_model, load_tokenizer
+from ..pair_loading import Pair, PairOptions, load_pair
+from ..pairs import ModelSpec
 from ..prompts import PromptOptions, PromptSource, check_disjoint
 from ..tables import text_table
 from .common import fmt, machine_info, output_folder, tokens_per_second_cells, write_json

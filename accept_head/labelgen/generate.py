@@ -38,14 +38,8 @@ from ..labels import (
     label_responses,
     label_transform,
 )
-from ..pairs import (
-    check_same_tokenizer,
-    check_same_vocab,
-    eos_token_ids,
-    is_feature_draft,
-    load_model,
-    load_tokenizer,
-)
+from ..loading import is_feature_draft, load_model, load_tokenizer
+from ..pairs import check_same_tokenizer, check_same_vocab, eos_token_ids
 from ..prompts import Prompt, PromptStats, chat_prompt_ids, load_prompts
 from ..rollout import rollout_features, rollout_labels
 from ..seeds import seeded_generator
