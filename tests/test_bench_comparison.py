@@ -176,7 +176,7 @@ def test_comparison_drafts_reach_the_decoder_and_decode_losslessly(tiny, monkeyp
 def test_runner_ignore_eos_makes_every_method_write_the_whole_budget(ignore_eos: bool) -> None:
     """With an EOS the target writes early, decoders stop there unless the runner ignores EOS; then every method,
     HF's assisted generation included, writes exactly max_new_tokens (outputs of one length for tokens/s)."""
-    from accept_head.pairs import Pair
+    from accept_head.pair_loading import Pair
 
     tokenizer = make_tokenizer()
     target = make_llama(tokenizer=tokenizer, seed=0)
