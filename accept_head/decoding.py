@@ -200,13 +200,14 @@ def autoregressive_generate(
         while stats.generated < budget:
             with _timed(stats, "target_time", device):
                 logits = _forward(target, pending, cache, last_only=True)
-                token = int(sample(probabilities(logits[-1:], sampling), generator)[0])
+                drawn = sample(probabilities(logits[-1:], sampling), generator)  # (1,) on the target's device
+                token = int(drawn[0])  # the one host read per token (EOS check, the returned ids)
             stats.target_calls += 1
             stats.generated += 1
             tokens.append(token)
             if token in eos:
                 break
-            pending = torch.tensor([[token]], device=device)
+            pending = drawn[None, :]  # already on the device: no host-to-device copy per token
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)
 
 
@@ -226,7 +227,8 @@ def verify(
     # u·q >= p so that p = 0 always rejects (even for u = 0) and p >= q always accepts — exact in the greedy limit.
     uniforms = torch.rand(k, generator=generator, device=generator_device(generator))
     rejected = uniforms.to(p.device) * q_tok >= p_tok
-    m = int(rejected.int().argmax()) if bool(rejected.any()) else k
+    # The first rejection, or k when every candidate is accepted (a True appended at k): one host read, not two.
+    m = int(torch.cat([rejected, rejected.new_ones(1)]).int().argmax())
     if m < k:
         residual = (p[m] - q[m]).clamp(min=0)
         total = residual.sum()
