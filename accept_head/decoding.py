@@ -6,6 +6,7 @@ prefix) and return the sequences and statistics as values. Batch size 1.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
@@ -129,32 +130,49 @@ def _check_int(name: str, value, low: int = 1) -> None:
 
 
 def _prepare(
-    input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None, *models
+    input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None, target
 ) -> tuple[torch.Tensor, int, set[int]]:
-    """The checked prompt (1, L), the usable number of new tokens (:func:`_check_lengths` against ``models``) and
+    """The checked prompt (1, L), the usable number of new tokens (:func:`_check_lengths` against the target) and
     the set of EOS ids: the prologue every decoder shares."""
     ids = _as_input_ids(input_ids)
-    return ids, _check_lengths(ids.shape[1], max_new_tokens, *models), _eos_set(eos_token_id)
+    return ids, _check_lengths(ids.shape[1], max_new_tokens, target), _eos_set(eos_token_id)
 
 
-def _check_lengths(prompt_len: int, max_new_tokens: int, *models) -> int:
-    """Validate the prompt against each model's (or drafter's) context and return the usable number of new tokens."""
+def _context_limit(model) -> int | None:
+    """The longest sequence ``model`` (a Hugging Face model or a :class:`Drafter`) can read, None if unbounded."""
+    config = getattr(model, "config", None)
+    return getattr(model, "context_limit", None) or getattr(config, "max_position_embeddings", None)
+
+
+def _check_lengths(prompt_len: int, max_new_tokens: int, target) -> int:
+    """Validate the prompt against the target's context and return the usable number of new tokens.
+
+    Only the target bounds the output. A draft with a shorter context is not checked here: it drafts fewer
+    candidates as it runs out of room, then none (:func:`draft_room`), and the target goes on alone.
+    """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0.")
-    budget = max_new_tokens
-    for model in models:
-        config = getattr(model, "config", None)
-        limit = getattr(model, "context_limit", None) or getattr(config, "max_position_embeddings", None)
-        if limit is None:
-            continue
-        if prompt_len >= limit:
-            name = type(model.model if isinstance(model, Drafter) else model).__name__
-            raise ValueError(
-                f"The prompt has {prompt_len} tokens but {name} has a context of {limit}; "
-                "shorten or left-truncate the prompt."
-            )
-        budget = min(budget, limit - prompt_len)
-    return budget
+    limit = _context_limit(target)
+    if limit is None:
+        return max_new_tokens
+    if prompt_len >= limit:
+        raise ValueError(
+            f"The prompt has {prompt_len} tokens but {type(target).__name__} has a context of {limit}; "
+            "shorten or left-truncate the prompt."
+        )
+    return min(max_new_tokens, limit - prompt_len)
+
+
+def draft_room(draft, length: int) -> int:
+    """How many candidates ``draft`` (a :class:`Drafter` or a Hugging Face draft model) can still propose after a
+    committed sequence of ``length`` tokens without reading past its own context.
+
+    K candidates make a drafter read at most ``length + K − 1`` positions (every committed token, then y_1..y_{K−1};
+    a feature draft reads one fewer), so K ≤ context − length + 1. Zero or less means the round submits no
+    candidate: a plain target step, which keeps the output the target's whatever the draft's context.
+    """
+    limit = _context_limit(draft)
+    return sys.maxsize if limit is None else limit - length + 1
 
 
 def _eos_set(eos_token_id: int | Sequence[int] | None) -> set[int]:
@@ -354,7 +372,7 @@ def speculative_generate(
     sampling = SamplingConfig(temperature, top_k, top_p)
     drafter = as_drafter(draft, target, with_hidden=policy.uses_hidden)
     _check_pair(drafter, policy, sampling)
-    ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target, drafter)
+    ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     device = next(target.parameters()).device
     stats = DecodeStats()
     policy.reset()
@@ -365,8 +383,9 @@ def speculative_generate(
         with _timed(stats, "target_time", device):
             prefill(target, drafter, ids.to(device), cache)
         while stats.generated < budget:
-            # 1. Draft: the target always adds a token of its own, so at most budget - generated - 1 candidates.
-            limit = min(policy.max_candidates, budget - stats.generated - 1)
+            # 1. Draft: the target always adds a token of its own, so at most budget - generated - 1 candidates, and
+            #    never past the draft's own context.
+            limit = min(policy.max_candidates, budget - stats.generated - 1, draft_room(drafter, len(tokens)))
             with _timed(stats, "draft_time", draft_device):
                 state, q_rows = draft_round(drafter, policy, sampling, limit, len(tokens), generator, stats)
             candidates = state.candidates

@@ -163,8 +163,11 @@ class HFAssisted:
         devices = [device] if device.type == "cuda" else []
         target_passes = _PassRecorder(self.target, record_shapes=True)
         draft_passes = _PassRecorder(self.draft, record_shapes=False)
-        own_config = self.draft.generation_config
+        own_config, target_config = self.draft.generation_config, self.target.generation_config
         self.draft.generation_config = self._assistant_config
+        if not eos:  # as in the other decoders, no EOS ids means none: not the model's own generation-config EOS
+            self.target.generation_config = copy.deepcopy(target_config)
+            self.target.generation_config.eos_token_id = None
         try:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)
@@ -179,6 +182,7 @@ class HFAssisted:
         finally:
             self._assistant_config = self.draft.generation_config  # keeps HF's write-back of the heuristic K
             self.draft.generation_config = own_config
+            self.target.generation_config = target_config
             target_passes.close()
             draft_passes.close()
         sequences = sequences.cpu()

@@ -47,7 +47,17 @@ from ._hf_compat import (
     enclosing_generate_arguments,
     passed_cache,
 )
-from .decoding import DecodeStats, _check_lengths, _check_pair, _target_pass, _timed, draft_round, prefill, verify
+from .decoding import (
+    DecodeStats,
+    _check_lengths,
+    _check_pair,
+    _target_pass,
+    _timed,
+    draft_room,
+    draft_round,
+    prefill,
+    verify,
+)
 from .drafters import Drafter, DraftStep, as_drafter
 from .policies import StopPolicy
 from .sampling import SamplingConfig, probabilities
@@ -283,7 +293,7 @@ def speculative_decode(
     sampling = SamplingConfig(0.0 if greedy else 1.0)  # the processors already hold temperature / top-k / top-p
     device = next(target.parameters()).device
     prompt_len = input_ids.shape[1]
-    budget = _check_lengths(prompt_len, max(max_length - prompt_len, 0), target, drafter)
+    budget = _check_lengths(prompt_len, max(max_length - prompt_len, 0), target)
     buffer = torch.zeros((1, prompt_len + budget + 1), dtype=torch.long, device=device)
     buffer[0, :prompt_len] = input_ids[0].to(device)
     process = ProcessedLogits(processors, buffer)
@@ -298,7 +308,7 @@ def speculative_decode(
         n = prompt_len  # committed length
         while n - prompt_len < budget:
             # 1. Draft y_1..y_K from q_i = softmax(Φ_{x·y<i}(draft logits)); the target adds one token, hence the -1.
-            limit = min(policy.max_candidates, budget - (n - prompt_len) - 1)
+            limit = min(policy.max_candidates, budget - (n - prompt_len) - 1, draft_room(drafter, n))
             with _timed(stats, "draft_time"):
                 state, q_rows = draft_round(drafter, policy, sampling, limit, n, generator, stats)
             k = state.n

@@ -43,6 +43,7 @@ from .decoding import (
     _target_pass,
     _timed,
     _until_eos,
+    draft_room,
     draft_round,
     prefill,
     verify,
@@ -63,7 +64,9 @@ ROLLOUT_COLUMNS: dict[str, str] = {
 """Columns of a ``label_mode: rollout`` dataset; every column but ``prompt_id`` and ``source`` is a list.
 
 ``response_ids`` is the text the rollout wrote (distributed as the target's). Every other list has one entry per
-*candidate* (C entries, rounds in order, candidates in order within a round) — not per response token:
+*candidate* (C entries, rounds in order, candidates in order within a round) — not per response token. A round's
+candidates are listed up to its first drafted EOS: the ones after it would be read in a context holding an accepted
+EOS, which decoding never reaches, so they are neither labelled nor counted as accepted.
 
 - ``draft_ids``: the candidate y_k; ``round``: its round (0-based); ``step``: k, its index in the round (1-based).
 - ``accept_prob``: min(1, p_k(y_k)/q_k(y_k)) from the round's verification pass (1[y_k = argmax p_k] when greedy).
@@ -204,7 +207,7 @@ def rollout_labels(
             f"{type(inner).__name__} exposes no hidden state: rollout labels need the drafter's hidden state of each "
             "candidate (the acceptance head's input)."
         )
-    ids, budget, eos = _prepare(prompt_ids, max_new_tokens, eos_token_ids, target, inner)
+    ids, budget, eos = _prepare(prompt_ids, max_new_tokens, eos_token_ids, target)
     drafter = _RecordingDrafter(inner)
     device = next(target.parameters()).device
     draft_device = getattr(inner, "device", None)
@@ -220,8 +223,9 @@ def rollout_labels(
         with _timed(stats, "target_time", device):
             prefill(target, drafter, ids.to(device), cache)
         while stats.generated < budget:
-            # 1. Draft exactly min(k_max, room) candidates, then feed y_K once more for its hidden state.
-            limit = min(k_max, budget - stats.generated - 1)
+            # 1. Draft exactly min(k_max, room) candidates, then feed y_K once more for its hidden state (one more
+            #    position than decoding reads, hence the draft's room less one).
+            limit = min(k_max, budget - stats.generated - 1, draft_room(inner, len(tokens)) - 1)
             drafter.steps = []
             with _timed(stats, "draft_time", draft_device):
                 state, q_rows = draft_round(drafter, policy, sampling, limit, len(tokens), generator, stats)
@@ -246,20 +250,26 @@ def rollout_labels(
                 q = torch.stack(q_rows) if q_rows else p[:0]
                 candidate_ids = verify_ids[0, 1:]
                 m, next_token = verify(p, q, candidate_ids, generator)
-            # 3. Label every candidate from the same pass (before the accept rule, whatever it decides).
-            if k:
+            # 3. Label every candidate from the same pass (before the accept rule, whatever it decides) up to the
+            #    first drafted EOS: past it, a candidate's context holds an accepted EOS, which decoding never reaches.
+            labelled = len(_until_eos(candidates, eos))
+            if labelled:
                 with device_timer(device) as watch:
-                    if any(s is None or s.hidden is None for s in steps[1 : k + 1]):
+                    if any(s is None or s.hidden is None for s in steps[1 : labelled + 1]):
                         raise ValueError(f"{type(inner).__name__} returned a step without a hidden state.")
-                    draft_logits = torch.stack([s.logits for s in steps[:k]]).to(logits.device)
+                    draft_logits = torch.stack([s.logits for s in steps[:labelled]]).to(logits.device)
                     labels = position_labels(
-                        logits[:k], draft_logits, transform=sampling, uniforms=None, draft_ids=candidate_ids
+                        logits[:labelled],
+                        draft_logits,
+                        transform=sampling,
+                        uniforms=None,
+                        draft_ids=candidate_ids[:labelled],
                     )
                     part = {name: getattr(labels, name) for name in PER_POSITION}
-                    part["round"] = torch.full((k,), round_index, dtype=torch.long)
-                    part["step"] = torch.arange(1, k + 1, dtype=torch.long)
-                    part["accepted"] = torch.arange(k) < m
-                    part["hidden"] = torch.stack([s.hidden for s in steps[1 : k + 1]]).float().cpu()
+                    part["round"] = torch.full((labelled,), round_index, dtype=torch.long)
+                    part["step"] = torch.arange(1, labelled + 1, dtype=torch.long)
+                    part["accepted"] = torch.arange(labelled) < m
+                    part["hidden"] = torch.stack([s.hidden for s in steps[1 : labelled + 1]]).float().cpu()
                     parts.append(part)
                 label_seconds += watch.seconds
             # 4. Commit exactly as speculative_generate does.

@@ -539,6 +539,10 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
     assert oracle["modeled_tokens_per_second"] > fixed["modeled_tokens_per_second"]
     assert stored["cost_model"]["source"] == str(costs)
     assert f"{star['tokens_per_second']['median']:.1f}" in text  # numbers in the page come from results.json
+    # EOS is ignored for timing: every method wrote exactly max_new_tokens on each of the 2 prompts of every set.
+    assert stored["settings"]["ignore_eos"] is True
+    written = {m["generated_per_repeat"] for r in stored["results"].values() for t in r.values() for m in t["methods"]}
+    assert written == {2 * 10}
     assert render_markdown(stored, figures.name) == text  # results.json alone re-renders the page, row order included
     goals = {g["goal"] for g in stored["goals"]}
     assert any("oracle headroom" in g for g in goals) and any("best FixedK" in g for g in goals)

@@ -48,6 +48,13 @@ def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_genera
     report = cli.model.fit_report
     assert report.threshold in (0.3, 0.7) and report.cost_model is not None and report.calibration_choice is not None
     assert [row.family for row in report.closing] == ["autoregressive", "fixed_k", "threshold"]
+    # The closing table's prompts chose nothing: calibration left them out (and only them) of its validation labels.
+    sweep_stage = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "ThresholdSweep")
+    closing_ids = [pid for pid, _ in sweep_stage.held_out(cli.datamodule)]
+    assert len(closing_ids) == 2 and report.calibration_excluded == sorted(closing_ids)
+    calibrated = {row.prompt_id for row in cli.datamodule.calibration_dataloader(exclude=closing_ids).dataset.rows}
+    assert calibrated == set(cli.datamodule.split["val"]) - set(closing_ids)
+    assert "not used for training, calibration or choosing h*/K" in report.closing_prompts
     assert "SpecDec++ vs. baselines" in out and out.rstrip().endswith("-" * 10)  # the closing table is printed last
 
     logged = metrics_csv(cli.trainer.log_dir)

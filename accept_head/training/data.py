@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Collection, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -652,6 +652,23 @@ class AcceptanceDataModule(LightningDataModule):
     def greedy_dataloader(self) -> DataLoader | None:
         """The greedy calibration labels (``greedy_path``), or None without them."""
         return None if self.greedy_set is None else self._loader(self.greedy_set, train=False)
+
+    def calibration_dataloader(self, greedy: bool = False, exclude: Collection[str] = ()) -> DataLoader | None:
+        """The labels a calibration map is fitted on: the validation split (``greedy``: the greedy labels, None
+        without them) less the prompts in ``exclude`` — those a later comparison reports on, which must choose
+        nothing."""
+        dataset = self.greedy_set if greedy else self.val_set
+        if dataset is None:
+            return None
+        if exclude:
+            kept = [row for row in dataset.rows if row.prompt_id not in set(exclude)]
+            if not kept:
+                raise ValueError(
+                    f"Every {'greedy' if greedy else 'validation'} prompt is reserved for the held-out comparison "
+                    "(sweep.eval_prompts); lower sweep.eval_prompts or raise data.val_size."
+                )
+            dataset = self._examples(kept)
+        return self._loader(dataset, train=False)
 
     # -- what the end-of-fit stages need
 

@@ -598,6 +598,10 @@ the acceptance at that V):
 Speed (context 128, bf16, interleaved, medians of {t["samples_each"]}): one drafting step {t["draft_ms"]:.2f} ms
 (with a depth-3 acceptance head {th["draft_ms"]:.2f} ms) against a single-token target forward
 {th["target_ms"]:.2f} ms — cost ratio c = {t["ratio"]:.3f} ({th["ratio"]:.3f} with the head).{_standalone_timing(ev)}
+These time 30 draft steps in a row, with the draft's weights warm in the CPU caches; a decoding round drafts one or two
+candidates between target calls, so the decoder pays more per step. The c that prices decoding is the bundle's cost
+model (`python -m train fit`'s cost-model stage, or `python -m eval costs`), which alternates draft and target calls
+as decoding does.
 
 ## Learning curve (validation on 16 batches of one held-out shard, kept-vocabulary acceptance, parallel unroll)
 

@@ -131,6 +131,12 @@ def model_card(
         lines.append("Calibration was not run; the head's raw probabilities are used.")
     else:
         lines += [f"Kept: **{choice.chosen}** (lowest ECE; scores {choice.evaluation}).", ""]
+        if report.calibration_excluded:
+            lines += [
+                f"Fitted on the validation labels less the {len(report.calibration_excluded)} prompts the closing "
+                "comparison reports on, so those prompts chose nothing.",
+                "",
+            ]
         lines += _scores_table(choice, "map")
         greedy = report.greedy_calibration_choice
         if greedy is not None:
