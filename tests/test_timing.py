@@ -102,3 +102,20 @@ def test_synchronize_is_a_no_op_on_cpu_and_module_device_reads_parameters() -> N
     with device_timer("cpu") as watch:
         torch.ones(8).sum()
     assert watch.seconds >= 0.0
+
+
+def test_synchronize_waits_for_the_named_cuda_devices_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CUDA dispatch, checked without a GPU: which devices ``torch.cuda.synchronize`` is asked to wait for."""
+    waited: list = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: waited.append(device))
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    synchronize(None)  # CUDA never used by this process: nothing to wait for, and no context is created
+    assert waited == []
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    synchronize(None)
+    assert waited == [None]  # the current device
+    waited.clear()
+    synchronize({torch.device("cuda", 1), torch.device("cpu")})
+    synchronize(["cuda:0", "cuda:0", 3])
+    assert sorted(str(d) for d in waited) == ["cuda:0", "cuda:1", "cuda:3"]  # each device once per call, CPU skipped
