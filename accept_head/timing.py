@@ -32,12 +32,13 @@ def synchronize(device: torch.device | str | int | Iterable[torch.device | str |
         if torch.cuda.is_available() and torch.cuda.is_initialized():
             torch.cuda.synchronize()
         return
-    if not isinstance(device, (torch.device, str, int)):
-        for one in dict.fromkeys(device):
-            synchronize(one)
-        return
-    device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
-    if device.type in ("cpu", "meta"):
+    if not isinstance(device, torch.device):
+        if not isinstance(device, (str, int)):
+            for one in dict.fromkeys(device):
+                synchronize(one)
+            return
+        device = torch.device("cuda", device) if isinstance(device, int) else torch.device(device)
+    if device.type in ("cpu", "meta"):  # the common case, checked before anything else is built
         return
     if device.type == "cuda":
         torch.cuda.synchronize(device)
