@@ -32,7 +32,8 @@ from .hf_assisted import AssistedSettings, HFAssisted
 from .lookahead import check_lookahead_params, lookahead_generate
 from .ngrammys import ModelBigram, check_ngrammys_params, ngrammys_generate
 from .ouroboros import check_ouroboros_params, ouroboros_generate
-from .pairs import Pair, cache_root
+from .pair_loading import Pair
+from .pairs import cache_root
 from .policies import FixedK, HeadThreshold, StopPolicy
 from .prompts import EncodedPrompt
 from .seeds import seeded_generator

@@ -26,7 +26,8 @@ from accept_head.drafters import ModelDrafter
 from accept_head.engine import MethodSpec, Runner, greedy_identity
 from accept_head.evaluation.bench import add_comparison_drafts
 from accept_head.feature_draft import FeatureDraft
-from accept_head.pairs import ModelSpec, load_pair
+from accept_head.pair_loading import load_pair
+from accept_head.pairs import ModelSpec
 from eval.__main__ import main
 
 WORDS = "write a short poem about the number two . explain why python code is fun please give me one answer".split()
@@ -175,7 +176,7 @@ def test_comparison_drafts_reach_the_decoder_and_decode_losslessly(tiny, monkeyp
 def test_runner_ignore_eos_makes_every_method_write_the_whole_budget(ignore_eos: bool) -> None:
     """With an EOS the target writes early, decoders stop there unless the runner ignores EOS; then every method,
     HF's assisted generation included, writes exactly max_new_tokens (outputs of one length for tokens/s)."""
-    from accept_head.pairs import Pair
+    from accept_head.pair_loading import Pair
 
     tokenizer = make_tokenizer()
     target = make_llama(tokenizer=tokenizer, seed=0)

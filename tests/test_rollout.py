@@ -29,7 +29,7 @@ from accept_head.features import lm_head_input
 from accept_head.labelgen import generate as generate_module
 from accept_head.labelgen.run import parse_config
 from accept_head.labels import load_label_dataset
-from accept_head.pairs import load_model
+from accept_head.loading import load_model
 from accept_head.prompts import PromptOptions
 from accept_head.rollout import read_hidden, rollout_labels
 from accept_head.sampling import SamplingConfig, probabilities
@@ -498,7 +498,10 @@ def test_train_fit_with_greedy_labels_fits_a_greedy_calibration(tiny: TinySetup,
     assert meta["label_transform"]["temperature"] == 0
     bundle = SpecDecPP.from_pretrained(tmp_path / "bundle")
     hidden = read_hidden(dataset, 16)
-    held = [i for i, pid in enumerate(dataset["prompt_id"]) if pid in set(dm.split["val"])]
+    # The prompts the closing comparison reports on are left out of calibration (they choose nothing).
+    calibrated = set(dm.split["val"]) - set(report.calibration_excluded)
+    assert report.calibration_excluded and calibrated
+    held = [i for i, pid in enumerate(dataset["prompt_id"]) if pid in calibrated]
     states = torch.cat([hidden[i] for i in held]).float()
     labels = torch.tensor([x for i in held for x in dataset[i]["accept_prob"]])
     assert set(labels.tolist()) <= {0.0, 1.0}  # greedy verification accepts exactly the target's argmax

@@ -31,7 +31,8 @@ from ..engine import (
     throughput,
     tree_params,
 )
-from ..pairs import ModelSpec, Pair, PairOptions
+from ..pair_loading import Pair, PairOptions
+from ..pairs import ModelSpec
 from ..prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
 from ..seeds import seeded_generator
 from ..tables import text_table
@@ -429,7 +430,7 @@ def add_comparison_drafts(pair: Pair, spec: ModelSpec) -> None:
     """Load the standalone draft ``spec`` as comparison draft ``standalone`` and, when the pair's draft is a feature
     draft, the same model restricted to that draft's pruned vocabulary as ``standalone-pruned``."""
     from ..drafters import ModelDrafter
-    from ..pairs import load_model
+    from ..loading import load_model
 
     standalone = load_model(spec)
     pair.comparison_drafts["standalone"] = standalone

@@ -28,7 +28,8 @@ from ..engine import (
     headroom_share,
     selection_basis,
 )
-from ..pairs import ModelSpec, Pair, PairOptions
+from ..pair_loading import Pair, PairOptions
+from ..pairs import ModelSpec
 from ..plots import reliability_plot
 from ..prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
 from ..tables import text_table

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ..cost_model import CostModel
 from ..engine import MethodSpec, MethodSummary, PolicyGrid, Runner, expand_grids, run_interleaved, summarize
-from ..pairs import Pair, PairOptions
+from ..pair_loading import Pair, PairOptions
 from ..prompts import PromptOptions, PromptSet, PromptSource
 from ..tables import text_table
 from .common import fmt, machine_info, output_folder, resolve_cost_model, write_json

@@ -559,7 +559,9 @@ class ExportBundle(EndOfFitStage):
             "val_metrics": report.val_metrics,
             "calibration": _choice_record(report.calibration_choice),
             "greedy_calibration": _choice_record(
-                report.greedy_calibration_choice, dataset=dm.greedy_path, prompts=len(dm.split.get("greedy", []))
+                report.greedy_calibration_choice,
+                dataset=dm.greedy_path,
+                prompts=len(set(dm.split.get("greedy", [])) - set(report.calibration_excluded)),
             ),
             "cost_model_source": report.cost_model_source,
             "sampling": dm.sampling.to_dict(),

@@ -26,9 +26,11 @@ from lightning.pytorch import LightningDataModule
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
+from ..feature_draft import read_config
 from ..labels import recorded_temperature
+from ..loading import is_feature_draft, load_model, load_tokenizer
 from ..mixing import check_ratio, mix_tokens
-from ..pairs import ModelSpec, eos_token_ids, is_feature_draft, load_model, load_tokenizer, local_folder, local_path
+from ..pairs import ModelSpec, eos_token_ids, local_folder, local_path
 from ..sampling import SamplingConfig
 from ..seeds import seeded_generator
 
@@ -724,10 +726,8 @@ def draft_hidden_size(draft: ModelSpec) -> int:
     """The hidden size of ``draft`` read from its config (no weights are loaded)."""
     from transformers import AutoConfig
 
-    from ..feature_draft import is_feature_draft_folder, read_config
-
-    if is_feature_draft_folder(local_folder(draft)):
-        return int(read_config(Path(local_folder(draft))).hidden_size)
+    if is_feature_draft(draft):
+        return int(read_config(Path(draft.path)).hidden_size)
     try:
         config = AutoConfig.from_pretrained(local_folder(draft), revision=draft.revision)
     except OSError as err:

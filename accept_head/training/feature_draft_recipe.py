@@ -30,7 +30,8 @@ from ..feature_draft import FeatureDraft, FeatureDraftConfig, FeatureDrafter
 from ..features import decoder_matches_lm_head_input, final_hidden_states
 from ..head import AcceptanceHead
 from ..labels import draft_acceptance
-from ..pairs import ModelSpec, load_model, load_tokenizer
+from ..loading import load_model, load_tokenizer
+from ..pairs import ModelSpec
 from .draft_recipe import (
     expand,
     fit_resumable,

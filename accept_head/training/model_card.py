@@ -140,7 +140,7 @@ def model_card(
         lines += _scores_table(choice, "map")
         greedy = report.greedy_calibration_choice
         if greedy is not None:
-            prompts = len(datamodule.split.get("greedy", []))
+            prompts = len(set(datamodule.split.get("greedy", [])) - set(report.calibration_excluded))
             lines += [
                 "",
                 f"Greedy decoding uses a second map, fitted on greedy labels of {prompts} "
