@@ -230,10 +230,10 @@ def joint_setup() -> tuple[torch.nn.Module, dict[str, torch.nn.Module], torch.Te
     """A vocabulary-4 target, a standalone and a feature draft for it, and the exact joint (4, 4, 4) of its first
     three tokens at T = 1."""
     target = small_vocab_llama(seed=1, vocab_size=JOINT_VOCAB)
-    drafts = {
-        "model": perturbed_copy(target, relative_noise=0.5, seed=1),
-        "feature": FeatureDraft.from_target(target, torch.arange(JOINT_VOCAB)),
-    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)  # the feature draft's fresh layers: the same weights whatever ran before
+        feature = FeatureDraft.from_target(target, torch.arange(JOINT_VOCAB))
+    drafts = {"model": perturbed_copy(target, relative_noise=0.5, seed=1), "feature": feature}
     return target, drafts, exact_joint(target, JOINT_PROMPT, JOINT_TOKENS)
 
 
@@ -260,12 +260,14 @@ def test_sampled_rollout_keeps_the_targets_joint_distribution(joint_setup, draft
 
 
 @pytest.mark.slow
-def test_joint_check_rejects_a_broken_verifier(joint_setup, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Redrawing a rejected position from p instead of the residual (p − q)+ must fail the same joint χ²."""
+@pytest.mark.parametrize("drafter", ["model", "feature"])
+def test_joint_check_rejects_a_broken_verifier(joint_setup, monkeypatch: pytest.MonkeyPatch, drafter: str) -> None:
+    """Redrawing a rejected position from p instead of the residual (p − q)+ must fail the same joint χ² (measured
+    with 400 runs: p = 1e-11 with the standalone draft, 4e-5 with the feature draft)."""
     target, drafts, joint = joint_setup
     monkeypatch.setattr("accept_head.rollout.verify", resample_from_target_on_rejection)
-    counts, _ = joint_counts(target, drafts["feature"], 400)
-    assert goodness_of_fit(counts, joint) < 1e-6
+    counts, _ = joint_counts(target, drafts[drafter], 400)
+    assert goodness_of_fit(counts, joint) < ALPHA
 
 
 def test_bad_k_max_is_refused(models) -> None:
