@@ -280,3 +280,40 @@ def test_head_of_another_width_is_refused(pair) -> None:
     rule = HeadTree(AcceptanceHead(7, depth=0), COST)
     with pytest.raises(ValueError, match="hidden size 7"):
         tree_decoding.tree_generate(target, draft, PROMPTS[0], rule, 4, temperature=0)
+
+
+# --- the bundle: generate(..., tree=True) -----------------------------------------------------------------------------
+
+
+def test_bundle_tree_generation_round_trips_and_equals_greedy(tmp_path) -> None:
+    from tiny_models import make_pair
+
+    from accept_head import ModelSpec, SpecDecPP, load_model, load_tokenizer
+
+    target_dir, draft_dir = make_pair(tmp_path / "models")
+    specs = ModelSpec(str(target_dir), dtype="float32"), ModelSpec(str(draft_dir), dtype="float32")
+    target, draft = load_model(specs[0]), load_model(specs[1])
+    head = AcceptanceHead(draft.config.hidden_size, depth=1)
+    settings = {"width": 2, "top_k": 3, "max_depth": 4, "max_nodes": 12}
+    bundle = SpecDecPP(
+        target, draft, head, 0.6, tokenizer=load_tokenizer(specs[0]), cost_model=COST.to_dict(), tree=settings,
+        target_spec=specs[0], draft_spec=specs[1],
+    )  # fmt: skip
+    bundle.save_pretrained(tmp_path / "bundle")
+    loaded = SpecDecPP.from_pretrained(tmp_path / "bundle")
+    assert loaded.tree == settings and loaded.tree_rule().max_nodes == 12
+    prompt = [5, 9, 10, 11, 12, 13]
+    eos = loaded.eos_token_ids
+    reference = autoregressive_generate(loaded.target, prompt, 20, temperature=0, eos_token_id=eos).sequences
+    out = loaded.generate(prompt, max_new_tokens=20, temperature=0, tree=True)
+    assert torch.equal(out.sequences, reference) and len(out.stats.fed) == out.stats.target_calls
+    assert out.stats.generated > 1  # not an immediate EOS
+    sampled = [loaded.generate(prompt, max_new_tokens=12, seed=4, tree=True).new_token_ids for _ in range(2)]
+    assert sampled[0] == sampled[1]  # seeded
+    assert loaded.tree_rule(threshold=0.5).floor == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="max_depth=0"):
+        SpecDecPP(target, draft, head, 0.6, cost_model=COST.to_dict(), tree={"max_depth": 0})
+    with pytest.raises(ValueError, match=r"tree settings \['depth'\] are unknown"):
+        SpecDecPP(target, draft, head, 0.6, cost_model=COST.to_dict(), tree={"depth": 3})
+    with pytest.raises(ValueError, match="no cost model"):
+        SpecDecPP(target, draft, head, 0.6).generate(prompt, max_new_tokens=4, tree=True)
