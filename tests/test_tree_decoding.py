@@ -285,26 +285,40 @@ def test_head_of_another_width_is_refused(pair) -> None:
 # --- the bundle: generate(..., tree=True) -----------------------------------------------------------------------------
 
 
-def test_bundle_tree_generation_round_trips_and_equals_greedy(tmp_path) -> None:
+@pytest.fixture(scope="module")
+def tree_bundle_dir(tmp_path_factory):
+    """A saved tiny bundle (fp32 target and draft folders) with a cost model and tree settings."""
     from tiny_models import make_pair
 
     from accept_head import ModelSpec, SpecDecPP, load_model, load_tokenizer
 
-    target_dir, draft_dir = make_pair(tmp_path / "models")
+    root = tmp_path_factory.mktemp("tree-bundle")
+    target_dir, draft_dir = make_pair(root / "models")
     specs = ModelSpec(str(target_dir), dtype="float32"), ModelSpec(str(draft_dir), dtype="float32")
-    target, draft = load_model(specs[0]), load_model(specs[1])
-    head = AcceptanceHead(draft.config.hidden_size, depth=1)
-    settings = {"width": 2, "top_k": 3, "max_depth": 4, "max_nodes": 12}
+    draft = load_model(specs[1])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        head = AcceptanceHead(draft.config.hidden_size, depth=1)
     bundle = SpecDecPP(
-        target, draft, head, 0.6, tokenizer=load_tokenizer(specs[0]), cost_model=COST.to_dict(), tree=settings,
-        target_spec=specs[0], draft_spec=specs[1],
+        load_model(specs[0]), draft, head, 0.6, tokenizer=load_tokenizer(specs[0]), cost_model=COST.to_dict(),
+        tree=TREE_SETTINGS, target_spec=specs[0], draft_spec=specs[1],
     )  # fmt: skip
-    bundle.save_pretrained(tmp_path / "bundle")
-    loaded = SpecDecPP.from_pretrained(tmp_path / "bundle")
-    assert loaded.tree == settings and loaded.tree_rule().max_nodes == 12
+    bundle.save_pretrained(root / "bundle")
+    return root / "bundle"
+
+
+TREE_SETTINGS = {"width": 2, "top_k": 3, "max_depth": 4, "max_nodes": 12}
+
+
+def test_bundle_tree_generation_round_trips_and_equals_greedy(tree_bundle_dir) -> None:
+    from accept_head import SpecDecPP
+
+    loaded = SpecDecPP.from_pretrained(tree_bundle_dir)
+    target, draft, head = loaded.target, loaded.draft, loaded.head
+    assert loaded.tree == TREE_SETTINGS and loaded.tree_rule().max_nodes == 12
     prompt = [5, 9, 10, 11, 12, 13]
     eos = loaded.eos_token_ids
-    reference = autoregressive_generate(loaded.target, prompt, 20, temperature=0, eos_token_id=eos).sequences
+    reference = autoregressive_generate(target, prompt, 20, temperature=0, eos_token_id=eos).sequences
     out = loaded.generate(prompt, max_new_tokens=20, temperature=0, tree=True)
     assert torch.equal(out.sequences, reference) and len(out.stats.fed) == out.stats.target_calls
     assert out.stats.generated > 1  # not an immediate EOS
@@ -317,3 +331,17 @@ def test_bundle_tree_generation_round_trips_and_equals_greedy(tmp_path) -> None:
         SpecDecPP(target, draft, head, 0.6, cost_model=COST.to_dict(), tree={"depth": 3})
     with pytest.raises(ValueError, match="no cost model"):
         SpecDecPP(target, draft, head, 0.6).generate(prompt, max_new_tokens=4, tree=True)
+
+
+def test_chat_tree_mode_reports_tokens_per_round_and_tree_size(tree_bundle_dir) -> None:
+    import io
+
+    from accept_head.chat import main as chat_main
+
+    out = io.StringIO()
+    argv = ["chat", "--bundle", str(tree_bundle_dir), "--prompt", "write code", "--max_new_tokens", "10", "--tree"]
+    assert chat_main([*argv, "--temperature", "0"], out=out) == 0
+    text = out.getvalue()
+    assert "tokens/round" in text and "candidates/round" in text and "HeadTree(" in text and "(same tokens)" in text
+    with pytest.raises(SystemExit):
+        chat_main([*argv, "--repetition_penalty", "1.2"], out=io.StringIO())
