@@ -20,7 +20,7 @@ accepted with probability p(c), not min(1, p/q). Greedy verification accepts a n
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from transformers import DynamicCache
@@ -57,19 +57,23 @@ def draft_tree(
         tree.forwards += 1
         stats.draft_calls += 1
         q = draft_probs(step.logits, sampling)
+        entropies = (-(q * q.clamp_min(1e-30).log()).sum(-1)).tolist()
         top = q.topk(min(rule.children(tree.depth + 1), q.shape[-1]), dim=-1)
-        for parent, probs, tokens in zip(parents, top.values.tolist(), top.indices.tolist()):
+        for parent, probs, tokens, entropy in zip(parents, top.values.tolist(), top.indices.tolist(), entropies):
+            depth, joint = (1, 1.0) if parent < 0 else (tree.depths[parent] + 1, tree.joints[parent])
             for prob, token in zip(probs, tokens):
                 if prob > 0:  # q = 0 outside a pruned vocabulary
-                    tree.add(token, parent, prob, prob)
+                    tree.add(token, parent, prob, rule.prior(prob, entropy, depth, joint * prob), entropy)
         if tree.depth >= max_depth or not rule.grow(tree):
             break
         parents = rule.frontier(tree)
+        if not parents:
+            break
         slots = [tree.slots[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in parents]
         step = drafter.expand([tree.tokens[n] for n in parents], slots)
         first = max(tree.slots, default=-1) + 1
         for i, node in enumerate(parents):
-            tree.slots[node] = first + i
+            tree.slots[node], tree.hidden[node] = first + i, step.hidden[i]
         if rule.uses_hidden:
             with _timed(stats, "head_time"):
                 for node, score in zip(parents, rule.score(step.hidden)):
@@ -100,6 +104,7 @@ def tree_generate(
     top_p: float | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    observe: Callable[[DraftTree, list[int], torch.Tensor], None] | None = None,
 ) -> GenerationResult:
     """Lossless speculative decoding over draft trees grown by ``rule`` (see the module docstring).
 
@@ -107,6 +112,9 @@ def tree_generate(
     :class:`~accept_head.feature_draft.FeatureDraft` or a :class:`~accept_head.tree_drafters.TreeDrafter`. The
     target must take a custom 4D attention mask (eager or SDPA attention). Returns the sequences and
     :class:`~accept_head.tree_verify.TreeDecodeStats` (``fed``: tokens fed to the target per call, ``rows``: leaves).
+    ``observe(tree, nodes, logits)``, if given, sees each round after verification: the drafted tree, the verified
+    nodes and the target's logits (1 + len(nodes), V) at the root and at each of them (for tree labels,
+    :mod:`~accept_head.tree_labels`).
     """
     _check_int("max_new_tokens", max_new_tokens, low=0)
     sampling = SamplingConfig(temperature, top_k, top_p)
@@ -138,6 +146,8 @@ def tree_generate(
                     probs = probabilities(logits, sampling)
                     row, m, next_token = verify_sampled(probs, _row_tokens(tree, paths), rows, generator)
                 accepted = paths[row][:m] if m else []
+                if observe is not None:
+                    observe(tree, nodes, logits)
                 commit_nodes(cache, len(tokens) - 1, rows[row][:m] if m else [])
             # 3. Commit the accepted path and the target's token (up to an EOS); both models keep that path.
             new = _until_eos([*(tree.tokens[n] for n in accepted), next_token], eos)

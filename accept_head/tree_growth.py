@@ -13,6 +13,8 @@ Rules (:class:`TreeRule`), compared like with like by the same tree round:
   another depth only while that can still raise the expected tokens per second, and verifies the subtree with the
   best expected tokens per second (:func:`best_subtree`); ``threshold`` h keeps out nodes with v < 1 − h (the chain
   rule's threshold on P(some rejection)).
+* :class:`CostTree` — the same growth and selection with the nodes' draft probabilities as scores (the ablation
+  of the head; :class:`~accept_head.tree_labels.C2TTree` scores them with a C2T-style classifier instead).
 * :class:`ConfidenceTree` — EAGLE-2: scores are the draft's probabilities; a fixed depth, the best ``width`` nodes
   of each depth expanded, then the ``max_nodes`` best nodes by value verified (re-ranking).
 * :class:`StaticTree` — EAGLE-1: a fixed shape, ``shape[d]`` children for every node of depth d.
@@ -41,20 +43,28 @@ class DraftTree:
     """1 for children of the root."""
     probs: list[float] = field(default_factory=list)
     """The draft's probability of the node's token in its parent's distribution."""
+    joints: list[float] = field(default_factory=list)
+    """The product of ``probs`` along the node's path (EAGLE-2's confidence value)."""
     scores: list[float] = field(default_factory=list)
     """s(n): estimated P(n accepted | parent accepted)."""
     values: list[float] = field(default_factory=list)
     """v(n) = ∏ s along the path."""
+    entropies: list[float] = field(default_factory=list)
+    """Entropy (nats) of the parent's draft distribution the node was taken from."""
     slots: list[int] = field(default_factory=list)
     """The drafter's cache slot of each fed node (−1: not fed)."""
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The draft's hidden state (d,) at each fed node (the head's input), kept when the rule reads it."""
     forwards: int = 0
     """Draft forwards spent on this round (the root step included)."""
 
-    def add(self, token: int, parent: int, prob: float, score: float) -> int:
+    def add(self, token: int, parent: int, prob: float, score: float, entropy: float = 0.0) -> int:
         self.tokens.append(int(token))
+        self.entropies.append(float(entropy))
         self.parents.append(parent)
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
         self.probs.append(float(prob))
+        self.joints.append((1.0 if parent < 0 else self.joints[parent]) * float(prob))
         self.scores.append(float(score))
         self.values.append((1.0 if parent < 0 else self.values[parent]) * float(score))
         self.slots.append(-1)
@@ -127,8 +137,8 @@ def best_subtree(
 
 class TreeRule:
     """How a tree round grows and what it verifies. The round (:func:`~accept_head.tree_decoding.draft_tree`)
-    proposes :meth:`children` top-k children of each node in :meth:`frontier`, asks :meth:`grow` before each
-    further draft forward, and verifies :meth:`select`."""
+    proposes :meth:`children` top-k children of each node in :meth:`frontier` (each scored by :meth:`prior`), asks
+    :meth:`grow` before each further draft forward, and verifies :meth:`select`."""
 
     uses_hidden: bool = False
     """Scores fed nodes from the draft's hidden state (:meth:`score`)."""
@@ -142,6 +152,12 @@ class TreeRule:
     def frontier(self, tree: DraftTree) -> list[int]:
         """The nodes of the newest depth to feed (expand) in the next draft forward."""
         raise NotImplementedError
+
+    def prior(self, prob: float, entropy: float, depth: int, joint: float) -> float:
+        """A new node's score before it is fed, from its draft probability ``prob``, the entropy of the distribution
+        it was taken from, its depth and ``joint``, the product of draft probabilities along its path: by default
+        ``prob`` (EAGLE-2's confidence)."""
+        return prob
 
     def grow(self, tree: DraftTree) -> bool:
         """Whether another draft forward (one more depth) is worth it."""
@@ -203,22 +219,19 @@ class StaticTree(TreeRule):
         return f"StaticTree(shape={self.shape})"
 
 
-class HeadTree(TreeRule):
-    """SpecDec++ for trees (see the module docstring): the acceptance head prices every fed node; the tree grows by
-    expected tokens per second under ``cost``."""
-
-    uses_hidden = True
+class CostTree(TreeRule):
+    """A tree grown by expected tokens per second under ``cost``: the ``width`` best nodes of the newest depth are
+    expanded into their ``top_k`` children while :meth:`grow` says a depth pays, then :func:`best_subtree` picks what
+    to verify. Nodes keep their :meth:`~TreeRule.prior` scores (subclasses score them otherwise)."""
 
     def __init__(
         self,
-        head: AcceptanceHead,
         cost: CostModel,
         width: int = 4,
         top_k: int = 4,
         max_depth: int = 12,
         max_nodes: int = 48,
         threshold: float | None = None,
-        calibration=None,
     ) -> None:
         check_tree_settings(width=width, top_k=top_k, max_depth=max_depth, max_nodes=max_nodes)
         if threshold is not None and not 0.0 < threshold <= 1.0:
@@ -226,7 +239,7 @@ class HeadTree(TreeRule):
                 f"threshold={threshold} must be in (0, 1] (nodes need P(reached and accepted) >= 1 - threshold) "
                 "or None (the cost model alone decides)."
             )
-        self.head, self.cost, self.calibration = head, cost, calibration
+        self.cost = cost
         self.width, self.top_k, self.max_depth, self.max_nodes = width, top_k, max_depth, max_nodes
         self.threshold = threshold
         self.floor = 0.0 if threshold is None else 1.0 - threshold
@@ -236,11 +249,6 @@ class HeadTree(TreeRule):
 
     def frontier(self, tree: DraftTree) -> list[int]:
         return [n for n in tree.newest()[: self.width] if tree.values[n] >= self.floor]
-
-    def score(self, hidden: torch.Tensor) -> list[float]:
-        with torch.inference_mode():
-            probs = self.head.accept_prob(hidden).float().tolist()
-        return probs if self.calibration is None else [float(self.calibration(p)) for p in probs]
 
     def grow(self, tree: DraftTree) -> bool:
         """Draft one more depth iff the best tree after it could beat the best tree now. The next depth is
@@ -263,4 +271,31 @@ class HeadTree(TreeRule):
 
     def describe(self) -> str:
         extra = "" if self.threshold is None else f", h={self.threshold:g}"
-        return f"HeadTree(width={self.width}, top_k={self.top_k}, nodes={self.max_nodes}{extra})"
+        return f"{type(self).__name__}(width={self.width}, top_k={self.top_k}, nodes={self.max_nodes}{extra})"
+
+
+class HeadTree(CostTree):
+    """SpecDec++ for trees (see the module docstring): the acceptance head scores every fed node from the draft's
+    hidden state there (through ``calibration`` when given); the tree grows by expected tokens per second under
+    ``cost`` (:class:`CostTree`)."""
+
+    uses_hidden = True
+
+    def __init__(
+        self,
+        head: AcceptanceHead,
+        cost: CostModel,
+        width: int = 4,
+        top_k: int = 4,
+        max_depth: int = 12,
+        max_nodes: int = 48,
+        threshold: float | None = None,
+        calibration=None,
+    ) -> None:
+        super().__init__(cost, width, top_k, max_depth, max_nodes, threshold)
+        self.head, self.calibration = head, calibration
+
+    def score(self, hidden: torch.Tensor) -> list[float]:
+        with torch.inference_mode():
+            probs = self.head.accept_prob(hidden).float().tolist()
+        return probs if self.calibration is None else [float(self.calibration(p)) for p in probs]

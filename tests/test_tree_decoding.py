@@ -7,6 +7,8 @@
   sequence, and the feature draft has received exactly the target's teacher-forced features.
 * At temperature 1 the output follows the target's exact distribution (χ²); accepting the first branch
   unconditionally fails the same check.
+* Tree node labels equal an independent recomputation from a fresh target pass; a C2T-style classifier trains on
+  them and its tree decodes losslessly.
 * :func:`best_subtree` equals a brute-force search over every ancestor-closed subtree of a hand-built tree.
 * Bad settings raise ValueErrors naming the setting.
 """
@@ -26,8 +28,10 @@ from accept_head._hf_compat import cache_kwargs
 from accept_head.cost_model import CostModel
 from accept_head.feature_draft import FeatureDraft
 from accept_head.features import lm_head_input
+from accept_head.sampling import SamplingConfig, probabilities
 from accept_head.tree_drafters import FeatureTreeDrafter, ModelTreeDrafter, slot_attention
-from accept_head.tree_growth import ConfidenceTree, DraftTree, HeadTree, StaticTree, best_subtree
+from accept_head.tree_growth import ConfidenceTree, CostTree, DraftTree, HeadTree, StaticTree, best_subtree
+from accept_head.tree_labels import C2TClassifier, C2TTree, TreeLabelRecorder, node_labels
 from accept_head.tree_verify import tree_mask
 
 COST = CostModel(t_draft=0.004, t_target_a=0.039, t_target_b=0.00032)
@@ -51,6 +55,7 @@ def rules(hidden_size: int) -> dict:
     return {
         "head": HeadTree(head, COST, width=3, top_k=3, max_depth=5, max_nodes=24),
         "confidence": ConfidenceTree(width=3, top_k=3, max_depth=4, max_nodes=20),
+        "cost": CostTree(COST, width=2, top_k=3, max_depth=5, max_nodes=16),
         "static": StaticTree((3, 2, 1)),
     }
 
@@ -345,3 +350,58 @@ def test_chat_tree_mode_reports_tokens_per_round_and_tree_size(tree_bundle_dir) 
     assert "tokens/round" in text and "candidates/round" in text and "HeadTree(" in text and "(same tokens)" in text
     with pytest.raises(SystemExit):
         chat_main([*argv, "--repetition_penalty", "1.2"], out=io.StringIO())
+
+
+# --- tree labels and the C2T-style baseline ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_tree_node_labels_equal_an_independent_recomputation(pair, temperature: float) -> None:
+    target, draft = pair
+    sampling = SamplingConfig(temperature)
+    rounds = []
+
+    def observe(tree, nodes, logits):
+        rounds.append((tree, list(nodes), node_labels(tree, nodes, logits, sampling)))
+
+    rule = ConfidenceTree(width=2, top_k=3, max_depth=3, max_nodes=8)
+    generator = torch.Generator().manual_seed(0)
+    prompt = PROMPTS[0]
+    out = tree_decoding.tree_generate(
+        target, draft, prompt, rule, 16, temperature, generator=generator, observe=observe
+    )
+    sequence, start, checked = out.sequences[0].tolist(), len(prompt), 0
+    assert len(rounds) == out.stats.target_calls
+    for (tree, nodes, labels), accepted in zip(rounds, out.stats.accepted):
+        assert set(labels) == {n for n, p in enumerate(tree.parents) if p < 0 or p in nodes}  # parent scored
+        for node, label in labels.items():
+            context = sequence[:start] + [tree.tokens[n] for n in tree.path(node)[:-1]]
+            with torch.no_grad():
+                fresh = target(input_ids=torch.tensor([context])).logits[0, -1]
+            want = float(probabilities(fresh, sampling)[tree.tokens[node]])
+            assert label == pytest.approx(want, abs=1e-5), (node, label, want)
+            checked += 1
+        start += accepted + 1
+    assert checked > 20 and any(n not in nodes for tree, nodes, labels in rounds for n in labels)  # unverified too
+
+
+def test_c2t_classifier_trains_on_tree_labels_and_decodes_losslessly(pair) -> None:
+    target, draft = pair
+    recorder = TreeLabelRecorder(SamplingConfig(1.0))
+    rule = ConfidenceTree(width=3, top_k=3, max_depth=3, max_nodes=12)
+    for seed, prompt in enumerate(PROMPTS[:2]):
+        generator = torch.Generator().manual_seed(seed)
+        tree_decoding.tree_generate(target, draft, prompt, rule, 16, 1.0, generator=generator, observe=recorder.observe)
+    assert len(recorder.labels) == len(recorder.features) > 20 and recorder.hidden
+    assert len(recorder.hidden) == len(recorder.hidden_labels)
+    classifier = C2TClassifier.fit(recorder.features, recorder.labels, steps=200)
+    x, y = torch.tensor(recorder.features), torch.tensor(recorder.labels)
+    trained = torch.nn.functional.binary_cross_entropy_with_logits(classifier(x), y)
+    constant = torch.nn.functional.binary_cross_entropy(y.mean().expand_as(y), y)
+    assert trained < constant  # it learned something beyond the base rate
+    assert sum(p.numel() for p in classifier.parameters()) == 81
+    c2t = C2TTree(classifier, COST, width=2, top_k=3, max_depth=4, max_nodes=12)
+    reference = autoregressive_generate(target, PROMPTS[1], NEW, temperature=0).sequences
+    assert torch.equal(tree_decoding.tree_generate(target, draft, PROMPTS[1], c2t, NEW, 0).sequences, reference)
+    with pytest.raises(ValueError, match="as many labels"):
+        C2TClassifier.fit([[0.0, 1.0, 1.0]], [])
