@@ -405,3 +405,28 @@ def test_c2t_classifier_trains_on_tree_labels_and_decodes_losslessly(pair) -> No
     assert torch.equal(tree_decoding.tree_generate(target, draft, PROMPTS[1], c2t, NEW, 0).sequences, reference)
     with pytest.raises(ValueError, match="as many labels"):
         C2TClassifier.fit([[0.0, 1.0, 1.0]], [])
+
+
+def test_engine_runs_the_tree_methods_like_any_other(tree_bundle_dir) -> None:
+    from accept_head.engine import MethodSpec, Runner, aggregate
+    from accept_head.pairs import load_pair
+
+    pair = load_pair(str(tree_bundle_dir))
+    runner = Runner(pair, max_new_tokens=12, temperature=0.0)
+    ids = [5, 9, 10, 11, 12, 13]
+    eos = pair.eos_token_id
+    reference = autoregressive_generate(pair.target, ids, 12, temperature=0.0, eos_token_id=eos).sequences
+    specs = [
+        MethodSpec("head_tree", {"max_nodes": 6}),
+        MethodSpec("confidence_tree", {"width": 2, "top_k": 2, "max_depth": 3, "max_nodes": 6}),
+        MethodSpec("static_tree", {"shape": [2, 1]}),
+    ]
+    for spec in specs:
+        result = runner.decoder(spec)(ids, torch.Generator().manual_seed(0))
+        assert torch.equal(result.sequences, reference), spec.name
+        summary = aggregate(spec.name, [result.stats], COST)
+        assert summary.generated == result.stats.generated and summary.modeled_tokens_per_second > 0
+    assert runner.tree_rule(specs[0]).max_nodes == 6 and runner.tree_rule(specs[0]).width == TREE_SETTINGS["width"]
+    assert specs[0].name == "SpecDec++ tree max_nodes=6"
+    with pytest.raises(ValueError, match="bad parameters"):
+        runner.tree_rule(MethodSpec("confidence_tree", {"depth": 3}))
