@@ -146,9 +146,9 @@ def tree_generate(
                     probs = probabilities(logits, sampling)
                     row, m, next_token = verify_sampled(probs, _row_tokens(tree, paths), rows, generator)
                 accepted = paths[row][:m] if m else []
-                if observe is not None:
-                    observe(tree, nodes, logits)
                 commit_nodes(cache, len(tokens) - 1, rows[row][:m] if m else [])
+            if observe is not None:
+                observe(tree, nodes, logits)
             # 3. Commit the accepted path and the target's token (up to an EOS); both models keep that path.
             new = _until_eos([*(tree.tokens[n] for n in accepted), next_token], eos)
             stats.record_tree_round(1 + len(nodes), len(paths), len(paths[row]) if row >= 0 else 0, m, len(new))
