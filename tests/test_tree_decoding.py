@@ -185,7 +185,7 @@ def small():
 
 
 def sample_tree(target, draft):
-    rule = ConfidenceTree(width=2, top_k=2, max_depth=3, max_nodes=8)
+    rule = ConfidenceTree(width=2, top_k=2, max_depth=2, max_nodes=6)
     return lambda g: tree_decoding.tree_generate(target, draft, SMALL_PROMPT, rule, 4, temperature=1.0, generator=g)
 
 
