@@ -169,7 +169,8 @@ class SpecDecPP:
         self.target_spec, self.draft_spec = target_spec, draft_spec
         self.tree = dict(tree or {})
         """Keyword arguments of :class:`~accept_head.tree_growth.HeadTree` for ``generate(..., tree=True)``
-        (``width``, ``top_k``, ``max_depth``, ``max_nodes``, ``threshold``); unset ones take HeadTree's defaults."""
+        (``width``, ``top_k``, ``max_depth``, ``min_depth``, ``max_nodes``, ``threshold``); unset ones take
+        HeadTree's defaults."""
         if self.tree:
             self.tree_rule()  # validates the stored settings with HeadTree's messages
         self.last_stats: DecodeStats | None = None
@@ -209,9 +210,10 @@ class SpecDecPP:
                 "This bundle has no cost model, which tree decoding needs to price nodes and depths: measure one "
                 "with `python -m eval costs` and pass it as cost_model=, or use generate(..., tree=False)."
             )
-        unknown = sorted(set(self.tree) - {"width", "top_k", "max_depth", "max_nodes", "threshold"})
+        known = ("width", "top_k", "max_depth", "min_depth", "max_nodes", "threshold")
+        unknown = sorted(set(self.tree) - set(known))
         if unknown:
-            raise ValueError(f"tree settings {unknown} are unknown; use width, top_k, max_depth, max_nodes, threshold.")
+            raise ValueError(f"tree settings {unknown} are unknown; use {', '.join(known)}.")
         settings = dict(self.tree)
         if threshold is not None:
             settings["threshold"] = threshold

@@ -222,7 +222,11 @@ class StaticTree(TreeRule):
 class CostTree(TreeRule):
     """A tree grown by expected tokens per second under ``cost``: the ``width`` best nodes of the newest depth are
     expanded into their ``top_k`` children while :meth:`grow` says a depth pays, then :func:`best_subtree` picks what
-    to verify. Nodes keep their :meth:`~TreeRule.prior` scores (subclasses score them otherwise)."""
+    to verify. Nodes keep their :meth:`~TreeRule.prior` scores (subclasses score them otherwise).
+
+    ``min_depth`` depths are drafted before the cost rule decides (as the chain rule's ``min_candidates``): with
+    ``min_depth=2`` every round feeds its first depth, so an acceptance head has scored those nodes when the rule
+    first asks whether a further depth pays; with 1 that first decision rests on the draft probabilities alone."""
 
     def __init__(
         self,
@@ -232,8 +236,11 @@ class CostTree(TreeRule):
         max_depth: int = 12,
         max_nodes: int = 48,
         threshold: float | None = None,
+        min_depth: int = 1,
     ) -> None:
-        check_tree_settings(width=width, top_k=top_k, max_depth=max_depth, max_nodes=max_nodes)
+        check_tree_settings(width=width, top_k=top_k, max_depth=max_depth, max_nodes=max_nodes, min_depth=min_depth)
+        if min_depth > max_depth:
+            raise ValueError(f"min_depth={min_depth} must be <= max_depth={max_depth}.")
         if threshold is not None and not 0.0 < threshold <= 1.0:
             raise ValueError(
                 f"threshold={threshold} must be in (0, 1] (nodes need P(reached and accepted) >= 1 - threshold) "
@@ -241,7 +248,7 @@ class CostTree(TreeRule):
             )
         self.cost = cost
         self.width, self.top_k, self.max_depth, self.max_nodes = width, top_k, max_depth, max_nodes
-        self.threshold = threshold
+        self.threshold, self.min_depth = threshold, min_depth
         self.floor = 0.0 if threshold is None else 1.0 - threshold
 
     def children(self, depth: int) -> int:
@@ -251,17 +258,23 @@ class CostTree(TreeRule):
         return [n for n in tree.newest()[: self.width] if tree.values[n] >= self.floor]
 
     def grow(self, tree: DraftTree) -> bool:
-        """Draft one more depth iff the best tree after it could beat the best tree now. The next depth is
-        estimated optimistically: each frontier node n gets one child of value v(n)·s(n) (it is accepted as often
-        as its parent was), and the cost counts the extra forward (depth(T)·t_draft)."""
+        """Draft one more depth iff the best tree after it could beat the best tree now, both priced with one
+        estimate per frontier node n (the nodes the next forward feeds): n is accepted as often as its parent was
+        (the parent's score — the head's, once the parent was fed; at depth 1, n's own draft probability), and so
+        is its best child, which the next depth adds. The cost counts the extra forward (depth(T)·t_draft)."""
         frontier = self.frontier(tree)
         if tree.depth >= self.max_depth or not frontier:
             return False
+        if tree.depth < self.min_depth:
+            return True
         parents, values = list(tree.parents), list(tree.values)
         for node in frontier:
+            parent = tree.parents[node]
+            rate = tree.scores[node] if parent < 0 else tree.scores[parent]
+            values[node] = (1.0 if parent < 0 else tree.values[parent]) * rate
             parents.append(node)
-            values.append(tree.values[node] * tree.scores[node])
-        _, now = best_subtree(tree.parents, tree.values, self.cost, self.max_nodes, self.floor)
+            values.append(values[node] * rate)
+        _, now = best_subtree(tree.parents, values[: len(tree.values)], self.cost, self.max_nodes, self.floor)
         _, after = best_subtree(parents, values, self.cost, self.max_nodes, self.floor)
         return after > now and not math.isclose(after, now)
 
@@ -291,8 +304,9 @@ class HeadTree(CostTree):
         max_nodes: int = 48,
         threshold: float | None = None,
         calibration=None,
+        min_depth: int = 1,
     ) -> None:
-        super().__init__(cost, width, top_k, max_depth, max_nodes, threshold)
+        super().__init__(cost, width, top_k, max_depth, max_nodes, threshold, min_depth)
         self.head, self.calibration = head, calibration
 
     def score(self, hidden: torch.Tensor) -> list[float]:

@@ -260,6 +260,23 @@ def test_head_tree_grows_only_while_a_depth_pays() -> None:
     assert not HeadTree(head, COST, threshold=0.5).grow(chain_tree(0.4))  # v < 1 − h: not expanded
 
 
+def test_the_head_decides_how_deep_the_tree_grows(pair) -> None:
+    """With the first depth always fed (min_depth=2) the head has scored it when the cost rule first asks whether a
+    further depth pays: a head that expects acceptance drafts deep trees, one that expects rejection stops."""
+    target, draft = pair
+    forwards = {}
+    for bias in (-4.0, 4.0):
+        head = AcceptanceHead(draft.config.hidden_size, depth=0)
+        with torch.no_grad():
+            head.out.weight.zero_()
+            head.out.bias.fill_(bias)
+        rule = HeadTree(head, COST, width=3, top_k=3, min_depth=2)
+        out = tree_decoding.tree_generate(target, draft, PROMPTS[0], rule, NEW, temperature=0)
+        assert torch.equal(out.sequences, autoregressive_generate(target, PROMPTS[0], NEW, temperature=0).sequences)
+        forwards[bias] = out.stats.draft_calls / out.stats.target_calls
+    assert forwards[-4.0] <= 2.0 < 4.0 < forwards[4.0], forwards
+
+
 @pytest.mark.parametrize(
     "make,match",
     [
@@ -268,6 +285,8 @@ def test_head_tree_grows_only_while_a_depth_pays() -> None:
         (lambda h: HeadTree(h, COST, max_nodes=0), r"max_nodes=0 must be an integer >= 1"),
         (lambda h: HeadTree(h, COST, top_k=0), r"top_k=0 must be an integer >= 1"),
         (lambda h: HeadTree(h, COST, threshold=1.5), r"threshold=1.5 must be in \(0, 1\]"),
+        (lambda h: HeadTree(h, COST, min_depth=0), r"min_depth=0 must be an integer >= 1"),
+        (lambda h: HeadTree(h, COST, max_depth=3, min_depth=4), r"min_depth=4 must be <= max_depth=3"),
         (lambda h: ConfidenceTree(width=-1), r"width=-1 must be an integer >= 1"),
         (lambda h: ConfidenceTree(max_depth=0), r"max_depth=0"),
         (lambda h: StaticTree((2, 0)), r"shape\[1\]=0 must be an integer >= 1"),
