@@ -3,7 +3,8 @@
 Decodes held-out test prompts of ``configs/eval/bench.yaml`` (the ``eval`` hash split; the first ``--prompts`` of
 its in-distribution sources, one per source) with the committed bundle, methods interleaved per prompt, greedy and
 T = 1: autoregressive, chain SpecDec++ at the bundle's h* for the mode, the head tree (``generate(tree=True)`` with
-the bundle's cost model and HeadTree's defaults) and a confidence tree (EAGLE-2: width 4, top-4 children, depth 4,
+the bundle's cost model and HeadTree's defaults), the same with its first depth always fed (``min_depth=2``, so the
+head has scored it before the first growth decision) and a confidence tree (EAGLE-2: width 4, top-4 children, depth 4,
 16 nodes verified). No setting was chosen on any prompt: every one is a default fixed before this script ran.
 Prints and stores pooled tokens/s (wall clock), tokens/s modeled by the bundle's cost model from the counted passes
 (t_draft per draft forward, t_target(n) per target call over n candidates: what the head tree plans with), tokens per
@@ -27,7 +28,7 @@ from accept_head.cost_model import CostModel
 from accept_head.engine import aggregate
 from accept_head.prompts import PromptOptions, PromptSource
 from accept_head.tree_decoding import tree_generate
-from accept_head.tree_growth import ConfidenceTree
+from accept_head.tree_growth import ConfidenceTree, HeadTree
 
 
 def main() -> None:
@@ -45,6 +46,11 @@ def main() -> None:
     prompts = PromptOptions().encode("test", sources, bundle.tokenizer, seed=0).prompts[: args.prompts]
     eos, new = bundle.eos_token_ids, args.max_new_tokens
     cost = CostModel.from_dict(bundle.cost_model)
+
+    def fed_first(greedy: bool) -> HeadTree:
+        calibration = bundle.calibration_for(greedy)
+        return HeadTree(bundle.head, cost, calibration=calibration, min_depth=2)
+
     confidence = ConfidenceTree(width=4, top_k=4, max_depth=4, max_nodes=16)
     results: dict = {}
     for temperature in (0.0, 1.0):
@@ -55,6 +61,9 @@ def main() -> None:
             ),
             "chain SpecDec++": lambda ids, g: bundle.generate(ids, new, temperature, generator=g),
             "head tree": lambda ids, g: bundle.generate(ids, new, temperature, generator=g, tree=True),
+            "head tree, min_depth=2": lambda ids, g: tree_generate(
+                bundle.target, bundle.draft, ids, fed_first(greedy), new, temperature, eos_token_id=eos, generator=g
+            ),
             "confidence tree": lambda ids, g: tree_generate(
                 bundle.target, bundle.draft, ids, confidence, new, temperature, eos_token_id=eos, generator=g
             ),
