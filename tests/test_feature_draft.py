@@ -459,3 +459,37 @@ def test_fixed_k_ceiling_counts_the_accepted_run_plus_the_targets_token() -> Non
     assert expected_fixed_k_speedup([1.0] * 4, 4, free) == pytest.approx(5.0)
     with pytest.raises(ValueError, match="k=5 needs 1..4"):
         expected_fixed_k_speedup([1.0] * 4, 5, free)
+
+
+# --- 5. training unrolls the steps as decoding runs them --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_unrolled_step_k_equals_the_drafters_kth_candidate(padded: bool) -> None:
+    """For every round start t the training unroll's step-k prediction (k = 1..3) at pair t + k − 1 equals the k-th
+    candidate :class:`FeatureDrafter` computes after the text up to x_{t+1} is committed with the target's own
+    features, the candidates being the text's next tokens — also for a shorter, right-padded row of the batch."""
+    from accept_head.training.feature_draft import unrolled_predictions
+
+    target = small_llama(seed=5)
+    draft = lively_feature_draft(target).eval()
+    generator = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, VOCAB, (12,), generator=generator), torch.randint(0, VOCAB, (9,), generator=generator)]
+    rows = rows if padded else rows[:1]
+    tokens = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
+    with torch.no_grad():
+        features = lm_head_input(target, tokens, mask)  # (B, T, d): the target's own final hidden states
+        steps = unrolled_predictions(draft, {"tokens": tokens, "features": features, "mask": mask}, steps=3)
+    drafter = FeatureDrafter(draft, target)
+    checked = 0
+    for b, row in enumerate(rows):
+        for t in range(len(row) - 4):
+            drafter.start(row[: t + 2].tolist(), features[b, : t + 1])
+            with torch.no_grad():
+                candidates = [drafter.propose(None).hidden]
+                candidates += [drafter.propose(int(row[t + k])).hidden for k in (2, 3)]
+            for k, candidate in enumerate(candidates, start=1):
+                torch.testing.assert_close(steps[k - 1][b, t + k - 1], candidate, atol=1e-5, rtol=1e-5)
+                checked += 1
+    assert checked == 3 * sum(len(r) - 4 for r in rows)

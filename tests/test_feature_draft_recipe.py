@@ -417,7 +417,7 @@ def test_soft_cross_entropy_equals_the_direct_form_with_its_gradients(train_lm_h
     """The module computes −Σ p log q as P·logsumexp(z) − f̂·(pᵀW) (:class:`WeightedLogSumExp`); in fp32 loss and
     gradients equal the direct −Σ_v p(v) log_softmax(z)(v) over the kept vocabulary, frozen or trained LM head."""
     from accept_head.feature_draft import FeatureDraftConfig
-    from accept_head.training.feature_draft import FeatureDraftModule, unrolled_predictions
+    from accept_head.training.feature_draft import FeatureDraftModule, step_loss_mask, unrolled_predictions
 
     torch.manual_seed(0)
     target = make_llama()
@@ -439,9 +439,11 @@ def test_soft_cross_entropy_equals_the_direct_form_with_its_gradients(train_lm_h
     fused = torch.autograd.grad(loss, params, allow_unused=True)
 
     p = ((features[:, 1:] @ module.target_rows.T) - lse[:, 1:, None]).exp()
-    m = batch["loss_mask"]
     steps = unrolled_predictions(module.draft, batch, 2)
-    direct = [(-(p * module.draft.kept_logits(f).log_softmax(-1)).sum(-1) * m).sum() / m.sum() for f in steps]
+    masks = [step_loss_mask(batch["loss_mask"], k) for k in (1, 2)]  # step 2 has no round at pair 0
+    direct = [
+        (-(p * module.draft.kept_logits(f).log_softmax(-1)).sum(-1) * m).sum() / m.sum() for f, m in zip(steps, masks)
+    ]
     expected = direct[0] + 0.8 * direct[1]
     grads = torch.autograd.grad(expected, params, allow_unused=True)
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)

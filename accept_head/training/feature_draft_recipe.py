@@ -569,8 +569,8 @@ out = speculative_generate(target, draft, prompt_ids, FixedK(4), max_new_tokens=
   numbers use the `eval` split and HumanEval, never trained on.{text_line}
 - Loss (per drafting step k = 1..{recipe.get("unroll")}, weight {recipe.get("step_decay")}^(k−1)): soft
   cross-entropy to the target's distribution over the kept vocabulary + {recipe.get("feature_weight")} × SmoothL1 on
-  the predicted feature; uniform input-feature noise {recipe.get("noise")} × RMS; steps k ≥ 2 read the draft's own
-  predicted features (a parallel unroll).
+  the predicted feature; uniform input-feature noise {recipe.get("noise")} × RMS; step k trains in the context
+  decoding builds: committed positions read the target's features, the round's earlier candidates the draft's own.
 - Optimiser: AdamW (lr {recipe.get("lr")}, betas 0.9/0.95), {recipe.get("warmup_steps")} warm-up steps, cosine,
   ~{recipe.get("batch_tokens")} padded tokens per step, {config["extra"].get("steps")} steps, bf16 autocast on CPU,
   Lightning Trainer (checkpoints resume from `last.ckpt`).
@@ -599,7 +599,7 @@ Speed (context 128, bf16, interleaved, medians of {t["samples_each"]}): one draf
 (with a depth-3 acceptance head {th["draft_ms"]:.2f} ms) against a single-token target forward
 {th["target_ms"]:.2f} ms — cost ratio c = {t["ratio"]:.3f} ({th["ratio"]:.3f} with the head).{_standalone_timing(ev)}
 
-## Learning curve (validation on 16 batches of one held-out shard, kept-vocabulary acceptance, parallel unroll)
+## Learning curve (validation on 16 batches of one held-out shard, kept-vocabulary acceptance, decoding context)
 
 ![learning curve](learning_curve.png)
 
@@ -656,7 +656,7 @@ def _ablation_section(folder: Path) -> str:
     return f"""## Which terms helped (`python -m train.feature_draft ablate --config ...`)
 
 Short runs of {ab["steps"]} steps at {ab["batch_tokens"]} tokens per step, one factor changed each, same data, seed
-and schedule; held-out kept-vocabulary acceptance at the end (steps 2-3 by the parallel unroll, for every variant):
+and schedule; held-out kept-vocabulary acceptance at the end (steps 2-3 in the decoding context, for every variant):
 
 | variant | step 1 | step 2 | step 3 |
 |---|---|---|---|
