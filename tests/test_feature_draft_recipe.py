@@ -377,6 +377,24 @@ def test_committed_recipe_config_parses_through_the_cli(capsys, monkeypatch) -> 
         assert printed["standalone"]["path"] == "checkpoints/smollm2-135m-draft"
 
 
+def test_gpu_recipe_config_parses_through_the_cli(capsys, monkeypatch) -> None:
+    """The one-call GPU recipe: ``all`` and each stage parse it; its prompts are split as the issue asks (training
+    sources in the ``distill`` split, held-out ones in ``eval`` or HumanEval), Lightning on the GPU in bf16."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(stages, "load_model", mock.Mock(side_effect=AssertionError("no model may be loaded")))
+    config = "configs/distill/smollm2-135m-feature-draft-gpu.yaml"
+    for stage in ("all", "responses", "features", "vocab", "fit", "evaluate"):
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(stage, "--config", config, "--print_config")
+        assert exit_info.value.code in (0, None)
+        printed = yaml.safe_load(capsys.readouterr().out)["cfg"]
+        assert printed["target"]["device"] == "cuda" and printed["accelerator"] == "gpu"
+        assert printed["precision"] == "bf16-mixed" and printed["generations_dir"] is None
+        assert {source["split"] for source in printed["prompts"]} == {"distill"}
+        assert all(s["split"] == "eval" or s["path"] == "humaneval" for s in printed["eval_prompts"])
+        assert printed["responses_budget_s"] + printed["reserve_s"] < printed["time_budget_s"] <= 480
+
+
 def test_committed_recipe_teacher_forces_text_beside_the_responses(capsys, monkeypatch) -> None:
     monkeypatch.chdir(REPO)
     with pytest.raises(SystemExit):
