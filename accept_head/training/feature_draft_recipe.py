@@ -782,6 +782,8 @@ def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> str:
         if text_meta.get("tokens")
         else ""
     )
+    slim = config.get("lm_head_from_target", False)
+    read_from_target = "input embedding and (slim folder) LM head rows are" if slim else "input embedding is"
     text = f"""---
 license: apache-2.0
 tags: [speculative-decoding, eagle, draft-model, smollm2, accept-head]
@@ -793,8 +795,8 @@ An EAGLE-style draft for SmolLM2-135M-Instruct: `fc([f_t; emb(x_(t+1))])` → on
 width ({config["hidden_size"]}, {config["num_attention_heads"]} heads, MLP {config["intermediate_size"]}) → the
 target's final norm (frozen) → an LM head over the {config["kept_vocab_size"]:,} most frequent tokens, initialised
 from the target's own output rows ({"trained" if config["train_lm_head"] else "frozen"}). f_t is the target's final
-hidden state; drafting step k ≥ 2 feeds the draft's own predicted feature back. The target's input embedding is
-read from the target at load time (not stored); `config.json` records the target's fingerprint
+hidden state; drafting step k ≥ 2 feeds the draft's own predicted feature back. The target's {read_from_target} read
+from the target at load time (not stored); `config.json` records the target's fingerprint
 (`{config["target_fingerprint"]}`), and pairing the draft with another model raises an error. q = 0 outside the
 kept tokens, which stays lossless: verification and the residual sample still cover every token.
 
