@@ -202,3 +202,21 @@ def test_all_on_cuda_with_a_static_cache(tmp_path) -> None:
     run_cli("all", "--config", str(config))
     (run,) = json.loads((tmp_path / "cuda" / "all.json").read_text())["runs"]
     assert run["finished"] and run["stages"]["responses"]["result"]["device"].startswith("cuda")
+
+
+def test_static_cache_generation_gives_the_dynamic_caches_greedy_responses() -> None:
+    """The fixed-shape cache path (what ``compile`` captures on CUDA) writes the same greedy responses as the
+    dynamic one, prompts of different lengths in one left-padded batch, with a cache longer than needed."""
+    target = make_llama(seed=0)
+    prompts = [[1, 5, 6, 7, 8, 9], [1, 10, 11], [1, 12, 13, 14, 15, 16, 17, 18, 19], [1, 20]]
+    greedy = torch.ones(len(prompts), dtype=torch.bool)
+    settings = {"max_new_tokens": 12, "temperature": 1.0, "eos_token_ids": [3], "pad_token_id": 0}
+    dynamic = own_responses.generate_responses(target, prompts, greedy, generator=torch.Generator(), **settings)
+    static = own_responses.generate_responses(
+        target, prompts, greedy, generator=torch.Generator(), static_cache=True, cache_length=40, **settings
+    )
+    assert static == dynamic and all(len(r) > 0 for r in dynamic)
+    with pytest.raises(ValueError, match="cache_length=16"):
+        own_responses.generate_responses(
+            target, prompts, greedy, generator=torch.Generator(), static_cache=True, cache_length=16, **settings
+        )

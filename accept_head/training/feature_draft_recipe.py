@@ -198,6 +198,8 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
         )
     if not cfg.prompts or not cfg.eval_prompts:
         raise ValueError("The `responses` stage needs `prompts` (training) and `eval_prompts` (held out) sources.")
+    if cfg.compile and not cfg.static_cache:
+        raise ValueError("compile=true needs static_cache=true (a dynamic cache changes shape at every step).")
     deadline = _deadline(cfg.responses_budget_s, deadline)
     set_threads(cfg.threads)
     folder = _generations(cfg)
