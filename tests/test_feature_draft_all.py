@@ -98,6 +98,7 @@ def test_all_runs_every_stage_and_exports_a_lossless_draft(straight) -> None:
     assert run["finished"] and list(run["stages"]) == ["responses", "features", "vocab", "fit", "evaluate"]
     assert json.loads((straight / "straight" / "draft" / "all.json").read_text()) == record
     assert run["stages"]["fit"]["result"]["steps"] == 4
+    assert [row["step"] for row in run["stages"]["fit"]["result"]["learning_curve"]] == [1.0, 3.0]  # every 2 steps
     assert run["stages"]["responses"]["result"]["tokens"] > 0
     assert len(run["stages"]["evaluate"]["result"]["per_step"]) == 3
     target = load_model({"path": str(straight / "target"), "dtype": "float32"})

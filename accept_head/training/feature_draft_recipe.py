@@ -644,7 +644,8 @@ def run_all(cfg: FeatureDraftRecipe) -> dict:
         if fit_deadline is not None and fit_deadline <= monotonic():
             return {"skipped": f"less than reserve_s={cfg.reserve_s} s of the budget left"}
         fit_until(cfg, fit_deadline)
-        return {"steps": json.loads((out / "config.json").read_text())["extra"]["steps"], "output_dir": str(out)}
+        steps = json.loads((out / "config.json").read_text())["extra"]["steps"]
+        return {"steps": steps, "output_dir": str(out), "learning_curve": learning_curve(cfg)}
 
     def vocab_stage() -> dict:
         if (work / "vocab.json").exists() and (work / "checkpoints" / "last.ckpt").exists():
