@@ -179,14 +179,15 @@ def test_all_stops_at_its_time_budget_and_resumes_to_the_same_shards(straight, m
     assert json.loads((work / "draft" / "config.json").read_text())["extra"]["steps"] == 4
 
 
-def test_another_seed_writes_other_samples_and_a_changed_split_is_refused(straight, tmp_path) -> None:
+def test_another_seed_writes_other_samples_and_a_changed_plan_is_refused(straight, tmp_path) -> None:
     other = tiny_recipe(tmp_path, "other", seed=1)
     run_cli("responses", "--config", str(other))
     ours = [r for shard in shards(tmp_path / "other", "train") for r in shard["response_ids"]]
     theirs = [r for shard in shards(straight / "straight", "train") for r in shard["response_ids"]]
     assert any(len(a) != len(b) or not torch.equal(a, b) for a, b in zip(ours, theirs))
-    with pytest.raises(ValueError, match="split.json"):
-        run_cli("responses", "--config", str(tiny_recipe(tmp_path, "other", seed=1, split_seed=3)))
+    for changed in ({"split_seed": 3}, {"generate_batch_size": 4}):  # either would mix shards of two plans
+        with pytest.raises(ValueError, match="split.json"):
+            run_cli("responses", "--config", str(tiny_recipe(tmp_path, "other", seed=1, **changed)))
 
 
 @pytest.mark.cuda

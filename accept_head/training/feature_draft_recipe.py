@@ -189,8 +189,9 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     ``samples_per_prompt`` samples at ``temperature`` per training prompt (one per held-out prompt) plus a greedy
     one each, in batches of ``generate_batch_size`` rows, on the target's device; one resumable shard per batch
     under ``<work_dir>/responses/shards``. Stops between shards at ``deadline`` (a ``time.monotonic()`` value) or
-    after ``responses_budget_s``. ``split.json`` records the split seed and the prompt ids of both sets (a rerun
-    with another split refuses to mix shards); ``meta.json`` the tokens written and tokens/s. Returns that meta."""
+    after ``responses_budget_s``. ``split.json`` records the split seed, the prompt ids of both sets and what
+    fixes the shards' rows and draws (a rerun with other ones refuses to mix shards); ``meta.json`` the tokens
+    written and tokens/s. Returns that meta."""
     if cfg.generations_dir:
         raise ValueError(
             f"generations_dir={cfg.generations_dir!r} reads responses written elsewhere; set it to null for the "
@@ -208,12 +209,15 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     train = training_prompts(cfg.prompts, held_out, seed=cfg.seed, split_seed=cfg.split_seed, limit=cfg.max_prompts)
     sets = {"eval": _encode(tokenizer, held_out, cfg.max_prompt_tokens)}
     sets["train"] = _encode(tokenizer, train, cfg.max_prompt_tokens)
-    split = {"split_seed": cfg.split_seed, "seed": cfg.seed} | {k: [p.id for p in v] for k, v in sets.items()}
+    # What fixes every shard's rows and draws: a resumed run must agree on all of it.
+    plan = ("seed", "samples_per_prompt", "greedy_responses", "generate_batch_size", "sort_window", "max_new_tokens")
+    split = {"split_seed": cfg.split_seed} | {k: getattr(cfg, k) for k in (*plan, "temperature")}
+    split |= {k: [p.id for p in v] for k, v in sets.items()}
     split_path = folder / "split.json"
     if split_path.exists() and json.loads(split_path.read_text()) != split:
         raise ValueError(
-            f"{split_path} records another prompt split or seed than this config's; point work_dir elsewhere or "
-            "delete the responses folder to start over."
+            f"{split_path} records another prompt split, seed or batching than this config's; point work_dir "
+            "elsewhere or delete the responses folder to start over."
         )
     folder.mkdir(parents=True, exist_ok=True)
     split_path.write_text(json.dumps(split) + "\n")

@@ -15,7 +15,6 @@ On CUDA, ``static_cache`` decodes with a fixed-shape :class:`~transformers.Stati
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -236,8 +235,3 @@ def write_response_shards(
         "seconds": seconds,
         "stopped_by_budget": stopped,
     }
-
-
-def read_json(path: Path) -> dict | None:
-    """``path``'s JSON, or None when it does not exist."""
-    return json.loads(path.read_text()) if path.exists() else None
