@@ -359,6 +359,45 @@ def test_per_step_acceptance_step_one_matches_a_hand_computation(tmp_path) -> No
     assert rows[0]["greedy_agreement"] == pytest.approx(sum(g for _, g in hand) / len(hand))
 
 
+def test_per_step_acceptance_and_the_training_unroll_measure_the_same_context(tmp_path) -> None:
+    """``evaluate``'s per-step acceptance (a cached decode from each start) equals the acceptance of the training
+    unroll's step-k predictions at the same positions, steps 1-3: fit's validation and evaluate score one context."""
+    from accept_head.labels import draft_acceptance
+    from accept_head.training.feature_draft import unrolled_predictions
+
+    target = make_llama(seed=3)
+    draft = FeatureDraft.from_target(target, torch.arange(7, 47))
+    with torch.random.fork_rng(devices=[]):  # weights large enough that attention to a wrong feature shows
+        torch.manual_seed(0)
+        for p in [*draft.fc.parameters(), *draft.decoder.layers.parameters()]:
+            p.data.normal_(0, 0.2)
+    tokens = torch.tensor(PREFIX + [10, 20, 30, 40, 50, 11, 21, 31, 41, 51, 12, 22, 32])
+    prompt_length, steps = 7, 3
+    with torch.no_grad():
+        features = lm_head_input(target, tokens[None])[0]
+        logits = target(input_ids=tokens[None]).logits[0].float()
+        unrolled = unrolled_predictions(
+            draft,
+            {"tokens": tokens[None], "features": features[None]}
+            | {"mask": torch.ones(1, len(tokens), dtype=torch.long)},
+            steps,
+        )
+    path = tmp_path / "shard.safetensors"
+    shard = {"tokens": tokens.to(torch.int32), "features": features.contiguous(), "lse": logits.logsumexp(-1)}
+    save_file(
+        shard | {"offsets": torch.tensor([0, len(tokens)]), "prompt_lengths": torch.tensor([prompt_length])}, str(path)
+    )
+    rows = stages.per_step_acceptance(draft, target, [path], 100, steps, seed=0)
+    starts = range(prompt_length - 2, len(tokens) - steps - 1)
+    for k, row in enumerate(rows, start=1):
+        # Start t, step k: the prediction at pair t + k - 1 scored against the target at position t + k.
+        q = draft.full_logits(unrolled[k - 1][0, [t + k - 1 for t in starts]]).float().softmax(-1)
+        accept, agree = draft_acceptance(logits[[t + k for t in starts]].softmax(-1), q)
+        assert row["n"] == len(starts)
+        assert row["expected_accept"] == pytest.approx(float(accept.mean()), abs=1e-5)
+        assert row["greedy_agreement"] == pytest.approx(float(agree.float().mean()))
+
+
 # ---- committed configs parse without loading models ----------------------------------------------------------------
 
 
