@@ -396,6 +396,9 @@ def test_per_step_acceptance_and_the_training_unroll_measure_the_same_context(tm
         assert row["n"] == len(starts)
         assert row["expected_accept"] == pytest.approx(float(accept.mean()), abs=1e-5)
         assert row["greedy_agreement"] == pytest.approx(float(agree.float().mean()))
+    # A deadline already passed (``all``'s budget spent): nothing is scored, and the rows say so.
+    late = stages.per_step_acceptance(draft, target, [path], 100, steps, seed=0, deadline=0.0)
+    assert [row["n"] for row in late] == [0] * steps
 
 
 # ---- committed configs parse without loading models ----------------------------------------------------------------

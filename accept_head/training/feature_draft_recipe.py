@@ -526,9 +526,16 @@ def fit_until(cfg: FeatureDraftRecipe, deadline: float | None) -> Path:
 
 @torch.inference_mode()
 def per_step_acceptance(
-    draft: FeatureDraft, target: torch.nn.Module, paths: list[Path], starts: int, steps: int, seed: int
+    draft: FeatureDraft,
+    target: torch.nn.Module,
+    paths: list[Path],
+    starts: int,
+    steps: int,
+    seed: int,
+    deadline: float | None = None,
 ) -> list[dict]:
     """Exact per-step acceptance along held-out target responses, decoding as :class:`FeatureDrafter` does.
+    With a ``deadline`` (``time.monotonic()``) it stops between sequences and reports the starts scored by then.
 
     At each sampled start t (inside a response) the draft has read the pairs up to t with the target's own
     features, then drafts ``steps`` tokens feeding back its own features while the candidate tokens are the
@@ -544,6 +551,8 @@ def per_step_acceptance(
     sums = [{"accept": 0.0, "agree": 0.0, "n": 0} for _ in range(steps)]
     dtype, device = next(draft.parameters()).dtype, weight.device
     for i, starts_here in groupby(picked, key=lambda start: start[0]):
+        if deadline is not None and monotonic() > deadline:
+            break
         s = sequences[i]
         s = FeatureSequence(s.tokens.to(device), s.features.to(device), s.lse.to(device), s.prompt_length)
         feats = s.features.to(dtype)
@@ -569,7 +578,12 @@ def per_step_acceptance(
                 feature = predicted
             crop_cache(cache, read)
     return [
-        {"step": k + 1, "expected_accept": v["accept"] / v["n"], "greedy_agreement": v["agree"] / v["n"], "n": v["n"]}
+        {
+            "step": k + 1,
+            "expected_accept": v["accept"] / max(v["n"], 1),
+            "greedy_agreement": v["agree"] / max(v["n"], 1),
+            "n": v["n"],
+        }
         for k, v in enumerate(sums)
     ]
 
@@ -578,6 +592,14 @@ def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None, timing_only:
     """Stage 4: per-step acceptance 1..``eval_steps`` on held-out responses (per source group), and the draft step
     (with a depth-3 acceptance head) against a single-token target forward, interleaved, medians. Writes
     ``eval.json`` into the draft folder."""
+    return evaluate_until(cfg, None, draft_dir, timing_only)
+
+
+def evaluate_until(
+    cfg: FeatureDraftRecipe, deadline: float | None, draft_dir: str | None = None, timing_only: bool = False
+) -> dict:
+    """:func:`evaluate`, scoring only the held-out starts it reaches before ``deadline`` (``time.monotonic()``; the
+    per-shard rows and the timing are skipped once it has passed)."""
     set_threads(cfg.threads)
     folder = Path(draft_dir or cfg.output_dir)
     target = load_model(cfg.target)
@@ -587,10 +609,14 @@ def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None, timing_only:
     if timing_only:  # re-time the drafters, keep the acceptance numbers of the last full run
         result = json.loads((folder / "eval.json").read_text())
     else:
-        result = {"per_step": per_step_acceptance(draft, target, paths, cfg.eval_starts, cfg.eval_steps, cfg.seed)}
+        per_step = per_step_acceptance(draft, target, paths, cfg.eval_starts, cfg.eval_steps, cfg.seed, deadline)
+        result = {"per_step": per_step}
         # The same per source: the generation shards name their prompts (humaneval:* or an instruction set).
         result["per_source"] = {}
         for path in paths:
+            if deadline is not None and monotonic() > deadline:
+                result["stopped_by_budget"] = True
+                break
             ids = torch.load(_generations(cfg) / "shards" / f"{path.stem}.pt", weights_only=True)["prompt_id"]
             name = f"{path.stem} ({', '.join(sorted({i.split(':')[0] for i in ids}))})"
             starts = max(cfg.eval_starts // len(paths), 1)
@@ -602,9 +628,11 @@ def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None, timing_only:
                 f"[evaluate] step {row['step']}: acceptance {row['expected_accept']:.3f}, "
                 f"greedy {row['greedy_agreement']:.3f}"
             )
-    if device.type != "cpu":  # the cost ratio is measured where the toolkit decodes: `evaluate --timing_only` there
+    late = deadline is not None and monotonic() > deadline
+    if device.type != "cpu" or late:  # the cost ratio is measured where the toolkit decodes: `--timing_only` there
         (folder / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
-        print(f"[evaluate] on {device}: no draft-step timing (run `evaluate --timing_only` on the CPU)", flush=True)
+        why = "the time budget is spent" if late else f"on {device}"
+        print(f"[evaluate] {why}: no draft-step timing (run `evaluate --timing_only` on the CPU)", flush=True)
         return result
     result["timing"] = time_draft_step(target, FeatureDrafter(draft, target), cfg.timing_rounds)
     head = AcceptanceHead(draft.config.hidden_size, depth=3).to(cfg.target.torch_dtype)
@@ -626,9 +654,10 @@ def run_all(cfg: FeatureDraftRecipe) -> dict:
     Each stage resumes what an earlier run left (shards present are kept, ``fit`` continues from ``last.ckpt``;
     ``vocab`` is not recomputed under a checkpoint, whose LM head rows it chose). ``responses`` stops at
     ``responses_budget_s``; ``fit`` stops ``reserve_s`` before the budget ends, leaving time to export and
-    evaluate; a stage that would start after the budget is not started. After each stage its seconds and results
-    go to ``all.json`` in ``work_dir`` and ``output_dir`` (one entry per run), so a run stopped from outside still
-    leaves what it finished. Returns that record."""
+    evaluate; ``evaluate`` scores the held-out starts it reaches by the end; a stage that would start after the
+    budget is not started. After each stage its seconds and results go to ``all.json`` in ``work_dir`` and
+    ``output_dir`` (one entry per run), so a run stopped from outside still leaves what it finished. Returns that
+    record."""
     start = monotonic()
     deadline = None if cfg.time_budget_s is None else start + cfg.time_budget_s
     work, out = expand(cfg.work_dir), Path(cfg.output_dir)
@@ -661,7 +690,7 @@ def run_all(cfg: FeatureDraftRecipe) -> dict:
         ("features", lambda: features_until(cfg, deadline)),
         ("vocab", vocab_stage),
         ("fit", fit_stage),
-        ("evaluate", lambda: evaluate(cfg)),
+        ("evaluate", lambda: evaluate_until(cfg, deadline)),
     ]
     for name, stage in stages:
         if deadline is not None and monotonic() >= deadline:
@@ -671,6 +700,10 @@ def run_all(cfg: FeatureDraftRecipe) -> dict:
             return record
         began = monotonic()
         result = stage()
+        if "skipped" in result:  # nothing to export or evaluate from this run
+            run["stopped_before"] = name
+            save()
+            return record
         run["stages"][name] = {"seconds": round(monotonic() - began, 1), "result": result}
         print(f"[all] {name} done in {run['stages'][name]['seconds']} s", flush=True)
         save()
