@@ -1,7 +1,7 @@
 # `make test` is the one command that installs everything and runs lint + the full test suite (as CI does).
 PYTHON ?= python
 
-.PHONY: install lint test demo
+.PHONY: install lint test demo gpu-check
 
 # torch==2.13.0 is a CPU wheel here; installed only when no torch is importable, so GPU users keep their build.
 install:
@@ -22,3 +22,12 @@ test: install
 # threshold sweep -> bundle in checkpoints/demo-specdecpp -> closing table. Offline; needs no ../shared.
 demo: install
 	$(PYTHON) -m train fit --config configs/demo.yaml
+
+# On a machine with a CUDA GPU: the cuda tests, the target's decoding speed three ways, and the GPU benchmark, each
+# writing under $(OUT) (see README "On a GPU"). Nothing here has been run on a GPU yet.
+OUT ?= eval_out/gpu-check
+gpu-check:
+	mkdir -p $(OUT)
+	$(PYTHON) -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tee $(OUT)/pytest-cuda.txt
+	$(PYTHON) -m eval decode_speed --config configs/eval/decode_speed-gpu.yaml --output_dir $(OUT)/decode_speed
+	$(PYTHON) -m eval bench --config configs/eval/bench-gpu.yaml --output_dir $(OUT)/bench

@@ -9,10 +9,11 @@ from .feature_draft import FeatureDraft, FeatureDrafter
 from .head import AcceptanceHead, from_official_state_dict
 from .hf_assisted import AssistedSettings, HFAssisted
 from .hf_generate import SpecDecGenerate, make_custom_generate
+from .loading import load_model, load_tokenizer
 from .lookahead import NgramPool, lookahead_generate
 from .ngrammys import ModelBigram, ngrammys_generate
 from .ouroboros import OuroborosStats, PhrasePool, ouroboros_generate
-from .pairs import ModelSpec, check_same_tokenizer, load_model, load_tokenizer
+from .pairs import ModelSpec, check_same_tokenizer
 from .policies import FixedK, HeadThreshold, RoundState, StopPolicy
 from .sampling import SamplingConfig
 from .tree_verify import TreeDecodeStats

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import os
 import warnings
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,18 +29,18 @@ from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
+from transformers.generation.utils import GenerationMixin
 
 from .calibration import Calibration
 from .decoding import DecodeStats, speculative_generate
 from .head import HEAD_WEIGHTS, AcceptanceHead
-from .hf_generate import CUSTOM_GENERATE_SOURCE, SpecDecGenerateOutput, run_custom_generate
+from .hf_generate import SpecDecGenerateOutput, run_custom_generate
+from .loading import load_model, load_tokenizer
 from .pairs import (
     ModelSpec,
     check_same_tokenizer,
     check_same_vocab,
     eos_token_ids,
-    load_model,
-    load_tokenizer,
     local_path,
     normalize_device,
     normalize_dtype,
@@ -435,3 +436,48 @@ class SpecDecPP:
             greedy_unscored=config.get("greedy_unscored"),
             greedy_calibration=greedy_calibration,
         )
+
+
+# ---- the hub's custom_generate entry point -------------------------------------------------------------------------
+
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""target model → {bundle folder: SpecDecPP} built around it (the hub entry point loads each bundle once)."""
+
+
+def bundle_generate(folder: str | Path, model: torch.nn.Module, *args: Any, **generate_kwargs: Any) -> Any:
+    """The hub ``custom_generate/generate.py`` entry point: SpecDec++ with the bundle in ``folder`` around ``model``
+    (the target), called with ``generate``'s own arguments."""
+    folder = Path(folder).resolve()
+    if not (folder / CONFIG_NAME).is_file():
+        raise FileNotFoundError(
+            f"{folder} is not a SpecDecPP bundle folder. transformers copies custom_generate/generate.py into its "
+            "module cache when loading it by name; pass bundle='<bundle folder>' to generate()."
+        )
+    per_model = _LOADED.setdefault(model, {})
+    if folder not in per_model:
+        device = str(next(model.parameters()).device)
+        per_model[folder] = SpecDecPP.from_pretrained(folder, target=model, device=device)
+    specdec = per_model[folder]
+    # The class's own generate, never an instance override (which would recurse when the hub convention replaced it).
+    return GenerationMixin.generate(model, *args, custom_generate=specdec.custom_generate, **generate_kwargs)
+
+
+CUSTOM_GENERATE_SOURCE = '''"""SpecDec++ decoding with the bundle in the folder above (hub ``custom_generate`` layout).
+
+Written by ``accept_head.SpecDecPP.save_pretrained``; needs ``pip install accept-head``. Loading it through
+transformers (``custom_generate=<this folder>``) runs this file and therefore needs your explicit
+``trust_remote_code=True``; nothing in accept_head turns that on. transformers copies this file into its module cache,
+so pass ``bundle=<folder>`` to ``generate`` when loading it that way.
+"""
+
+from pathlib import Path
+
+from accept_head.bundle import bundle_generate
+
+
+def generate(model, *args, bundle=None, **kwargs):
+    """``model.generate(...)`` (the target) with SpecDec++ as the decoding loop; takes ``generate``'s arguments."""
+    folder = Path(bundle) if bundle is not None else Path(__file__).resolve().parent.parent
+    return bundle_generate(folder, model, *args, **kwargs)
+'''
+"""The ``custom_generate/generate.py`` a bundle ships (see :meth:`SpecDecPP.save_pretrained`)."""

@@ -29,6 +29,7 @@ from .bundle import SpecDecPP
 from .decoding import speculative_generate
 from .hf_generate import make_custom_generate
 from .policies import FixedK, StopPolicy
+from .timing import device_timer
 
 POLICIES = "head[:h], fixed:K, heuristic[:K0], confidence[:tau], entropy[:lambda]"
 
@@ -117,9 +118,9 @@ class LiveStreamer(TextStreamer):
 
 
 def _timed_generate(target: torch.nn.Module, input_ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, float]:
-    start = time.perf_counter()
-    out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
-    return out, time.perf_counter() - start
+    with device_timer(next(target.parameters()).device) as watch:
+        out = target.generate(input_ids, attention_mask=torch.ones_like(input_ids), **kwargs)
+    return out, watch.seconds
 
 
 def answer(specdec: SpecDecPP, messages: list[dict], policy: StopPolicy, args: argparse.Namespace, out: TextIO) -> str:
@@ -191,11 +192,11 @@ def overhead(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
     eos = specdec.eos_token_ids
 
     def direct(ids: torch.Tensor) -> tuple[torch.Tensor, float]:
-        start = time.perf_counter()
-        ref = speculative_generate(
-            specdec.target, specdec.draft, ids, policy, args.max_new_tokens, temperature=0, eos_token_id=eos
-        )
-        return ref.sequences, time.perf_counter() - start
+        with device_timer(next(specdec.target.parameters()).device) as watch:
+            ref = speculative_generate(
+                specdec.target, specdec.draft, ids, policy, args.max_new_tokens, temperature=0, eos_token_id=eos
+            )
+        return ref.sequences, watch.seconds
 
     def through(ids: torch.Tensor) -> tuple[torch.Tensor, float]:
         return _timed_generate(

@@ -11,15 +11,16 @@ from __future__ import annotations
 import bisect
 import itertools
 import statistics
-import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
+from typing import Any
 
 import numpy as np
 import torch
 from transformers import DynamicCache
 
 from ._hf_compat import cache_kwargs, crop_cache
+from .timing import device_timer
 
 
 @dataclass
@@ -141,21 +142,19 @@ def fit_decode_costs(runs: Sequence[tuple[str, float, int, float]]) -> DecodeCos
     )
 
 
-def _timed_interleaved(fns: dict, repeats: int, warmup: int, device: torch.device | None = None) -> dict:
+def _timed_interleaved(fns: dict, repeats: int, warmup: int, device: Any = None) -> dict:
     """Wall-clock seconds of ``repeats`` calls of each function after ``warmup``, called round-robin so that machine
-    noise is shared; waits for the GPU so asynchronous kernels count."""
-    sync = torch.cuda.synchronize if device is not None and device.type == "cuda" else (lambda: None)
+    noise is shared; each call is timed by :func:`~accept_head.timing.device_timer` on ``device`` (one device or
+    several), so the kernels it launched count, not just their launches."""
     for _ in range(warmup):
         for fn in fns.values():
             fn()
     out: dict = {key: [] for key in fns}
     for _ in range(repeats):
         for key, fn in fns.items():
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            out[key].append(time.perf_counter() - start)
+            with device_timer(device) as watch:
+                fn()
+            out[key].append(watch.seconds)
     return out
 
 
@@ -207,7 +206,7 @@ def measure_costs(
         steps[k] = target_step
     # Round-robin (draft, head, K = 1..20, then again): a burst of load from elsewhere on a shared machine hits every
     # measurement alike instead of bending the line fitted through them.
-    times = _timed_interleaved(steps, repeats, warmup, device)
+    times = _timed_interleaved(steps, repeats, warmup, {device, getattr(drafter, "device", device)})
     draft_times, head_times = times.pop("draft"), times.pop("head", [0.0])
     per_k = {k: _summary(k_times) for k, k_times in times.items()}
     measured: dict = {"draft": _summary(draft_times), "head": _summary(head_times), "target": per_k}

@@ -6,8 +6,8 @@ prefix) and return the sequences and statistics as values. Batch size 1.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator, Sequence
+import sys
+from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 
@@ -19,6 +19,7 @@ from .drafters import Drafter, as_drafter
 from .features import capture_lm_head_input
 from .policies import RoundState, StopPolicy
 from .sampling import SamplingConfig, generator_device, probabilities, sample
+from .timing import device_timer
 
 
 @dataclass
@@ -129,32 +130,49 @@ def _check_int(name: str, value, low: int = 1) -> None:
 
 
 def _prepare(
-    input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None, *models
+    input_ids: torch.Tensor | Sequence[int], max_new_tokens: int, eos_token_id: int | Sequence[int] | None, target
 ) -> tuple[torch.Tensor, int, set[int]]:
-    """The checked prompt (1, L), the usable number of new tokens (:func:`_check_lengths` against ``models``) and
+    """The checked prompt (1, L), the usable number of new tokens (:func:`_check_lengths` against the target) and
     the set of EOS ids: the prologue every decoder shares."""
     ids = _as_input_ids(input_ids)
-    return ids, _check_lengths(ids.shape[1], max_new_tokens, *models), _eos_set(eos_token_id)
+    return ids, _check_lengths(ids.shape[1], max_new_tokens, target), _eos_set(eos_token_id)
 
 
-def _check_lengths(prompt_len: int, max_new_tokens: int, *models) -> int:
-    """Validate the prompt against each model's (or drafter's) context and return the usable number of new tokens."""
+def _context_limit(model) -> int | None:
+    """The longest sequence ``model`` (a Hugging Face model or a :class:`Drafter`) can read, None if unbounded."""
+    config = getattr(model, "config", None)
+    return getattr(model, "context_limit", None) or getattr(config, "max_position_embeddings", None)
+
+
+def _check_lengths(prompt_len: int, max_new_tokens: int, target) -> int:
+    """Validate the prompt against the target's context and return the usable number of new tokens.
+
+    Only the target bounds the output. A draft with a shorter context is not checked here: it drafts fewer
+    candidates as it runs out of room, then none (:func:`draft_room`), and the target goes on alone.
+    """
     if max_new_tokens < 0:
         raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 0.")
-    budget = max_new_tokens
-    for model in models:
-        config = getattr(model, "config", None)
-        limit = getattr(model, "context_limit", None) or getattr(config, "max_position_embeddings", None)
-        if limit is None:
-            continue
-        if prompt_len >= limit:
-            name = type(model.model if isinstance(model, Drafter) else model).__name__
-            raise ValueError(
-                f"The prompt has {prompt_len} tokens but {name} has a context of {limit}; "
-                "shorten or left-truncate the prompt."
-            )
-        budget = min(budget, limit - prompt_len)
-    return budget
+    limit = _context_limit(target)
+    if limit is None:
+        return max_new_tokens
+    if prompt_len >= limit:
+        raise ValueError(
+            f"The prompt has {prompt_len} tokens but {type(target).__name__} has a context of {limit}; "
+            "shorten or left-truncate the prompt."
+        )
+    return min(max_new_tokens, limit - prompt_len)
+
+
+def draft_room(draft, length: int) -> int:
+    """How many candidates ``draft`` (a :class:`Drafter` or a Hugging Face draft model) can still propose after a
+    committed sequence of ``length`` tokens without reading past its own context.
+
+    K candidates make a drafter read at most ``length + K − 1`` positions (every committed token, then y_1..y_{K−1};
+    a feature draft reads one fewer), so K ≤ context − length + 1. Zero or less means the round submits no
+    candidate: a plain target step, which keeps the output the target's whatever the draft's context.
+    """
+    limit = _context_limit(draft)
+    return sys.maxsize if limit is None else limit - length + 1
 
 
 def _eos_set(eos_token_id: int | Sequence[int] | None) -> set[int]:
@@ -196,17 +214,18 @@ def autoregressive_generate(
     tokens = ids[0].tolist()
     cache = DynamicCache()
     pending = ids.to(device)
-    with _timed(stats, "total_time"):
+    with _timed(stats, "total_time", device):
         while stats.generated < budget:
-            with _timed(stats, "target_time"):
+            with _timed(stats, "target_time", device):
                 logits = _forward(target, pending, cache, last_only=True)
-                token = int(sample(probabilities(logits[-1:], sampling), generator)[0])
+                drawn = sample(probabilities(logits[-1:], sampling), generator)  # (1,) on the target's device
+                token = int(drawn[0])  # the one host read per token (EOS check, the returned ids)
             stats.target_calls += 1
             stats.generated += 1
             tokens.append(token)
             if token in eos:
                 break
-            pending = torch.tensor([[token]], device=device)
+            pending = drawn[None, :]  # already on the device: no host-to-device copy per token
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)
 
 
@@ -226,7 +245,8 @@ def verify(
     # u·q >= p so that p = 0 always rejects (even for u = 0) and p >= q always accepts — exact in the greedy limit.
     uniforms = torch.rand(k, generator=generator, device=generator_device(generator))
     rejected = uniforms.to(p.device) * q_tok >= p_tok
-    m = int(rejected.int().argmax()) if bool(rejected.any()) else k
+    # The first rejection, or k when every candidate is accepted (a True appended at k): one host read, not two.
+    m = int(torch.cat([rejected, rejected.new_ones(1)]).int().argmax())
     if m < k:
         residual = (p[m] - q[m]).clamp(min=0)
         total = residual.sum()
@@ -237,13 +257,15 @@ def verify(
 
 
 @contextmanager
-def _timed(stats: DecodeStats, field_name: str) -> Iterator[None]:
-    """Add the wall time of the ``with`` block to ``stats.<field_name>``."""
-    t0 = time.perf_counter()
-    try:
+def _timed(
+    stats: DecodeStats, field_name: str, device: torch.device | Iterable[torch.device] | None = None
+) -> Iterator[None]:
+    """Add the wall time of the ``with`` block, the work it queued on ``device`` included, to
+    ``stats.<field_name>`` (``device=None``: the current CUDA device, if any; see
+    :func:`~accept_head.timing.synchronize`)."""
+    with device_timer(device) as watch:
         yield
-    finally:
-        setattr(stats, field_name, getattr(stats, field_name) + time.perf_counter() - t0)
+    setattr(stats, field_name, getattr(stats, field_name) + watch.seconds)
 
 
 def _target_pass(
@@ -322,7 +344,7 @@ def draft_round(
             break
         step = drafter.propose(y)  # reads y_n: the next candidate's logits and y_n's hidden state
         if policy.uses_hidden:
-            with _timed(stats, "head_time"):
+            with _timed(stats, "head_time", getattr(drafter, "device", None)):
                 state.accept_probs.append(policy.score(step.hidden))
     return state, q_rows
 
@@ -350,23 +372,25 @@ def speculative_generate(
     sampling = SamplingConfig(temperature, top_k, top_p)
     drafter = as_drafter(draft, target, with_hidden=policy.uses_hidden)
     _check_pair(drafter, policy, sampling)
-    ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target, drafter)
+    ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     device = next(target.parameters()).device
     stats = DecodeStats()
     policy.reset()
     tokens = ids[0].tolist()
     cache = DynamicCache()  # the target's: it always lacks the last token, which the next pass feeds
-    with _timed(stats, "total_time"):
-        with _timed(stats, "target_time"):
+    draft_device = getattr(drafter, "device", None)
+    with _timed(stats, "total_time", {device, draft_device or device}):
+        with _timed(stats, "target_time", device):
             prefill(target, drafter, ids.to(device), cache)
         while stats.generated < budget:
-            # 1. Draft: the target always adds a token of its own, so at most budget - generated - 1 candidates.
-            limit = min(policy.max_candidates, budget - stats.generated - 1)
-            with _timed(stats, "draft_time"):
+            # 1. Draft: the target always adds a token of its own, so at most budget - generated - 1 candidates, and
+            #    never past the draft's own context.
+            limit = min(policy.max_candidates, budget - stats.generated - 1, draft_room(drafter, len(tokens)))
+            with _timed(stats, "draft_time", draft_device):
                 state, q_rows = draft_round(drafter, policy, sampling, limit, len(tokens), generator, stats)
             candidates = state.candidates
             # 2. Verify: one target pass over [last token, y_1..y_K] gives p_1..p_{K+1}.
-            with _timed(stats, "target_time"):
+            with _timed(stats, "target_time", device):
                 verify_ids = torch.tensor([[tokens[-1], *candidates]], device=device)
                 logits, hidden = _target_pass(target, verify_ids, cache, drafter.needs_target_features)
                 p = probabilities(logits, sampling)
@@ -377,7 +401,7 @@ def speculative_generate(
             new = _until_eos(candidates[:m] + [next_token], eos)
             stats.record_round(len(candidates), m, len(new))
             crop_cache(cache, len(tokens) + m)  # the target holds the old prefix plus [tokens[-1], y_1..y_m]
-            with _timed(stats, "draft_time"):
+            with _timed(stats, "draft_time", draft_device):
                 drafter.commit(new, None if hidden is None else hidden[: len(new)])
             tokens.extend(new)
             if new[-1] in eos:

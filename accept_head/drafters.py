@@ -151,14 +151,16 @@ def check_kept_ids(kept_ids: torch.Tensor | Sequence[int], vocab_size: int) -> t
 
 
 def as_drafter(draft, target: torch.nn.Module, with_hidden: bool = True) -> Drafter:
-    """A :class:`Drafter` for ``draft``: drafters pass through, feature drafts are bound to ``target``, any other
-    ``nn.Module`` is treated as a Hugging Face causal LM sharing the target's tokenizer."""
-    from .feature_draft import FeatureDraft, FeatureDrafter
+    """A :class:`Drafter` for ``draft``: drafters pass through, a draft model that brings its own drafter (one with a
+    ``make_drafter(target)`` method, such as a :class:`~accept_head.feature_draft.FeatureDraft`) makes it bound to
+    ``target``, any other ``nn.Module`` is treated as a Hugging Face causal LM sharing the target's tokenizer.
 
+    The interface names no implementation: a draft model that needs more than :class:`ModelDrafter` says so itself."""
     if isinstance(draft, Drafter):
         return draft
-    if isinstance(draft, FeatureDraft):
-        return FeatureDrafter(draft, target)
+    make_drafter = getattr(draft, "make_drafter", None)
+    if callable(make_drafter):
+        return make_drafter(target)
     if isinstance(draft, torch.nn.Module):
         check_same_vocab(target, draft)
         return ModelDrafter(draft, with_hidden=with_hidden)

@@ -32,7 +32,8 @@ from .hf_assisted import AssistedSettings, HFAssisted
 from .lookahead import check_lookahead_params, lookahead_generate
 from .ngrammys import ModelBigram, check_ngrammys_params, ngrammys_generate
 from .ouroboros import check_ouroboros_params, ouroboros_generate
-from .pairs import Pair, cache_root
+from .pair_loading import Pair
+from .pairs import cache_root
 from .policies import FixedK, HeadThreshold, StopPolicy
 from .prompts import EncodedPrompt
 from .seeds import seeded_generator
@@ -336,6 +337,7 @@ class Runner:
         bigram_cache: str | Path | None = None,
         head: TrainedHead | None = None,
         bigram_top: int = BIGRAM_TOP,
+        ignore_eos: bool = False,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
@@ -347,6 +349,9 @@ class Runner:
         self.sampling = {"top_k": top_k, "top_p": top_p}
         self.bigram_cache = Path(bigram_cache) if bigram_cache is not None else cache_root() / "bigram"
         self.bigram_top = bigram_top
+        self.eos_token_id = None if ignore_eos else pair.eos_token_id
+        """What decoding stops on: the pair's EOS ids, or None with ``ignore_eos`` — every method then writes exactly
+        ``max_new_tokens`` (as serving benchmarks time it), so tokens/s compares outputs of one length."""
         self.head = head if head is not None else pair.bundle
         """What ``specdecpp`` methods decode with (a :class:`TrainedHead` or a bundle), None if nothing."""
         self._oracles: dict[tuple[int, ...], Oracle] = {}
@@ -430,7 +435,7 @@ class Runner:
         key = tuple(ids)
         if key not in self._oracles:
             self._oracles[key] = Oracle.from_models(  # the oracle of the pair's own draft
-                self.pair.target, self.pair.draft, list(ids), self.max_new_tokens, self.pair.eos_token_id
+                self.pair.target, self.pair.draft, list(ids), self.max_new_tokens, self.eos_token_id
             )
         return self._oracles[key]
 
@@ -455,7 +460,7 @@ class Runner:
             raise ValueError(f"{spec.name} cannot run at temperature={self.temperature}: {reason}.")
         if spec.kind in TREE_DECODERS:
             return self._tree_decoder(spec)
-        target, eos = self.pair.target, self.pair.eos_token_id
+        target, eos = self.pair.target, self.eos_token_id
         params = dict(spec.params)
         draft = self.pair.draft_for(params.pop("draft", None))
         spec = MethodSpec(spec.kind, params, label=spec.name)
@@ -481,7 +486,7 @@ class Runner:
         """N-Grammys, Lookahead or Ouroboros with a fresh pool per prompt; N-Grammys' bigram is built here."""
         params = tree_params(spec.kind, spec.params)
         generate, target, budget = TREE_DECODERS[spec.kind], self.pair.target, self.max_new_tokens
-        common = dict(temperature=self.temperature, eos_token_id=self.pair.eos_token_id, **self.sampling)
+        common = dict(temperature=self.temperature, eos_token_id=self.eos_token_id, **self.sampling)
         if spec.kind == "ouroboros":
             draft = self.pair.draft_for(params.pop("draft", None))
             return lambda ids, gen: generate(target, draft, ids, budget, generator=gen, **common, **params)
@@ -624,6 +629,7 @@ class MethodSummary:
             "mean_accepted": self.pooled.mean_accepted,
             "mean_proposed": self.pooled.mean_proposed,
             "generated": self.pooled.generated,
+            "generated_per_repeat": self.pooled.generated / max(len(self.per_repeat), 1),
             "target_calls": self.pooled.target_calls,
             "tokens_per_target_call": self.tokens_per_target_call,
             "draft_calls": self.pooled.draft_calls,

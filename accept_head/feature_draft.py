@@ -192,6 +192,11 @@ class FeatureDraft(nn.Module):
             raise RuntimeError("FeatureDraft is not bound to a target: call draft.bind(target) first.")
         return self._bound[0]
 
+    def make_drafter(self, target: torch.nn.Module) -> FeatureDrafter:
+        """The :class:`FeatureDrafter` that drafts with this model bound to ``target`` (what
+        :func:`~accept_head.drafters.as_drafter` returns for a feature draft)."""
+        return FeatureDrafter(self, target)
+
     # --- the model ------------------------------------------------------------------------------------------------
     def forward(
         self,

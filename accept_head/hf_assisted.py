@@ -11,15 +11,16 @@ of the KV cache they extend).
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from . import timing
 from ._hf_compat import cache_length, passed_cache
 from .decoding import DecodeStats, GenerationResult, _as_input_ids, _eos_set
 from .pairs import check_same_vocab
+from .timing import device_timer, module_device, synchronize
 
 SCHEDULES = ("constant", "heuristic", "heuristic_transient")
 
@@ -61,19 +62,22 @@ class _PassRecorder:
         self.shapes: list[tuple[int, int]] = []
         self._record_shapes = record_shapes
         self._start = 0.0
+        self._device = module_device(model)
         self._handles = [
             model.register_forward_pre_hook(self._pre, with_kwargs=True),
             model.register_forward_hook(self._post),
         ]
 
     def _pre(self, module, args, kwargs) -> None:
-        self._start = time.perf_counter()
+        synchronize(self._device)  # earlier work is not this pass's
+        self._start = timing.clock()
         if self._record_shapes:
             input_ids = kwargs.get("input_ids", args[0] if args else None)
             self.shapes.append((int(cache_length(passed_cache(kwargs))), int(input_ids.shape[1])))
 
     def _post(self, module, args, output) -> None:
-        self.seconds += time.perf_counter() - self._start
+        synchronize(self._device)  # the pass's kernels may still be running
+        self.seconds += timing.clock() - self._start
         self.calls += 1
 
     def close(self) -> None:
@@ -159,19 +163,26 @@ class HFAssisted:
         devices = [device] if device.type == "cuda" else []
         target_passes = _PassRecorder(self.target, record_shapes=True)
         draft_passes = _PassRecorder(self.draft, record_shapes=False)
-        own_config = self.draft.generation_config
+        own_config, target_config = self.draft.generation_config, self.target.generation_config
         self.draft.generation_config = self._assistant_config
+        if not eos:  # as in the other decoders, no EOS ids means none: not the model's own generation-config EOS
+            self.target.generation_config = copy.deepcopy(target_config)
+            self.target.generation_config.eos_token_id = None
         try:
             with torch.random.fork_rng(devices=devices):
                 torch.manual_seed(seed)
-                start = time.perf_counter()
-                sequences = self.target.generate(
-                    ids.to(device), attention_mask=torch.ones_like(ids).to(device), assistant_model=self.draft, **kwargs
-                )
-                total = time.perf_counter() - start
+                with device_timer({device, module_device(self.draft)}) as watch:
+                    sequences = self.target.generate(
+                        ids.to(device),
+                        attention_mask=torch.ones_like(ids).to(device),
+                        assistant_model=self.draft,
+                        **kwargs,
+                    )
+                total = watch.seconds
         finally:
             self._assistant_config = self.draft.generation_config  # keeps HF's write-back of the heuristic K
             self.draft.generation_config = own_config
+            self.target.generation_config = target_config
             target_passes.close()
             draft_passes.close()
         sequences = sequences.cpu()

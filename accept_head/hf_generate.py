@@ -29,15 +29,13 @@ rejected) and out of order. Those that keep state or run a model themselves are 
 from __future__ import annotations
 
 import functools
-import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-from transformers.generation.utils import GenerateDecoderOnlyOutput, GenerationMixin
+from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ._hf_compat import (
     CACHE_KWARGS,
@@ -47,7 +45,17 @@ from ._hf_compat import (
     enclosing_generate_arguments,
     passed_cache,
 )
-from .decoding import DecodeStats, _check_lengths, _check_pair, _target_pass, _timed, draft_round, prefill, verify
+from .decoding import (
+    DecodeStats,
+    _check_lengths,
+    _check_pair,
+    _target_pass,
+    _timed,
+    draft_room,
+    draft_round,
+    prefill,
+    verify,
+)
 from .drafters import Drafter, DraftStep, as_drafter
 from .policies import StopPolicy
 from .sampling import SamplingConfig, probabilities
@@ -283,7 +291,7 @@ def speculative_decode(
     sampling = SamplingConfig(0.0 if greedy else 1.0)  # the processors already hold temperature / top-k / top-p
     device = next(target.parameters()).device
     prompt_len = input_ids.shape[1]
-    budget = _check_lengths(prompt_len, max(max_length - prompt_len, 0), target, drafter)
+    budget = _check_lengths(prompt_len, max(max_length - prompt_len, 0), target)
     buffer = torch.zeros((1, prompt_len + budget + 1), dtype=torch.long, device=device)
     buffer[0, :prompt_len] = input_ids[0].to(device)
     process = ProcessedLogits(processors, buffer)
@@ -298,7 +306,7 @@ def speculative_decode(
         n = prompt_len  # committed length
         while n - prompt_len < budget:
             # 1. Draft y_1..y_K from q_i = softmax(Φ_{x·y<i}(draft logits)); the target adds one token, hence the -1.
-            limit = min(policy.max_candidates, budget - (n - prompt_len) - 1)
+            limit = min(policy.max_candidates, budget - (n - prompt_len) - 1, draft_room(drafter, n))
             with _timed(stats, "draft_time"):
                 state, q_rows = draft_round(drafter, policy, sampling, limit, n, generator, stats)
             k = state.n
@@ -435,48 +443,3 @@ def make_custom_generate(draft: torch.nn.Module | Drafter, policy: StopPolicy) -
     LM, a :class:`~accept_head.feature_draft.FeatureDraft`, a :class:`~accept_head.drafters.Drafter` such as a
     pruned ``ModelDrafter``) and any stop policy (``FixedK``, ``Heuristic``, ``HeadThreshold``, ...)."""
     return SpecDecGenerate(draft, policy)
-
-
-_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-"""target model → {bundle folder: SpecDecPP} built around it (the hub entry point loads each bundle once)."""
-
-
-def bundle_generate(folder: str | Path, model: torch.nn.Module, *args: Any, **generate_kwargs: Any) -> Any:
-    """The hub ``custom_generate/generate.py`` entry point: SpecDec++ with the bundle in ``folder`` around ``model``
-    (the target), called with ``generate``'s own arguments."""
-    from .bundle import CONFIG_NAME, SpecDecPP
-
-    folder = Path(folder).resolve()
-    if not (folder / CONFIG_NAME).is_file():
-        raise FileNotFoundError(
-            f"{folder} is not a SpecDecPP bundle folder. transformers copies custom_generate/generate.py into its "
-            "module cache when loading it by name; pass bundle='<bundle folder>' to generate()."
-        )
-    per_model = _LOADED.setdefault(model, {})
-    if folder not in per_model:
-        device = str(next(model.parameters()).device)
-        per_model[folder] = SpecDecPP.from_pretrained(folder, target=model, device=device)
-    specdec = per_model[folder]
-    # The class's own generate, never an instance override (which would recurse when the hub convention replaced it).
-    return GenerationMixin.generate(model, *args, custom_generate=specdec.custom_generate, **generate_kwargs)
-
-
-CUSTOM_GENERATE_SOURCE = '''"""SpecDec++ decoding with the bundle in the folder above (hub ``custom_generate`` layout).
-
-Written by ``accept_head.SpecDecPP.save_pretrained``; needs ``pip install accept-head``. Loading it through
-transformers (``custom_generate=<this folder>``) runs this file and therefore needs your explicit
-``trust_remote_code=True``; nothing in accept_head turns that on. transformers copies this file into its module cache,
-so pass ``bundle=<folder>`` to ``generate`` when loading it that way.
-"""
-
-from pathlib import Path
-
-from accept_head.hf_generate import bundle_generate
-
-
-def generate(model, *args, bundle=None, **kwargs):
-    """``model.generate(...)`` (the target) with SpecDec++ as the decoding loop; takes ``generate``'s arguments."""
-    folder = Path(bundle) if bundle is not None else Path(__file__).resolve().parent.parent
-    return bundle_generate(folder, model, *args, **kwargs)
-'''
-"""The ``custom_generate/generate.py`` a bundle ships (see :meth:`SpecDecPP.save_pretrained`)."""

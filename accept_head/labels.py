@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +26,7 @@ import torch
 from ._hf_compat import cache_kwargs
 from .batch_generate import left_pad
 from .sampling import SamplingConfig, inverse_cdf_sample, probabilities
+from .timing import device_timer
 
 FORMAT = "accept_head.data_gen"
 """``meta.json["format"]`` of a label dataset."""
@@ -327,19 +327,19 @@ class LockstepLabeller:
 
     @torch.inference_mode()
     def step(self, rows, step, input_ids, attention_mask, position_ids, logits) -> None:
-        start = time.perf_counter()
-        draft_logits = self.draft(
-            input_ids=input_ids.to(self.device),
-            attention_mask=attention_mask.to(self.device),
-            position_ids=position_ids.to(self.device),
-            **cache_kwargs(self.draft, self.cache),
-            logits_to_keep=1,
-        ).logits[:, -1, :]
-        u = None if self.uniforms is None else self.uniforms[rows, step]
-        labels = position_labels(logits, draft_logits.to(logits.device), transform=self.transform, uniforms=u)
-        for name in PER_POSITION:
-            self.values[name][rows, step] = getattr(labels, name).to(self.values[name].dtype)
-        self.seconds += time.perf_counter() - start
+        with device_timer({self.device, logits.device}) as watch:
+            draft_logits = self.draft(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                position_ids=position_ids.to(self.device),
+                **cache_kwargs(self.draft, self.cache),
+                logits_to_keep=1,
+            ).logits[:, -1, :]
+            u = None if self.uniforms is None else self.uniforms[rows, step]
+            labels = position_labels(logits, draft_logits.to(logits.device), transform=self.transform, uniforms=u)
+            for name in PER_POSITION:
+                self.values[name][rows, step] = getattr(labels, name).to(self.values[name].dtype)
+        self.seconds += watch.seconds
 
     def select(self, keep: torch.Tensor) -> None:
         self.cache.batch_select_indices(keep.to(self.device))

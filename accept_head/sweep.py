@@ -21,7 +21,7 @@ from .calibration import Calibration
 from .cost_model import CostModel
 from .engine import MethodSpec, PolicyResult, Runner, TrainedHead, run_interleaved, summarize
 from .head import AcceptanceHead
-from .pairs import Pair
+from .pair_loading import Pair
 from .prompts import EncodedPrompt
 from .sampling import SamplingConfig
 

@@ -8,6 +8,8 @@ Examples::
         --output_dir out --max_new_tokens 32
     python -m data_gen --config big.yaml --shard 0/4      # ... up to --shard 3/4, one per process / GPU
     python -m data_gen --config big.yaml --merge          # join the four shard outputs
+    torchrun --nproc_per_node 4 -m data_gen --config big.yaml --target.device cuda --draft.device cuda
+                                                         # the same: one shard per GPU, merged by rank 0
     python -m data_gen --config configs/data_gen/humaneval.yaml --print_config
 """
 

@@ -8,12 +8,13 @@ Examples::
     python -m eval free_stop --config configs/eval/free_stop.yaml
     python -m eval costs --bundle checkpoints/smollm2-135m-specdecpp
     python -m eval costs --draft.path checkpoints/smollm2-135m-draft --head_depth 3   # head overhead, no bundle yet
+    python -m eval decode_speed --config configs/eval/decode_speed-gpu.yaml   # autoregressive vs generate on a GPU
     python -m eval label_modes --dataset data/labels/label-modes/standalone-heldout
     python -m eval sweep --bundle B --prompts '[{path: humaneval, limit: 8}]' --temperatures '[0]'
     python -m eval calibration --bundle B --prompts '[{path: humaneval, limit: 8}]'
     python -m eval bench --help
 
-The options several commands share, :class:`~accept_head.pairs.PairOptions` (``pair``) and
+The options several commands share, :class:`~accept_head.pair_loading.PairOptions` (``pair``) and
 :class:`~accept_head.prompts.PromptOptions` (``prompt_options``), are flat flags and top-level YAML keys
 (``--bundle``, ``--target.path``, ``--prompt_mode``, ``--split_seed``), like the command's own parameters.
 """
@@ -25,8 +26,9 @@ import sys
 from collections.abc import Sequence
 from dataclasses import fields
 
-SKIPPED = {"free_stop": {"draft"}}
-"""Shared options a command has no use for, left out of its flags: free_stop decodes the target alone."""
+SKIPPED = {"free_stop": {"draft"}, "decode_speed": {"draft"}}
+"""Shared options a command has no use for, left out of its flags: free_stop and decode_speed decode the target
+alone."""
 
 
 def commands() -> dict:
@@ -35,6 +37,7 @@ def commands() -> dict:
     from accept_head.evaluation.bench import bench
     from accept_head.evaluation.calibration import calibration
     from accept_head.evaluation.costs import costs
+    from accept_head.evaluation.decode_speed import decode_speed
     from accept_head.evaluation.free_stop import free_stop
     from accept_head.evaluation.label_modes import label_modes
     from accept_head.evaluation.report import report
@@ -43,6 +46,7 @@ def commands() -> dict:
     return {
         "calibration": calibration,
         "costs": costs,
+        "decode_speed": decode_speed,
         "sweep": sweep,
         "bench": bench,
         "report": report,
@@ -54,7 +58,7 @@ def commands() -> dict:
 
 def option_groups() -> dict[str, type]:
     """Parameter name → the dataclass of shared options it takes, whose fields are the command's flags."""
-    from accept_head.pairs import PairOptions
+    from accept_head.pair_loading import PairOptions
     from accept_head.prompts import PromptOptions
 
     return {"pair": PairOptions, "prompt_options": PromptOptions}

@@ -1,5 +1,6 @@
-"""The library stays a library: ``accept_head`` never imports an entry point, and docs/architecture.md names every
-one of its modules. Both are read statically (ast, text), so nothing is imported or run."""
+"""The library stays a library: ``accept_head`` never imports an entry point, its modules import each other without a
+cycle, and docs/architecture.md names every one of its modules. All are read statically (ast, text), so nothing is
+imported or run."""
 
 from __future__ import annotations
 
@@ -12,6 +13,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 LIBRARY = REPO / "accept_head"
 ENTRY_POINTS = ("data_gen", "train", "eval")
+INSTALLED_ENTRY_POINTS = "accept_head_cli"
+"""The package the entry points install under (``pyproject.toml``'s ``package-dir``); the library imports it neither."""
 MODULES = sorted(LIBRARY.rglob("*.py"))
 
 
@@ -39,11 +42,133 @@ def test_imported_names_sees_imports_inside_functions_and_skips_relative_ones() 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: p.relative_to(LIBRARY).as_posix())
 def test_no_library_module_imports_an_entry_point(path: Path) -> None:
     tree = ast.parse(path.read_text(), filename=str(path))
-    bad = [f"line {line}: {name}" for line, name in imported_names(tree) if name.split(".")[0] in ENTRY_POINTS]
+    entry_points = (*ENTRY_POINTS, INSTALLED_ENTRY_POINTS)
+    bad = [f"line {line}: {name}" for line, name in imported_names(tree) if name.split(".")[0] in entry_points]
     assert not bad, (
         f"{path.relative_to(REPO)} imports an entry point ({', '.join(bad)}); "
         "move what it needs into accept_head/ and import it from there."
     )
+
+
+def module_name(path: Path, root: Path) -> str:
+    """The dotted name of the module at ``path`` below ``root`` (``accept_head/labelgen/__init__.py`` →
+    ``accept_head.labelgen``)."""
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def import_graph(package: Path) -> dict[str, dict[str, int]]:
+    """``{module: {imported module: line}}`` over the modules of ``package`` (a folder), from every import statement
+    anywhere in a module — at module level, inside functions, under ``if TYPE_CHECKING`` — relative or absolute.
+    ``from .x import y`` is an edge to ``x.y`` when that is a module, else to ``x``; imports of anything outside
+    ``package`` are left out."""
+    root = package.parent
+    paths = {module_name(path, root): path for path in sorted(package.rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {name: {} for name in paths}
+    for name, path in paths.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]  # the importing package
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                # level 1 is the importing package itself, each further dot one package up
+                parts = (here[: len(here) - node.level + 1] if node.level else []) + (
+                    [node.module] if node.module else []
+                )
+                base = ".".join(parts)
+                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in paths else base for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                while target and target not in paths:  # `from accept_head.pairs import x` → accept_head.pairs
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].setdefault(target, node.lineno)
+    return graph
+
+
+def tangled_groups(graph: dict[str, dict[str, int]]) -> list[set[str]]:
+    """The groups of two or more modules that all reach each other through imports (the strongly connected
+    components, by Tarjan's algorithm); empty when the graph has no cycle."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    groups: list[set[str]] = []
+
+    def visit(node: str) -> None:
+        index[node] = low[node] = len(index)
+        stack.append(node)
+        for other in graph[node]:
+            if other not in index:
+                visit(other)
+                low[node] = min(low[node], low[other])
+            elif other in stack:
+                low[node] = min(low[node], index[other])
+        if low[node] == index[node]:  # node is the root of a group: everything above it on the stack
+            group = set(stack[stack.index(node) :])
+            del stack[stack.index(node) :]
+            if len(group) > 1:
+                groups.append(group)
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return groups
+
+
+def shortest_cycle(graph: dict[str, dict[str, int]], group: set[str]) -> list[str]:
+    """A shortest cycle ``[a, b, ..., a]`` through the alphabetically first module of ``group`` (breadth-first)."""
+    start = min(group)
+    parent: dict[str, str] = {}
+    frontier = [start]
+    while start not in parent:
+        reached = []
+        for node in frontier:
+            for other in sorted(graph[node]):
+                if other in group and other not in parent:
+                    parent[other] = node
+                    reached.append(other)
+        frontier = reached
+    cycle = [start, parent[start]]
+    while cycle[-1] != start:
+        cycle.append(parent[cycle[-1]])
+    return cycle[::-1]
+
+
+def describe_cycle(cycle: list[str], graph: dict[str, dict[str, int]]) -> str:
+    """``a (line 3) → b (line 9) → a``: each module with the line of its import of the next."""
+    return " → ".join(f"{a} (line {graph[a][b]})" for a, b in zip(cycle, cycle[1:])) + f" → {cycle[-1]}"
+
+
+def test_import_graph_sees_a_cycle_closed_inside_a_function(tmp_path: Path) -> None:
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("from .a import f\n")
+    (package / "a.py").write_text("from .sub import b\ndef f():\n    pass\n")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "sub" / "b.py").write_text("import os\ndef g():\n    from ..c import h\n")
+    (package / "c.py").write_text("import typing\nif typing.TYPE_CHECKING:\n    from pkg.a import f\n")
+    (package / "d.py").write_text("from . import c\nfrom .a import f\n")  # imports into the cycle, not part of it
+    graph = import_graph(package)
+    assert graph["pkg"] == {"pkg.a": 1} and graph["pkg.d"] == {"pkg.c": 1, "pkg.a": 2}
+    assert tangled_groups(graph) == [{"pkg.a", "pkg.sub.b", "pkg.c"}]
+    cycle = shortest_cycle(graph, {"pkg.a", "pkg.sub.b", "pkg.c"})
+    assert describe_cycle(cycle, graph) == "pkg.a (line 1) → pkg.sub.b (line 3) → pkg.c (line 3) → pkg.a"
+    (package / "c.py").write_text("import typing\n")
+    assert tangled_groups(import_graph(package)) == []
+
+
+def test_the_library_imports_without_a_cycle() -> None:
+    """Every import counts, including those inside functions: a cycle hidden from Python by a function-level import
+    still makes a reader go round it. Lower modules must not import higher ones (docs/architecture.md, "Loading")."""
+    graph = import_graph(LIBRARY)
+    assert "accept_head.pairs" in graph and graph["accept_head.bundle"], "the graph found no imports"
+    tangles = [
+        f"{len(group)} modules {sorted(group)} import each other, e.g. "
+        + describe_cycle(shortest_cycle(graph, group), graph)
+        for group in tangled_groups(graph)
+    ]
+    assert not tangles, "import cycles in accept_head/:\n  " + "\n  ".join(tangles)
 
 
 def test_every_library_module_is_named_in_docs_architecture() -> None:

@@ -26,7 +26,8 @@ from accept_head.drafters import ModelDrafter
 from accept_head.engine import MethodSpec, Runner, greedy_identity
 from accept_head.evaluation.bench import add_comparison_drafts
 from accept_head.feature_draft import FeatureDraft
-from accept_head.pairs import ModelSpec, load_pair
+from accept_head.pair_loading import load_pair
+from accept_head.pairs import ModelSpec
 from eval.__main__ import main
 
 WORDS = "write a short poem about the number two . explain why python code is fun please give me one answer".split()
@@ -169,3 +170,23 @@ def test_comparison_drafts_reach_the_decoder_and_decode_losslessly(tiny, monkeyp
         runner.decoder(MethodSpec("fixed_k", {"k": 2, "draft": "other"}))
     # A feature draft is not an HF model: HF assisted generation needs a comparison draft named.
     assert "Hugging Face draft" in runner.supports(MethodSpec("hf_assisted", {"num_assistant_tokens": 3}))
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_runner_ignore_eos_makes_every_method_write_the_whole_budget(ignore_eos: bool) -> None:
+    """With an EOS the target writes early, decoders stop there unless the runner ignores EOS; then every method,
+    HF's assisted generation included, writes exactly max_new_tokens (outputs of one length for tokens/s)."""
+    from accept_head.pair_loading import Pair
+
+    tokenizer = make_tokenizer()
+    target = make_llama(tokenizer=tokenizer, seed=0)
+    draft = perturbed_copy(target, relative_noise=0.05, seed=1)
+    prompt = [2, 10, 11, 12]
+    greedy = target.generate(torch.tensor([prompt]), do_sample=False, max_new_tokens=4)[0, len(prompt) :].tolist()
+    pair = Pair(target, draft, tokenizer, stop_ids=[greedy[1]])  # the target's second greedy token ends the text
+    runner = Runner(pair, max_new_tokens=12, temperature=0, ignore_eos=ignore_eos)
+    specs = [MethodSpec("autoregressive"), MethodSpec("fixed_k", {"k": 3}), MethodSpec("hf_assisted", {})]
+    for spec in specs:
+        result = runner.decoder(spec)(prompt, torch.Generator().manual_seed(0))
+        expected = 12 if ignore_eos else greedy.index(greedy[1]) + 1
+        assert result.stats.generated == expected, spec.name

@@ -42,7 +42,7 @@ from accept_head.evaluation.report import analyse
 from accept_head.evaluation.report_page import _table_one
 from accept_head.feature_draft import FeatureDraft
 from accept_head.ngrammys import ModelBigram
-from accept_head.pairs import Pair
+from accept_head.pair_loading import Pair
 from accept_head.tree_verify import TreeDecodeStats
 from eval.__main__ import main
 

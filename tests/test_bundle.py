@@ -194,7 +194,8 @@ def test_bundle_eval_and_data_gen_stop_on_the_same_eos_ids(tmp_path) -> None:
     from tiny_models import make_llama, make_tokenizer
 
     from accept_head import AcceptanceHead, SpecDecPP
-    from accept_head.pairs import Pair, eos_token_ids
+    from accept_head.pair_loading import Pair
+    from accept_head.pairs import eos_token_ids
 
     tokenizer = make_tokenizer()
     target = make_llama(tokenizer=tokenizer)

@@ -137,7 +137,7 @@ def test_micro_batches_bound_rows_times_longest_response() -> None:
 
 
 def test_labels_do_not_depend_on_the_scoring_micro_batch_size(pair: tuple[Path, Path]) -> None:
-    from accept_head.pairs import load_model
+    from accept_head.loading import load_model
 
     target = load_model({"path": str(pair[0]), "dtype": "float32"})
     draft = load_model({"path": str(pair[1]), "dtype": "float32"})
@@ -205,7 +205,7 @@ def test_sample_batch_drops_finished_rows_without_changing_any_response(pair, co
     top-k log-probabilities stay those of batch-1 greedy decoding, and a lockstep labeller sees the right rows."""
     from accept_head.batch_generate import sample_batch
     from accept_head.labels import LockstepLabeller
-    from accept_head.pairs import load_model
+    from accept_head.loading import load_model
 
     target = load_model({"path": str(pair[0]), "dtype": "float32"})
     draft = load_model({"path": str(pair[1]), "dtype": "float32"})
@@ -498,7 +498,7 @@ def test_data_gen_a_bundle_and_eval_stop_on_the_same_eos_ids(pair, tmp_path: Pat
     """The ids data_gen stopped on (recorded in meta.json) are those a bundle and eval's Pair stop on, for a target
     whose generation config adds an end-of-turn id to the tokenizer's EOS."""
     from accept_head import AcceptanceHead, SpecDecPP, load_model, load_tokenizer
-    from accept_head.pairs import Pair
+    from accept_head.pair_loading import Pair
 
     target, tokenizer = load_model({"path": str(pair[0]), "dtype": "float32"}), load_tokenizer(str(pair[0]))
     target.generation_config.eos_token_id = [tokenizer.eos_token_id, 6]

@@ -258,6 +258,29 @@ def test_generation_is_clipped_to_the_model_context() -> None:
         assert decode().sequences.shape == (1, 12)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+@pytest.mark.parametrize("prompt_len", [3, 20])
+def test_a_draft_with_a_shorter_context_never_shortens_the_output(temperature: float, prompt_len: int) -> None:
+    """Only the target's context bounds the output: a draft that can read 16 positions drafts fewer candidates as it
+    runs out of room, then none, and the target writes the rest alone (a prompt longer than the draft's context
+    included). The stub draft raises IndexError if it is ever fed past its 16 positions."""
+    generator = torch.Generator().manual_seed(0)
+    target_logits = 2 * torch.randn(8, 8, generator=generator)
+    target = TableLM.bigram(target_logits, 64)
+    draft = TableLM.bigram(target_logits + 0.5 * torch.randn(8, 8, generator=generator), 16)
+    prompt = [i % 8 for i in range(prompt_len)]
+    result = speculative_generate(
+        target, draft, prompt, FixedK(4), max_new_tokens=30, temperature=temperature,
+        generator=torch.Generator().manual_seed(1),
+    )  # fmt: skip
+    assert result.stats.generated == 30 and result.sequences.shape == (1, prompt_len + 30)
+    if temperature == 0:
+        reference = autoregressive_generate(target, prompt, max_new_tokens=30, temperature=0)
+        assert torch.equal(result.sequences, reference.sequences)
+    # The draft drafted while it had room and stopped exactly at its context: K candidates read length + K − 1.
+    assert sum(result.stats.proposed) > 0 if prompt_len < 16 else sum(result.stats.proposed) == 0
+
+
 # ---- KV caches ------------------------------------------------------------------------------------------------------
 
 

@@ -241,7 +241,7 @@ def test_oracle_method_decodes_greedily_and_counts_what_decoding_with_the_oracle
     from accept_head import autoregressive_generate, speculative_generate
     from accept_head.baselines import Oracle
     from accept_head.engine import Runner
-    from accept_head.pairs import load_pair
+    from accept_head.pair_loading import load_pair
 
     pair = load_pair(tiny["bundle"])
     runner = Runner(pair, max_new_tokens=12, temperature=0.0)
@@ -370,7 +370,7 @@ def test_a_trained_head_decodes_like_the_bundle_it_becomes(tiny) -> None:
     bounds) and the pair's stop ids builds the same HeadThreshold and decodes the same tokens as a Runner reading the
     bundle; without an h* it asks for a threshold, and without any head it refuses SpecDec++."""
     from accept_head.engine import Runner, TrainedHead
-    from accept_head.pairs import Pair, load_pair
+    from accept_head.pair_loading import Pair, load_pair
 
     pair = load_pair(tiny["bundle"])
     bundle = pair.bundle
@@ -392,7 +392,7 @@ def test_a_trained_head_decodes_like_the_bundle_it_becomes(tiny) -> None:
 
 def test_on_policy_records_decode_with_the_bundles_own_policy(tiny) -> None:
     from accept_head.evaluation.calibration import RecordingHeadThreshold
-    from accept_head.pairs import load_pair
+    from accept_head.pair_loading import load_pair
     from accept_head.policies import HeadThreshold
 
     pair = load_pair(tiny["bundle"])
@@ -539,6 +539,10 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
     assert oracle["modeled_tokens_per_second"] > fixed["modeled_tokens_per_second"]
     assert stored["cost_model"]["source"] == str(costs)
     assert f"{star['tokens_per_second']['median']:.1f}" in text  # numbers in the page come from results.json
+    # EOS is ignored for timing: every method wrote exactly max_new_tokens on each of the 2 prompts of every set.
+    assert stored["settings"]["ignore_eos"] is True
+    written = {m["generated_per_repeat"] for r in stored["results"].values() for t in r.values() for m in t["methods"]}
+    assert written == {2 * 10}
     assert render_markdown(stored, figures.name) == text  # results.json alone re-renders the page, row order included
     goals = {g["goal"] for g in stored["goals"]}
     assert any("oracle headroom" in g for g in goals) and any("best FixedK" in g for g in goals)

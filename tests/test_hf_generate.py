@@ -70,6 +70,19 @@ def greedy(target: torch.nn.Module, prompt: list[int], **kwargs) -> torch.Tensor
 # ---- greedy output is the target's own ----------------------------------------------------------------------------
 
 
+def test_a_draft_with_a_shorter_context_does_not_shorten_generate(pair) -> None:
+    """``generate(custom_generate=...)`` writes as many tokens as the target's own ``generate`` when the draft's
+    context (16) is shorter than the output, and takes a prompt longer than the draft's context."""
+    target, draft = pair
+    short = perturbed_copy(target, relative_noise=0.05, seed=1)  # same weights as the pair's draft...
+    short.config.max_position_embeddings = 16  # ...but a 16-token context, which the decoder must respect
+    fn = make_custom_generate(short, FixedK(3))
+    for prompt in (PROMPTS[0], list(range(10, 30))):
+        ours = greedy(target, prompt, custom_generate=fn, max_new_tokens=30)
+        assert torch.equal(ours, greedy(target, prompt, max_new_tokens=30)), prompt
+        assert ours.shape[1] == len(prompt) + 30
+
+
 @pytest.mark.parametrize("policy_name", ["fixed3", "head", "heuristic"])
 def test_greedy_generate_equals_the_targets_own_greedy_generate(pair, policy_name: str) -> None:
     target, draft = pair

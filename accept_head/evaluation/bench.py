@@ -31,7 +31,8 @@ from ..engine import (
     throughput,
     tree_params,
 )
-from ..pairs import ModelSpec, Pair, PairOptions
+from ..pair_loading import Pair, PairOptions
+from ..pairs import ModelSpec
 from ..prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
 from ..seeds import seeded_generator
 from ..tables import text_table
@@ -137,6 +138,7 @@ def _method_rows(methods: Sequence[dict]) -> list[list[str]]:
             fmt(m["ratio_to_autoregressive"], 2, "x"),
             fmt(m["ratio_to_best_fixed_k"], 2, "x"),
             fmt(m["modeled_tokens_per_second"]),
+            fmt(m.get("generated_per_repeat")),
             fmt(m["tokens_per_target_call"], 2),
             fmt(m["verification_rate"], 3),
             fmt(m["discard_rate"], 3),
@@ -153,6 +155,7 @@ BENCH_HEADER = [
     "vs AR",
     "vs best K",
     "modeled",
+    "tokens",
     "tok/call",
     "verif.",
     "discard",
@@ -187,6 +190,7 @@ def bench(
     seed: int = 0,
     output_dir: str = "eval_out/bench",
     progress: bool = True,
+    ignore_eos: bool = True,
 ) -> dict:
     """Benchmark SpecDec++ against every simpler way of choosing the candidate length, on the same prompts.
 
@@ -237,6 +241,9 @@ def bench(
         seed: Seed of the prompt shuffle and of every decoding generator.
         output_dir: Folder for bench.json and bench.png.
         progress: Show progress bars.
+        ignore_eos: Decode past EOS, so every method writes exactly ``max_new_tokens`` per prompt and tokens/s
+            compares outputs of one length (at T > 0 methods otherwise stop at different lengths), as serving
+            benchmarks time it. False stops at EOS; the table shows the tokens each method wrote either way.
     """
     pair_options, prompt_options = pair or PairOptions(), prompt_options or PromptOptions()
     pair_options.require_bundle("bench")
@@ -289,6 +296,7 @@ def bench(
             progress,
             trees,
             bigram_cache,
+            ignore_eos,
         )
         validation["skipped"] = trees_skipped + validation["skipped"]
         if confidence_tau is not None:
@@ -330,7 +338,7 @@ def bench(
         if oracle and temperature == 0:
             specs.append(MethodSpec("oracle"))
         specs = list({s.name: s for s in specs}.values())  # e.g. two HF settings that coincide
-        runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache)
+        runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache, ignore_eos=ignore_eos)
         outputs: dict = {}
         runs = run_interleaved(
             runner, specs, test_set.prompts, seed, repeats, warmup, progress, desc=f"bench {key}", outputs=outputs
@@ -360,7 +368,8 @@ def bench(
     plot = bench_plot(
         panels,
         folder / "bench.png",
-        f"{len(test_set.prompts)} prompts × {repeats} repeats, ≤{max_new_tokens} new tokens",
+        f"{len(test_set.prompts)} prompts × {repeats} repeats, "
+        + (f"{max_new_tokens} new tokens (EOS ignored)" if ignore_eos else f"≤{max_new_tokens} new tokens"),
     )
     payload = {
         "command": "bench",
@@ -370,6 +379,7 @@ def bench(
         "validation_prompts": val_set.describe(),
         "settings": {
             "max_new_tokens": max_new_tokens,
+            "ignore_eos": ignore_eos,
             "repeats": repeats,
             "warmup": warmup,
             "seed": seed,
@@ -420,7 +430,7 @@ def add_comparison_drafts(pair: Pair, spec: ModelSpec) -> None:
     """Load the standalone draft ``spec`` as comparison draft ``standalone`` and, when the pair's draft is a feature
     draft, the same model restricted to that draft's pruned vocabulary as ``standalone-pruned``."""
     from ..drafters import ModelDrafter
-    from ..pairs import load_model
+    from ..loading import load_model
 
     standalone = load_model(spec)
     pair.comparison_drafts["standalone"] = standalone
@@ -451,6 +461,7 @@ def _validate(
     progress: bool,
     trees: Sequence[MethodSpec] = (),
     bigram_cache: str | None = None,
+    ignore_eos: bool = False,
 ) -> dict:
     """Run the FixedK, EntropyStop and tree-decoder grids on the validation prompts and pick the best of each.
 
@@ -462,7 +473,16 @@ def _validate(
     specs += [MethodSpec("entropy", {"threshold": lam, "gamma": entropy_gamma}) for lam in entropy_thresholds]
     # run_sweep leaves out, with the reason, what this pair cannot run (only tree decoders can be refused).
     summaries, skipped = run_sweep(
-        pair, val_set, [*specs, *trees], temperature, max_new_tokens, cost_model, seed, progress, bigram_cache
+        pair,
+        val_set,
+        [*specs, *trees],
+        temperature,
+        max_new_tokens,
+        cost_model,
+        seed,
+        progress,
+        bigram_cache,
+        ignore_eos=ignore_eos,
     )
     own = [s for s in summaries if "draft" not in s.spec.params]
     best_k = best_of(own, select_by, "fixed_k")

@@ -31,7 +31,7 @@ from ..metrics import (
     reliability_bins,
     soft_auc,
 )
-from ..pairs import Pair, PairOptions
+from ..pair_loading import Pair, PairOptions
 from ..plots import reliability_plot
 from ..policies import HeadThreshold, RoundState
 from ..prompts import PromptOptions, PromptSet, PromptSource

@@ -1,6 +1,6 @@
 """What every ``python -m eval`` command shares: the cost model and output. The pair and the prompts come from the
-options the commands share, :class:`accept_head.pairs.PairOptions` and :class:`accept_head.prompts.PromptOptions`,
-and are decoded by :mod:`accept_head.engine`.
+options the commands share, :class:`accept_head.pair_loading.PairOptions` and
+:class:`accept_head.prompts.PromptOptions`, and are decoded by :mod:`accept_head.engine`.
 
 Nothing here runs at import time.
 """
@@ -21,7 +21,9 @@ import torch
 from ..cost_model import CostModel, measure_costs
 from ..engine import MethodSummary
 from ..labelgen.output import make_writable_dir
-from ..pairs import Pair
+from ..loading import load_model, load_tokenizer
+from ..pair_loading import Pair, PairOptions, load_pair
+from ..pairs import ModelSpec
 
 # ---- cost model ----------------------------------------------------------------------------------------------------
 
@@ -141,3 +143,16 @@ def tokens_per_second_cells(method: dict) -> list[str]:
     """Table cells of a method dict's measured tokens/s: the median, and min–max over repeats."""
     tps = method["tokens_per_second"]
     return [fmt(tps["median"]), f"{fmt(tps['min'])}–{fmt(tps['max'])}"]
+
+
+def load_target(options: PairOptions) -> Pair:
+    """The target and its tokenizer (as a :class:`Pair`; its draft is not used): ``target`` if given, else the
+    bundle's pair."""
+    if options.target is None and options.bundle is None:
+        raise ValueError("Pass --bundle PATH (its target is used) or --target.path.")
+    if options.target is None:
+        return load_pair(options.bundle, device=options.device, dtype=options.dtype)
+    spec = ModelSpec.coerce(options.target)
+    spec.device = options.device or spec.device
+    spec.dtype = options.dtype or spec.dtype
+    return Pair(load_model(spec), None, load_tokenizer(spec), target_spec=spec)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..cost_model import CostModel, measure_costs
 from ..head import AcceptanceHead
-from ..pairs import PairOptions
+from ..pair_loading import PairOptions
 from ..tables import text_table
 from .common import fmt, machine_info, output_folder, write_json
 from .plots import costs_plot

@@ -34,10 +34,11 @@ from pathlib import Path
 from ..cost_model import TreeCost, measure_tree_costs
 from ..engine import MethodSpec, MethodSummary, Runner, best_of, run_interleaved, summarize, tree_params
 from ..free_stop import AdaptiveRowStop, fit_predictor
-from ..pairs import ModelSpec, Pair, PairOptions, load_model, load_pair, load_tokenizer
+from ..pair_loading import PairOptions
+from ..pairs import ModelSpec
 from ..prompts import PromptOptions, PromptSource, check_disjoint
 from ..tables import text_table
-from .common import fmt, machine_info, output_folder, tokens_per_second_cells, write_json
+from .common import fmt, load_target, machine_info, output_folder, tokens_per_second_cells, write_json
 from .sweep import temperature_key
 
 DECODERS = ("ngrammys", "lookahead")
@@ -239,7 +240,7 @@ def free_stop(
         raise ValueError("--training_prompts is required: the predictor is fitted on their verification passes.")
     folder = output_folder(output_dir)
     pair_options, prompt_options = pair or PairOptions(), prompt_options or PromptOptions()
-    pair = _load_target(pair_options)
+    pair = load_target(pair_options)
     sets = {
         name: prompt_options.encode(name, sources, pair.tokenizer, seed)
         for name, sources in (("test", prompts), ("validation", validation_prompts), ("training", training_prompts))
@@ -338,19 +339,6 @@ def free_stop(
 
 def _coerce(cls, value):
     return cls(**value) if isinstance(value, dict) else value
-
-
-def _load_target(options: PairOptions) -> Pair:
-    """The target and its tokenizer (as a :class:`Pair`; its draft is not used): ``target`` if given, else the
-    bundle's pair."""
-    if options.target is None and options.bundle is None:
-        raise ValueError("Pass --bundle PATH (its target is used) or --target.path.")
-    if options.target is None:
-        return load_pair(options.bundle, device=options.device, dtype=options.dtype)
-    spec = ModelSpec.coerce(options.target)
-    spec.device = options.device or spec.device
-    spec.dtype = options.dtype or spec.dtype
-    return Pair(load_model(spec), None, load_tokenizer(spec), target_spec=spec)
 
 
 def _tree_cost(

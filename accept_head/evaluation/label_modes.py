@@ -30,7 +30,7 @@ from ..calibration import apply_calibration
 from ..engine import MethodSpec, Runner, h_star_spec, run_decoders, summarize
 from ..labels import load_label_dataset, recorded_temperature
 from ..metrics import acceptance_metrics
-from ..pairs import load_pair
+from ..pair_loading import load_pair
 from ..prompts import PromptOptions, PromptSource
 from ..rollout import read_hidden
 from ..tables import text_table

@@ -28,7 +28,8 @@ from ..engine import (
     headroom_share,
     selection_basis,
 )
-from ..pairs import ModelSpec, Pair, PairOptions
+from ..pair_loading import Pair, PairOptions
+from ..pairs import ModelSpec
 from ..plots import reliability_plot
 from ..prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
 from ..tables import text_table
@@ -259,6 +260,7 @@ def report(
     seed: int = 0,
     output: str = "docs/results.md",
     progress: bool = True,
+    ignore_eos: bool = True,
 ) -> dict:
     """Regenerate the results page of a bundle from scratch.
 
@@ -301,6 +303,9 @@ def report(
         seed: Seed of the prompt shuffle and of every decoding generator.
         output: The Markdown page to write; figures go to the folder of the same name without ``.md``.
         progress: Show progress bars.
+        ignore_eos: Decode past EOS, so every method writes exactly ``max_new_tokens`` per prompt and tokens/s
+            compares outputs of one length (at T > 0 methods otherwise stop at different lengths), as serving
+            benchmarks time it. False stops at EOS; the tables show the tokens each method wrote either way.
     """
     pair_options, prompt_options = pair or PairOptions(), prompt_options or PromptOptions()
     pair_options.require_bundle("report")
@@ -356,6 +361,7 @@ def report(
             seed,
             progress,
             bigram_cache,
+            ignore_eos=ignore_eos,
         )
         chosen[key] = choose_settings(runs, select_by)
         validation[key] = {
@@ -370,7 +376,17 @@ def report(
             key = temperature_key(temperature)
             outputs: dict = {}
             runs, skipped = run_sweep(
-                pair, prompt_set, chosen[key], temperature, max_new_tokens, model, seed, progress, bigram_cache, outputs
+                pair,
+                prompt_set,
+                chosen[key],
+                temperature,
+                max_new_tokens,
+                model,
+                seed,
+                progress,
+                bigram_cache,
+                outputs,
+                ignore_eos=ignore_eos,
             )
             summaries[set_name][key] = runs
             figures_made[f"pareto {set_name} {key}"] = _show(runs, staging, set_name, key, len(prompt_set.prompts))
@@ -411,6 +427,7 @@ def report(
         "validation": validation,
         "settings": {
             "max_new_tokens": max_new_tokens,
+            "ignore_eos": ignore_eos,
             "temperatures": temperatures,
             "select_by": select_by,
             "seed": seed,

@@ -57,8 +57,15 @@ def render_markdown(payload: dict, figures_dir: str) -> str:
         f"- Target `{(pair['target'] or {}).get('path')}` ({pair['target_parameters'] / 1e6:.1f} M parameters, "
         f"{(pair['target'] or {}).get('dtype')}); draft `{(pair['draft'] or {}).get('path')}` "
         f"({pair['draft_parameters'] / 1e6:.1f} M parameters).",
-        f"- Up to {settings['max_new_tokens']} new tokens per prompt, batch size 1, every method on the same prompts "
-        f"with the same per-prompt seeds, interleaved per prompt. Each method's setting (K, λ, τ, the tree "
+        (
+            f"- {settings['max_new_tokens']} new tokens per prompt (EOS ignored, so every method writes the same "
+            "number of tokens; the `tokens` column counts them), batch size 1, every method on the same prompts "
+            if settings.get("ignore_eos")
+            else f"- Up to {settings['max_new_tokens']} new tokens per prompt (stopping at EOS: methods may write "
+            "different numbers of tokens, counted in the `tokens` column), batch size 1, every method on the same "
+            "prompts "
+        )
+        + f"with the same per-prompt seeds, interleaved per prompt. Each method's setting (K, λ, τ, the tree "
         f"decoders' grids, HF's settings) is chosen on the validation prompts by {settings['select_by']} tokens/s "
         "(measured for methods decoding with a comparison draft, which the cost model does not price) and only "
         "the chosen one runs on the test sets; SpecDec++ runs at the bundle's h* for the mode, chosen by its own "
@@ -341,6 +348,7 @@ def _family_table(rows: Sequence[dict]) -> str:
         "modeled tok/s",
         "× AR",
         "× best FixedK",
+        "tokens",
         "tokens/call",
         "verif. rate",
         "discard rate",
@@ -354,6 +362,7 @@ def _family_table(rows: Sequence[dict]) -> str:
             fmt(r["modeled_tokens_per_second"]),
             fmt(r["ratio_to_autoregressive"], 2, "×"),
             fmt(r["ratio_to_best_fixed_k"], 2, "×"),
+            fmt(r.get("generated_per_repeat"), 0),
             fmt(r["tokens_per_target_call"], 2),
             fmt(r["verification_rate"], 3),
             fmt(r["discard_rate"], 3),

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 
 from ..cost_model import CostModel
 from ..engine import MethodSpec, MethodSummary, PolicyGrid, Runner, expand_grids, run_interleaved, summarize
-from ..pairs import Pair, PairOptions
+from ..pair_loading import Pair, PairOptions
 from ..prompts import PromptOptions, PromptSet, PromptSource
 from ..tables import text_table
 from .common import fmt, machine_info, output_folder, resolve_cost_model, write_json
@@ -60,10 +60,12 @@ def run_sweep(
     progress: bool = True,
     bigram_cache: str | None = None,
     outputs: dict[str, list[list[tuple[int, ...]]]] | None = None,
+    ignore_eos: bool = False,
 ) -> tuple[list[MethodSummary], list[dict]]:
     """Run every spec that can run at ``temperature`` on ``prompt_set``; return the summaries and the skipped specs
-    (with the reason). ``outputs``, when a dict, receives each decode's new tokens (see :func:`run_decoders`)."""
-    runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache)
+    (with the reason). ``outputs``, when a dict, receives each decode's new tokens (see :func:`run_decoders`);
+    ``ignore_eos`` decodes past EOS so every method writes exactly ``max_new_tokens`` (see :class:`Runner`)."""
+    runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache, ignore_eos=ignore_eos)
     runnable, skipped = [], []
     for spec in specs:
         reason = runner.supports(spec)

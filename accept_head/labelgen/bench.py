@@ -16,13 +16,13 @@ them. Reported: labelled tokens/s of each, the speedup, the batch size, and the 
 from __future__ import annotations
 
 import json
-import time
 from dataclasses import dataclass, replace
 
 import torch
 
 from ..labels import label_transform, position_labels
 from ..seeds import seeded_generator
+from ..timing import device_timer
 from .config import DataGenConfig
 from .generate import LoadedPair, label_batch, load_run
 
@@ -70,33 +70,33 @@ def run_naive(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]])
     generator = seeded_generator(cfg.seed, "naive", 0)
     for prompt in prompt_ids:
         ids = torch.tensor([prompt], device=device)
-        t0 = time.perf_counter()
-        with torch.random.fork_rng(devices=[]):  # HF sampling draws from the global RNG: keep it local
-            torch.manual_seed(cfg.seed)
-            out = pair.target.generate(
-                ids,
-                attention_mask=torch.ones_like(ids),
-                do_sample=not sampling.greedy,
-                temperature=sampling.temperature if not sampling.greedy else None,
-                top_k=sampling.top_k or 0,
-                top_p=sampling.top_p if sampling.top_p is not None else 1.0,
-                max_new_tokens=cfg.max_new_tokens,
-                eos_token_id=pair.eos,
-                pad_token_id=pair.pad,
-            )
-        response = out[0, len(prompt) :].tolist()
-        end = next((i + 1 for i, t in enumerate(response) if t in pair.eos), len(response))
-        response = response[:end]
-        t1 = time.perf_counter()
-        sequence = torch.tensor([prompt + response[:-1]], device=device)
-        first = len(prompt) - 1
-        p_logits = pair.target(sequence).logits[0, first:]
-        q_logits = pair.draft(sequence).logits[0, first:]
-        for i in range(len(response)):
-            u = torch.rand(1, generator=generator, dtype=torch.float64)
-            position_labels(p_logits[i : i + 1], q_logits[i : i + 1], transform=transform, uniforms=u)
-        timing.scoring_s += time.perf_counter() - t1
-        timing.generation_s += t1 - t0
+        with device_timer(device) as generation:
+            with torch.random.fork_rng(devices=[]):  # HF sampling draws from the global RNG: keep it local
+                torch.manual_seed(cfg.seed)
+                out = pair.target.generate(
+                    ids,
+                    attention_mask=torch.ones_like(ids),
+                    do_sample=not sampling.greedy,
+                    temperature=sampling.temperature if not sampling.greedy else None,
+                    top_k=sampling.top_k or 0,
+                    top_p=sampling.top_p if sampling.top_p is not None else 1.0,
+                    max_new_tokens=cfg.max_new_tokens,
+                    eos_token_id=pair.eos,
+                    pad_token_id=pair.pad,
+                )
+            response = out[0, len(prompt) :].tolist()
+            end = next((i + 1 for i, t in enumerate(response) if t in pair.eos), len(response))
+            response = response[:end]
+        with device_timer(device) as scoring:
+            sequence = torch.tensor([prompt + response[:-1]], device=device)
+            first = len(prompt) - 1
+            p_logits = pair.target(sequence).logits[0, first:]
+            q_logits = pair.draft(sequence).logits[0, first:]
+            for i in range(len(response)):
+                u = torch.rand(1, generator=generator, dtype=torch.float64)
+                position_labels(p_logits[i : i + 1], q_logits[i : i + 1], transform=transform, uniforms=u)
+        timing.scoring_s += scoring.seconds
+        timing.generation_s += generation.seconds
         timing.prompts += 1
         timing.tokens += len(response)
     return timing

@@ -38,17 +38,12 @@ from ..labels import (
     label_responses,
     label_transform,
 )
-from ..pairs import (
-    check_same_tokenizer,
-    check_same_vocab,
-    eos_token_ids,
-    is_feature_draft,
-    load_model,
-    load_tokenizer,
-)
+from ..loading import is_feature_draft, load_model, load_tokenizer
+from ..pairs import check_same_tokenizer, check_same_vocab, eos_token_ids
 from ..prompts import Prompt, PromptStats, chat_prompt_ids, load_prompts
 from ..rollout import rollout_features, rollout_labels
 from ..seeds import seeded_generator
+from ..timing import device_timer, module_device
 from .config import DataGenConfig
 from .output import (
     META,
@@ -317,34 +312,35 @@ def label_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]
             label_mode=cfg.label_mode,
             generator=labels_generator,
         )
-    t0 = time.perf_counter()
-    responses = sample_batch(
-        pair.target,
-        prompt_ids,
-        max_new_tokens=cfg.max_new_tokens,
-        sampling=sampling,
-        eos_token_ids=pair.eos,
-        pad_token_id=pair.pad,
-        generator=seeded_generator(cfg.seed, "generate", index),
-        follower=labeller,
-    )
-    t1 = time.perf_counter()
+    devices = {module_device(pair.target), module_device(pair.draft)}
+    with device_timer(devices) as generation:
+        responses = sample_batch(
+            pair.target,
+            prompt_ids,
+            max_new_tokens=cfg.max_new_tokens,
+            sampling=sampling,
+            eos_token_ids=pair.eos,
+            pad_token_id=pair.pad,
+            generator=seeded_generator(cfg.seed, "generate", index),
+            follower=labeller,
+        )
     response_ids = [r.token_ids for r in responses]
     if labeller is not None:
         labels = labeller.rows([len(r) for r in response_ids])
-        return LabelledBatch(response_ids, labels, t1 - t0 - labeller.seconds, labeller.seconds)
-    labels = label_responses(
-        pair.target,
-        pair.draft,
-        prompt_ids,
-        response_ids,
-        sampling=sampling,
-        label_mode=cfg.label_mode,
-        generator=labels_generator,
-        pad_token_id=pair.pad,
-        score_tokens=cfg.score_tokens,
-    )
-    return LabelledBatch(response_ids, labels, t1 - t0, time.perf_counter() - t1)
+        return LabelledBatch(response_ids, labels, generation.seconds - labeller.seconds, labeller.seconds)
+    with device_timer(devices) as scoring:
+        labels = label_responses(
+            pair.target,
+            pair.draft,
+            prompt_ids,
+            response_ids,
+            sampling=sampling,
+            label_mode=cfg.label_mode,
+            generator=labels_generator,
+            pad_token_id=pair.pad,
+            score_tokens=cfg.score_tokens,
+        )
+    return LabelledBatch(response_ids, labels, generation.seconds, scoring.seconds)
 
 
 def rollout_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]], index: int) -> LabelledBatch:

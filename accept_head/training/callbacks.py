@@ -133,10 +133,14 @@ class CalibrateHead(EndOfFitStage):
 
     def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport, folder: Path) -> None:
         dm = _datamodule(trainer)
+        # The prompts a sweep reports its held-out comparison on choose nothing, the calibration map included.
+        reserved = {pid for cb in trainer.callbacks if isinstance(cb, ThresholdSweep) for pid, _ in cb.held_out(dm)}
+        report.calibration_excluded = sorted(reserved)
         panels = {}
-        report.calibration_choice, panels["validation"] = self._calibrate(trainer, pl_module, dm.val_dataloader(), "")
+        loader = dm.calibration_dataloader(exclude=reserved)
+        report.calibration_choice, panels["validation"] = self._calibrate(trainer, pl_module, loader, "")
         report.calibration = report.calibration_choice.calibration
-        greedy = dm.greedy_dataloader()
+        greedy = dm.calibration_dataloader(greedy=True, exclude=reserved)
         if greedy is not None:
             report.greedy_calibration_choice, panels["greedy labels"] = self._calibrate(
                 trainer, pl_module, greedy, "greedy "
@@ -295,6 +299,13 @@ class ThresholdSweep(EndOfFitStage):
         self.select, self.autoregressive, self.seed, self.progress = select, autoregressive, seed, progress
         self.greedy = greedy
 
+    def held_out(self, dm: AcceptanceDataModule) -> list[tuple[str, list[int]]]:
+        """The ``eval_prompts`` validation prompts after the sweep's own, which the closing comparison reports on:
+        no stage may fit or choose anything on them (:class:`CalibrateHead` leaves them out)."""
+        if not self.enabled or not self.eval_prompts:
+            return []
+        return dm.val_prompts(self.eval_prompts, offset=len(dm.val_prompts(self.prompts)))
+
     def _run(
         self,
         dm: AcceptanceDataModule,
@@ -353,7 +364,7 @@ class ThresholdSweep(EndOfFitStage):
             self._greedy_h_star(dm, pl_module, report, prompts, by)
 
         best_k = result.best("fixed_k", by) if result.family("fixed_k") else None
-        held = dm.val_prompts(self.eval_prompts, offset=len(prompts)) if self.eval_prompts else []
+        held = self.held_out(dm)
         if self.eval_prompts and not held:
             print(f"sweep: no validation prompts left after the sweep's {len(prompts)} for sweep.eval_prompts")
         if held:
@@ -369,7 +380,7 @@ class ThresholdSweep(EndOfFitStage):
             )
             report.closing = closing.rows
             report.closing_prompts = (
-                f"{len(held)} validation prompts not used for training or for choosing h*/K, "
+                f"{len(held)} validation prompts not used for training, calibration or choosing h*/K, "
                 f"up to {self.max_new_tokens} new tokens"
             )
         else:
@@ -548,7 +559,9 @@ class ExportBundle(EndOfFitStage):
             "val_metrics": report.val_metrics,
             "calibration": _choice_record(report.calibration_choice),
             "greedy_calibration": _choice_record(
-                report.greedy_calibration_choice, dataset=dm.greedy_path, prompts=len(dm.split.get("greedy", []))
+                report.greedy_calibration_choice,
+                dataset=dm.greedy_path,
+                prompts=len(set(dm.split.get("greedy", [])) - set(report.calibration_excluded)),
             ),
             "cost_model_source": report.cost_model_source,
             "sampling": dm.sampling.to_dict(),

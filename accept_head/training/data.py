@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Sequence, Sized
+from collections.abc import Collection, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,9 +26,11 @@ from lightning.pytorch import LightningDataModule
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
+from ..feature_draft import read_config
 from ..labels import recorded_temperature
+from ..loading import is_feature_draft, load_model, load_tokenizer
 from ..mixing import check_ratio, mix_tokens
-from ..pairs import ModelSpec, eos_token_ids, is_feature_draft, load_model, load_tokenizer, local_folder, local_path
+from ..pairs import ModelSpec, eos_token_ids, local_folder, local_path
 from ..sampling import SamplingConfig
 from ..seeds import seeded_generator
 
@@ -653,6 +655,23 @@ class AcceptanceDataModule(LightningDataModule):
         """The greedy calibration labels (``greedy_path``), or None without them."""
         return None if self.greedy_set is None else self._loader(self.greedy_set, train=False)
 
+    def calibration_dataloader(self, greedy: bool = False, exclude: Collection[str] = ()) -> DataLoader | None:
+        """The labels a calibration map is fitted on: the validation split (``greedy``: the greedy labels, None
+        without them) less the prompts in ``exclude`` — those a later comparison reports on, which must choose
+        nothing."""
+        dataset = self.greedy_set if greedy else self.val_set
+        if dataset is None:
+            return None
+        if exclude:
+            kept = [row for row in dataset.rows if row.prompt_id not in set(exclude)]
+            if not kept:
+                raise ValueError(
+                    f"Every {'greedy' if greedy else 'validation'} prompt is reserved for the held-out comparison "
+                    "(sweep.eval_prompts); lower sweep.eval_prompts or raise data.val_size."
+                )
+            dataset = self._examples(kept)
+        return self._loader(dataset, train=False)
+
     # -- what the end-of-fit stages need
 
     @property
@@ -707,10 +726,8 @@ def draft_hidden_size(draft: ModelSpec) -> int:
     """The hidden size of ``draft`` read from its config (no weights are loaded)."""
     from transformers import AutoConfig
 
-    from ..feature_draft import is_feature_draft_folder, read_config
-
-    if is_feature_draft_folder(local_folder(draft)):
-        return int(read_config(Path(local_folder(draft))).hidden_size)
+    if is_feature_draft(draft):
+        return int(read_config(Path(draft.path)).hidden_size)
     try:
         config = AutoConfig.from_pretrained(local_folder(draft), revision=draft.revision)
     except OSError as err:

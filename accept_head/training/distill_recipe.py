@@ -24,7 +24,8 @@ from transformers import AutoModelForCausalLM
 
 from ..batch_generate import sample_batch
 from ..drafters import ModelDrafter
-from ..pairs import ModelSpec, eos_token_ids, load_model, load_tokenizer
+from ..loading import load_model, load_tokenizer
+from ..pairs import ModelSpec, eos_token_ids
 from ..prompts import PromptSource, chat_prompt_ids, load_prompts, training_prompts
 from ..sampling import SamplingConfig
 from ..seeds import seeded_generator

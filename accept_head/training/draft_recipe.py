@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict
 from pathlib import Path
@@ -100,8 +99,12 @@ def time_draft_step(target, drafter, rounds: int, head=None, context: int = 128,
 
     from .._hf_compat import cache_kwargs, crop_cache
     from ..decoding import prefill
+    from ..timing import device_timer, module_device
 
+    device = module_device(target)
+    draft_device = getattr(drafter, "device", device)
     ids = torch.randint(0, target.config.vocab_size, (1, context), generator=torch.Generator().manual_seed(0))
+    ids = ids.to(device)
     draft_times, target_times = [], []
     for _ in range(rounds):
         cache = DynamicCache()
@@ -109,15 +112,15 @@ def time_draft_step(target, drafter, rounds: int, head=None, context: int = 128,
         drafter.propose(None)
         token = int(ids[0, -1])
         for _ in range(steps):
-            t0 = time.perf_counter()
-            step = drafter.propose(token)
-            if head is not None:
-                head(step.hidden[None])
-            draft_times.append(time.perf_counter() - t0)
+            with device_timer(draft_device) as watch:
+                step = drafter.propose(token)
+                if head is not None:
+                    head(step.hidden[None])
+            draft_times.append(watch.seconds)
         for _ in range(steps):
-            t0 = time.perf_counter()
-            target(input_ids=torch.tensor([[token]]), **cache_kwargs(target, cache), logits_to_keep=1)
-            target_times.append(time.perf_counter() - t0)
+            with device_timer(device) as watch:
+                target(input_ids=ids.new_tensor([[token]]), **cache_kwargs(target, cache), logits_to_keep=1)
+            target_times.append(watch.seconds)
             crop_cache(cache, cache.get_seq_length() - 1)
     d, t = statistics.median(draft_times), statistics.median(target_times)
     return {"draft_ms": 1e3 * d, "target_ms": 1e3 * t, "ratio": d / t, "samples_each": len(draft_times)}

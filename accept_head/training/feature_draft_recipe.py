@@ -33,7 +33,8 @@ from ..feature_draft import FeatureDraft, FeatureDraftConfig, FeatureDrafter
 from ..features import decoder_matches_lm_head_input, final_hidden_states
 from ..head import AcceptanceHead
 from ..labels import draft_acceptance
-from ..pairs import ModelSpec, eos_token_ids, load_model, load_tokenizer
+from ..loading import load_model, load_tokenizer
+from ..pairs import ModelSpec, eos_token_ids
 from ..prompts import EncodedPrompt, PromptSource, chat_prompt_ids, load_prompts, training_prompts
 from .draft_recipe import (
     expand,
@@ -888,6 +889,10 @@ the acceptance at that V):
 Speed (context 128, bf16, interleaved, medians of {t["samples_each"]}): one drafting step {t["draft_ms"]:.2f} ms
 (with a depth-3 acceptance head {th["draft_ms"]:.2f} ms) against a single-token target forward
 {th["target_ms"]:.2f} ms — cost ratio c = {t["ratio"]:.3f} ({th["ratio"]:.3f} with the head).{_standalone_timing(ev)}
+These time 30 draft steps in a row, with the draft's weights warm in the CPU caches; a decoding round drafts one or two
+candidates between target calls, so the decoder pays more per step. The c that prices decoding is the bundle's cost
+model (`python -m train fit`'s cost-model stage, or `python -m eval costs`), which alternates draft and target calls
+as decoding does.
 
 ## Learning curve (validation on 16 batches of one held-out shard, kept-vocabulary acceptance, decoding context)
 

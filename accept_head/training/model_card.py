@@ -131,10 +131,16 @@ def model_card(
         lines.append("Calibration was not run; the head's raw probabilities are used.")
     else:
         lines += [f"Kept: **{choice.chosen}** (lowest ECE; scores {choice.evaluation}).", ""]
+        if report.calibration_excluded:
+            lines += [
+                f"Fitted on the validation labels less the {len(report.calibration_excluded)} prompts the closing "
+                "comparison reports on, so those prompts chose nothing.",
+                "",
+            ]
         lines += _scores_table(choice, "map")
         greedy = report.greedy_calibration_choice
         if greedy is not None:
-            prompts = len(datamodule.split.get("greedy", []))
+            prompts = len(set(datamodule.split.get("greedy", [])) - set(report.calibration_excluded))
             lines += [
                 "",
                 f"Greedy decoding uses a second map, fitted on greedy labels of {prompts} "

@@ -21,9 +21,10 @@ from torchmetrics.aggregation import CatMetric
 
 from ..features import decoder_matches_lm_head_input, final_hidden_states
 from ..head import AcceptanceHead
+from ..loading import load_model
 from ..loss import check_weights, weighted_bce
 from ..metrics import acceptance_metrics
-from ..pairs import ModelSpec, load_model
+from ..pairs import ModelSpec
 from .report import FitReport
 
 DRAFT_PREFIX = "draft."

@@ -19,6 +19,8 @@ class FitReport:
     greedy_calibration: Calibration | None = None
     """The map kept on greedy labels (``data.greedy_path``) for greedy decoding; None: the one map serves both."""
     greedy_calibration_choice: CalibrationChoice | None = None
+    calibration_excluded: list[str] = field(default_factory=list)
+    """Validation prompt ids left out of calibration because the closing comparison reports on them."""
     cost_model: CostModel | None = None
     cost_model_source: str | None = None
     """``measured on <device>`` or ``config``."""

