@@ -32,6 +32,7 @@ from safetensors.torch import load_file, save_file
 from transformers.generation.utils import GenerationMixin
 
 from .calibration import Calibration
+from .cost_model import CostModel
 from .decoding import DecodeStats, speculative_generate
 from .head import HEAD_WEIGHTS, AcceptanceHead
 from .hf_generate import SpecDecGenerateOutput, run_custom_generate
@@ -47,6 +48,8 @@ from .pairs import (
 )
 from .policies import HeadThreshold, StopPolicy
 from .prompts import chat_prompt_ids
+from .tree_decoding import tree_generate
+from .tree_growth import HeadTree
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -67,6 +70,7 @@ KNOWN_KEYS = {
     "greedy_calibration",
     "cost_model",
     "provenance",
+    "tree",
 }
 
 
@@ -140,6 +144,7 @@ class SpecDecPP:
         greedy_threshold: float | None = None,
         greedy_unscored: str | None = None,
         greedy_calibration: Calibration | None = None,
+        tree: dict | None = None,
     ) -> None:
         if head.hidden_size != draft.config.hidden_size:
             raise ValueError(
@@ -163,6 +168,12 @@ class SpecDecPP:
         self.cost_model = cost_model
         self.provenance = provenance or {}
         self.target_spec, self.draft_spec = target_spec, draft_spec
+        self.tree = dict(tree or {})
+        """Keyword arguments of :class:`~accept_head.tree_growth.HeadTree` for ``generate(..., tree=True)``
+        (``width``, ``top_k``, ``max_depth``, ``min_depth``, ``max_nodes``, ``threshold``); unset ones take
+        HeadTree's defaults."""
+        if self.tree:
+            self.tree_rule()  # validates the stored settings with HeadTree's messages
         self.last_stats: DecodeStats | None = None
         """Counters of the latest :meth:`custom_generate` call (``generate`` returns only token ids)."""
 
@@ -190,6 +201,25 @@ class SpecDecPP:
             calibration=self.calibration_for(greedy),
             unscored=unscored,
         )
+
+    def tree_rule(self, threshold: float | None = None, greedy: bool = False) -> HeadTree:
+        """The tree growth rule of ``generate(..., tree=True)``: this bundle's head (with the mode's calibration)
+        pricing every node under its cost model, with the stored :attr:`tree` settings; ``threshold`` overrides
+        the stored one (a node needs P(reached and accepted) >= 1 − threshold)."""
+        if not self.cost_model:
+            raise ValueError(
+                "This bundle has no cost model, which tree decoding needs to price nodes and depths: measure one "
+                "with `python -m eval costs` and pass it as cost_model=, or use generate(..., tree=False)."
+            )
+        known = ("width", "top_k", "max_depth", "min_depth", "max_nodes", "threshold")
+        unknown = sorted(set(self.tree) - set(known))
+        if unknown:
+            raise ValueError(f"tree settings {unknown} are unknown; use {', '.join(known)}.")
+        settings = dict(self.tree)
+        if threshold is not None:
+            settings["threshold"] = threshold
+        calibration = self.calibration_for(greedy)
+        return HeadTree(self.head, CostModel.from_dict(self.cost_model), calibration=calibration, **settings)
 
     def encode(self, prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:
         """Token ids for a string (chat template applied when the tokenizer has one), chat messages, or ids."""
@@ -222,21 +252,30 @@ class SpecDecPP:
         threshold: float | None = None,
         seed: int | None = None,
         generator: torch.Generator | None = None,
+        tree: bool = False,
     ) -> SpecDecOutput:
         """Generate a continuation of ``prompt`` (a string, chat messages, or token ids).
 
-        ``temperature`` defaults to the one the head was trained for; ``temperature=0`` is greedy.
+        ``temperature`` defaults to the one the head was trained for; ``temperature=0`` is greedy. ``tree=True``
+        drafts a token tree each round, grown and pruned by the head under the bundle's cost model
+        (:meth:`tree_rule`, :func:`~accept_head.tree_decoding.tree_generate`); ``stats`` then counts the tokens
+        fed to the target per call (``stats.fed``) and the tree's leaves (``stats.rows``).
         """
         ids = self.encode(prompt)
         if generator is None:
             generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**63)
         eos = self.eos_token_ids
         temperature = self.temperature if temperature is None else temperature
-        result = speculative_generate(
+        decode, rule = (
+            (tree_generate, self.tree_rule(threshold, greedy=temperature == 0))
+            if tree
+            else (speculative_generate, self.policy(threshold, greedy=temperature == 0))
+        )
+        result = decode(
             self.target,
             self.draft,
             torch.tensor([ids]),
-            self.policy(threshold, greedy=temperature == 0),
+            rule,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_k=top_k,
@@ -310,6 +349,7 @@ class SpecDecPP:
             "greedy_calibration": self.greedy_calibration.to_dict() if self.greedy_calibration is not None else None,
             "cost_model": self.cost_model,
             "provenance": self.provenance,
+            "tree": self.tree or None,
         }
 
     def save_pretrained(self, folder: str | Path) -> None:
@@ -435,6 +475,7 @@ class SpecDecPP:
             greedy_threshold=config.get("greedy_threshold"),
             greedy_unscored=config.get("greedy_unscored"),
             greedy_calibration=greedy_calibration,
+            tree=config.get("tree"),
         )
 
 

@@ -5,7 +5,9 @@
 text while it streams), then prints the answer's tokens/s, the mean number of candidates accepted
 per round and the speed-up over a plain ``target.generate`` pass on the same prompt, timed the same way.
 ``--prompt`` runs one turn and exits (scripts, tests); without it the chat reads turns from stdin until EOF or
-``/exit``.
+``/exit``. ``--tree`` decodes with a draft tree grown by the head (``SpecDecPP.generate(..., tree=True)``): the answer
+is printed once finished, then the tokens per round (per target call) and the mean tree size (candidates verified
+per call).
 
 ``overhead`` times the same greedy generations through ``speculative_generate`` directly and through
 ``target.generate(custom_generate=specdec.custom_generate)``, paired and interleaved, and prints the median relative
@@ -152,6 +154,40 @@ def answer(specdec: SpecDecPP, messages: list[dict], policy: StopPolicy, args: a
     return tokenizer.decode(new, skip_special_tokens=True)
 
 
+def answer_tree(specdec: SpecDecPP, messages: list[dict], args: argparse.Namespace, out: TextIO) -> str:
+    """Decode one answer with ``tree=True`` and print it with its statistics line; returns the answer's text."""
+    if args.repetition_penalty is not None or args.policy != "head":
+        raise ValueError("--tree decodes with the bundle's head and no logits processors: drop --repetition_penalty "
+                         "and --policy, or drop --tree.")  # fmt: skip
+    input_ids = torch.tensor([specdec.encode(messages)])
+    temperature = specdec.temperature if args.temperature is None else args.temperature
+    start = time.perf_counter()
+    result = specdec.generate(
+        input_ids, args.max_new_tokens, temperature, args.top_k, args.top_p, seed=args.seed, tree=True
+    )
+    seconds = time.perf_counter() - start
+    stats, new = result.stats, result.new_token_ids
+    out.write(result.text + "\n")
+    line = (
+        f"[{len(new)} tokens in {seconds:.2f} s: {len(new) / seconds:.1f} tok/s · "
+        f"{stats.generated / max(stats.target_calls, 1):.2f} tokens/round · tree of "
+        f"{statistics.fmean(stats.fed or [1]) - 1:.1f} candidates/round · "
+        f"{specdec.tree_rule(greedy=temperature == 0).describe()}"
+    )
+    if not args.no_baseline:
+        kwargs = generation_kwargs(args, specdec)
+        if args.seed is not None:
+            torch.manual_seed(args.seed)
+        plain, plain_seconds = _timed_generate(specdec.target, input_ids, **kwargs)
+        plain_tps = (plain.shape[1] - input_ids.shape[1]) / plain_seconds
+        line += f" · autoregressive {plain_tps:.1f} tok/s → {len(new) / seconds / plain_tps:.2f}×"
+        if not kwargs["do_sample"]:
+            line += " (same tokens)" if torch.equal(plain, result.sequences) else " (TOKENS DIFFER)"
+    out.write(line + "]\n")
+    out.flush()
+    return result.text
+
+
 def chat(args: argparse.Namespace, out: TextIO = sys.stdout, inp: TextIO = sys.stdin) -> int:
     specdec = SpecDecPP.from_pretrained(args.bundle, device=args.device, dtype=args.dtype)
     if specdec.tokenizer is None:
@@ -162,7 +198,10 @@ def chat(args: argparse.Namespace, out: TextIO = sys.stdout, inp: TextIO = sys.s
         out.write(f"SpecDec++ chat on {args.bundle} ({policy.describe()}); /exit or Ctrl-D to quit.\n")
     for text in [args.prompt] if args.prompt is not None else _read_turns(out, inp):
         messages.append({"role": "user", "content": text})
-        reply = answer(specdec, messages, policy, args, out)
+        if args.tree:
+            reply = answer_tree(specdec, messages, args, out)
+        else:
+            reply = answer(specdec, messages, policy, args, out)
         messages.append({"role": "assistant", "content": reply})
     return 0
 
@@ -254,6 +293,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--repetition_penalty", type=float, default=None)
             p.add_argument("--seed", type=int, default=None)
             p.add_argument("--no_baseline", action="store_true", help="skip the autoregressive comparison pass")
+            p.add_argument("--tree", action="store_true", help="draft a token tree grown by the head (no streaming)")
         else:
             p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
             p.add_argument("--repeats", type=int, default=3)

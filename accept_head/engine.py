@@ -37,6 +37,8 @@ from .pairs import cache_root
 from .policies import FixedK, HeadThreshold, StopPolicy
 from .prompts import EncodedPrompt
 from .seeds import seeded_generator
+from .tree_decoding import tree_generate
+from .tree_growth import ConfidenceTree, HeadTree, StaticTree, TreeRule
 from .tree_verify import MASKED_ATTENTION, TreeDecodeStats
 
 FAMILIES = {
@@ -51,8 +53,17 @@ FAMILIES = {
     "lookahead": "Lookahead",
     "ouroboros": "Ouroboros",
     "oracle": "Oracle",
+    "head_tree": "SpecDec++ tree",
+    "confidence_tree": "EAGLE-2 tree",
+    "static_tree": "static tree",
 }
 """Method kinds and their display names."""
+
+DRAFT_TREES = ("head_tree", "confidence_tree", "static_tree")
+"""Methods that draft a token tree with the pair's draft each round (:func:`~accept_head.tree_decoding.tree_generate`):
+the head's tree (:class:`~accept_head.tree_growth.HeadTree`, the bundle's stored tree settings overridden by the
+params), EAGLE-2's (:class:`~accept_head.tree_growth.ConfidenceTree`) and a fixed shape
+(:class:`~accept_head.tree_growth.StaticTree`); params are those classes' keyword arguments."""
 
 TREE_DECODERS = {"ngrammys": ngrammys_generate, "lookahead": lookahead_generate, "ouroboros": ouroboros_generate}
 """The learning-free decoders that verify many guesses in one target call (:mod:`accept_head.tree_verify`): kind →
@@ -94,7 +105,7 @@ class MethodSpec:
 
     kind: str
     """autoregressive, fixed_k, specdecpp, heuristic, confidence, entropy, hf_assisted, ngrammys, lookahead,
-    ouroboros or oracle."""
+    ouroboros, oracle, head_tree, confidence_tree or static_tree."""
     params: dict[str, Any] = field(default_factory=dict)
     """fixed_k: k. specdecpp: threshold (default: the bundle's h*), min_candidates, max_candidates, calibrated,
     unscored (``confidence``: see :class:`~accept_head.policies.HeadThreshold`).
@@ -368,6 +379,12 @@ class Runner:
             self.pair.draft_for(spec.params.get("draft")), PreTrainedModel
         ):
             return "HF assisted generation needs a Hugging Face draft model (name a comparison draft)"
+        if spec.kind == "head_tree" and not getattr(self.head, "cost_model", None):
+            return "the head's tree needs a bundle with a trained head and a cost model (--bundle)"
+        if spec.kind in DRAFT_TREES:
+            implementation = getattr(self.pair.target.config, "_attn_implementation", None)
+            if implementation not in MASKED_ATTENTION:
+                return f"tree verification needs the target to apply a 4D attention mask, not {implementation!r}"
         if spec.kind in TREE_DECODERS:
             models = {"target": self.pair.target}
             if spec.kind == "ouroboros":
@@ -431,6 +448,24 @@ class Runner:
             raise ValueError(f"method {spec.kind!r} does not take parameters {sorted(params)}.")
         raise ValueError(f"method {spec.kind!r} has no stop policy.")
 
+    def tree_rule(self, spec: MethodSpec) -> TreeRule:
+        """The growth rule of a draft-tree method (:data:`DRAFT_TREES`)."""
+        params = dict(spec.params)
+        try:
+            if spec.kind == "head_tree":
+                greedy = self.temperature == 0
+                settings = {**getattr(self.head, "tree", {}), **params}
+                calibration = self.head.calibration_for(greedy=greedy)
+                cost = CostModel.from_dict(self.head.cost_model)
+                return HeadTree(self.head.head, cost, calibration=calibration, **settings)
+            if spec.kind == "confidence_tree":
+                return ConfidenceTree(**params)
+            if spec.kind == "static_tree":
+                return StaticTree(**params)
+        except TypeError as err:
+            raise ValueError(f"bad parameters {spec.params} for method {spec.kind!r}: {err}") from err
+        raise ValueError(f"method {spec.kind!r} does not draft trees.")
+
     def oracle(self, ids: Sequence[int]) -> Oracle:
         key = tuple(ids)
         if key not in self._oracles:
@@ -477,6 +512,9 @@ class Runner:
             return lambda ids, gen: runner.generate(ids, self.max_new_tokens, generator=gen, **common)
         if spec.kind == "oracle":
             return lambda ids, gen: self._decode_oracle(ids, gen, common)
+        if spec.kind in DRAFT_TREES:
+            rule, budget = self.tree_rule(spec), self.max_new_tokens
+            return lambda ids, gen: tree_generate(target, draft, ids, rule, budget, generator=gen, **common)
         policy = self.policy(spec)
         return lambda ids, gen: speculative_generate(
             target, draft, ids, policy, self.max_new_tokens, generator=gen, **common

@@ -33,7 +33,8 @@ from ._hf_compat import cache_kwargs, crop_cache
 from .drafters import Drafter, DraftStep, check_kept_ids
 
 FORMAT = "accept_head.feature_draft"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+"""Version 2 adds slim folders (``lm_head_from_target``); full folders are still written as version 1."""
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 
@@ -76,6 +77,9 @@ class FeatureDraftConfig:
     """Where the target came from (informational)."""
     train_lm_head: bool = False
     """Whether training updated the LM head rows (else they stay the target's)."""
+    lm_head_from_target: bool = False
+    """A slim folder: the LM head rows are not stored but gathered from the target (its output rows of
+    ``kept_ids``) when the draft is bound to it, after its fingerprint is checked."""
     extra: dict = field(default_factory=dict)
     """Free-form provenance (training recipe, data) written by the trainer."""
 
@@ -174,6 +178,10 @@ class FeatureDraft(nn.Module):
                 f"({self.config.target_name or 'unknown'}), but the target given has fingerprint {found}; "
                 "pair it with the model it was trained on or train a draft for this one."
             )
+        if self.config.lm_head_from_target:  # a slim folder: the frozen LM head is the target's own rows
+            with torch.no_grad():
+                rows = target.get_output_embeddings().weight[self.kept_ids.to(target.device)]
+                self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
         self._bound = (target.get_input_embeddings(),)
         self.target_fingerprint = found
         return self
@@ -224,12 +232,26 @@ class FeatureDraft(nn.Module):
         return out
 
     # --- folders --------------------------------------------------------------------------------------------------
-    def save_pretrained(self, folder: str | Path) -> Path:
-        """Write ``config.json`` (sorted keys, format version) and ``model.safetensors``."""
+    def save_pretrained(self, folder: str | Path, slim: bool | None = None) -> Path:
+        """Write ``config.json`` (sorted keys, format version) and ``model.safetensors``.
+
+        ``slim`` (default: whenever the LM head was not trained and the target's fingerprint is known) leaves the LM
+        head out: it is the target's own rows of ``kept_ids``, gathered again by :meth:`bind` — the folder keeps
+        only the draft's own weights, the kept-token ids and its config."""
+        if slim is None:
+            slim = not self.config.train_lm_head and self.config.target_fingerprint is not None
+        if slim and (self.config.train_lm_head or self.config.target_fingerprint is None):
+            raise ValueError(
+                "A slim folder needs a frozen LM head and the target's fingerprint (train_lm_head="
+                f"{self.config.train_lm_head}, target_fingerprint={self.config.target_fingerprint}); save with "
+                "slim=False."
+            )
         folder = Path(folder)
         folder.mkdir(parents=True, exist_ok=True)
-        config = {"format": FORMAT, "format_version": FORMAT_VERSION, **asdict(self.config)}
-        state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith("decoder.embed")}
+        config = {**asdict(self.config), "lm_head_from_target": slim}
+        config = {"format": FORMAT, "format_version": FORMAT_VERSION if slim else 1, **config}
+        skip = ("decoder.embed", "lm_head.") if slim else ("decoder.embed",)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith(skip)}
         save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": FORMAT})
         (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         return folder
@@ -249,8 +271,14 @@ class FeatureDraft(nn.Module):
             state = load_file(str(weights))
         except Exception as error:  # safetensors raises its own error types for truncated/corrupt files
             raise ValueError(f"{weights} could not be read ({error}); the file is corrupt — re-export it.") from None
+        if config.lm_head_from_target and config.target_fingerprint is None:
+            raise ValueError(
+                f"{folder / CONFIG_NAME} stores no LM head (lm_head_from_target) and no target fingerprint to check "
+                "the target it would come from against; re-export the draft."
+            )
         missing, unexpected = draft.load_state_dict(state, strict=False)
-        missing = [k for k in missing if not k.startswith("decoder.embed")]
+        from_target = ("decoder.embed", "lm_head.") if config.lm_head_from_target else ("decoder.embed",)
+        missing = [k for k in missing if not k.startswith(from_target)]
         if missing or unexpected:
             raise ValueError(
                 f"{weights} does not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}."

@@ -293,6 +293,32 @@ def round_robin(prompts: Sequence[Any]) -> list[Any]:
     return [prompt for rank in itertools.zip_longest(*groups.values()) for prompt in rank if prompt is not None]
 
 
+def training_prompts(
+    sources: Sequence[PromptSource],
+    held_out: Sequence[Prompt],
+    *,
+    seed: int = 0,
+    split_seed: int = 0,
+    limit: int | None = None,
+    held_out_split: str = "eval",
+) -> list[Prompt]:
+    """The prompts a draft may be trained on: every source's prompts (seeded shuffle, per-source limits), minus every
+    prompt in the ``held_out_split`` hash split (``split_of(id, split_seed)``) and every prompt whose id or text is in
+    ``held_out``, taken round-robin across sources and then cut at ``limit``.
+
+    Round-robin before the cut is what makes a small ``limit`` a mix of all sources: the first ``limit`` prompts of a
+    plain concatenation would all come from the first source.
+    """
+    ids, texts = {p.id for p in held_out}, {p.text for p in held_out}
+    pool = [
+        prompt
+        for prompt in load_prompts(list(sources), seed=seed, split_seed=split_seed)
+        if split_of(prompt.id, split_seed) != held_out_split and prompt.id not in ids and prompt.text not in texts
+    ]
+    mixed = round_robin(pool)
+    return mixed if limit is None else mixed[:limit]
+
+
 def check_disjoint(a: PromptSet, b: PromptSet) -> None:
     """Raise ValueError if two prompt sets share a prompt (validation must never see test prompts)."""
     shared = {tuple(p.ids) for p in a.prompts} & {tuple(p.ids) for p in b.prompts}

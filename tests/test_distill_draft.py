@@ -151,3 +151,42 @@ def test_fit_trains_with_lightning_and_resumes_from_its_last_checkpoint(tmp_path
     all_ = ev["acceptance"]["all"]
     assert f"| all | {all_['positions']} | {all_['expected_accept']:.3f} | {all_['greedy_agreement']:.3f} |" in card
     assert (tmp_path / "draft" / "learning_curve.png").stat().st_size > 0
+
+
+def test_generate_mixes_every_source_and_never_distills_on_held_out_prompts(tmp_path) -> None:
+    """A small ``max_prompts`` over three sources listed without a split: the train shards hold prompts of every
+    source (round-robin, not the first N of the first source) and none of the ``eval`` hash split or of
+    ``eval_prompts``; split.json records both lists."""
+    from tiny_models import make_pair
+    from train_helpers import write_prompts
+
+    from accept_head.pairs import ModelSpec
+    from accept_head.prompts import PromptSource, split_of
+    from accept_head.training.distill_recipe import DistillConfig, generate
+
+    target, _ = make_pair(tmp_path)
+    files = {name: write_prompts(tmp_path / f"{name}.jsonl", 40, seed=i) for i, name in enumerate("abc")}
+    sources = [PromptSource(path=str(path), name=name) for name, path in files.items()]
+    cfg = DistillConfig(
+        target=ModelSpec(path=str(target), dtype="float32"),
+        prompts=sources,
+        eval_prompts=[PromptSource(path=str(files["a"]), name="a", split="head", limit=4)],
+        work_dir=str(tmp_path / "work"),
+        max_new_tokens=2,
+        batch_size=4,
+        max_prompts=9,
+        topk=2,
+    )
+    generate(cfg)
+
+    def prompt_ids(kind: str) -> list[str]:
+        shards = sorted((tmp_path / "work" / "shards").glob(f"{kind}-*.pt"))
+        return [pid for path in shards for pid in torch.load(path, weights_only=True)["prompt_id"]]
+
+    trained, held_out = prompt_ids("train"), prompt_ids("eval")
+    assert len(trained) == 9 and len(held_out) == 4
+    assert {pid.split(":")[0] for pid in trained} == {"a", "b", "c"}
+    assert all(split_of(pid, cfg.split_seed) != "eval" for pid in trained)
+    assert not set(trained) & set(held_out)
+    split = json.loads((tmp_path / "work" / "split.json").read_text())
+    assert split["train"] == trained and split["eval"] == held_out

@@ -14,11 +14,13 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from stats_helpers import ALPHA, accept_every_candidate, exact_joint, pair_p_values
 from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, perturbed_copy
 
@@ -457,19 +459,28 @@ def test_acceptance_head_of_another_width_is_refused(llama, kept) -> None:
 # --- 5. folders and fingerprints ------------------------------------------------------------------------------------
 
 
-def test_save_load_round_trip(tmp_path, llama, kept) -> None:
-    draft = FeatureDraft.from_target(llama, kept)
-    with torch.no_grad():  # move every trainable weight off its initial value so the round trip has content
+def perturbed_draft(target, kept: torch.Tensor) -> FeatureDraft:
+    """A draft for ``target`` whose trainable weights are moved off their initial values (the LM head stays frozen
+    at the target's rows), so a round trip has content."""
+    draft = FeatureDraft.from_target(target, kept)
+    with torch.no_grad():
         for param in draft.parameters():
-            param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())))
-    folder = draft.save_pretrained(tmp_path / "draft")
-    loaded = FeatureDraft.from_pretrained(folder)
-    via_spec = load_model({"path": str(folder), "dtype": "float32"})
+            if param.requires_grad:
+                param.add_(0.05 * torch.randn(param.shape, generator=torch.Generator().manual_seed(param.numel())))
+    return draft
+
+
+@pytest.mark.parametrize("slim", [True, False])
+def test_save_load_round_trip(tmp_path, llama, kept, slim) -> None:
+    draft = perturbed_draft(llama, kept)
+    folder = draft.save_pretrained(tmp_path / "draft", slim=slim)
+    loaded = FeatureDraft.from_pretrained(folder).bind(llama)
+    via_spec = load_model({"path": str(folder), "dtype": "float32"}).bind(llama)
     assert isinstance(via_spec, FeatureDraft)
     # The layer stack's own 1-row embedding table is never read (inputs arrive as embeddings) and is not saved.
     reference = {k: v for k, v in draft.state_dict().items() if not k.startswith("decoder.embed")}
     for copy_ in (loaded, via_spec):
-        assert copy_.config == draft.config
+        assert copy_.config == dataclasses.replace(draft.config, lm_head_from_target=slim)
         assert torch.equal(copy_.kept_ids, kept)
         state = {k: v for k, v in copy_.state_dict().items() if not k.startswith("decoder.embed")}
         assert state.keys() == reference.keys()
@@ -487,6 +498,53 @@ def test_save_load_round_trip(tmp_path, llama, kept) -> None:
                 llama, copy_, prompt, FixedK(3), GREEDY_NEW, generator=torch.Generator().manual_seed(7)
             )
             assert torch.equal(again.sequences, sampled.sequences)
+
+
+def test_slim_folder_stores_no_lm_head_and_gathers_it_from_its_target_only(tmp_path, llama, kept) -> None:
+    """A slim folder holds the draft's own weights, the kept ids and its config; binding gathers the LM head rows
+    from the target, and a target with another fingerprint is refused with both fingerprints named."""
+    draft = perturbed_draft(llama, kept)
+    slim = draft.save_pretrained(tmp_path / "slim")
+    full = draft.save_pretrained(tmp_path / "full", slim=False)
+    stored = load_file(str(slim / "model.safetensors"))
+    assert "lm_head.weight" not in stored and torch.equal(stored["kept_ids"], kept)
+    assert "lm_head.weight" in load_file(str(full / "model.safetensors"))
+    config = json.loads((slim / "config.json").read_text())
+    assert config["lm_head_from_target"] and config["format_version"] == 2
+    assert json.loads((full / "config.json").read_text())["format_version"] == 1
+    assert (slim / "model.safetensors").stat().st_size < (full / "model.safetensors").stat().st_size
+
+    loaded = FeatureDraft.from_pretrained(slim, dtype=torch.bfloat16)
+    other = make_llama(seed=1)
+    with pytest.raises(ValueError) as refused:
+        loaded.bind(other)
+    assert model_fingerprint(llama) in str(refused.value) and model_fingerprint(other) in str(refused.value)
+    loaded.bind(llama)
+    assert torch.equal(loaded.lm_head.weight, llama.get_output_embeddings().weight[kept].to(torch.bfloat16))
+
+
+def test_an_older_full_folder_still_loads(tmp_path, llama, kept) -> None:
+    """A folder written before slim folders (format_version 1, no lm_head_from_target key) loads as it was."""
+    draft = perturbed_draft(llama, kept)
+    folder = draft.save_pretrained(tmp_path / "old", slim=False)
+    config = json.loads((folder / "config.json").read_text())
+    del config["lm_head_from_target"]
+    (folder / "config.json").write_text(json.dumps(config))
+    loaded = FeatureDraft.from_pretrained(folder)
+    assert not loaded.config.lm_head_from_target
+    assert torch.equal(loaded.lm_head.weight, draft.lm_head.weight)
+    result = speculative_generate(llama, loaded, [2, 12, 40], FixedK(3), 8, temperature=0)
+    assert torch.equal(result.sequences, autoregressive_generate(llama, [2, 12, 40], 8, temperature=0).sequences)
+
+
+def test_a_slim_folder_without_a_fingerprint_is_refused(tmp_path, llama, kept) -> None:
+    folder = perturbed_draft(llama, kept).save_pretrained(tmp_path / "slim")
+    config = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps(config | {"target_fingerprint": None}))
+    with pytest.raises(ValueError, match="no target fingerprint"):
+        FeatureDraft.from_pretrained(folder)
+    with pytest.raises(ValueError, match="slim=False"):
+        FeatureDraft.from_target(llama, kept, train_lm_head=True).save_pretrained(tmp_path / "trained", slim=True)
 
 
 def test_fingerprint_ignores_dtype_and_tells_models_apart(tmp_path, llama, kept) -> None:
@@ -512,3 +570,37 @@ def test_fixed_k_ceiling_counts_the_accepted_run_plus_the_targets_token() -> Non
     assert expected_fixed_k_speedup([1.0] * 4, 4, free) == pytest.approx(5.0)
     with pytest.raises(ValueError, match="k=5 needs 1..4"):
         expected_fixed_k_speedup([1.0] * 4, 5, free)
+
+
+# --- 5. training unrolls the steps as decoding runs them --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("padded", [False, True])
+def test_unrolled_step_k_equals_the_drafters_kth_candidate(padded: bool) -> None:
+    """For every round start t the training unroll's step-k prediction (k = 1..3) at pair t + k − 1 equals the k-th
+    candidate :class:`FeatureDrafter` computes after the text up to x_{t+1} is committed with the target's own
+    features, the candidates being the text's next tokens — also for a shorter, right-padded row of the batch."""
+    from accept_head.training.feature_draft import unrolled_predictions
+
+    target = small_llama(seed=5)
+    draft = lively_feature_draft(target).eval()
+    generator = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, VOCAB, (12,), generator=generator), torch.randint(0, VOCAB, (9,), generator=generator)]
+    rows = rows if padded else rows[:1]
+    tokens = torch.nn.utils.rnn.pad_sequence(rows, batch_first=True)
+    mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(r) for r in rows], batch_first=True)
+    with torch.no_grad():
+        features = lm_head_input(target, tokens, mask)  # (B, T, d): the target's own final hidden states
+        steps = unrolled_predictions(draft, {"tokens": tokens, "features": features, "mask": mask}, steps=3)
+    drafter = FeatureDrafter(draft, target)
+    checked = 0
+    for b, row in enumerate(rows):
+        for t in range(len(row) - 4):
+            drafter.start(row[: t + 2].tolist(), features[b, : t + 1])
+            with torch.no_grad():
+                candidates = [drafter.propose(None).hidden]
+                candidates += [drafter.propose(int(row[t + k])).hidden for k in (2, 3)]
+            for k, candidate in enumerate(candidates, start=1):
+                torch.testing.assert_close(steps[k - 1][b, t + k - 1], candidate, atol=1e-5, rtol=1e-5)
+                checked += 1
+    assert checked == 3 * sum(len(r) - 4 for r in rows)

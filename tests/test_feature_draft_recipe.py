@@ -359,6 +359,48 @@ def test_per_step_acceptance_step_one_matches_a_hand_computation(tmp_path) -> No
     assert rows[0]["greedy_agreement"] == pytest.approx(sum(g for _, g in hand) / len(hand))
 
 
+def test_per_step_acceptance_and_the_training_unroll_measure_the_same_context(tmp_path) -> None:
+    """``evaluate``'s per-step acceptance (a cached decode from each start) equals the acceptance of the training
+    unroll's step-k predictions at the same positions, steps 1-3: fit's validation and evaluate score one context."""
+    from accept_head.labels import draft_acceptance
+    from accept_head.training.feature_draft import unrolled_predictions
+
+    target = make_llama(seed=3)
+    draft = FeatureDraft.from_target(target, torch.arange(7, 47))
+    with torch.random.fork_rng(devices=[]):  # weights large enough that attention to a wrong feature shows
+        torch.manual_seed(0)
+        for p in [*draft.fc.parameters(), *draft.decoder.layers.parameters()]:
+            p.data.normal_(0, 0.2)
+    tokens = torch.tensor(PREFIX + [10, 20, 30, 40, 50, 11, 21, 31, 41, 51, 12, 22, 32])
+    prompt_length, steps = 7, 3
+    with torch.no_grad():
+        features = lm_head_input(target, tokens[None])[0]
+        logits = target(input_ids=tokens[None]).logits[0].float()
+        unrolled = unrolled_predictions(
+            draft,
+            {"tokens": tokens[None], "features": features[None]}
+            | {"mask": torch.ones(1, len(tokens), dtype=torch.long)},
+            steps,
+        )
+    path = tmp_path / "shard.safetensors"
+    shard = {"tokens": tokens.to(torch.int32), "features": features.contiguous(), "lse": logits.logsumexp(-1)}
+    save_file(
+        shard | {"offsets": torch.tensor([0, len(tokens)]), "prompt_lengths": torch.tensor([prompt_length])}, str(path)
+    )
+    rows = stages.per_step_acceptance(draft, target, [path], 100, steps, seed=0)
+    starts = range(prompt_length - 2, len(tokens) - steps - 1)
+    for k, row in enumerate(rows, start=1):
+        # Start t, step k: the prediction at pair t + k - 1 scored against the target at position t + k.
+        q = draft.full_logits(unrolled[k - 1][0, [t + k - 1 for t in starts]]).float().softmax(-1)
+        accept, agree = draft_acceptance(logits[[t + k for t in starts]].softmax(-1), q)
+        assert row["n"] == len(starts)
+        assert row["expected_accept"] == pytest.approx(float(accept.mean()), abs=1e-5)
+        assert row["greedy_agreement"] == pytest.approx(float(agree.float().mean()))
+    # A deadline already passed (``all``'s budget spent): nothing is scored, and the rows say so.
+    late = stages.per_step_acceptance(draft, target, [path], 100, steps, seed=0, deadline=0.0)
+    assert [row["n"] for row in late] == [0] * steps
+
+
 # ---- committed configs parse without loading models ----------------------------------------------------------------
 
 
@@ -375,6 +417,24 @@ def test_committed_recipe_config_parses_through_the_cli(capsys, monkeypatch) -> 
         assert printed["kept_vocab"] == 16384 and printed["kept_vocab"] in printed["vocab_sizes"]
         assert printed["unroll"] >= 2 and 0 < printed["val_every_steps"] <= printed["max_steps"]
         assert printed["standalone"]["path"] == "checkpoints/smollm2-135m-draft"
+
+
+def test_gpu_recipe_config_parses_through_the_cli(capsys, monkeypatch) -> None:
+    """The one-call GPU recipe: ``all`` and each stage parse it; its prompts are split as the issue asks (training
+    sources in the ``distill`` split, held-out ones in ``eval`` or HumanEval), Lightning on the GPU in bf16."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(stages, "load_model", mock.Mock(side_effect=AssertionError("no model may be loaded")))
+    config = "configs/distill/smollm2-135m-feature-draft-gpu.yaml"
+    for stage in ("all", "responses", "features", "vocab", "fit", "evaluate"):
+        with pytest.raises(SystemExit) as exit_info:
+            run_cli(stage, "--config", config, "--print_config")
+        assert exit_info.value.code in (0, None)
+        printed = yaml.safe_load(capsys.readouterr().out)["cfg"]
+        assert printed["target"]["device"] == "cuda" and printed["accelerator"] == "gpu"
+        assert printed["precision"] == "bf16-mixed" and printed["generations_dir"] is None
+        assert {source["split"] for source in printed["prompts"]} == {"distill"}
+        assert all(s["split"] == "eval" or s["path"] == "humaneval" for s in printed["eval_prompts"])
+        assert printed["responses_budget_s"] + printed["reserve_s"] < printed["time_budget_s"] <= 480
 
 
 def test_committed_recipe_teacher_forces_text_beside_the_responses(capsys, monkeypatch) -> None:
@@ -417,7 +477,7 @@ def test_soft_cross_entropy_equals_the_direct_form_with_its_gradients(train_lm_h
     """The module computes −Σ p log q as P·logsumexp(z) − f̂·(pᵀW) (:class:`WeightedLogSumExp`); in fp32 loss and
     gradients equal the direct −Σ_v p(v) log_softmax(z)(v) over the kept vocabulary, frozen or trained LM head."""
     from accept_head.feature_draft import FeatureDraftConfig
-    from accept_head.training.feature_draft import FeatureDraftModule, unrolled_predictions
+    from accept_head.training.feature_draft import FeatureDraftModule, step_loss_mask, unrolled_predictions
 
     torch.manual_seed(0)
     target = make_llama()
@@ -439,9 +499,11 @@ def test_soft_cross_entropy_equals_the_direct_form_with_its_gradients(train_lm_h
     fused = torch.autograd.grad(loss, params, allow_unused=True)
 
     p = ((features[:, 1:] @ module.target_rows.T) - lse[:, 1:, None]).exp()
-    m = batch["loss_mask"]
     steps = unrolled_predictions(module.draft, batch, 2)
-    direct = [(-(p * module.draft.kept_logits(f).log_softmax(-1)).sum(-1) * m).sum() / m.sum() for f in steps]
+    masks = [step_loss_mask(batch["loss_mask"], k) for k in (1, 2)]  # step 2 has no round at pair 0
+    direct = [
+        (-(p * module.draft.kept_logits(f).log_softmax(-1)).sum(-1) * m).sum() / m.sum() for f, m in zip(steps, masks)
+    ]
     expected = direct[0] + 0.8 * direct[1]
     grads = torch.autograd.grad(expected, params, allow_unused=True)
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)

@@ -1,8 +1,11 @@
 """The recipe behind ``checkpoints/smollm2-135m-feature-draft``: a draft that reads the target (EAGLE-style).
 
-Stages, each resumable, all driven by one YAML::
+Stages, each resumable, all driven by one YAML; ``all`` runs responses → features → vocab → fit → evaluate within
+the config's ``time_budget_s``::
 
-    python -m train.distill_draft generate --config <distill yaml>            # the target answers prompts (token ids)
+    python -m train.feature_draft all      --config configs/distill/smollm2-135m-feature-draft-gpu.yaml
+    python -m train.feature_draft responses --config ...  # the target's own responses (T=1 samples + greedy)
+    python -m train.distill_draft generate --config <distill yaml>  # or: responses written by the standalone recipe
     python -m train.feature_draft text     --config ...   # optional: more text (e.g. Python's stdlib) as sequences
     python -m train.feature_draft features --config configs/distill/smollm2-135m-feature-draft.yaml
     python -m train.feature_draft vocab    --config ...   # token frequencies; the target's mass covered per V
@@ -16,13 +19,24 @@ The stages and the ``cfg:`` keys are :mod:`accept_head.training.feature_draft_re
 
 from __future__ import annotations
 
-from accept_head.training.feature_draft_recipe import ablate, evaluate, features, fit, model_card, text, vocab
+from accept_head.training.feature_draft_recipe import (
+    ablate,
+    evaluate,
+    features,
+    fit,
+    model_card,
+    responses,
+    run_all,
+    text,
+    vocab,
+)
 
 
 def main() -> None:
     from jsonargparse import CLI
 
-    CLI([text, features, vocab, fit, evaluate, model_card, ablate], as_positional=False)  # subcommands by name
+    stages = [responses, text, features, vocab, fit, evaluate, model_card, ablate]
+    CLI({"all": run_all} | {stage.__name__: stage for stage in stages}, as_positional=False)  # subcommands by name
 
 
 if __name__ == "__main__":

@@ -26,7 +26,7 @@ from ..batch_generate import sample_batch
 from ..drafters import ModelDrafter
 from ..loading import load_model, load_tokenizer
 from ..pairs import ModelSpec, eos_token_ids
-from ..prompts import PromptSource, chat_prompt_ids, load_prompts
+from ..prompts import PromptSource, chat_prompt_ids, load_prompts, training_prompts
 from ..sampling import SamplingConfig
 from ..seeds import seeded_generator
 from .distill_draft import (
@@ -73,7 +73,11 @@ class DistillConfig:
     batch_size: int = 64
     """Prompts per generation batch; one batch is one shard."""
     max_prompts: int | None = None
-    """Use only the first this many distillation prompts (in the seeded order); None uses all."""
+    """Use only this many distillation prompts, taken round-robin across the sources (each shuffled, seeded); None
+    uses all."""
+    split_seed: int = 0
+    """Seed of the prompt-id hash split (:func:`~accept_head.prompts.split_of`): prompts in its ``eval`` split, and
+    every ``eval_prompts`` prompt, are never distilled on, whatever ``prompts`` lists."""
     topk: int = 32
     """Target log-probabilities kept per response position."""
     seed: int = 0
@@ -92,17 +96,21 @@ class DistillConfig:
 
 
 def generate(cfg: DistillConfig) -> None:
-    """Stage 1: the target answers eval prompts then distillation prompts; one shard per batch, resumable."""
+    """Stage 1: the target answers eval prompts then distillation prompts; one shard per batch, resumable.
+
+    The distillation prompts mix every source (:func:`~accept_head.prompts.training_prompts`) and never include a
+    held-out one; ``<work_dir>/split.json`` records the split seed and both lists of prompt ids."""
     set_threads(cfg.threads)
     work = expand(cfg.work_dir)
     (work / "shards").mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(cfg.target)
     model = load_model(cfg.target)
     sampling = SamplingConfig(temperature=cfg.temperature)
-    for kind, sources in (("eval", cfg.eval_prompts), ("train", cfg.prompts)):
-        prompts = load_prompts(sources, seed=cfg.seed)
-        if kind == "train" and cfg.max_prompts is not None:
-            prompts = prompts[: cfg.max_prompts]
+    held_out = load_prompts(cfg.eval_prompts, seed=cfg.seed, split_seed=cfg.split_seed)
+    train = training_prompts(cfg.prompts, held_out, seed=cfg.seed, split_seed=cfg.split_seed, limit=cfg.max_prompts)
+    split = {"split_seed": cfg.split_seed, "eval": [p.id for p in held_out], "train": [p.id for p in train]}
+    (work / "split.json").write_text(json.dumps(split) + "\n")
+    for kind, prompts in (("eval", held_out), ("train", train)):
         n_shards = math.ceil(len(prompts) / cfg.batch_size)
         print(f"[generate] {kind}: {len(prompts)} prompts in {n_shards} shards", flush=True)
         for shard in range(n_shards):
@@ -358,10 +366,10 @@ python -m train.distill_draft model_card --config configs/distill/smollm2-135m-d
 - Data: the target (bf16, batched sampling at temperature {meta["config"]["temperature"]}, chat template, up to
   {meta["config"]["max_new_tokens"]} new tokens) answers prompts of the `distill` hash split (`split_of(id, 0)`, 60%)
   of the `../shared/data` instruction sets (GSM8K train, GPTeacher codegen/toolformer/roleplay, AlpacaEval,
-  self-instruct seeds): the first {n_responses:,} prompts in the seeded order (`max_prompts`), {n_tokens:,} response
-  tokens. Head-training prompts use the disjoint `head` split, evaluation the `eval` split and
-  HumanEval, so no prompt used here is used to train or evaluate heads. For every response token the target's
-  top-{meta["config"]["topk"]} log-probabilities are stored.
+  self-instruct seeds): {n_responses:,} prompts taken round-robin across the sets in the seeded order
+  (`max_prompts`), {n_tokens:,} response tokens. Head-training prompts use the disjoint `head` split, evaluation
+  the `eval` split and HumanEval, so no prompt used here is used to train or evaluate heads. For every response
+  token the target's top-{meta["config"]["topk"]} log-probabilities are stored.
 - Loss: cross-entropy against the target's distribution — its top-k probabilities directly, the remaining mass on
   the token the target sampled (a one-sample estimate of the tail), i.e. an estimate of E_p[−log q].
 - Initialisation: the embedding (tied with the LM head) is the target's embedding projected on its top

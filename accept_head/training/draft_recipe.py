@@ -47,12 +47,14 @@ def fit_resumable(
     val_every_steps: int,
     checkpoint_every_steps: int | None = None,
     datamodule=None,
+    accelerator: str = "cpu",
     **trainer,
 ) -> Trainer:
-    """Train ``module`` on the CPU for ``max_steps`` optimizer steps, validating every ``val_every_steps`` and
-    checkpointing every ``checkpoint_every_steps`` (None: at each validation), resuming from
-    ``<work>/checkpoints/last.ckpt`` when it exists; logs go to a new ``<work>/logs/version_N`` per run (a fixed
-    version's CSV would be wiped on resume). ``trainer``: further :class:`~lightning.pytorch.Trainer` arguments."""
+    """Train ``module`` on one ``accelerator`` device (``cpu`` or ``gpu``) for ``max_steps`` optimizer steps,
+    validating every ``val_every_steps`` and checkpointing every ``checkpoint_every_steps`` (None: at each
+    validation), resuming from ``<work>/checkpoints/last.ckpt`` when it exists; logs go to a new
+    ``<work>/logs/version_N`` per run (a fixed version's CSV would be wiped on resume). ``trainer``: further
+    :class:`~lightning.pytorch.Trainer` arguments."""
     # Only last.ckpt, rewritten in place (save_top_k=0 needs every_n_train_steps to write at all): a resumed run, also
     # from a moved work folder whose checkpoint names another dirpath, must overwrite it rather than write
     # last-v1.ckpt beside it, or the next resume would go back to the old one.
@@ -64,7 +66,7 @@ def fit_resumable(
         enable_version_counter=False,
     )
     run = Trainer(
-        accelerator="cpu",
+        accelerator=accelerator,
         devices=1,
         max_steps=max_steps,
         max_epochs=-1,

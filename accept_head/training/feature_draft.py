@@ -10,11 +10,12 @@ vocabulary are exp(f_t·E_kept − lse_t) without a 49k-wide product per step). 
 * ``feature``: SmoothL1 between f̂_{t+1} and f_{t+1} (EAGLE), weighted by ``feature_weight``;
 * noise: uniform noise of width ``noise`` × the features' RMS added to the input features (EAGLE's robustness
   trick), training only;
-* unroll: steps 2..``unroll`` feed the draft's own predictions back as input features (what drafting step k ≥ 2
-  sees), each step's loss weighted ``step_decay``^(k−1).
+* unroll: steps 2..``unroll`` train step k exactly as decoding runs it (:func:`unrolled_predictions`): the
+  committed positions read the target's own features, only the round's own earlier candidates read predicted ones;
+  each step's loss weighted ``step_decay``^(k−1).
 
-Validation reports per step k the expected acceptance Σ min(p, q) over the full vocabulary and the greedy
-agreement 1[argmax q = argmax p] on held-out sequences.
+Validation reports, in that same context, per step k the expected acceptance Σ min(p, q) over the full vocabulary
+and the greedy agreement 1[argmax q = argmax p] on held-out sequences.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from lightning.pytorch import LightningDataModule, LightningModule
 from safetensors.torch import load_file
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
 from ..feature_draft import FeatureDraft, FeatureDraftConfig
 from ..labels import draft_acceptance
@@ -136,25 +138,85 @@ class FeatureDataModule(LightningDataModule):
         return DataLoader(_Batches(self.val, self.batch_tokens, None, self.loss_from), batch_size=None)
 
 
+def _shifted(x: torch.Tensor, shift: int) -> torch.Tensor:
+    """``x`` (…, N, D) moved ``shift`` rows later along N: row s holds row s − ``shift`` (zeros before it)."""
+    if shift == 0:
+        return x
+    pad = x.new_zeros((*x.shape[:-2], shift, x.shape[-1]))
+    return torch.cat([pad, x[..., : x.shape[-2] - shift, :]], dim=-2)
+
+
 def unrolled_predictions(
     draft: FeatureDraft, batch: dict[str, torch.Tensor], steps: int, noise: float = 0.0, generator=None
 ) -> list[torch.Tensor]:
-    """Predicted features f̂ for pairs t = 0..T−2 at drafting steps 1..``steps``: each (B, T − 1, d).
+    """Predicted features for pairs s = 0..N−1 (N = T − 1) at drafting steps 1..``steps``: each (B, N, d).
 
-    Step 1 reads the target's features; step k reads at pair t the step-(k−1) prediction for position t (pair 0
-    keeps the target's f_0, which every round has)."""
+    Step k at pair s is the k-th candidate of the round that starts after position t = s − k + 1 is committed,
+    computed exactly as :class:`~accept_head.feature_draft.FeatureDrafter` decodes it (EAGLE-3's training-time
+    test): the pairs 0..t read the target's own features f (the committed text), the pairs t+1..s−1 read the round's
+    own earlier predictions (steps 2..k−1), and pair s reads the step-(k−1) prediction f̂_s. The draft's single
+    decoder layer makes this one pass per step: its keys and values at a pair depend only on that pair's input, so
+    step k attends to step 1's keys at pairs ≤ t (a causal mask moved back by k − 1) plus, for each earlier step j
+    ≥ 2, the one key of step j at pair s − k + j (a diagonal). Pairs s < k − 1 have no such round and give
+    meaningless rows: mask them out of any loss (:func:`step_loss_mask`).
+
+    ``noise`` (a fraction of the features' RMS) perturbs the target's features, as EAGLE does in training.
+    """
     features = batch["features"][:, :-1].float()
-    tokens, mask = batch["tokens"][:, 1:], batch["mask"][:, 1:]
+    tokens, mask = batch["tokens"][:, 1:], batch["mask"][:, 1:].bool()
     if noise > 0:
         scale = noise * features.pow(2).mean().sqrt()
-        features = features + (torch.rand(features.shape, generator=generator) - 0.5).to(features) * 2 * scale
-    outputs = []
+        device = generator.device if generator is not None else features.device
+        uniform = torch.rand(features.shape, generator=generator, device=device).to(features)
+        features = features + (uniform - 0.5) * 2 * scale
+    b, n, _ = features.shape
+    layer = draft.decoder.layers[0]
+    attn = layer.self_attn
+    positions = torch.arange(n, device=features.device)[None].expand(b, n)
+    dtype = draft.fc.weight.dtype
+    with torch.no_grad():
+        emb = draft.embed(tokens).to(dtype)
+    cos, sin = draft.decoder.rotary_emb(emb, positions)
+    pair = torch.arange(n, device=features.device)
+    outputs: list[torch.Tensor] = []
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
     inputs = features
-    for _ in range(steps):
-        predicted = draft(inputs, tokens, attention_mask=mask)
+    for k in range(1, steps + 1):
+        x = draft.fc(torch.cat([inputs.to(dtype), emb], dim=-1))
+        h = layer.input_layernorm(x)
+        q = attn.q_proj(h).view(b, n, -1, attn.head_dim).transpose(1, 2)  # (B, H, N, hd)
+        key = attn.k_proj(h).view(b, n, -1, attn.head_dim).transpose(1, 2)
+        value = attn.v_proj(h).view(b, n, -1, attn.head_dim).transpose(1, 2)
+        q, key = apply_rotary_pos_emb(q, key, cos, sin)
+        keys.append(repeat_kv(key, attn.num_key_value_groups))
+        values.append(repeat_kv(value, attn.num_key_value_groups))
+        # Step 1's keys at the committed pairs s' <= s - k + 1 (and not padding).
+        allowed = (pair[None, :] <= pair[:, None] - (k - 1))[None, None] & mask[:, None, None, :]
+        lowest = torch.finfo(torch.float32).min  # finite: rows without an allowed key stay NaN-free
+        scores = [(q @ keys[0].transpose(-1, -2)).float().mul(attn.scaling).masked_fill(~allowed, lowest)]
+        for j in range(2, k + 1):  # step j's own key at pair s - (k - j): one score per query
+            diagonal = (q * _shifted(keys[j - 1], k - j)).float().sum(-1, keepdim=True) * attn.scaling
+            scores.append(diagonal.masked_fill((pair < k - j)[None, None, :, None], lowest))
+        weights = torch.cat(scores, dim=-1).softmax(-1).to(values[0].dtype)
+        out = weights[..., :n] @ values[0]
+        for j in range(2, k + 1):
+            out = out + weights[..., n + j - 2, None] * _shifted(values[j - 1], k - j)
+        x = x + attn.o_proj(out.transpose(1, 2).reshape(b, n, -1))
+        x = x + layer.mlp(layer.post_attention_layernorm(x))
+        predicted = draft.decoder.norm(x)
         outputs.append(predicted)
-        inputs = torch.cat([features[:, :1], predicted[:, :-1]], dim=1)
+        # Step k + 1 at pair s reads the step-k prediction of position s (made at pair s - 1).
+        inputs = torch.cat([features[:, :1], predicted[:, :-1].float()], dim=1)
     return outputs
+
+
+def step_loss_mask(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
+    """``loss_mask`` (B, N) restricted to the pairs s >= ``step`` − 1 where drafting step ``step`` has a round (one
+    that starts after position s − step + 1 >= 0)."""
+    out = loss_mask.clone()
+    out[:, : step - 1] = False
+    return out
 
 
 class WeightedLogSumExp(torch.autograd.Function):
@@ -218,8 +280,6 @@ class FeatureDraftModule(LightningModule):
         depth = h.unroll if train else max(h.unroll, 3)
         steps = unrolled_predictions(self.draft, batch, depth, h.noise if train else 0.0, self.generator)
         target = batch["features"][:, 1:].float()
-        m = batch["loss_mask"]
-        n = m.sum().clamp(min=1)
         weight = self.draft.lm_head.weight
         # Training reads the target's probabilities through bf16 autocast (cheap, slightly noisy); validation keeps
         # them exact in fp32.
@@ -233,6 +293,8 @@ class FeatureDraftModule(LightningModule):
         total = torch.zeros((), device=target.device)
         per_step = []
         for k, predicted in enumerate(steps):
+            m = step_loss_mask(batch["loss_mask"], k + 1)
+            n = m.sum().clamp(min=1)
             logits = self.draft.kept_logits(predicted)
             rows = p_rows if p_rows is not None else (p @ weight.float())
             ce = WeightedLogSumExp.apply(logits, mass) - (predicted.float() * rows).sum(-1)

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import datetime
 import json
 import random
 import sysconfig
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
+from time import monotonic
 
 import torch
 from lightning.pytorch import seed_everything
@@ -31,7 +34,8 @@ from ..features import decoder_matches_lm_head_input, final_hidden_states
 from ..head import AcceptanceHead
 from ..labels import draft_acceptance
 from ..loading import load_model, load_tokenizer
-from ..pairs import ModelSpec
+from ..pairs import ModelSpec, eos_token_ids
+from ..prompts import EncodedPrompt, PromptSource, chat_prompt_ids, load_prompts, training_prompts
 from .draft_recipe import (
     expand,
     fit_resumable,
@@ -42,7 +46,8 @@ from .draft_recipe import (
     time_draft_step,
     write_card,
 )
-from .feature_draft import FeatureDataModule, FeatureDraftModule, read_feature_shards
+from .feature_draft import FeatureDataModule, FeatureDraftModule, FeatureSequence, read_feature_shards
+from .own_responses import response_rows, write_response_shards
 
 
 @dataclass
@@ -66,9 +71,49 @@ class FeatureDraftRecipe:
     """The ``cfg:`` of ``python -m train.feature_draft`` (``configs/distill/smollm2-135m-feature-draft.yaml``)."""
 
     target: ModelSpec
-    """The target whose features the draft reads."""
-    generations_dir: str
-    """Folder of ``python -m train.distill_draft generate`` (its ``shards/{eval,train}-*.pt`` hold the responses)."""
+    """The target whose features the draft reads; its ``device`` (``cpu``, ``cuda``) runs ``responses``,
+    ``features`` and ``evaluate``."""
+    generations_dir: str | None = None
+    """Folder whose ``shards/{eval,train}-*.pt`` hold the target's responses: None for the ``responses`` stage's own
+    (``<work_dir>/responses``), or the folder of ``python -m train.distill_draft generate``."""
+    prompts: list[PromptSource] = field(default_factory=list)
+    """Training prompt sources of the ``responses`` stage, mixed round-robin (never the first N of a concatenation);
+    prompts of the ``eval`` hash split and every ``eval_prompts`` prompt are dropped from them."""
+    eval_prompts: list[PromptSource] = field(default_factory=list)
+    """Held-out prompt sources (e.g. ``split: eval`` and HumanEval): their responses score ``evaluate``, never
+    ``fit``."""
+    split_seed: int = 0
+    """Seed of the prompt-id hash split (:func:`~accept_head.prompts.split_of`), recorded in
+    ``<work_dir>/responses/split.json``."""
+    max_prompts: int | None = None
+    """Training prompts the ``responses`` stage answers at most (after mixing); None: all."""
+    max_prompt_tokens: int = 512
+    """Prompts longer than this (chat template included) are skipped."""
+    samples_per_prompt: int = 1
+    """Responses sampled at ``temperature`` per training prompt."""
+    greedy_responses: bool = True
+    """Also write one greedy response per prompt (training and held-out)."""
+    max_new_tokens: int = 256
+    temperature: float = 1.0
+    generate_batch_size: int = 64
+    """Rows per generation batch (= one response shard)."""
+    sort_window: int = 16
+    """Batches whose rows are sorted by prompt length together (a window of the mixed prompt order)."""
+    static_cache: bool = False
+    """Generate with a fixed-shape StaticCache (no batch compaction), what ``compile`` needs."""
+    compile: bool = False
+    """``torch.compile(mode="reduce-overhead")`` the single-token generation step (CUDA graphs; with
+    ``static_cache``, on CUDA)."""
+    accelerator: str = "cpu"
+    """Lightning accelerator of ``fit`` (``cpu`` or ``gpu``); the target moves to that device for it."""
+    precision: str = "bf16-mixed"
+    """Lightning precision of ``fit``."""
+    time_budget_s: float | None = None
+    """Wall-clock budget of ``all``: every stage stops cleanly at it (None: no limit); a later ``all`` resumes."""
+    responses_budget_s: float | None = None
+    """Seconds of the budget ``responses`` may spend; the later stages use the shards written by then."""
+    reserve_s: float = 60.0
+    """Seconds of ``time_budget_s`` that ``fit`` leaves for export and ``evaluate``."""
     work_dir: str = "~/.cache/accept_head/feature_draft/smollm2-135m"
     """Feature shards, vocabulary statistics, Lightning checkpoints and logs (outside the repository: ~1 GB)."""
     output_dir: str = "checkpoints/smollm2-135m-feature-draft"
@@ -113,9 +158,108 @@ class FeatureDraftRecipe:
     """Response tokens per text sequence (shorter tails than 64 tokens are dropped)."""
 
 
+def _generations(cfg: FeatureDraftRecipe) -> Path:
+    """The folder whose ``shards/`` hold the target's responses."""
+    return expand(cfg.generations_dir) if cfg.generations_dir else expand(cfg.work_dir) / "responses"
+
+
 def _shards(cfg: FeatureDraftRecipe, kind: str) -> list[Path]:
-    """The target's own responses (``generate``'s shards) of one kind."""
-    return sorted((expand(cfg.generations_dir) / "shards").glob(f"{kind}-*.pt"))
+    """The target's own responses (``responses``' or ``generate``'s shards) of one kind."""
+    return sorted((_generations(cfg) / "shards").glob(f"{kind}-*.pt"))
+
+
+def _deadline(seconds: float | None, deadline: float | None = None) -> float | None:
+    """The earlier of ``deadline`` and ``seconds`` from now (``time.monotonic()`` values; None: no limit)."""
+    own = None if seconds is None else monotonic() + seconds
+    return min((d for d in (own, deadline) if d is not None), default=None)
+
+
+def _encode(tokenizer, prompts: list, max_tokens: int) -> list[EncodedPrompt]:
+    """The prompts through the chat template, those longer than ``max_tokens`` tokens skipped."""
+    encoded = [EncodedPrompt(p.id, p.source, chat_prompt_ids(tokenizer, p.text)) for p in prompts]
+    return [p for p in encoded if len(p.ids) <= max_tokens]
+
+
+def responses(cfg: FeatureDraftRecipe) -> dict:
+    """Stage 0: the target's own responses to the held-out and the training prompts (see :func:`responses_until`)."""
+    return responses_until(cfg, None)
+
+
+def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
+    """Stage 0: the target's own responses to the held-out and the training prompts (:mod:`.own_responses`):
+    ``samples_per_prompt`` samples at ``temperature`` per training prompt (one per held-out prompt) plus a greedy
+    one each, in batches of ``generate_batch_size`` rows, on the target's device; one resumable shard per batch
+    under ``<work_dir>/responses/shards``. Stops between shards at ``deadline`` (a ``time.monotonic()`` value) or
+    after ``responses_budget_s``. ``split.json`` records the split seed, the prompt ids of both sets and what
+    fixes the shards' rows and draws (a rerun with other ones refuses to mix shards); ``meta.json`` the tokens
+    written and tokens/s. Returns that meta."""
+    if cfg.generations_dir:
+        raise ValueError(
+            f"generations_dir={cfg.generations_dir!r} reads responses written elsewhere; set it to null for the "
+            "`responses` stage to write its own under work_dir."
+        )
+    if not cfg.prompts or not cfg.eval_prompts:
+        raise ValueError("The `responses` stage needs `prompts` (training) and `eval_prompts` (held out) sources.")
+    if cfg.compile and not cfg.static_cache:
+        raise ValueError("compile=true needs static_cache=true (a dynamic cache changes shape at every step).")
+    deadline = _deadline(cfg.responses_budget_s, deadline)
+    set_threads(cfg.threads)
+    folder = _generations(cfg)
+    tokenizer = load_tokenizer(cfg.target)
+    held_out = load_prompts(cfg.eval_prompts, seed=cfg.seed, split_seed=cfg.split_seed)
+    train = training_prompts(cfg.prompts, held_out, seed=cfg.seed, split_seed=cfg.split_seed, limit=cfg.max_prompts)
+    sets = {"eval": _encode(tokenizer, held_out, cfg.max_prompt_tokens)}
+    sets["train"] = _encode(tokenizer, train, cfg.max_prompt_tokens)
+    # What fixes every shard's rows and draws: a resumed run must agree on all of it.
+    plan = ("seed", "samples_per_prompt", "greedy_responses", "generate_batch_size", "sort_window", "max_new_tokens")
+    split = {"split_seed": cfg.split_seed} | {k: getattr(cfg, k) for k in (*plan, "temperature")}
+    split |= {k: [p.id for p in v] for k, v in sets.items()}
+    split_path = folder / "split.json"
+    if split_path.exists() and json.loads(split_path.read_text()) != split:
+        raise ValueError(
+            f"{split_path} records another prompt split, seed or batching than this config's; point work_dir "
+            "elsewhere or delete the responses folder to start over."
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    split_path.write_text(json.dumps(split) + "\n")
+    model = load_model(cfg.target)
+    eos = eos_token_ids(tokenizer, model)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
+    step_fn = None
+    if cfg.compile:
+        step_fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
+    meta_path = folder / "meta.json"
+    meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"tokens": 0, "seconds": 0.0}
+    meta["per_source"] = {k: dict(Counter(p.source for p in v)) for k, v in sets.items()}
+    for kind, samples in (("eval", 1), ("train", cfg.samples_per_prompt)):
+        batches = response_rows(sets[kind], samples, cfg.greedy_responses, cfg.generate_batch_size, cfg.sort_window)
+        done = write_response_shards(
+            model,
+            batches,
+            folder / "shards",
+            kind,
+            seed=cfg.seed,
+            split_seed=cfg.split_seed,
+            max_new_tokens=cfg.max_new_tokens,
+            temperature=cfg.temperature,
+            eos_token_ids=eos,
+            pad_token_id=pad,
+            deadline=deadline,
+            static_cache=cfg.static_cache,
+            cache_length=cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.static_cache else None,
+            step_fn=step_fn,
+        )
+        meta["tokens"] += done["tokens"]
+        meta["seconds"] += done["seconds"]
+        meta[kind] = {k: done[k] for k in ("shards", "present")}
+        meta["stopped_by_budget"] = done["stopped_by_budget"]
+        if done["stopped_by_budget"]:
+            break
+    meta["tokens_per_second"] = meta["tokens"] / max(meta["seconds"], 1e-9)
+    meta["device"] = str(next(model.parameters()).device)
+    meta_path.write_text(json.dumps(meta, indent=2) + "\n")
+    print(f"[responses] {meta['tokens']} tokens written at {meta['tokens_per_second']:.0f} tok/s", flush=True)
+    return meta
 
 
 def _text_shards(cfg: FeatureDraftRecipe) -> list[Path]:
@@ -189,22 +333,35 @@ def _feature_paths(cfg: FeatureDraftRecipe, kind: str) -> list[Path]:
     return sorted((expand(cfg.work_dir) / "features").glob(f"{kind}-*.safetensors"))
 
 
-@torch.inference_mode()
 def features(cfg: FeatureDraftRecipe) -> dict:
-    """Stage 1: teacher-force the target over every (prompt, response) and store its final hidden states and
-    log-normalisers; one safetensors shard per generation shard. Returns the measured throughput."""
+    """Stage 1: the target's final hidden states and log-normalisers of every response (see
+    :func:`features_until`)."""
+    return features_until(cfg, None)
+
+
+@torch.inference_mode()
+def features_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
+    """Stage 1: teacher-force the target (on its device) over every (prompt, response) and store its final hidden
+    states and log-normalisers; one safetensors shard per generation shard. Only what the loss needs is computed:
+    the decoder's last hidden state (no per-layer states) and, in row chunks, the logsumexp of its logits (no
+    full-vocabulary logits kept). Stops between shards at ``deadline`` (``time.monotonic()``). Returns the measured
+    throughput."""
     set_threads(cfg.threads)
     target = load_model(cfg.target)
+    device = next(target.parameters()).device
     use_decoder = decoder_matches_lm_head_input(target)
     lm_head = target.get_output_embeddings()
     out_dir = expand(cfg.work_dir) / "features"
     out_dir.mkdir(parents=True, exist_ok=True)
-    tokens_done, seconds = 0, 0.0
+    tokens_done, seconds, stopped = 0, 0.0, False
     for kind in ("eval", "train"):
         for path in _shards(cfg, kind) + (_text_shards(cfg) if kind == "train" else []):
             dest = out_dir / f"{path.stem}.safetensors"
             if dest.exists():
                 continue
+            if deadline is not None and monotonic() > deadline:
+                stopped = True
+                break
             shard = torch.load(path, weights_only=True)
             pairs = zip(shard["prompt_ids"], shard["response_ids"])
             seqs = sorted(((torch.cat([p, r]).long(), len(p)) for p, r in pairs if len(r)), key=lambda s: len(s[0]))
@@ -216,13 +373,16 @@ def features(cfg: FeatureDraftRecipe) -> dict:
                 while j < len(seqs) and (j - i + 1) * len(seqs[j][0]) <= budget:
                     j += 1
                 batch = [tokens for tokens, _ in seqs[i:j]]
-                ids = torch.nn.utils.rnn.pad_sequence(batch, batch_first=True, padding_value=0)
+                ids = torch.nn.utils.rnn.pad_sequence(batch, batch_first=True, padding_value=0).to(device)
                 mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(b) for b in batch], batch_first=True)
-                hidden = final_hidden_states(target, ids, mask, use_decoder=use_decoder)
-                for row, (tokens, prompt_length) in enumerate(seqs[i:j]):
-                    h = hidden[row, : len(tokens)]
-                    lse = torch.cat([lm_head(c).float().logsumexp(-1) for c in h.split(1024)])
-                    rows.append((tokens, h.to(torch.bfloat16), lse, prompt_length))
+                hidden = final_hidden_states(target, ids, mask.to(device), use_decoder=use_decoder)
+                hidden = hidden[mask.to(device).bool()]  # (N, d): the real positions, row after row
+                chunk = 1024 if device.type == "cpu" else 8192  # rows of (chunk, V) logits at a time
+                lse = torch.cat([lm_head(c).float().logsumexp(-1) for c in hidden.split(chunk)]).cpu()
+                hidden = hidden.to(torch.bfloat16).cpu()
+                lengths = [len(tokens) for tokens, _ in seqs[i:j]]
+                pieces = zip(seqs[i:j], hidden.split(lengths), lse.split(lengths))
+                rows += [(tokens, h, row_lse, prompt_length) for (tokens, prompt_length), h, row_lse in pieces]
                 i = j
             seconds += time.perf_counter() - start
             tokens_done += sum(len(r[0]) for r in rows)
@@ -236,11 +396,14 @@ def features(cfg: FeatureDraftRecipe) -> dict:
             }
             save_atomic(shard, dest, save_file)
             print(f"[features] {dest.name}: {tokens_done / max(seconds, 1e-9):.0f} tok/s so far", flush=True)
+        if stopped:
+            break
     meta_path = out_dir / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"tokens": 0, "seconds": 0.0}
     meta["tokens"] += tokens_done
     meta["seconds"] += seconds
     meta["tokens_per_second"] = meta["tokens"] / max(meta["seconds"], 1e-9)
+    meta["stopped_by_budget"] = stopped
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     return meta
 
@@ -263,8 +426,9 @@ def vocab(cfg: FeatureDraftRecipe) -> dict:
         for path in _feature_paths(cfg, "eval"):
             shard = load_file(str(path))
             for h, lse in zip(shard["features"].split(1024), shard["lse"].split(1024)):
-                p = (torch.nn.functional.linear(h.to(weight.dtype), weight).float() - lse[:, None]).exp()
-                by_rank = torch.zeros_like(p).index_copy_(1, rank, p).cumsum(-1)
+                h, lse = h.to(weight), lse.to(weight.device)
+                p = (torch.nn.functional.linear(h, weight).float() - lse[:, None]).exp()
+                by_rank = torch.zeros_like(p).index_copy_(1, rank.to(p.device), p).cumsum(-1)
                 for v in cfg.vocab_sizes:
                     mass[v] += float(by_rank[:, v - 1].sum())
                 positions += len(h)
@@ -299,11 +463,21 @@ def _common_prefix(paths: list[Path]) -> int:
 
 
 def fit(cfg: FeatureDraftRecipe) -> Path:
-    """Stage 3: train with Lightning (checkpoints every validation; resumes from ``last.ckpt``), export the draft."""
+    """Stage 3: train the draft and export it (see :func:`fit_until`)."""
+    return fit_until(cfg, None)
+
+
+def fit_until(cfg: FeatureDraftRecipe, deadline: float | None) -> Path:
+    """Stage 3: train with Lightning on ``accelerator`` at ``precision`` (checkpoints every validation; resumes from
+    ``last.ckpt``), export the draft. With a ``deadline`` (``time.monotonic()``) training stops cleanly at it,
+    writes ``last.ckpt`` (a later ``fit`` continues to ``max_steps``) and exports what it has."""
+    if cfg.accelerator not in ("cpu", "gpu", "cuda"):
+        raise ValueError(f"accelerator={cfg.accelerator!r}: use cpu or gpu.")
     set_threads(cfg.threads)
     seed_everything(cfg.seed, workers=True)
     work = expand(cfg.work_dir)
-    target = load_model(cfg.target)
+    device = "cpu" if cfg.accelerator == "cpu" else "cuda"
+    target = load_model(dataclasses.replace(cfg.target, device=device))  # the draft reads its input embedding
     kept = _kept_ids(cfg)
     train_paths, val_paths = _feature_paths(cfg, "train"), _feature_paths(cfg, "eval")
     if not train_paths:
@@ -324,10 +498,23 @@ def fit(cfg: FeatureDraftRecipe) -> Path:
     )
     module.init_from_target(target, kept)
     data = FeatureDataModule(train_paths, val_paths[:1], cfg.batch_tokens, cfg.seed, loss_from)
+    limit = {}
+    if deadline is not None:
+        limit["max_time"] = datetime.timedelta(seconds=max(deadline - monotonic(), 1.0))
     trainer = fit_resumable(
-        module, work, cfg.max_steps, cfg.val_every_steps, datamodule=data, precision="bf16-mixed", limit_val_batches=16
+        module,
+        work,
+        cfg.max_steps,
+        cfg.val_every_steps,
+        datamodule=data,
+        accelerator="cpu" if cfg.accelerator == "cpu" else "gpu",
+        precision=cfg.precision,
+        limit_val_batches=16,
+        **limit,
     )
-    draft = module.draft
+    if deadline is not None:  # stopped by the clock between checkpoints: keep every step for the next run
+        trainer.save_checkpoint(work / "checkpoints" / "last.ckpt")
+    draft = module.draft.cpu()
     draft.config.extra = {
         "recipe": {k: v for k, v in jsonable(cfg).items() if k != "target"},
         "loss_from": loss_from,
@@ -340,9 +527,16 @@ def fit(cfg: FeatureDraftRecipe) -> Path:
 
 @torch.inference_mode()
 def per_step_acceptance(
-    draft: FeatureDraft, target: torch.nn.Module, paths: list[Path], starts: int, steps: int, seed: int
+    draft: FeatureDraft,
+    target: torch.nn.Module,
+    paths: list[Path],
+    starts: int,
+    steps: int,
+    seed: int,
+    deadline: float | None = None,
 ) -> list[dict]:
     """Exact per-step acceptance along held-out target responses, decoding as :class:`FeatureDrafter` does.
+    With a ``deadline`` (``time.monotonic()``) it stops between sequences and reports the starts scored by then.
 
     At each sampled start t (inside a response) the draft has read the pairs up to t with the target's own
     features, then drafts ``steps`` tokens feeding back its own features while the candidate tokens are the
@@ -356,20 +550,23 @@ def per_step_acceptance(
     picked = sorted(candidates[j] for j in torch.randperm(len(candidates), generator=generator)[:starts].tolist())
     weight = target.get_output_embeddings().weight.float()  # (V, d), once: exact target probabilities
     sums = [{"accept": 0.0, "agree": 0.0, "n": 0} for _ in range(steps)]
-    dtype = next(draft.parameters()).dtype
+    dtype, device = next(draft.parameters()).dtype, weight.device
     for i, starts_here in groupby(picked, key=lambda start: start[0]):
+        if deadline is not None and monotonic() > deadline:
+            break
         s = sequences[i]
+        s = FeatureSequence(s.tokens.to(device), s.features.to(device), s.lse.to(device), s.prompt_length)
         feats = s.features.to(dtype)
         cache = DynamicCache()
         read = 0  # pairs in the cache
         for _, t in starts_here:
             if t > read:  # pairs read..t-1 with the target's features
-                pos = torch.arange(read, t)[None]
+                pos = torch.arange(read, t, device=device)[None]
                 draft(feats[None, read:t], s.tokens[None, read + 1 : t + 1], cache, position_ids=pos, use_cache=True)
                 read = t
             feature = feats[t]
             for k in range(steps):
-                pos = torch.tensor([[t + k]])
+                pos = torch.tensor([[t + k]], device=device)
                 predicted = draft(
                     feature[None, None], s.tokens[None, t + k + 1 : t + k + 2], cache, position_ids=pos, use_cache=True
                 )[0, -1]
@@ -382,7 +579,12 @@ def per_step_acceptance(
                 feature = predicted
             crop_cache(cache, read)
     return [
-        {"step": k + 1, "expected_accept": v["accept"] / v["n"], "greedy_agreement": v["agree"] / v["n"], "n": v["n"]}
+        {
+            "step": k + 1,
+            "expected_accept": v["accept"] / max(v["n"], 1),
+            "greedy_agreement": v["agree"] / max(v["n"], 1),
+            "n": v["n"],
+        }
         for k, v in enumerate(sums)
     ]
 
@@ -391,19 +593,33 @@ def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None, timing_only:
     """Stage 4: per-step acceptance 1..``eval_steps`` on held-out responses (per source group), and the draft step
     (with a depth-3 acceptance head) against a single-token target forward, interleaved, medians. Writes
     ``eval.json`` into the draft folder."""
+    return evaluate_until(cfg, None, draft_dir, timing_only)
+
+
+def evaluate_until(
+    cfg: FeatureDraftRecipe, deadline: float | None, draft_dir: str | None = None, timing_only: bool = False
+) -> dict:
+    """:func:`evaluate`, scoring only the held-out starts it reaches before ``deadline`` (``time.monotonic()``; the
+    per-shard rows are skipped once it has passed). With a deadline the draft-step timing, which cannot stop
+    mid-way, is left to ``evaluate --timing_only``."""
     set_threads(cfg.threads)
     folder = Path(draft_dir or cfg.output_dir)
     target = load_model(cfg.target)
-    draft = FeatureDraft.from_pretrained(folder, dtype=cfg.target.torch_dtype).bind(target)
+    device = next(target.parameters()).device
+    draft = FeatureDraft.from_pretrained(folder, dtype=cfg.target.torch_dtype, device=device).bind(target)
     paths = _feature_paths(cfg, "eval")
     if timing_only:  # re-time the drafters, keep the acceptance numbers of the last full run
         result = json.loads((folder / "eval.json").read_text())
     else:
-        result = {"per_step": per_step_acceptance(draft, target, paths, cfg.eval_starts, cfg.eval_steps, cfg.seed)}
+        per_step = per_step_acceptance(draft, target, paths, cfg.eval_starts, cfg.eval_steps, cfg.seed, deadline)
+        result = {"per_step": per_step}
         # The same per source: the generation shards name their prompts (humaneval:* or an instruction set).
         result["per_source"] = {}
         for path in paths:
-            ids = torch.load(expand(cfg.generations_dir) / "shards" / f"{path.stem}.pt", weights_only=True)["prompt_id"]
+            if deadline is not None and monotonic() > deadline:
+                result["stopped_by_budget"] = True
+                break
+            ids = torch.load(_generations(cfg) / "shards" / f"{path.stem}.pt", weights_only=True)["prompt_id"]
             name = f"{path.stem} ({', '.join(sorted({i.split(':')[0] for i in ids}))})"
             starts = max(cfg.eval_starts // len(paths), 1)
             result["per_source"][name] = per_step_acceptance(draft, target, [path], starts, cfg.eval_steps, cfg.seed)
@@ -414,6 +630,13 @@ def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None, timing_only:
                 f"[evaluate] step {row['step']}: acceptance {row['expected_accept']:.3f}, "
                 f"greedy {row['greedy_agreement']:.3f}"
             )
+    # The cost ratio is measured where the toolkit decodes, apart from a budgeted run (it cannot stop mid-way):
+    # `evaluate --timing_only` there.
+    if device.type != "cpu" or deadline is not None:
+        (folder / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
+        why = "under a time budget" if deadline is not None else f"on {device}"
+        print(f"[evaluate] {why}: no draft-step timing (run `evaluate --timing_only` on the CPU)", flush=True)
+        return result
     result["timing"] = time_draft_step(target, FeatureDrafter(draft, target), cfg.timing_rounds)
     head = AcceptanceHead(draft.config.hidden_size, depth=3).to(cfg.target.torch_dtype)
     result["timing_with_head"] = time_draft_step(target, FeatureDrafter(draft, target), cfg.timing_rounds, head=head)
@@ -425,6 +648,71 @@ def evaluate(cfg: FeatureDraftRecipe, draft_dir: str | None = None, timing_only:
     (folder / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"[evaluate] timing: {result['timing_with_head']}")
     return result
+
+
+def run_all(cfg: FeatureDraftRecipe) -> dict:
+    """Every stage in order — ``responses`` (unless ``generations_dir`` names responses written elsewhere),
+    ``features``, ``vocab``, ``fit`` (which exports the draft folder), ``evaluate`` — within ``time_budget_s``.
+
+    Each stage resumes what an earlier run left (shards present are kept, ``fit`` continues from ``last.ckpt``;
+    ``vocab`` is not recomputed under a checkpoint, whose LM head rows it chose). ``responses`` stops at
+    ``responses_budget_s``; ``fit`` stops ``reserve_s`` before the budget ends, leaving time to export and
+    evaluate; ``evaluate`` scores the held-out starts it reaches by the end; a stage that would start after the
+    budget is not started. After each stage its seconds and results go to ``all.json`` in ``work_dir`` and
+    ``output_dir`` (one entry per run), so a run stopped from outside still leaves what it finished. Returns that
+    record."""
+    start = monotonic()
+    deadline = None if cfg.time_budget_s is None else start + cfg.time_budget_s
+    work, out = expand(cfg.work_dir), Path(cfg.output_dir)
+    work.mkdir(parents=True, exist_ok=True)
+    record = json.loads((work / "all.json").read_text()) if (work / "all.json").exists() else {"runs": []}
+    run: dict = {"time_budget_s": cfg.time_budget_s, "stages": {}, "finished": False}
+    record["runs"].append(run)
+
+    def save() -> None:
+        run["seconds"] = monotonic() - start
+        for folder in (work, out):
+            folder.mkdir(parents=True, exist_ok=True)
+            (folder / "all.json").write_text(json.dumps(record, indent=2) + "\n")
+
+    def fit_stage() -> dict:
+        fit_deadline = None if deadline is None else deadline - cfg.reserve_s
+        if fit_deadline is not None and fit_deadline <= monotonic():
+            return {"skipped": f"less than reserve_s={cfg.reserve_s} s of the budget left"}
+        fit_until(cfg, fit_deadline)
+        steps = json.loads((out / "config.json").read_text())["extra"]["steps"]
+        return {"steps": steps, "output_dir": str(out), "learning_curve": learning_curve(cfg)}
+
+    def vocab_stage() -> dict:
+        if (work / "vocab.json").exists() and (work / "checkpoints" / "last.ckpt").exists():
+            return {"kept": "from the earlier run (its checkpoint uses them)"}
+        return {k: v for k, v in vocab(cfg).items() if k != "order"}
+
+    stages = [] if cfg.generations_dir else [("responses", lambda: responses_until(cfg, deadline))]
+    stages += [
+        ("features", lambda: features_until(cfg, deadline)),
+        ("vocab", vocab_stage),
+        ("fit", fit_stage),
+        ("evaluate", lambda: evaluate_until(cfg, deadline)),
+    ]
+    for name, stage in stages:
+        if deadline is not None and monotonic() >= deadline:
+            run["stopped_before"] = name
+            print(f"[all] time budget of {cfg.time_budget_s} s spent: stopping before `{name}`", flush=True)
+            save()
+            return record
+        began = monotonic()
+        result = stage()
+        if "skipped" in result:  # nothing to export or evaluate from this run
+            run["stopped_before"] = name
+            save()
+            return record
+        run["stages"][name] = {"seconds": round(monotonic() - began, 1), "result": result}
+        print(f"[all] {name} done in {run['stages'][name]['seconds']} s", flush=True)
+        save()
+    run["finished"] = True
+    save()
+    return record
 
 
 ABLATIONS: dict[str, dict] = {
@@ -537,6 +825,8 @@ def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> str:
         if text_meta.get("tokens")
         else ""
     )
+    slim = config.get("lm_head_from_target", False)
+    read_from_target = "input embedding and (slim folder) LM head rows are" if slim else "input embedding is"
     text = f"""---
 license: apache-2.0
 tags: [speculative-decoding, eagle, draft-model, smollm2, accept-head]
@@ -548,8 +838,8 @@ An EAGLE-style draft for SmolLM2-135M-Instruct: `fc([f_t; emb(x_(t+1))])` → on
 width ({config["hidden_size"]}, {config["num_attention_heads"]} heads, MLP {config["intermediate_size"]}) → the
 target's final norm (frozen) → an LM head over the {config["kept_vocab_size"]:,} most frequent tokens, initialised
 from the target's own output rows ({"trained" if config["train_lm_head"] else "frozen"}). f_t is the target's final
-hidden state; drafting step k ≥ 2 feeds the draft's own predicted feature back. The target's input embedding is
-read from the target at load time (not stored); `config.json` records the target's fingerprint
+hidden state; drafting step k ≥ 2 feeds the draft's own predicted feature back. The target's {read_from_target} read
+from the target at load time (not stored); `config.json` records the target's fingerprint
 (`{config["target_fingerprint"]}`), and pairing the draft with another model raises an error. q = 0 outside the
 kept tokens, which stays lossless: verification and the residual sample still cover every token.
 
@@ -570,8 +860,8 @@ out = speculative_generate(target, draft, prompt_ids, FixedK(4), max_new_tokens=
   numbers use the `eval` split and HumanEval, never trained on.{text_line}
 - Loss (per drafting step k = 1..{recipe.get("unroll")}, weight {recipe.get("step_decay")}^(k−1)): soft
   cross-entropy to the target's distribution over the kept vocabulary + {recipe.get("feature_weight")} × SmoothL1 on
-  the predicted feature; uniform input-feature noise {recipe.get("noise")} × RMS; steps k ≥ 2 read the draft's own
-  predicted features (a parallel unroll).
+  the predicted feature; uniform input-feature noise {recipe.get("noise")} × RMS; step k trains in the context
+  decoding builds: committed positions read the target's features, the round's earlier candidates the draft's own.
 - Optimiser: AdamW (lr {recipe.get("lr")}, betas 0.9/0.95), {recipe.get("warmup_steps")} warm-up steps, cosine,
   ~{recipe.get("batch_tokens")} padded tokens per step, {config["extra"].get("steps")} steps, bf16 autocast on CPU,
   Lightning Trainer (checkpoints resume from `last.ckpt`).
@@ -604,7 +894,7 @@ candidates between target calls, so the decoder pays more per step. The c that p
 model (`python -m train fit`'s cost-model stage, or `python -m eval costs`), which alternates draft and target calls
 as decoding does.
 
-## Learning curve (validation on 16 batches of one held-out shard, kept-vocabulary acceptance, parallel unroll)
+## Learning curve (validation on 16 batches of one held-out shard, kept-vocabulary acceptance, decoding context)
 
 ![learning curve](learning_curve.png)
 
@@ -661,7 +951,7 @@ def _ablation_section(folder: Path) -> str:
     return f"""## Which terms helped (`python -m train.feature_draft ablate --config ...`)
 
 Short runs of {ab["steps"]} steps at {ab["batch_tokens"]} tokens per step, one factor changed each, same data, seed
-and schedule; held-out kept-vocabulary acceptance at the end (steps 2-3 by the parallel unroll, for every variant):
+and schedule; held-out kept-vocabulary acceptance at the end (steps 2-3 in the decoding context, for every variant):
 
 | variant | step 1 | step 2 | step 3 |
 |---|---|---|---|

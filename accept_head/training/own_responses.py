@@ -1,0 +1,237 @@
+"""The target's own responses as a draft's training data, on any device (the feature-draft recipe's ``responses``
+stage).
+
+For every prompt the target writes ``samples`` responses at its own temperature and, optionally, one greedy response
+(the contexts a greedy decode drafts in). Rows of many prompts decode together in large left-padded batches; rows of
+similar prompt length share a batch (sorted inside windows of the mixed prompt order, so a run stopped early still
+holds every source). One batch is one shard (``{eval,train}-NNNNN.pt``, written atomically): a killed or
+time-limited run resumes at the first missing shard. Sampling draws from one ``torch.Generator`` per shard on the
+model's device, seeded from the recipe seed, the split and the shard index, so the same seed and split give the same
+shards.
+
+On CUDA, ``static_cache`` decodes with a fixed-shape :class:`~transformers.StaticCache` (no batch compaction) so that
+``compile`` can capture the single-token step with ``torch.compile(mode="reduce-overhead")`` (CUDA graphs).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from time import monotonic
+
+import torch
+from transformers import DynamicCache
+
+from .._hf_compat import cache_kwargs
+from ..batch_generate import left_pad
+from ..prompts import EncodedPrompt
+from ..seeds import derive_seed
+from .draft_recipe import save_atomic
+
+GREEDY = -1
+"""The ``sample`` index of a greedy response in a shard."""
+
+
+@dataclass(frozen=True)
+class ResponseRow:
+    """One response to write: a prompt and which of its responses (sample index, or :data:`GREEDY`)."""
+
+    prompt: EncodedPrompt
+    sample: int
+
+
+def response_rows(
+    prompts: Sequence[EncodedPrompt], samples: int, greedy: bool, batch_size: int, sort_window: int
+) -> list[list[ResponseRow]]:
+    """The batches (= shards) of responses for ``prompts`` (already in their mixed order): each prompt's ``samples``
+    sampled rows and its greedy row, cut into windows of ``sort_window`` batches, each window sorted by prompt
+    length (then id and sample, so the order is fully determined) and cut into batches of ``batch_size`` rows."""
+    if samples < 0 or (samples == 0 and not greedy):
+        raise ValueError(f"samples_per_prompt={samples} with greedy_responses={greedy} writes no response.")
+    if batch_size < 1 or sort_window < 1:
+        raise ValueError(f"generate_batch_size={batch_size} and sort_window={sort_window} must be >= 1.")
+    kinds = list(range(samples)) + ([GREEDY] if greedy else [])
+    rows = [ResponseRow(prompt, sample) for prompt in prompts for sample in kinds]
+    window = batch_size * sort_window
+    batches = []
+    for start in range(0, len(rows), window):
+        chunk = sorted(rows[start : start + window], key=lambda r: (len(r.prompt.ids), r.prompt.id, r.sample))
+        batches += [chunk[i : i + batch_size] for i in range(0, len(chunk), batch_size)]
+    return batches
+
+
+def _first_eos_lengths(tokens: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+    """Response lengths of ``tokens`` (B, N): through the first EOS when there is one, else N."""
+    is_eos = torch.isin(tokens, eos)
+    first = torch.where(is_eos.any(-1), is_eos.float().argmax(-1) + 1, torch.full_like(tokens[:, 0], tokens.shape[1]))
+    return first
+
+
+@torch.inference_mode()
+def generate_responses(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    greedy: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    generator: torch.Generator,
+    static_cache: bool = False,
+    cache_length: int | None = None,
+    step_fn=None,
+    check_every: int = 8,
+) -> list[list[int]]:
+    """Responses of ``model`` to ``prompts`` (each a list of token ids), one left-padded batch on the model's device.
+
+    Rows where ``greedy`` (B,) bool is set take the argmax, the others sample at ``temperature`` with ``generator``
+    (on the model's device). A response ends with its first EOS (kept) or after ``max_new_tokens``. Finished rows
+    are checked every ``check_every`` steps (each check waits for the device) and, with the dynamic cache, dropped
+    from the batch. ``static_cache`` keeps every row to the end in a fixed-shape cache of ``cache_length`` positions
+    (default: this batch's longest prompt + ``max_new_tokens``; a fixed value keeps the shapes of a compiled step
+    the same across batches); ``step_fn`` replaces the model's forward for the single-token steps there (e.g. a
+    compiled one) and must take the same keyword arguments.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 (greedy rows are chosen by `greedy`).")
+    device = next(model.parameters()).device
+    ids, mask = left_pad(prompts, pad_token_id)
+    ids, mask = ids.to(device), mask.to(device)
+    batch, prompt_length = ids.shape
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    eos = torch.as_tensor(list(eos_token_ids), device=device)
+    greedy = greedy.to(device)
+    out = torch.full((batch, max_new_tokens), pad_token_id, dtype=torch.long, device=device)
+    rows = torch.arange(batch, device=device)  # original row of each batch position
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    forward = step_fn or model
+    if static_cache:
+        from transformers import StaticCache
+
+        length = cache_length or prompt_length + max_new_tokens
+        if length < prompt_length + max_new_tokens:
+            raise ValueError(
+                f"cache_length={length} is shorter than the prompt ({prompt_length}) + max_new_tokens "
+                f"({max_new_tokens}); raise it."
+            )
+        cache = StaticCache(config=model.config, max_cache_len=length)
+        mask = torch.cat([mask, mask.new_zeros(batch, length - prompt_length)], dim=1)
+    else:
+        cache = DynamicCache()
+    step_ids, step_pos = ids, positions
+    for step in range(max_new_tokens):
+        if static_cache:
+            # The prompt fills positions 0..P-1; step s >= 1 feeds the token written at step s - 1 (position P + s - 1).
+            first = 0 if step == 0 else prompt_length + step - 1
+            kwargs = {"cache_position": torch.arange(first, prompt_length + step, device=device)}
+            model_call = forward if step > 0 else model  # the prefill has another shape: never the captured graph
+        else:
+            kwargs, model_call = {}, model
+        logits = (
+            model_call(
+                input_ids=step_ids,
+                attention_mask=mask,
+                position_ids=step_pos,
+                **cache_kwargs(model, cache),
+                logits_to_keep=1,
+                **kwargs,
+            )
+            .logits[:, -1]
+            .float()
+        )
+        sampled = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).squeeze(-1)
+        next_ids = torch.where(greedy, logits.argmax(-1), sampled)
+        next_ids = torch.where(done, torch.full_like(next_ids, pad_token_id), next_ids)
+        out[rows, step] = next_ids
+        done |= torch.isin(next_ids, eos)
+        step_ids, step_pos = next_ids[:, None], step_pos[:, -1:] + 1
+        if static_cache:
+            mask[:, prompt_length + step] = 1
+        else:
+            mask = torch.cat([mask, mask.new_ones(len(rows), 1)], dim=1)
+        if (step + 1) % check_every == 0 or step + 1 == max_new_tokens:
+            if bool(done.all()):
+                break
+            if not static_cache and bool(done.any()):
+                keep = (~done).nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                rows, step_ids, step_pos, mask = rows[keep], step_ids[keep], step_pos[keep], mask[keep]
+                done, greedy = done[keep], greedy[keep]
+    lengths = _first_eos_lengths(out, eos).tolist()
+    return [row[:length] for row, length in zip(out.cpu().tolist(), lengths)]
+
+
+def write_response_shards(
+    model: torch.nn.Module,
+    batches: list[list[ResponseRow]],
+    folder: Path,
+    kind: str,
+    *,
+    seed: int,
+    split_seed: int,
+    max_new_tokens: int,
+    temperature: float,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    deadline: float | None = None,
+    static_cache: bool = False,
+    cache_length: int | None = None,
+    step_fn=None,
+) -> dict:
+    """Write the shards ``<folder>/<kind>-NNNNN.pt`` of ``batches`` that are missing, in order, until ``deadline``
+    (a ``time.monotonic()`` value; None: no limit). Each holds ``prompt_id``, ``prompt_ids``, ``response_ids`` and
+    ``sample`` (the sample index, :data:`GREEDY` for greedy rows). Returns the shard counts, the tokens written
+    and the seconds spent in this call; prints the tokens/s meter after every shard."""
+    folder.mkdir(parents=True, exist_ok=True)
+    device = next(model.parameters()).device
+    tokens, seconds, written, stopped = 0, 0.0, 0, False
+    for index, batch in enumerate(batches):
+        path = folder / f"{kind}-{index:05d}.pt"
+        if path.exists():
+            continue
+        if deadline is not None and monotonic() > deadline:
+            stopped = True
+            break
+        generator = torch.Generator(device).manual_seed(derive_seed(seed, "responses", split_seed, kind, index))
+        greedy = torch.tensor([row.sample == GREEDY for row in batch])
+        start = time.perf_counter()
+        responses = generate_responses(
+            model,
+            [row.prompt.ids for row in batch],
+            greedy,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            eos_token_ids=eos_token_ids,
+            pad_token_id=pad_token_id,
+            generator=generator,
+            static_cache=static_cache,
+            cache_length=cache_length,
+            step_fn=step_fn,
+        )
+        elapsed = time.perf_counter() - start
+        shard = {
+            "prompt_id": [row.prompt.id for row in batch],
+            "prompt_ids": [torch.tensor(row.prompt.ids, dtype=torch.int32) for row in batch],
+            "response_ids": [torch.tensor(r, dtype=torch.int32) for r in responses],
+            "sample": torch.tensor([row.sample for row in batch]),
+        }
+        save_atomic(shard, path)
+        n = sum(len(r) for r in responses)
+        tokens, seconds, written = tokens + n, seconds + elapsed, written + 1
+        print(
+            f"[responses] {path.name}: {len(batch)} rows, {n} tokens in {elapsed:.1f}s ({n / elapsed:.0f} tok/s); "
+            f"this run {tokens / max(seconds, 1e-9):.0f} tok/s",
+            flush=True,
+        )
+    present = sum((folder / f"{kind}-{i:05d}.pt").exists() for i in range(len(batches)))
+    return {
+        "shards": len(batches),
+        "present": present,
+        "written": written,
+        "tokens": tokens,
+        "seconds": seconds,
+        "stopped_by_budget": stopped,
+    }
