@@ -125,6 +125,22 @@ def _timed_generate(target: torch.nn.Module, input_ids: torch.Tensor, **kwargs) 
     return out, watch.seconds
 
 
+def _against_autoregressive(
+    specdec: SpecDecPP, input_ids: torch.Tensor, args: argparse.Namespace, sequences: torch.Tensor, speed: float
+) -> str:
+    """The statistics line's tail: the target's own ``generate`` on the same prompt and settings (same seed), its
+    tok/s, the speed-up of ``speed`` over it and, when greedy, whether the tokens are the same as ``sequences``."""
+    kwargs = generation_kwargs(args, specdec)
+    if args.seed is not None:
+        torch.manual_seed(args.seed)
+    plain, plain_seconds = _timed_generate(specdec.target, input_ids, **kwargs)
+    plain_tps = (plain.shape[1] - input_ids.shape[1]) / plain_seconds
+    tail = f" · autoregressive {plain_tps:.1f} tok/s → {speed / plain_tps:.2f}×"
+    if not kwargs["do_sample"]:
+        tail += " (same tokens)" if torch.equal(plain, sequences) else " (TOKENS DIFFER)"
+    return tail
+
+
 def answer(specdec: SpecDecPP, messages: list[dict], policy: StopPolicy, args: argparse.Namespace, out: TextIO) -> str:
     """Stream one answer to ``out`` and print its statistics line; returns the answer's text."""
     tokenizer = specdec.tokenizer
@@ -142,13 +158,7 @@ def answer(specdec: SpecDecPP, messages: list[dict], policy: StopPolicy, args: a
         f"accepted/round of {statistics.fmean(stats.proposed or [0]):.2f} drafted · {policy.describe()}"
     )
     if not args.no_baseline:
-        if args.seed is not None:
-            torch.manual_seed(args.seed)
-        plain, plain_seconds = _timed_generate(specdec.target, input_ids, **kwargs)
-        plain_tps = (plain.shape[1] - input_ids.shape[1]) / plain_seconds
-        line += f" · autoregressive {plain_tps:.1f} tok/s → {len(new) / seconds / plain_tps:.2f}×"
-        if not kwargs["do_sample"]:
-            line += " (same tokens)" if torch.equal(plain, sequences) else " (TOKENS DIFFER)"
+        line += _against_autoregressive(specdec, input_ids, args, sequences, len(new) / seconds)
     out.write(line + "]\n")
     out.flush()
     return tokenizer.decode(new, skip_special_tokens=True)
@@ -161,11 +171,11 @@ def answer_tree(specdec: SpecDecPP, messages: list[dict], args: argparse.Namespa
                          "and --policy, or drop --tree.")  # fmt: skip
     input_ids = torch.tensor([specdec.encode(messages)])
     temperature = specdec.temperature if args.temperature is None else args.temperature
-    start = time.perf_counter()
-    result = specdec.generate(
-        input_ids, args.max_new_tokens, temperature, args.top_k, args.top_p, seed=args.seed, tree=True
-    )
-    seconds = time.perf_counter() - start
+    with device_timer(next(specdec.target.parameters()).device) as watch:
+        result = specdec.generate(
+            input_ids, args.max_new_tokens, temperature, args.top_k, args.top_p, seed=args.seed, tree=True
+        )
+    seconds = watch.seconds
     stats, new = result.stats, result.new_token_ids
     out.write(result.text + "\n")
     line = (
@@ -175,14 +185,7 @@ def answer_tree(specdec: SpecDecPP, messages: list[dict], args: argparse.Namespa
         f"{specdec.tree_rule(greedy=temperature == 0).describe()}"
     )
     if not args.no_baseline:
-        kwargs = generation_kwargs(args, specdec)
-        if args.seed is not None:
-            torch.manual_seed(args.seed)
-        plain, plain_seconds = _timed_generate(specdec.target, input_ids, **kwargs)
-        plain_tps = (plain.shape[1] - input_ids.shape[1]) / plain_seconds
-        line += f" · autoregressive {plain_tps:.1f} tok/s → {len(new) / seconds / plain_tps:.2f}×"
-        if not kwargs["do_sample"]:
-            line += " (same tokens)" if torch.equal(plain, result.sequences) else " (TOKENS DIFFER)"
+        line += _against_autoregressive(specdec, input_ids, args, result.sequences, len(new) / seconds)
     out.write(line + "]\n")
     out.flush()
     return result.text

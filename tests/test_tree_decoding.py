@@ -226,8 +226,10 @@ def test_broken_tree_verification_is_detected(small, monkeypatch: pytest.MonkeyP
 
     target, draft, joint = small
     monkeypatch.setattr(tree_decoding, "verify_sampled", accept_first)
-    tokens, _ = sampled_tokens(sample_tree(target, draft), SAMPLES, len(SMALL_PROMPT))
-    assert min(pair_p_values(tokens, joint)) < ALPHA
+    # A quarter of the samples suffice: the broken rule is off by far more than the check resolves.
+    tokens, _ = sampled_tokens(sample_tree(target, draft), SAMPLES // 4, len(SMALL_PROMPT))
+    p_values = pair_p_values(tokens, joint)
+    assert min(p_values) < ALPHA, p_values
 
 
 # --- the growth rule --------------------------------------------------------------------------------------------------
