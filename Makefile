@@ -28,6 +28,6 @@ demo: install
 OUT ?= eval_out/gpu-check
 gpu-check:
 	mkdir -p $(OUT)
-	$(PYTHON) -m pytest -q -m cuda tests/test_cuda.py 2>&1 | tee $(OUT)/pytest-cuda.txt
+	$(PYTHON) -m pytest -q -m cuda tests/test_cuda.py > $(OUT)/pytest-cuda.txt 2>&1; status=$$?; cat $(OUT)/pytest-cuda.txt; exit $$status
 	$(PYTHON) -m eval decode_speed --config configs/eval/decode_speed-gpu.yaml --output_dir $(OUT)/decode_speed
 	$(PYTHON) -m eval bench --config configs/eval/bench-gpu.yaml --output_dir $(OUT)/bench
