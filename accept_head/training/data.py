@@ -663,7 +663,8 @@ class AcceptanceDataModule(LightningDataModule):
         if dataset is None:
             return None
         if exclude:
-            kept = [row for row in dataset.rows if row.prompt_id not in set(exclude)]
+            excluded = set(exclude)
+            kept = [row for row in dataset.rows if row.prompt_id not in excluded]
             if not kept:
                 raise ValueError(
                     f"Every {'greedy' if greedy else 'validation'} prompt is reserved for the held-out comparison "
