@@ -39,6 +39,7 @@ from .prompts import EncodedPrompt
 from .seeds import seeded_generator
 from .tree_decoding import tree_generate
 from .tree_growth import ConfidenceTree, HeadTree, StaticTree, TreeRule
+from .tree_labels import C2TTree, TreeModels
 from .tree_verify import MASKED_ATTENTION, TreeDecodeStats
 
 FAMILIES = {
@@ -56,14 +57,17 @@ FAMILIES = {
     "head_tree": "SpecDec++ tree",
     "confidence_tree": "EAGLE-2 tree",
     "static_tree": "static tree",
+    "c2t_tree": "C2T tree",
 }
 """Method kinds and their display names."""
 
-DRAFT_TREES = ("head_tree", "confidence_tree", "static_tree")
+DRAFT_TREES = ("head_tree", "confidence_tree", "static_tree", "c2t_tree")
 """Methods that draft a token tree with the pair's draft each round (:func:`~accept_head.tree_decoding.tree_generate`):
 the head's tree (:class:`~accept_head.tree_growth.HeadTree`, the bundle's stored tree settings overridden by the
-params), EAGLE-2's (:class:`~accept_head.tree_growth.ConfidenceTree`) and a fixed shape
-(:class:`~accept_head.tree_growth.StaticTree`); params are those classes' keyword arguments."""
+params; ``head: tree`` scores with the head trained on tree labels, :class:`~accept_head.tree_labels.TreeModels`),
+EAGLE-2's (:class:`~accept_head.tree_growth.ConfidenceTree`), a fixed shape
+(:class:`~accept_head.tree_growth.StaticTree`) and C2T's (:class:`~accept_head.tree_labels.C2TTree`, its classifier
+from the runner's ``tree_models``); params are those classes' keyword arguments."""
 
 TREE_DECODERS = {"ngrammys": ngrammys_generate, "lookahead": lookahead_generate, "ouroboros": ouroboros_generate}
 """The learning-free decoders that verify many guesses in one target call (:mod:`accept_head.tree_verify`): kind →
@@ -86,6 +90,8 @@ ROLES = ("h_star",)
 _SHORT = {"tau": "τ", "initial_k": "k0", "num_assistant_tokens": "K", "confidence_threshold": "conf"}
 _SHORT_BY_KIND = {
     ("specdecpp", "threshold"): "h",
+    ("head_tree", "threshold"): "h",
+    ("c2t_tree", "threshold"): "h",
     ("entropy", "threshold"): "λ",
     ("lookahead", "window"): "W",
     ("lookahead", "ngram"): "N",
@@ -105,7 +111,7 @@ class MethodSpec:
 
     kind: str
     """autoregressive, fixed_k, specdecpp, heuristic, confidence, entropy, hf_assisted, ngrammys, lookahead,
-    ouroboros, oracle, head_tree, confidence_tree or static_tree."""
+    ouroboros, oracle, head_tree, confidence_tree, static_tree or c2t_tree."""
     params: dict[str, Any] = field(default_factory=dict)
     """fixed_k: k. specdecpp: threshold (default: the bundle's h*), min_candidates, max_candidates, calibrated,
     unscored (``confidence``: see :class:`~accept_head.policies.HeadThreshold`).
@@ -349,6 +355,8 @@ class Runner:
         head: TrainedHead | None = None,
         bigram_top: int = BIGRAM_TOP,
         ignore_eos: bool = False,
+        tree_cost: CostModel | None = None,
+        tree_models: TreeModels | None = None,
     ) -> None:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
@@ -365,6 +373,10 @@ class Runner:
         ``max_new_tokens`` (as serving benchmarks time it), so tokens/s compares outputs of one length."""
         self.head = head if head is not None else pair.bundle
         """What ``specdecpp`` methods decode with (a :class:`TrainedHead` or a bundle), None if nothing."""
+        self.tree_cost = tree_cost
+        """The cost model the cost-priced trees (head_tree, c2t_tree) plan with; None: the bundle's."""
+        self.tree_models = tree_models
+        """What was trained on tree labels (C2T classifiers, tree heads), for c2t_tree and ``head_tree head=tree``."""
         self._oracles: dict[tuple[int, ...], Oracle] = {}
         self._bigrams: dict[int, ModelBigram] = {}
 
@@ -379,8 +391,20 @@ class Runner:
             self.pair.draft_for(spec.params.get("draft")), PreTrainedModel
         ):
             return "HF assisted generation needs a Hugging Face draft model (name a comparison draft)"
-        if spec.kind == "head_tree" and not getattr(self.head, "cost_model", None):
-            return "the head's tree needs a bundle with a trained head and a cost model (--bundle)"
+        if spec.kind == "head_tree" and self.head is None:
+            return "the head's tree needs a bundle with a trained head (--bundle)"
+        if spec.kind in ("head_tree", "c2t_tree") and not self._tree_cost():
+            return f"{spec.family} prices nodes with a cost model: give the runner one or use a bundle that has one"
+        wants_models = spec.kind == "c2t_tree" or spec.params.get("head") == "tree"
+        if spec.kind in DRAFT_TREES and wants_models:
+            if self.tree_models is None:
+                return f"{spec.name} needs models trained on tree labels (`python -m train.trees`; --tree_models)"
+            try:
+                (self.tree_models.classifier if spec.kind == "c2t_tree" else self.tree_models.head)(
+                    self.temperature == 0
+                )
+            except ValueError as err:
+                return str(err)
         if spec.kind in DRAFT_TREES:
             implementation = getattr(self.pair.target.config, "_attn_implementation", None)
             if implementation not in MASKED_ATTENTION:
@@ -452,12 +476,20 @@ class Runner:
         """The growth rule of a draft-tree method (:data:`DRAFT_TREES`)."""
         params = dict(spec.params)
         try:
+            greedy = self.temperature == 0
             if spec.kind == "head_tree":
-                greedy = self.temperature == 0
                 settings = {**getattr(self.head, "tree", {}), **params}
+                which = settings.pop("head", "chain")
+                if which not in ("chain", "tree"):
+                    raise ValueError(
+                        f"head={which!r} must be 'chain' (the bundle's head) or 'tree' (trained on trees)."
+                    )
+                if which == "tree":
+                    return HeadTree(self.tree_models.head(greedy), self._tree_cost(), **settings)
                 calibration = self.head.calibration_for(greedy=greedy)
-                cost = CostModel.from_dict(self.head.cost_model)
-                return HeadTree(self.head.head, cost, calibration=calibration, **settings)
+                return HeadTree(self.head.head, self._tree_cost(), calibration=calibration, **settings)
+            if spec.kind == "c2t_tree":
+                return C2TTree(self.tree_models.classifier(greedy), self._tree_cost(), **params)
             if spec.kind == "confidence_tree":
                 return ConfidenceTree(**params)
             if spec.kind == "static_tree":
@@ -465,6 +497,12 @@ class Runner:
         except TypeError as err:
             raise ValueError(f"bad parameters {spec.params} for method {spec.kind!r}: {err}") from err
         raise ValueError(f"method {spec.kind!r} does not draft trees.")
+
+    def _tree_cost(self) -> CostModel | None:
+        if self.tree_cost is not None:
+            return self.tree_cost
+        stored = getattr(self.head, "cost_model", None)
+        return CostModel.from_dict(stored) if stored else None
 
     def oracle(self, ids: Sequence[int]) -> Oracle:
         key = tuple(ids)

@@ -19,13 +19,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from .cost_model import CostModel
+from .head import HEAD_WEIGHTS, AcceptanceHead
 from .sampling import SamplingConfig, probabilities
 from .tree_growth import CostTree, DraftTree
+
+C2T_WEIGHTS = "c2t.safetensors"
 
 
 def node_labels(tree: DraftTree, nodes: list[int], logits: torch.Tensor, sampling: SamplingConfig) -> dict[int, float]:
@@ -49,6 +55,27 @@ def c2t_features(tree: DraftTree, node: int) -> list[float]:
 
 
 @dataclass
+class LabelledRound:
+    """One tree round kept for training and for pricing trees offline: the drafted tree's shape, what each scorer
+    reads, and the labels of every node whose parent the target scored (:func:`node_labels`)."""
+
+    parents: list[int]
+    probs: list[float]
+    """The draft's probability of each node (its EAGLE-2 score)."""
+    features: list[list[float]]
+    """C2T features of each node (:func:`c2t_features`)."""
+    labels: dict[int, float]
+    hidden: dict[int, torch.Tensor]
+    """The draft's hidden state at each fed node (the head's input)."""
+    forwards: int
+
+    def labelled(self) -> list[int]:
+        """The nodes with a label, in creation order: an ancestor-closed subtree (a verified parent's own path was
+        verified, so every node on it has a label)."""
+        return sorted(self.labels)
+
+
+@dataclass
 class TreeLabelRecorder:
     """Collects labelled nodes over decoding: pass ``recorder.observe`` as ``tree_generate(observe=...)``."""
 
@@ -59,13 +86,19 @@ class TreeLabelRecorder:
     """The draft's hidden state of each labelled node that was fed (head training rows)."""
     hidden_labels: list[float] = field(default_factory=list)
     labels: list[float] = field(default_factory=list)
+    rounds: list[LabelledRound] = field(default_factory=list)
+    """Every observed round whole (:class:`LabelledRound`)."""
 
     def observe(self, tree: DraftTree, nodes: list[int], logits: torch.Tensor) -> None:
-        for node, label in node_labels(tree, nodes, logits, self.sampling).items():
-            self.features.append(c2t_features(tree, node))
+        labels = node_labels(tree, nodes, logits, self.sampling)
+        features = [c2t_features(tree, node) for node in range(len(tree.tokens))]
+        hidden = {node: state.float().cpu() for node, state in tree.hidden.items()}
+        self.rounds.append(LabelledRound(list(tree.parents), list(tree.probs), features, labels, hidden, tree.forwards))
+        for node, label in labels.items():
+            self.features.append(features[node])
             self.labels.append(label)
-            if node in tree.hidden:
-                self.hidden.append(tree.hidden[node].float().cpu())
+            if node in hidden:
+                self.hidden.append(hidden[node])
                 self.hidden_labels.append(label)
 
 
@@ -102,6 +135,20 @@ class C2TClassifier(nn.Module):
             optimizer.step()
         return model.eval()
 
+    def save(self, path: str | Path) -> None:
+        """Weights and standardisation in one safetensors file."""
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path), metadata={"format": "pt"})
+
+    @classmethod
+    def load(cls, path: str | Path) -> C2TClassifier:
+        model = cls()
+        try:
+            model.load_state_dict(load_file(str(path)))
+        except (OSError, RuntimeError, SafetensorError) as err:
+            raise ValueError(f"{path} is not a C2T classifier saved by C2TClassifier.save: {err}") from err
+        return model.eval()
+
 
 class C2TTree(CostTree):
     """The cost-priced tree of :class:`~accept_head.tree_growth.CostTree` scored by a :class:`C2TClassifier`: every
@@ -115,3 +162,63 @@ class C2TTree(CostTree):
         with torch.inference_mode():
             logit = self.classifier(torch.tensor([math.log(max(joint, 1e-30)), entropy, float(depth)]))
         return float(torch.sigmoid(logit))
+
+
+MODES = ("greedy", "sampled")
+"""Decoding modes that tree labels (and what is trained on them) are kept apart by: greedy, and sampling (T > 0)."""
+
+
+def tree_mode(greedy: bool) -> str:
+    return MODES[0] if greedy else MODES[1]
+
+
+@dataclass
+class TreeModels:
+    """What is trained on tree labels (``python -m train.trees``), per decoding mode (:data:`MODES`): a C2T
+    classifier for :class:`C2TTree` and an acceptance head trained on tree nodes (``head_tree`` with ``head: tree``).
+    Saved as ``<folder>/<mode>/c2t.safetensors`` and ``<folder>/<mode>/head.safetensors`` (+ ``head_config.json``)."""
+
+    c2t: dict[str, C2TClassifier] = field(default_factory=dict)
+    heads: dict[str, AcceptanceHead] = field(default_factory=dict)
+
+    def classifier(self, greedy: bool) -> C2TClassifier:
+        return self._get(self.c2t, greedy, "C2T classifier")
+
+    def head(self, greedy: bool) -> AcceptanceHead:
+        return self._get(self.heads, greedy, "tree-trained head")
+
+    @staticmethod
+    def _get(table: dict, greedy: bool, what: str):
+        mode = tree_mode(greedy)
+        if mode not in table:
+            raise ValueError(
+                f"no {what} for {mode} decoding here (have: {sorted(table) or 'none'}); train one with "
+                f"`python -m train.trees --config ...` with this mode's temperature."
+            )
+        return table[mode]
+
+    def save(self, folder: str | Path) -> None:
+        for mode, classifier in self.c2t.items():
+            (Path(folder) / mode).mkdir(parents=True, exist_ok=True)
+            classifier.save(Path(folder) / mode / C2T_WEIGHTS)
+        for mode, head in self.heads.items():
+            head.save_pretrained(Path(folder) / mode)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> TreeModels:
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"tree_models={str(folder)!r} is not a folder; write one with `python -m train.trees`."
+            )
+        models = cls()
+        for mode in MODES:
+            if (folder / mode / C2T_WEIGHTS).is_file():
+                models.c2t[mode] = C2TClassifier.load(folder / mode / C2T_WEIGHTS)
+            if (folder / mode / HEAD_WEIGHTS).is_file():
+                models.heads[mode] = AcceptanceHead.from_pretrained(folder / mode).eval()
+        if not models.c2t and not models.heads:
+            raise FileNotFoundError(
+                f"{folder} holds no {'/'.join(MODES)} subfolder with {C2T_WEIGHTS} or {HEAD_WEIGHTS}."
+            )
+        return models

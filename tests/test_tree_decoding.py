@@ -333,23 +333,9 @@ def test_head_of_another_width_is_refused(pair) -> None:
 @pytest.fixture(scope="module")
 def tree_bundle_dir(tmp_path_factory):
     """A saved tiny bundle (fp32 target and draft folders) with a cost model and tree settings."""
-    from tiny_models import make_pair
+    from tiny_models import tree_bundle
 
-    from accept_head import ModelSpec, SpecDecPP, load_model, load_tokenizer
-
-    root = tmp_path_factory.mktemp("tree-bundle")
-    target_dir, draft_dir = make_pair(root / "models")
-    specs = ModelSpec(str(target_dir), dtype="float32"), ModelSpec(str(draft_dir), dtype="float32")
-    draft = load_model(specs[1])
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        head = AcceptanceHead(draft.config.hidden_size, depth=1)
-    bundle = SpecDecPP(
-        load_model(specs[0]), draft, head, 0.6, tokenizer=load_tokenizer(specs[0]), cost_model=COST.to_dict(),
-        tree=TREE_SETTINGS, target_spec=specs[0], draft_spec=specs[1],
-    )  # fmt: skip
-    bundle.save_pretrained(root / "bundle")
-    return root / "bundle"
+    return tree_bundle(tmp_path_factory.mktemp("tree-bundle"), COST.to_dict(), TREE_SETTINGS)
 
 
 TREE_SETTINGS = {"width": 2, "top_k": 3, "max_depth": 4, "max_nodes": 12}

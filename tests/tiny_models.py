@@ -310,3 +310,22 @@ def distilled_feature_draft(target, kept_ids: torch.Tensor, texts, steps: int = 
             loss.backward()
             optimizer.step()
     return draft.eval()
+
+
+def tree_bundle(root: Path, cost_model: dict, tree: dict | None = None) -> Path:
+    """A saved tiny bundle under ``root`` (fp32 target and draft folders from :func:`make_pair`, a depth-1 head with
+    seed 0, threshold 0.6) with ``cost_model`` and tree settings ``tree``; returns its folder."""
+    from accept_head import AcceptanceHead, ModelSpec, SpecDecPP, load_model, load_tokenizer
+
+    target_dir, draft_dir = make_pair(root / "models")
+    specs = ModelSpec(str(target_dir), dtype="float32"), ModelSpec(str(draft_dir), dtype="float32")
+    draft = load_model(specs[1])
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        head = AcceptanceHead(draft.config.hidden_size, depth=1)
+    bundle = SpecDecPP(
+        load_model(specs[0]), draft, head, 0.6, tokenizer=load_tokenizer(specs[0]), cost_model=cost_model,
+        tree=tree, target_spec=specs[0], draft_spec=specs[1],
+    )  # fmt: skip
+    bundle.save_pretrained(root / "bundle")
+    return root / "bundle"

@@ -18,6 +18,7 @@ from ..baselines import ConfidenceThreshold, confidence_pairs_from_dataset, roc_
 from ..cost_model import CostModel
 from ..decoding import speculative_generate
 from ..engine import (
+    DRAFT_TREES,
     TREE_DECODERS,
     MethodSpec,
     MethodSummary,
@@ -36,6 +37,7 @@ from ..pairs import ModelSpec
 from ..prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
 from ..seeds import seeded_generator
 from ..tables import text_table
+from ..tree_labels import TreeModels
 from .common import fmt, machine_info, output_folder, ratios, resolve_cost_model, tokens_per_second_cells, write_json
 from .plots import bench_plot
 from .sweep import run_sweep, temperature_key
@@ -107,6 +109,20 @@ def tree_settings(grids: dict[str, Sequence[dict] | None]) -> dict[str, list[dic
         if settings:
             out[kind] = settings
     return out
+
+
+def draft_tree_specs(grids: dict[str, Sequence[dict] | None]) -> list[MethodSpec]:
+    """The specs of the draft-tree grids (kind → list of parameter dicts, see :func:`bench`). Needs no model; raises
+    ValueError naming a kind that does not draft trees or an entry that is not a mapping."""
+    specs = []
+    for kind, grid in grids.items():
+        if kind not in DRAFT_TREES:
+            raise ValueError(f"draft_trees: {kind!r} is not a draft-tree method ({', '.join(DRAFT_TREES)}).")
+        for index, params in enumerate(grid or []):
+            if not isinstance(params, dict):
+                raise ValueError(f"draft_trees.{kind}[{index}]={params!r} must be a mapping, e.g. {{threshold: 0.5}}.")
+            specs.append(MethodSpec(kind, dict(params)))
+    return specs
 
 
 def tree_specs(pair: Pair, settings: dict[str, list[dict]]) -> tuple[list[MethodSpec], list[dict[str, str]]]:
@@ -184,6 +200,9 @@ def bench(
     lookahead: list[dict] | None = None,
     ouroboros: list[dict] | None = None,
     bigram_cache: str | None = None,
+    draft_trees: dict[str, list[dict]] | None = None,
+    tree_models: str | None = None,
+    stop_rules: bool = True,
     oracle: bool = True,
     select_by: str = "modeled",
     cost_model: str = "bundle",
@@ -230,8 +249,19 @@ def bench(
         ouroboros: Ouroboros settings searched on validation, e.g. ``[{gamma: 4, phrase_length: 4,
             phrases_per_token: 8, candidates: 4}]`` (γ, β, W, K). It drafts with the pair's draft when that is a
             Hugging Face model, else with ``comparison_draft``. None or [] leaves Ouroboros out.
+        draft_trees: Draft-tree settings searched on validation, kind → grid, e.g. ``{head_tree: [{threshold:
+            null}, {threshold: 0.5}], confidence_tree: [{width: 4, top_k: 4, max_depth: 4, max_nodes: 16}]}`` (kinds:
+            head_tree, confidence_tree, static_tree, c2t_tree; params: the keyword arguments of
+            :class:`~accept_head.tree_growth.HeadTree` (``head: tree`` for the tree-trained head),
+            :class:`~accept_head.tree_growth.ConfidenceTree`, :class:`~accept_head.tree_growth.StaticTree`,
+            :class:`~accept_head.tree_labels.C2TTree`). The head's grid over ``threshold`` is its h* sweep for trees,
+            per temperature. The cost-priced trees (head, C2T) plan with the bench's ``cost_model``.
+        tree_models: Folder written by ``python -m train.trees`` (C2T classifiers and tree-trained heads per mode),
+            needed by c2t_tree and ``head: tree``.
         bigram_cache: Folder of N-Grammys' model-bigram tables, keyed by the target's fingerprint; a table missing
             there is computed once (before any timing) and written. Default ``$ACCEPT_HEAD_CACHE/bigram``.
+        stop_rules: Include the other stop rules (Heuristic, ConfidenceThreshold, EntropyStop) and their tuning;
+            False keeps the bench to the target, FixedK, SpecDec++, HF and the tree decoders (e.g. a tree bench).
         oracle: Include the greedy hindsight oracle (greedy only).
         select_by: Choose the validation winners by ``modeled`` (cost model; robust to machine noise) or
             ``measured`` tokens/s. Tree decoders are priced by the tokens their target calls read (see
@@ -263,17 +293,21 @@ def bench(
     if repeats < 1 or warmup < 0:
         raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup}).")
     grids = tree_settings({"ngrammys": ngrammys, "lookahead": lookahead, "ouroboros": ouroboros})  # before loading
+    draft_tree_grid = draft_tree_specs(draft_trees or {})
+    loaded_tree_models = TreeModels.load(tree_models) if tree_models else None
     folder = output_folder(output_dir)
     pair = pair_options.load()
     if comparison_draft is not None:
         add_comparison_drafts(pair, ModelSpec.coerce(comparison_draft))
     trees, trees_skipped = tree_specs(pair, grids)
+    trees += draft_tree_grid
     for skipped in trees_skipped:
         print(f"skipping {skipped['kind']}: {skipped['reason']}")
     test_set = prompt_options.encode("test", prompts, pair.tokenizer, seed)
     val_set = prompt_options.encode("validation", validation_prompts, pair.tokenizer, seed)
     check_disjoint(test_set, val_set)
     model, model_source = resolve_cost_model(cost_model, pair, seed)
+    runner_options = {"tree_cost": model, "tree_models": loaded_tree_models}
     dataset_tau = None
     if confidence_tau is None and confidence_dataset is not None:
         dataset_tau = roc_threshold(*confidence_pairs_from_dataset(confidence_dataset))
@@ -289,7 +323,7 @@ def bench(
             max_new_tokens,
             model,
             fixed_k,
-            entropy_thresholds,
+            entropy_thresholds if stop_rules else [],
             entropy_gamma,
             select_by,
             seed,
@@ -297,28 +331,32 @@ def bench(
             trees,
             bigram_cache,
             ignore_eos,
+            runner_options,
         )
         validation["skipped"] = trees_skipped + validation["skipped"]
-        if confidence_tau is not None:
-            tau, tau_source, pairs = float(confidence_tau), "given", 0
-        elif dataset_tau is not None:
-            tau, tau_source, pairs = dataset_tau, f"ROC on {confidence_dataset}", 0
-        else:
-            tau, pairs = tune_confidence(pair, val_set, temperature, max_new_tokens, seed)
-            tau_source = "ROC on validation (HF's fpr + 3·fnr)"
-        validation["confidence"] = {"tau": tau, "source": tau_source, "pairs": pairs}
         best_k = validation["best_k"]
         specs = [
             MethodSpec("autoregressive"),
             MethodSpec("fixed_k", {"k": best_k}),
             *[MethodSpec("fixed_k", {"k": k, "draft": name}) for name, k in validation["best_k_by_draft"].items()],
             h_star_spec(pair.bundle, greedy=temperature == 0),
-            MethodSpec("heuristic", {"initial_k": heuristic_initial_k}),
-            MethodSpec("confidence", {"tau": tau}),
-            # HF's own rule: start from τ = 0.4 and re-tune it online after every round (fpr + 3·fnr).
-            MethodSpec("confidence", {"tau": 0.4, "auto_tune": True}),
-            MethodSpec("entropy", {"threshold": validation["best_entropy_threshold"], "gamma": entropy_gamma}),
         ]
+        if stop_rules:
+            if confidence_tau is not None:
+                tau, tau_source, pairs = float(confidence_tau), "given", 0
+            elif dataset_tau is not None:
+                tau, tau_source, pairs = dataset_tau, f"ROC on {confidence_dataset}", 0
+            else:
+                tau, pairs = tune_confidence(pair, val_set, temperature, max_new_tokens, seed)
+                tau_source = "ROC on validation (HF's fpr + 3·fnr)"
+            validation["confidence"] = {"tau": tau, "source": tau_source, "pairs": pairs}
+            specs += [
+                MethodSpec("heuristic", {"initial_k": heuristic_initial_k}),
+                MethodSpec("confidence", {"tau": tau}),
+                # HF's own rule: start from τ = 0.4 and re-tune it online after every round (fpr + 3·fnr).
+                MethodSpec("confidence", {"tau": 0.4, "auto_tune": True}),
+                MethodSpec("entropy", {"threshold": validation["best_entropy_threshold"], "gamma": entropy_gamma}),
+            ]
         hf_draft = None if isinstance(pair.draft, PreTrainedModel) else "standalone"
         for s in settings:
             if hf_draft is not None and hf_draft not in pair.comparison_drafts:
@@ -338,7 +376,9 @@ def bench(
         if oracle and temperature == 0:
             specs.append(MethodSpec("oracle"))
         specs = list({s.name: s for s in specs}.values())  # e.g. two HF settings that coincide
-        runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache, ignore_eos=ignore_eos)
+        runner = Runner(
+            pair, max_new_tokens, temperature, bigram_cache=bigram_cache, ignore_eos=ignore_eos, **runner_options
+        )
         outputs: dict = {}
         runs = run_interleaved(
             runner, specs, test_set.prompts, seed, repeats, warmup, progress, desc=f"bench {key}", outputs=outputs
@@ -389,6 +429,8 @@ def bench(
             "entropy_gamma": entropy_gamma,
             "hf_settings": [s.__dict__ for s in settings],
             "tree_decoders": grids,
+            "draft_trees": {kind: [s.params for s in draft_tree_grid if s.kind == kind] for kind in draft_trees or {}},
+            "tree_models": tree_models,
             "prompt_mode": prompt_options.prompt_mode,
         },
         "cost_model": {"source": model_source, **model.to_dict()},
@@ -440,11 +482,14 @@ def add_comparison_drafts(pair: Pair, spec: ModelSpec) -> None:
 
 
 def _title(key: str, test_set: PromptSet, repeats: int, validation: dict) -> str:
-    conf = validation["confidence"]
-    return (
+    title = (
         f"bench, {key}, {len(test_set.prompts)} prompts × {repeats} repeats; validation: best K={validation['best_k']}"
-        f", EntropyStop λ={validation['best_entropy_threshold']:g}, ConfidenceThreshold τ={conf['tau']:.3g}"
     )
+    if validation["best_entropy_threshold"] is not None:
+        title += f", EntropyStop λ={validation['best_entropy_threshold']:g}"
+    if "confidence" in validation:
+        title += f", ConfidenceThreshold τ={validation['confidence']['tau']:.3g}"
+    return title
 
 
 def _validate(
@@ -462,6 +507,7 @@ def _validate(
     trees: Sequence[MethodSpec] = (),
     bigram_cache: str | None = None,
     ignore_eos: bool = False,
+    runner_options: dict | None = None,
 ) -> dict:
     """Run the FixedK, EntropyStop and tree-decoder grids on the validation prompts and pick the best of each.
 
@@ -483,10 +529,11 @@ def _validate(
         progress,
         bigram_cache,
         ignore_eos=ignore_eos,
+        **(runner_options or {}),
     )
     own = [s for s in summaries if "draft" not in s.spec.params]
     best_k = best_of(own, select_by, "fixed_k")
-    best_entropy = best_of(own, select_by, "entropy")
+    best_entropy = best_of(own, select_by, "entropy") if entropy_thresholds else None
     by_draft = {}
     for name in pair.comparison_drafts:  # by measured tok/s: the cost model prices the pair's own draft only
         theirs = [s for s in summaries if s.spec.params.get("draft") == name]
@@ -502,7 +549,7 @@ def _validate(
         "select_by": select_by,
         "best_k": int(best_k.spec.params["k"]),
         "best_k_by_draft": by_draft,
-        "best_entropy_threshold": float(best_entropy.spec.params["threshold"]),
+        "best_entropy_threshold": None if best_entropy is None else float(best_entropy.spec.params["threshold"]),
         "tree_decoders": tree_decoders,
         "skipped": skipped,
         "methods": [

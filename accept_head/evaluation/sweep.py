@@ -4,6 +4,7 @@ measured and modeled tokens/s, mean accepted length — and the Pareto plot of S
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from ..cost_model import CostModel
 from ..engine import MethodSpec, MethodSummary, PolicyGrid, Runner, expand_grids, run_interleaved, summarize
@@ -61,11 +62,15 @@ def run_sweep(
     bigram_cache: str | None = None,
     outputs: dict[str, list[list[tuple[int, ...]]]] | None = None,
     ignore_eos: bool = False,
+    **runner_options: Any,
 ) -> tuple[list[MethodSummary], list[dict]]:
     """Run every spec that can run at ``temperature`` on ``prompt_set``; return the summaries and the skipped specs
     (with the reason). ``outputs``, when a dict, receives each decode's new tokens (see :func:`run_decoders`);
-    ``ignore_eos`` decodes past EOS so every method writes exactly ``max_new_tokens`` (see :class:`Runner`)."""
-    runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache, ignore_eos=ignore_eos)
+    ``ignore_eos`` decodes past EOS so every method writes exactly ``max_new_tokens``; ``runner_options`` go to
+    :class:`Runner` (e.g. ``tree_cost``, ``tree_models``)."""
+    runner = Runner(
+        pair, max_new_tokens, temperature, bigram_cache=bigram_cache, ignore_eos=ignore_eos, **runner_options
+    )
     runnable, skipped = [], []
     for spec in specs:
         reason = runner.supports(spec)

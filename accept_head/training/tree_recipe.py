@@ -1,0 +1,320 @@
+"""``python -m train.trees``: label tree rounds, train what reads those labels, and price trees offline.
+
+For each decoding mode (greedy, T = 1) of a bundle's pair:
+
+1. **Labels.** Decode the training prompts with a wide collection tree (EAGLE-2's rule, so every round verifies
+   many nodes) and keep every round whole (:class:`~accept_head.tree_labels.LabelledRound`): the label of each node
+   whose parent the target scored, P(node accepted | parent accepted) under the tree verification rule. The same on
+   separate check prompts. Rounds are cached per prompt set (``rounds-<set>.pt``), so a rerun resumes.
+2. **Fit.** A C2T classifier on the training nodes (:class:`~accept_head.tree_labels.C2TClassifier`), and a *tree
+   head*: the bundle's acceptance head fine-tuned with BCE on the fed training nodes' hidden states — the second head
+   of "one head for chains and trees, or one each".
+3. **Check** (prompts that trained nothing): per scorer — the draft's probability (EAGLE-2), the bundle's chain head
+   (with its calibration for the mode), the tree head, C2T and the labels themselves (the oracle) — the BCE and AUC on
+   the labelled fed nodes, and the trees each would verify: in every check round, the subtree of the labelled nodes
+   with the best expected tokens per second under the cost model when values are the scorer's path products
+   (:func:`~accept_head.tree_growth.best_subtree`), scored with the *true* values. The oracle's is the ceiling of
+   the tree a perfect head would pick from those drafted nodes.
+
+Writes ``<output_dir>/<mode>/`` (``c2t.safetensors``, ``head.safetensors``: load with
+:meth:`~accept_head.tree_labels.TreeModels.load`, pass to ``eval bench --tree_models``) and ``trees.json``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from pathlib import Path
+
+import torch
+from sklearn.metrics import roc_auc_score
+
+from ..bundle import SpecDecPP
+from ..cost_model import CostModel
+from ..evaluation.common import machine_info, write_json
+from ..head import AcceptanceHead
+from ..prompts import PromptOptions, PromptSource
+from ..sampling import SamplingConfig
+from ..seeds import seeded_generator
+from ..tree_decoding import tree_generate
+from ..tree_growth import ConfidenceTree, best_subtree
+from ..tree_labels import C2TClassifier, LabelledRound, TreeLabelRecorder, TreeModels, tree_mode
+
+
+def collect_rounds(
+    bundle: SpecDecPP, prompts, rule, temperature: float, max_new_tokens: int, seed: int
+) -> list[LabelledRound]:
+    """Decode ``prompts`` over trees grown by ``rule`` and return every round, labelled (decoding past EOS, so every
+    prompt gives ``max_new_tokens`` tokens of rounds)."""
+    recorder = TreeLabelRecorder(SamplingConfig(temperature))
+    for index, prompt in enumerate(prompts):
+        tree_generate(
+            bundle.target,
+            bundle.draft,
+            list(prompt.ids),
+            rule,
+            max_new_tokens,
+            temperature,
+            generator=seeded_generator(seed, 0, index),
+            observe=recorder.observe,
+        )
+    return recorder.rounds
+
+
+def _cached_rounds(path: Path, make) -> list[LabelledRound]:
+    if path.is_file():
+        return [LabelledRound(**raw) for raw in torch.load(path, weights_only=True)]
+    rounds = make()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save([r.__dict__ for r in rounds], tmp)
+    tmp.replace(path)  # whole or absent: a killed run recollects
+    return rounds
+
+
+def fit_tree_head(
+    head: AcceptanceHead, rounds: list[LabelledRound], epochs: int, lr: float, batch_size: int, seed: int
+) -> AcceptanceHead:
+    """A copy of ``head`` fine-tuned with BCE (soft labels, Adam) on the fed labelled nodes of ``rounds``."""
+    x, y = _fed_rows(rounds)
+    if len(y) == 0:
+        raise ValueError("no fed, labelled tree node to train a head on: collect more rounds (more prompts/tokens).")
+    tuned = copy.deepcopy(head).float().train()
+    optimizer = torch.optim.Adam(tuned.parameters(), lr=lr)
+    generator = torch.Generator().manual_seed(seed)
+    for _ in range(epochs):
+        for batch in torch.randperm(len(y), generator=generator).split(batch_size):
+            optimizer.zero_grad()
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(tuned(x[batch]), y[batch])
+            loss.backward()
+            optimizer.step()
+    return tuned.eval()
+
+
+def _fed_rows(rounds: list[LabelledRound]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = [(r.hidden[n], r.labels[n]) for r in rounds for n in r.labelled() if n in r.hidden]
+    if not rows:
+        return torch.zeros(0), torch.zeros(0)
+    return torch.stack([h.float() for h, _ in rows]), torch.tensor([label for _, label in rows])
+
+
+def soft_auc(labels: list[float], scores: list[float]) -> float | None:
+    """ROC AUC with soft labels: a node of label y counts as a positive of weight y and a negative of weight 1 − y."""
+    if not labels or not 0 < sum(labels) < len(labels):
+        return None
+    y = [1] * len(labels) + [0] * len(labels)
+    weights = [*labels, *(1 - v for v in labels)]
+    return float(roc_auc_score(y, [*scores, *scores], sample_weight=weights))
+
+
+def bce(labels: list[float], scores: list[float]) -> float:
+    eps = 1e-6
+    terms = [y * math.log(max(p, eps)) + (1 - y) * math.log(max(1 - p, eps)) for y, p in zip(labels, scores)]
+    return -sum(terms) / max(len(terms), 1)
+
+
+def scorers(bundle: SpecDecPP, models: TreeModels, greedy: bool) -> dict:
+    """Scorer name → function(round) → {labelled node: score}. Head scorers score fed nodes from their hidden state
+    and count an unfed node's draft probability (as :class:`~accept_head.tree_growth.HeadTree` does)."""
+    calibration = bundle.calibration_for(greedy)
+
+    def head_scorer(head: AcceptanceHead, calibrated):
+        def score(r: LabelledRound) -> dict[int, float]:
+            out = {n: r.probs[n] for n in r.labelled()}
+            fed = [n for n in r.labelled() if n in r.hidden]
+            if fed:
+                with torch.inference_mode():
+                    probs = head.float().accept_prob(torch.stack([r.hidden[n].float() for n in fed])).tolist()
+                out |= {n: float(calibrated(p)) if calibrated else p for n, p in zip(fed, probs)}
+            return out
+
+        return score
+
+    def c2t(r: LabelledRound) -> dict[int, float]:
+        nodes = r.labelled()
+        if not nodes:
+            return {}
+        with torch.inference_mode():
+            probs = torch.sigmoid(models.classifier(greedy)(torch.tensor([r.features[n] for n in nodes]))).tolist()
+        return dict(zip(nodes, probs))
+
+    return {
+        "oracle (true labels)": lambda r: {n: r.labels[n] for n in r.labelled()},
+        "draft probability (EAGLE-2)": lambda r: {n: r.probs[n] for n in r.labelled()},
+        "chain head": head_scorer(bundle.head, calibration),
+        "tree head": head_scorer(models.head(greedy), None),
+        "C2T": c2t,
+    }
+
+
+def price_trees(rounds: list[LabelledRound], score, cost: CostModel, max_nodes: int) -> dict:
+    """The trees ``score`` would verify from each round's labelled nodes (best expected tokens/s by its own values),
+    scored with the true values: mean expected tokens per round and expected tokens per second."""
+    tokens = seconds = size = 0.0
+    for r in rounds:
+        nodes = r.labelled()
+        index = {n: i for i, n in enumerate(nodes)}
+        parents = [index.get(r.parents[n], -1) for n in nodes]
+        scores = score(r)
+        values, truth = [], []
+        for i, n in enumerate(nodes):
+            p = parents[i]
+            values.append((1.0 if p < 0 else values[p]) * min(max(scores[n], 0.0), 1.0))
+            truth.append((1.0 if p < 0 else truth[p]) * r.labels[n])
+        chosen, _ = best_subtree(parents, values, cost, max_nodes)
+        depths = [1] * len(nodes)
+        for i, p in enumerate(parents):
+            depths[i] = 1 if p < 0 else depths[p] + 1
+        tokens += 1 + sum(truth[i] for i in chosen)
+        seconds += max((depths[i] for i in chosen), default=0) * cost.t_draft + cost.t_target(len(chosen))
+        size += len(chosen)
+    n = max(len(rounds), 1)
+    return {
+        "expected_tokens_per_round": tokens / n,
+        "expected_tokens_per_second": tokens / seconds if seconds else 0.0,
+        "mean_tree_size": size / n,
+    }
+
+
+def node_metrics(rounds: list[LabelledRound], score, fed_only: bool) -> dict:
+    labels, scores = [], []
+    for r in rounds:
+        s = score(r)
+        for n in r.labelled():
+            if not fed_only or n in r.hidden:
+                labels.append(r.labels[n])
+                scores.append(min(max(s[n], 0.0), 1.0))
+    return {
+        "nodes": len(labels),
+        "bce": bce(labels, scores),
+        "auc": soft_auc(labels, scores),
+        "mean_score": sum(scores) / max(len(scores), 1),
+        "mean_label": sum(labels) / max(len(labels), 1),
+    }
+
+
+def run(
+    bundle: str,
+    prompts: list[PromptSource],
+    check_prompts: list[PromptSource],
+    output_dir: str = "eval_out/trees",
+    temperatures: list[float] | None = None,
+    max_new_tokens: int = 48,
+    collect: dict | None = None,
+    cost_model: str = "bundle",
+    max_nodes: int = 48,
+    head_epochs: int = 4,
+    head_lr: float = 1e-4,
+    head_batch_size: int = 256,
+    c2t_steps: int = 500,
+    prompt_options: PromptOptions | None = None,
+    dtype: str | None = None,
+    threads: int | None = None,
+    seed: int = 0,
+) -> dict:
+    """Label tree rounds, fit the C2T classifier and the tree head, and check both against the chain head and the
+    oracle (see the module docstring).
+
+    Args:
+        bundle: A SpecDec++ bundle folder (its pair, head, calibrations and cost model).
+        prompts: Training prompt sources (labels for fitting); must not overlap ``check_prompts`` nor any prompts a
+            result is reported on.
+        check_prompts: Prompt sources whose rounds only measure (BCE, AUC, priced trees).
+        output_dir: Where the models, the cached rounds and ``trees.json`` go.
+        temperatures: Decoding temperatures; 0 is greedy (one mode each). Default [0, 1].
+        max_new_tokens: Tokens decoded per prompt (past EOS).
+        collect: ``ConfidenceTree`` settings of the collection tree (default width 4, top_k 4, depth 5, 48 nodes).
+        cost_model: ``bundle`` or a ``costs.json`` of ``python -m eval costs``: prices the offline trees.
+        max_nodes: Largest tree priced offline.
+        head_epochs / head_lr / head_batch_size: The tree head's fine-tuning.
+        c2t_steps: Full-batch Adam steps of the C2T classifier.
+        prompt_options: How prompts are encoded.
+        dtype: Load the pair in this dtype (default: the bundle's).
+        threads: torch threads (default: torch's).
+        seed: Seed of prompt order and decoding generators.
+    """
+    if threads:
+        torch.set_num_threads(threads)
+    temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
+    settings = {"width": 4, "top_k": 4, "max_depth": 5, "max_nodes": 48, **(collect or {})}
+    rule = ConfidenceTree(**settings)
+    folder = Path(output_dir)
+    specdec = SpecDecPP.from_pretrained(bundle, **({"dtype": dtype} if dtype else {}))
+    options = prompt_options or PromptOptions()
+    train_set = options.encode("tree-train", prompts, specdec.tokenizer, seed)
+    check_set = options.encode("tree-check", check_prompts, specdec.tokenizer, seed)
+    overlap = {p.id for p in train_set.prompts} & {p.id for p in check_set.prompts}
+    if overlap:
+        raise ValueError(f"training and check prompts overlap ({sorted(overlap)[:3]} ...): use disjoint offsets.")
+    if cost_model == "bundle":
+        cost = CostModel.from_dict(specdec.cost_model)
+    else:
+        cost = CostModel.from_dict(json.loads(Path(cost_model).read_text()))
+    models, results = TreeModels(), {}
+    for temperature in temperatures:
+        greedy, mode = temperature == 0, tree_mode(temperature == 0)
+        start = time.perf_counter()
+        train = _cached_rounds(
+            folder / mode / "rounds-train.pt",
+            lambda: collect_rounds(specdec, train_set.prompts, rule, temperature, max_new_tokens, seed),
+        )
+        check = _cached_rounds(
+            folder / mode / "rounds-check.pt",
+            lambda: collect_rounds(specdec, check_set.prompts, rule, temperature, max_new_tokens, seed + 1),
+        )
+        labelled = [(r.features[n], r.labels[n]) for r in train for n in r.labelled()]
+        models.c2t[mode] = C2TClassifier.fit([f for f, _ in labelled], [y for _, y in labelled], c2t_steps, seed)
+        models.heads[mode] = fit_tree_head(specdec.head, train, head_epochs, head_lr, head_batch_size, seed)
+        table = scorers(specdec, models, greedy)
+        results[mode] = {
+            "temperature": temperature,
+            "rounds": {"train": len(train), "check": len(check)},
+            "labelled_nodes": {"train": len(labelled), "check": sum(len(r.labels) for r in check)},
+            "fed_labelled_nodes": {"train": len(_fed_rows(train)[1]), "check": len(_fed_rows(check)[1])},
+            "fed_nodes": {name: node_metrics(check, score, fed_only=True) for name, score in table.items()},
+            "all_nodes": {
+                name: node_metrics(check, score, fed_only=False)
+                for name, score in table.items()
+                if "head" not in name  # head scorers fall back to the draft probability off the fed nodes
+            },
+            "priced_trees": {name: price_trees(check, score, cost, max_nodes) for name, score in table.items()},
+            "seconds": time.perf_counter() - start,
+        }
+        print(_summary(mode, results[mode]), flush=True)
+    models.save(folder)
+    payload = {
+        "command": "train.trees",
+        "machine": machine_info(),
+        "bundle": str(bundle),
+        "collection_tree": rule.describe(),
+        "prompts": train_set.describe(),
+        "check_prompts": check_set.describe(),
+        "settings": {
+            "max_new_tokens": max_new_tokens,
+            "max_nodes": max_nodes,
+            "head_epochs": head_epochs,
+            "head_lr": head_lr,
+            "c2t_steps": c2t_steps,
+            "seed": seed,
+            "dtype": dtype,
+        },
+        "cost_model": {"source": cost_model, **cost.to_dict()},
+        "results": results,
+    }
+    write_json(folder / "trees.json", payload)
+    print(f"wrote {folder / 'trees.json'} and the models under {folder}/<mode>/")
+    return payload
+
+
+def _summary(mode: str, result: dict) -> str:
+    lines = [f"{mode}: {result['rounds']['check']} check rounds, {result['labelled_nodes']['check']} labelled nodes"]
+    for name, priced in result["priced_trees"].items():
+        fed = result["fed_nodes"][name]
+        auc = "–" if fed["auc"] is None else f"{fed['auc']:.3f}"
+        lines.append(
+            f"  {name:28s} fed BCE {fed['bce']:.3f} AUC {auc}  tree: {priced['expected_tokens_per_round']:.2f} "
+            f"tokens/round, {priced['mean_tree_size']:.1f} nodes, {priced['expected_tokens_per_second']:.2f} tok/s"
+        )
+    return "\n".join(lines)
