@@ -496,6 +496,9 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
             {"kind": "entropy", "grid": {"threshold": [0.5]}},
             {"kind": "hf_assisted", "grid": {"num_assistant_tokens": [3], "schedule": ["heuristic"]}},
             {"kind": "ngrammys", "grid": {"k": [1, 3], "w": [2]}},
+            {"kind": "head_tree", "grid": {"threshold": [None, 0.5], "max_nodes": [6]}},
+            {"kind": "confidence_tree", "grid": {"max_depth": [3], "max_nodes": [6]}},
+            {"kind": "c2t_tree"},  # no tree_models: skipped, with the reason
             {"kind": "oracle"},
         ],
         "bigram_cache": str(tmp_path / "bigram"),
@@ -515,7 +518,9 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
     # Settings are chosen on the validation prompts: each grid's winner there, and only it, runs on the test sets.
     for key in ("greedy", "T=1"):
         searched = stored["validation"][key]["methods"]
-        for kind in ("fixed_k", "ngrammys"):
+        assert [s["kind"] for s in stored["validation"][key]["skipped"] if s["kind"] != "oracle"] == ["c2t_tree"]
+        assert "python -m train.trees" in stored["validation"][key]["skipped"][0]["reason"]
+        for kind in ("fixed_k", "ngrammys", "head_tree"):
             grid = [m for m in searched if m["kind"] == kind]
             assert len(grid) == 2
             best = max(grid, key=lambda m: m["modeled_tokens_per_second"])

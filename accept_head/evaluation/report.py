@@ -16,6 +16,7 @@ from typing import Any
 from transformers import PreTrainedModel
 
 from ..engine import (
+    DRAFT_TREES,
     TREE_DECODERS,
     MethodSpec,
     MethodSummary,
@@ -33,6 +34,7 @@ from ..pairs import ModelSpec
 from ..plots import reliability_plot
 from ..prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
 from ..tables import text_table
+from ..tree_labels import TreeModels
 from .bench import add_comparison_drafts
 from .calibration import CALIBRATION_HEADER, calibration_rows, calibration_views, reliability_panels
 from .common import machine_info, output_folder, ratio, ratios, resolve_cost_model, write_json
@@ -52,6 +54,10 @@ REPORT_GRIDS: list[dict] = [
     {"kind": "ngrammys", "grid": {"k": [5, 10], "w": [4, 6]}},
     {"kind": "lookahead", "grid": {"window": [4], "ngram": [3], "guess_set": [4]}},
     {"kind": "ouroboros", "grid": {"gamma": [4], "candidates": [4]}},
+    {"kind": "head_tree", "grid": {"threshold": [None, 0.5]}},
+    {"kind": "confidence_tree", "grid": {"max_depth": [4], "max_nodes": [16]}},
+    {"kind": "static_tree"},
+    {"kind": "c2t_tree"},
     {"kind": "oracle"},
 ]
 """Methods the report sweeps by default (SpecDec++ at the bundle's h* is always added)."""
@@ -171,6 +177,7 @@ _ORDER = (
     "entropy",
     "hf_assisted",
     *TREE_DECODERS,
+    *DRAFT_TREES,
     "oracle",
 )
 
@@ -250,6 +257,7 @@ def report(
     comparison_draft: ModelSpec | None = None,
     policies: list[PolicyGrid] | None = None,
     bigram_cache: str | None = None,
+    tree_models: str | None = None,
     temperatures: list[float] | None = None,
     max_new_tokens: int = 96,
     dataset: str | None = None,
@@ -293,6 +301,9 @@ def report(
         policies: Method grids searched on validation (default :data:`REPORT_GRIDS`); SpecDec++ at h* is always
             added and always reported.
         bigram_cache: Folder of N-Grammys' model-bigram tables (default ``$ACCEPT_HEAD_CACHE/bigram``).
+        tree_models: Folder written by ``python -m train.trees`` (C2T classifiers, tree-trained heads), which the
+            ``c2t_tree`` rows and ``head_tree`` with ``head: tree`` need; without it they are skipped with the reason.
+            The cost-priced trees plan with this run's cost model.
         temperatures: Sampling temperatures (0 = greedy, where the oracle runs). Default [0, 1].
         max_new_tokens: Tokens generated per prompt (at most).
         dataset: A data_gen dataset for the offline calibration view (held out from the head's training).
@@ -342,6 +353,7 @@ def report(
     for prompt_set in sets.values():
         check_disjoint(prompt_set, val_set)
     model, model_source = resolve_cost_model(cost_model, pair, seed)
+    trees = {"tree_cost": model, "tree_models": TreeModels.load(tree_models) if tree_models else None}
     specs_by_mode = {greedy: _h_star_spec(pair, grid, greedy) for greedy in (False, True)}
 
     summaries: dict[str, dict[str, list[MethodSummary]]] = {}
@@ -362,6 +374,7 @@ def report(
             progress,
             bigram_cache,
             ignore_eos=ignore_eos,
+            **trees,
         )
         chosen[key] = choose_settings(runs, select_by)
         validation[key] = {
@@ -387,6 +400,7 @@ def report(
                 bigram_cache,
                 outputs,
                 ignore_eos=ignore_eos,
+                **trees,
             )
             summaries[set_name][key] = runs
             figures_made[f"pareto {set_name} {key}"] = _show(runs, staging, set_name, key, len(prompt_set.prompts))

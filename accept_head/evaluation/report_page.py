@@ -8,13 +8,15 @@ import statistics
 from collections.abc import Sequence
 
 from ..cost_model import DecodeCostFit, fit_decode_costs
-from ..engine import TREE_DECODERS
+from ..engine import DRAFT_TREES, TREE_DECODERS
 from ..tables import markdown_table
 from .calibration import CALIBRATION_HEADER, calibration_rows, position_rows
 from .common import fmt, ratio
 from .sweep import temperature_key
 
 TRAINING_FREE = ("heuristic", "confidence", "entropy")
+BASELINE_TREES = tuple(kind for kind in DRAFT_TREES if kind != "head_tree")
+"""The draft trees other than SpecDec++'s own (EAGLE-2, static, C2T): baselines beside the stop rules."""
 """The training-free stop rules for the draft (HF's schedule, confidence and entropy stopping)."""
 
 
@@ -206,7 +208,9 @@ def _table_one(payload: dict) -> list[str]:
         star = next((r for r in analysis if r.get("role") == "h_star"), None)
         oracle = _find(analysis, "oracle")
         others = [
-            r for r in analysis if r["kind"] in (*TRAINING_FREE, "hf_assisted", *TREE_DECODERS) and r["best_of_family"]
+            r
+            for r in analysis
+            if r["kind"] in (*TRAINING_FREE, "hf_assisted", *TREE_DECODERS, *BASELINE_TREES) and r["best_of_family"]
         ]
         other = max(others, key=lambda r: r["tokens_per_second"]["median"]) if others else None
         rows.append(
