@@ -38,7 +38,7 @@ from .policies import FixedK, HeadThreshold, StopPolicy
 from .prompts import EncodedPrompt
 from .seeds import seeded_generator
 from .tree_decoding import tree_generate
-from .tree_growth import ConfidenceTree, HeadTree, StaticTree, TreeRule
+from .tree_growth import ConfidenceTree, CostTree, HeadTree, StaticTree, TreeRule
 from .tree_labels import C2TTree, TreeModels
 from .tree_verify import MASKED_ATTENTION, TreeDecodeStats
 
@@ -58,16 +58,19 @@ FAMILIES = {
     "confidence_tree": "EAGLE-2 tree",
     "static_tree": "static tree",
     "c2t_tree": "C2T tree",
+    "cost_tree": "cost tree",
 }
 """Method kinds and their display names."""
 
-DRAFT_TREES = ("head_tree", "confidence_tree", "static_tree", "c2t_tree")
+DRAFT_TREES = ("head_tree", "confidence_tree", "static_tree", "c2t_tree", "cost_tree")
 """Methods that draft a token tree with the pair's draft each round (:func:`~accept_head.tree_decoding.tree_generate`):
 the head's tree (:class:`~accept_head.tree_growth.HeadTree`, the bundle's stored tree settings overridden by the
 params; ``head: tree`` scores with the head trained on tree labels, :class:`~accept_head.tree_labels.TreeModels`),
 EAGLE-2's (:class:`~accept_head.tree_growth.ConfidenceTree`), a fixed shape
-(:class:`~accept_head.tree_growth.StaticTree`) and C2T's (:class:`~accept_head.tree_labels.C2TTree`, its classifier
-from the runner's ``tree_models``); params are those classes' keyword arguments."""
+(:class:`~accept_head.tree_growth.StaticTree`), C2T's (:class:`~accept_head.tree_labels.C2TTree`, its classifier
+from the runner's ``tree_models``) and the head tree's ablation (:class:`~accept_head.tree_growth.CostTree`: the
+same growth by expected tokens per second, every node scored by its draft probability); params are those classes'
+keyword arguments."""
 
 TREE_DECODERS = {"ngrammys": ngrammys_generate, "lookahead": lookahead_generate, "ouroboros": ouroboros_generate}
 """The learning-free decoders that verify many guesses in one target call (:mod:`accept_head.tree_verify`): kind →
@@ -92,6 +95,7 @@ _SHORT_BY_KIND = {
     ("specdecpp", "threshold"): "h",
     ("head_tree", "threshold"): "h",
     ("c2t_tree", "threshold"): "h",
+    ("cost_tree", "threshold"): "h",
     ("entropy", "threshold"): "λ",
     ("lookahead", "window"): "W",
     ("lookahead", "ngram"): "N",
@@ -111,7 +115,7 @@ class MethodSpec:
 
     kind: str
     """autoregressive, fixed_k, specdecpp, heuristic, confidence, entropy, hf_assisted, ngrammys, lookahead,
-    ouroboros, oracle, head_tree, confidence_tree, static_tree or c2t_tree."""
+    ouroboros, oracle, head_tree, confidence_tree, static_tree, c2t_tree or cost_tree."""
     params: dict[str, Any] = field(default_factory=dict)
     """fixed_k: k. specdecpp: threshold (default: the bundle's h*), min_candidates, max_candidates, calibrated,
     unscored (``confidence``: see :class:`~accept_head.policies.HeadThreshold`).
@@ -393,7 +397,7 @@ class Runner:
             return "HF assisted generation needs a Hugging Face draft model (name a comparison draft)"
         if spec.kind == "head_tree" and self.head is None:
             return "the head's tree needs a bundle with a trained head (--bundle)"
-        if spec.kind in ("head_tree", "c2t_tree") and not self._tree_cost():
+        if spec.kind in ("head_tree", "c2t_tree", "cost_tree") and not self._tree_cost():
             return f"{spec.family} prices nodes with a cost model: give the runner one or use a bundle that has one"
         wants_models = spec.kind == "c2t_tree" or spec.params.get("head") == "tree"
         if spec.kind in DRAFT_TREES and wants_models:
@@ -490,6 +494,8 @@ class Runner:
                 return HeadTree(self.head.head, self._tree_cost(), calibration=calibration, **settings)
             if spec.kind == "c2t_tree":
                 return C2TTree(self.tree_models.classifier(greedy), self._tree_cost(), **params)
+            if spec.kind == "cost_tree":
+                return CostTree(self._tree_cost(), **params)
             if spec.kind == "confidence_tree":
                 return ConfidenceTree(**params)
             if spec.kind == "static_tree":

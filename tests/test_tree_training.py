@@ -83,6 +83,11 @@ def test_price_trees_picks_the_brute_force_subtree_and_scores_it_with_the_truth(
     assert priced["expected_tokens_per_second"] <= oracle["expected_tokens_per_second"] + 1e-12
 
 
+def test_top_children_are_each_parents_most_probable_child() -> None:
+    # Root's children 0 (.7) and 1 (.2); node 0's children 2 (.6) and 3 (.3); 4, 5, 6 are only children.
+    assert tree_recipe.top_children(hand_round()) == {0, 2, 4, 5, 6}
+
+
 def test_soft_auc_and_bce_match_their_definitions() -> None:
     labels, scores = [1.0, 0.0, 0.25, 0.75, 0.5], [0.9, 0.1, 0.4, 0.2, 0.6]
     # A soft label y is y positives and 1 - y negatives: with quarter weights the sample is 4 copies of each row.
@@ -177,9 +182,13 @@ def test_runner_decodes_c2t_and_tree_head_trees_losslessly_and_refuses_them_with
     models = TreeModels.load(root / "out")
     ids = [5, 9, 10, 11, 12, 13]
     reference = autoregressive_generate(pair.target, ids, 12, temperature=0.0, eos_token_id=pair.eos_token_id)
-    specs = [MethodSpec("c2t_tree", dict(TREE)), MethodSpec("head_tree", {"head": "tree", **TREE})]
+    specs = [
+        MethodSpec("c2t_tree", dict(TREE)),
+        MethodSpec("head_tree", {"head": "tree", **TREE}),
+        MethodSpec("cost_tree", dict(TREE)),
+    ]
     bare = Runner(pair, max_new_tokens=12, temperature=0.0)
-    for spec in specs:
+    for spec in specs[:2]:
         assert "python -m train.trees" in bare.supports(spec)
     slow = CostModel(t_draft=0.5, t_target_a=0.039, t_target_b=0.002)  # a draft forward dearer than 10 target calls
     runner = Runner(pair, max_new_tokens=12, temperature=0.0, tree_models=models, tree_cost=slow)

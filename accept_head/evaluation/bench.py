@@ -251,11 +251,12 @@ def bench(
             Hugging Face model, else with ``comparison_draft``. None or [] leaves Ouroboros out.
         draft_trees: Draft-tree settings searched on validation, kind → grid, e.g. ``{head_tree: [{threshold:
             null}, {threshold: 0.5}], confidence_tree: [{width: 4, top_k: 4, max_depth: 4, max_nodes: 16}]}`` (kinds:
-            head_tree, confidence_tree, static_tree, c2t_tree; params: the keyword arguments of
+            head_tree, confidence_tree, static_tree, c2t_tree, cost_tree; params: the keyword arguments of
             :class:`~accept_head.tree_growth.HeadTree` (``head: tree`` for the tree-trained head),
             :class:`~accept_head.tree_growth.ConfidenceTree`, :class:`~accept_head.tree_growth.StaticTree`,
-            :class:`~accept_head.tree_labels.C2TTree`). The head's grid over ``threshold`` is its h* sweep for trees,
-            per temperature. The cost-priced trees (head, C2T) plan with the bench's ``cost_model``.
+            :class:`~accept_head.tree_labels.C2TTree`, :class:`~accept_head.tree_growth.CostTree`). The head's grid
+            over ``threshold`` is its h* sweep for trees, per temperature. The cost-priced trees (head, C2T, cost)
+            plan with the bench's ``cost_model``.
         tree_models: Folder written by ``python -m train.trees`` (C2T classifiers and tree-trained heads per mode),
             needed by c2t_tree and ``head: tree``.
         bigram_cache: Folder of N-Grammys' model-bigram tables, keyed by the target's fingerprint; a table missing

@@ -58,6 +58,7 @@ REPORT_GRIDS: list[dict] = [
     {"kind": "confidence_tree", "grid": {"max_depth": [4], "max_nodes": [16]}},
     {"kind": "static_tree"},
     {"kind": "c2t_tree"},
+    {"kind": "cost_tree"},
     {"kind": "oracle"},
 ]
 """Methods the report sweeps by default (SpecDec++ at the bundle's h* is always added)."""

@@ -178,12 +178,24 @@ def price_trees(rounds: list[LabelledRound], score, cost: CostModel, max_nodes: 
     }
 
 
-def node_metrics(rounds: list[LabelledRound], score, fed_only: bool) -> dict:
+def top_children(r: LabelledRound) -> set[int]:
+    """Each parent's child of highest draft probability (the node a greedy chain would have drafted there)."""
+    best: dict[int, int] = {}
+    for n, parent in enumerate(r.parents):
+        if parent not in best or r.probs[n] > r.probs[best[parent]]:
+            best[parent] = n
+    return set(best.values())
+
+
+def node_metrics(rounds: list[LabelledRound], score, fed_only: bool, top_only: bool = False) -> dict:
+    """BCE, soft AUC, mean score and mean label of ``score`` over the labelled nodes of ``rounds`` (only the fed ones
+    with ``fed_only``; only each parent's top child with ``top_only``)."""
     labels, scores = [], []
     for r in rounds:
         s = score(r)
+        top = top_children(r) if top_only else None
         for n in r.labelled():
-            if not fed_only or n in r.hidden:
+            if (not fed_only or n in r.hidden) and (top is None or n in top):
                 labels.append(r.labels[n])
                 scores.append(min(max(s[n], 0.0), 1.0))
     return {
@@ -274,6 +286,10 @@ def run(
             "labelled_nodes": {"train": len(labelled), "check": sum(len(r.labels) for r in check)},
             "fed_labelled_nodes": {"train": len(_fed_rows(train)[1]), "check": len(_fed_rows(check)[1])},
             "fed_nodes": {name: node_metrics(check, score, fed_only=True) for name, score in table.items()},
+            # The nodes a chain drafts (each parent's top child): where the chain head was trained.
+            "fed_top_children": {
+                name: node_metrics(check, score, fed_only=True, top_only=True) for name, score in table.items()
+            },
             "all_nodes": {
                 name: node_metrics(check, score, fed_only=False)
                 for name, score in table.items()
