@@ -268,9 +268,13 @@ def test_stopping_criteria_and_eos_lists_stop_at_the_first_firing_token(pair) ->
     fn = make_custom_generate(draft, ConfidenceTree(width=2, top_k=2, max_depth=6, max_nodes=12))
     prompt = PROMPTS[1]
     stop = StoppingCriteriaList([AtLength(len(prompt) + 3)])
-    ours = greedy(target, prompt, custom_generate=fn, max_new_tokens=20, stopping_criteria=stop)
+    out = greedy(
+        target, prompt, custom_generate=fn, max_new_tokens=20, stopping_criteria=stop, return_dict_in_generate=True
+    )
+    ours = out.sequences
     assert ours.shape[1] == len(prompt) + 3 and fn.last_stats.accepted[0] >= 3  # trimmed inside the round
     assert torch.equal(ours, greedy(target, prompt, max_new_tokens=20, stopping_criteria=stop))
+    assert getattr(out, OUTPUT_CACHE_FIELD).get_seq_length() == ours.shape[1] - 1  # the kept path, trimmed too
     free = greedy(target, prompt, max_new_tokens=20)[0, len(prompt) :].tolist()
     eos = [free[7], free[9]]
     first = min(i for i, token in enumerate(free) if token in eos)  # generation ends at the first of either
