@@ -16,7 +16,14 @@ from pathlib import Path
 import pytest
 import torch
 from stats_helpers import ALPHA, exact_joint, pair_p_values, sampled_tokens
-from tiny_models import make_llama, make_pair, make_tokenizer, perturbed_copy, small_vocab_llama
+from tiny_models import (
+    distilled_feature_draft,
+    make_llama,
+    make_pair,
+    make_tokenizer,
+    perturbed_copy,
+    small_vocab_llama,
+)
 from transformers import (
     LogitsProcessorList,
     NoRepeatNGramLogitsProcessor,
@@ -43,7 +50,8 @@ from accept_head import (
 from accept_head._hf_compat import OUTPUT_CACHE_FIELD
 from accept_head.bundle import CUSTOM_GENERATE
 from accept_head.cost_model import CostModel
-from accept_head.tree_drafters import ModelTreeDrafter
+from accept_head.features import lm_head_input
+from accept_head.tree_drafters import FeatureTreeDrafter, ModelTreeDrafter
 from accept_head.tree_growth import ConfidenceTree, HeadTree, StaticTree
 from accept_head.tree_verify import TreeDecodeStats
 
@@ -106,6 +114,33 @@ def test_greedy_tree_generate_equals_the_targets_own_greedy_generate(pair, rule_
         accepted += sum(fn.last_stats.accepted)
         branched += sum(rows > 1 for rows in fn.last_stats.rows)
     assert accepted > 0 and branched > 0  # drafted nodes were accepted, from trees with several leaves
+
+
+def test_a_feature_draft_gets_the_targets_features_of_the_committed_text(pair) -> None:
+    """Greedy output stays the target's with a feature draft, which receives exactly the target's teacher-forced
+    features of every committed position (read from the verification passes, the accepted path's rows)."""
+    target, _ = pair
+    received = []
+
+    class Recording(FeatureTreeDrafter):
+        def start(self, prompt, features):
+            received.append(features.clone())
+            super().start(prompt, features)
+
+        def commit(self, tokens, features, slots):
+            received.append(features.clone())
+            super().commit(tokens, features, slots)
+
+    reference = greedy(target, PROMPTS[1], max_new_tokens=16, **PROCESSED)
+    everything = torch.arange(target.config.vocab_size)
+    draft = Recording(distilled_feature_draft(target, everything, reference.tolist(), steps=100), target)
+    fn = make_custom_generate(draft, tree_rules(target.config.hidden_size)["head"])
+    ours = greedy(target, PROMPTS[1], custom_generate=fn, max_new_tokens=16, **PROCESSED)
+    assert torch.equal(ours, reference)
+    assert sum(fn.last_stats.accepted) > 0
+    got, want = torch.cat(received), lm_head_input(target, ours[:, :-1])[0]
+    assert len(PROMPTS[1]) - 1 < got.shape[0] < want.shape[0]  # the round that reached max_length commits nothing
+    torch.testing.assert_close(got, want[: got.shape[0]], atol=1e-5, rtol=1e-4)
 
 
 def test_processing_at_the_flattened_tree_breaks_greedy_equality(pair, monkeypatch: pytest.MonkeyPatch) -> None:
