@@ -35,7 +35,7 @@ from .calibration import Calibration
 from .cost_model import CostModel
 from .decoding import DecodeStats, speculative_generate
 from .head import HEAD_WEIGHTS, AcceptanceHead
-from .hf_generate import SpecDecGenerateOutput, run_custom_generate
+from .hf_generate import SpecDecGenerateOutput, run_custom_generate, streamer_ended_on_error
 from .loading import load_model, load_tokenizer
 from .pairs import (
     ModelSpec,
@@ -49,7 +49,7 @@ from .pairs import (
 from .policies import HeadThreshold, StopPolicy
 from .prompts import chat_prompt_ids
 from .tree_decoding import tree_generate
-from .tree_growth import HeadTree
+from .tree_growth import HeadTree, TreeRule
 
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
@@ -302,8 +302,9 @@ class SpecDecPP:
         generation_config,
         streamer=None,
         threshold: float | None = None,
-        policy: StopPolicy | None = None,
+        policy: StopPolicy | TreeRule | None = None,
         generator: torch.Generator | None = None,
+        tree: bool = False,
         **model_kwargs,
     ) -> torch.Tensor | SpecDecGenerateOutput:
         """SpecDec++ as the decoding loop of ``transformers`` ``generate``, bound to this bundle's draft and head::
@@ -313,13 +314,26 @@ class SpecDecPP:
 
         transformers calls it with the prepared prompt ``input_ids`` (1, L), logits processors, stopping criteria
         and generation config (see :mod:`accept_head.hf_generate`); ``threshold=``, ``policy=`` (any stop policy
-        instead of the head) and ``generator=`` may be passed to ``generate`` as extra keyword arguments. Returns
-        (1, L + N) token ids, or a ``GenerateDecoderOnlyOutput`` with ``stats`` when ``return_dict_in_generate``.
+        instead of the head, or a :class:`~accept_head.tree_growth.TreeRule`), ``generator=`` and ``tree=True``
+        (draft trees grown by the head under the bundle's cost model, :meth:`tree_rule`; ``threshold=`` then sets
+        the tree's node floor) may be passed to ``generate`` as extra keyword arguments. Returns (1, L + N) token
+        ids, or a ``GenerateDecoderOnlyOutput`` with ``stats`` when ``return_dict_in_generate``.
         """
+        greedy = not generation_config.do_sample
+        with streamer_ended_on_error(streamer):
+            if not isinstance(tree, bool):
+                raise ValueError(f"tree={tree!r} must be True (draft trees) or False (chains).")
+            if tree and policy is not None and not isinstance(policy, TreeRule):
+                raise ValueError(
+                    f"tree=True but policy={policy.describe()} is a chain stop policy: pass a TreeRule as policy= "
+                    "(e.g. ConfidenceTree()) or drop tree=True."
+                )
+            if policy is None:
+                policy = self.tree_rule(threshold, greedy) if tree else self.policy(threshold, greedy)
         output, self.last_stats = run_custom_generate(
             model,
             self.draft,
-            policy if policy is not None else self.policy(threshold, greedy=not generation_config.do_sample),
+            policy,
             input_ids,
             logits_processor,
             stopping_criteria,
@@ -487,7 +501,8 @@ _LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def bundle_generate(folder: str | Path, model: torch.nn.Module, *args: Any, **generate_kwargs: Any) -> Any:
     """The hub ``custom_generate/generate.py`` entry point: SpecDec++ with the bundle in ``folder`` around ``model``
-    (the target), called with ``generate``'s own arguments."""
+    (the target), called with ``generate``'s own arguments plus those of :meth:`SpecDecPP.custom_generate`
+    (``tree=True``, ``threshold=``, ``policy=``, ``generator=``), which ``generate`` hands to it."""
     folder = Path(folder).resolve()
     if not (folder / CONFIG_NAME).is_file():
         raise FileNotFoundError(

@@ -21,6 +21,15 @@ q_i = softmax(Φ_{x·y<i}(draft logits_i)), so that q_i is close to p_i: without
 tokens that a penalty, a ban or top-p rules out, and acceptance would collapse. Greedy decoding is the limit case:
 p_i and q_i are one-hot on their processed argmax, and the output is the target's own greedy output.
 
+Draft trees. With a :class:`~accept_head.tree_growth.TreeRule` instead of a stop policy (for a bundle:
+``generate(..., tree=True)``) each round drafts a token tree and verifies it in one target pass, as
+:func:`~accept_head.tree_decoding.tree_generate` does (:func:`speculative_tree_decode`). A node's context is the
+committed prefix x and its own path y_1..y_d from the root, not the flattened tree: the target's row after that node is
+processed as Φ_{x·y≤d}(target logits), the draft's proposals from it as Φ_{x·y≤d}(draft logits)
+(:class:`ProcessedTreeDrafter`). The candidates (the top-k of those processed draft distributions) are then
+deterministic functions of x, so :func:`~accept_head.tree_verify.verify_sampled` emits each token from the target's
+processed p whatever they are, and greedy verification follows the processed argmax.
+
 Processors must be functions of (input_ids, scores): they are called at hypothetical contexts (candidates that may be
 rejected) and out of order. Those that keep state or run a model themselves are refused by name
 (:data:`UNSUPPORTED_PROCESSORS`).
@@ -29,7 +38,8 @@ rejected) and out of order. Those that keep state or run a model themselves are 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,8 +67,13 @@ from .decoding import (
     verify,
 )
 from .drafters import Drafter, DraftStep, as_drafter
+from .features import capture_lm_head_input
 from .policies import StopPolicy
 from .sampling import SamplingConfig, probabilities
+from .tree_decoding import _fed_slots, draft_tree, tree_drafter_for, tree_rows, verify_tree
+from .tree_drafters import TreeDrafter, TreeStep
+from .tree_growth import TreeRule
+from .tree_verify import TreeDecodeStats, commit_nodes, tree_forward
 
 UNSUPPORTED_PROCESSORS: dict[str, str] = {
     "UnbatchedClassifierFreeGuidanceLogitsProcessor": "it runs the model itself on a cache of its own, one committed "
@@ -128,6 +143,18 @@ class ProcessedLogits:
             return logits.to(device=self.buffer.device, dtype=torch.float32)
         return torch.stack([self(logits[i], start + i) for i in range(logits.shape[0])])
 
+    def paths(self, logits: torch.Tensor, start: int, paths: Sequence[Sequence[int]]) -> torch.Tensor:
+        """logits (R, V) of tree nodes whose contexts are buffer[:start] followed by ``paths[i]`` (the tokens from
+        the root down to node i) → (R, V) float32 processed scores. Each path is written into buffer[start:] before
+        its row is processed, so every row sees its own branch, never its siblings or cousins."""
+        if not self.processors:
+            return logits.to(device=self.buffer.device, dtype=torch.float32)
+        rows = []
+        for row, path in zip(logits, paths, strict=True):
+            self.buffer[0, start : start + len(path)] = torch.tensor(path, dtype=torch.long)
+            rows.append(self(row, start + len(path)))
+        return torch.stack(rows)
+
 
 class ProcessedDrafter(Drafter):
     """Wraps a drafter so that every :class:`DraftStep` carries Φ_{x·y<i}(draft logits) — the same processors, at
@@ -166,6 +193,45 @@ class ProcessedDrafter(Drafter):
     def commit(self, tokens: Sequence[int], features: torch.Tensor | None) -> None:
         self.inner.commit(tokens, features)
         self.length, self.fed = self.length + len(tokens), 0
+
+
+class ProcessedTreeDrafter(TreeDrafter):
+    """Wraps a tree drafter so that every :class:`~accept_head.tree_drafters.TreeStep` carries, for each node fed,
+    Φ_{x·path}(draft logits): the processors at the committed text x followed by that node's own path from the root
+    (the context of the target's row after it). The root step is processed at x; a root whose processed scores are
+    all −inf ends the round with no tree (the draft has nothing to propose)."""
+
+    def __init__(self, inner: TreeDrafter, process: ProcessedLogits) -> None:
+        self.inner, self.process = inner, process
+        self.vocab_size = inner.vocab_size
+        self.hidden_size = inner.hidden_size
+        self.needs_target_features = inner.needs_target_features
+        self.context_limit = inner.context_limit
+        self.length = 0  # committed tokens
+        self.paths: list[list[int]] = []  # per slot fed this round: the tokens from depth 1 down to its node
+
+    def start(self, prompt: Sequence[int], features: torch.Tensor | None) -> None:
+        self.inner.start(prompt, features)
+        self.length, self.paths = len(prompt), []
+
+    def root(self) -> TreeStep | None:
+        step = self.inner.root()
+        if step is None:
+            return None
+        scores = self.process.paths(step.logits, self.length, [[]])
+        if self.process.processors and not bool(torch.isfinite(scores).any()):
+            return None
+        return TreeStep(scores, step.hidden)
+
+    def expand(self, tokens: Sequence[int], parents: Sequence[int]) -> TreeStep:
+        step = self.inner.expand(tokens, parents)
+        for token, parent in zip(tokens, parents):
+            self.paths.append([*(self.paths[parent] if parent >= 0 else []), int(token)])
+        return TreeStep(self.process.paths(step.logits, self.length, self.paths[-len(tokens) :]), step.hidden)
+
+    def commit(self, tokens: Sequence[int], features: torch.Tensor | None, slots: Sequence[int]) -> None:
+        self.inner.commit(tokens, features, slots)
+        self.length, self.paths = self.length + len(tokens), []
 
 
 def check_processors(processors: LogitsProcessorList) -> None:
@@ -341,10 +407,94 @@ def speculative_decode(
     return DecodeOutput(buffer[:, :n], stats, kept_scores, kept_logits, cache)
 
 
+@_ordinary_outputs
+def speculative_tree_decode(
+    target: torch.nn.Module,
+    drafter: TreeDrafter,
+    rule: TreeRule,
+    input_ids: torch.Tensor,
+    processors: LogitsProcessorList,
+    stopping_criteria: StoppingCriteriaList,
+    greedy: bool,
+    max_length: int,
+    streamer: Any = None,
+    generator: torch.Generator | None = None,
+    keep_scores: bool = False,
+    keep_logits: bool = False,
+) -> DecodeOutput:
+    """Tree rounds (:func:`~accept_head.tree_decoding.tree_generate`'s) with HF logits processors at every node, at
+    its own branch context, and HF stopping criteria (batch size 1). Arguments and streaming as
+    :func:`speculative_decode`; ``drafter`` is a tree drafter (:func:`~accept_head.tree_decoding.tree_drafter_for`)
+    and the stats are :class:`~accept_head.tree_verify.TreeDecodeStats`."""
+    sampling = SamplingConfig(0.0 if greedy else 1.0)  # the processors already hold temperature / top-k / top-p
+    device = next(target.parameters()).device
+    prompt_len = input_ids.shape[1]
+    budget = _check_lengths(prompt_len, max(max_length - prompt_len, 0), target)
+    buffer = torch.zeros((1, prompt_len + budget + 1), dtype=torch.long, device=device)
+    buffer[0, :prompt_len] = input_ids[0].to(device)
+    process = ProcessedLogits(processors, buffer)
+    drafter = ProcessedTreeDrafter(drafter, process)
+    stats, kept_scores, kept_logits = TreeDecodeStats(), [], []
+    cache = DynamicCache()  # the target's: it lacks the last committed token, each round's root
+    with _timed(stats, "total_time"):
+        with _timed(stats, "target_time"):
+            prefill(target, drafter, buffer[:, :prompt_len], cache)
+        n = prompt_len  # committed length
+        while n - prompt_len < budget:
+            # 1. Draft a tree from Φ at each node's own path (ProcessedTreeDrafter); a path commits at most
+            #    budget - generated - 1 candidates, never past the draft's context.
+            depth = min(budget - (n - prompt_len) - 1, draft_room(drafter, n))
+            with _timed(stats, "draft_time"):
+                tree = draft_tree(drafter, rule, sampling, depth, stats)
+                nodes = rule.select(tree)
+            # 2. Verify the root and the nodes in one pass; the row after node v is processed at x·path(v).
+            with _timed(stats, "target_time"):
+                tree_tokens, parents, paths, rows = tree_rows(tree, nodes)
+                with capture_lm_head_input(target) as box:
+                    logits = tree_forward(target, cache, [int(buffer[0, n - 1]), *tree_tokens], [-1, *parents])
+                contexts = [[], *([tree.tokens[v] for v in tree.path(node)] for node in nodes)]
+                scores = process.paths(logits, n, contexts)  # (1 + |nodes|, V)
+                row, m, next_token = verify_tree(scores, tree, paths, rows, sampling, generator)
+            accepted, drawn_from = (paths[row][:m], [0, *rows[row][:m]]) if m else ([], [0])  # target rows used
+            # 3. Commit the accepted path and the target's token, up to the first one after which a criterion fires.
+            new = [*(tree.tokens[v] for v in accepted), next_token]
+            buffer[0, n : n + len(new)] = torch.tensor(new, dtype=torch.long)
+            stop = _stop_index(stopping_criteria, buffer, n, scores[drawn_from], len(new))
+            count = len(new) if stop is None else stop + 1
+            stats.record_tree_round(1 + len(nodes), len(paths), len(paths[row]) if row >= 0 else 0, m, count)
+            commit_nodes(cache, n - 1, drawn_from[1:count])  # all committed tokens but the last, as in HF's loop
+            if keep_scores:
+                kept_scores.extend(scores[i : i + 1].clone() for i in drawn_from[:count])
+            if keep_logits:
+                kept_logits.extend(logits[i : i + 1].float() for i in drawn_from[:count])
+            if streamer is not None:
+                streamer.put(torch.tensor(new[:count], dtype=torch.long))
+            n += count
+            if stop is not None:
+                break
+            with _timed(stats, "draft_time"):
+                hidden = box[0][0, drawn_from] if drafter.needs_target_features else None
+                drafter.commit(new, hidden, _fed_slots(tree, accepted))
+    return DecodeOutput(buffer[:, :n], stats, kept_scores, kept_logits, cache)
+
+
+@contextmanager
+def streamer_ended_on_error(streamer: Any = None) -> Iterator[None]:
+    """End ``streamer`` (else the one passed to the enclosing ``generate``) if the block raises, so that a consumer
+    reading it (``TextIteratorStreamer``) is never left waiting for a generation that failed before it began."""
+    try:
+        yield
+    except BaseException:
+        streamer = streamer if streamer is not None else enclosing_generate_arguments().get("streamer")
+        if streamer is not None:
+            streamer.end()
+        raise
+
+
 def run_custom_generate(
     model: torch.nn.Module,
     draft: torch.nn.Module | Drafter,
-    policy: StopPolicy,
+    policy: StopPolicy | TreeRule,
     input_ids: torch.Tensor,
     logits_processor: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
@@ -355,6 +505,10 @@ def run_custom_generate(
 ) -> tuple[torch.Tensor | SpecDecGenerateOutput, DecodeStats]:
     """The body of every SpecDec++ ``custom_generate`` callable: validate, decode, shape the output like HF.
 
+    ``policy``: a stop policy decodes chains (:func:`speculative_decode`), a
+    :class:`~accept_head.tree_growth.TreeRule` draft trees (:func:`speculative_tree_decode`; the target must take a
+    custom 4D attention mask, eager or SDPA attention).
+
     ``streamer`` and ``assistant_model`` that transformers does not forward to the callable are read back from the
     enclosing ``generate`` call (see :func:`~accept_head._hf_compat.enclosing_generate_arguments`). Returns
     (sequences (1, L + N) or a :class:`SpecDecGenerateOutput` when ``return_dict_in_generate``, stats).
@@ -364,9 +518,12 @@ def run_custom_generate(
     try:
         check_request(model, input_ids, generation_config, model_kwargs, found.get("assistant_model"))
         check_processors(logits_processor)
-        drafter = as_drafter(draft, model, with_hidden=policy.uses_hidden)
+        if isinstance(policy, TreeRule):
+            decode, drafter = speculative_tree_decode, tree_drafter_for(draft, model, policy)
+        else:
+            decode, drafter = speculative_decode, as_drafter(draft, model, with_hidden=policy.uses_hidden)
         want = generation_config.return_dict_in_generate
-        result = speculative_decode(
+        result = decode(
             model,
             drafter,
             policy,
@@ -400,11 +557,12 @@ class SpecDecGenerate:
     """A ``custom_generate`` callable running speculative decoding with ``draft`` and ``policy``.
 
     ``target.generate(**inputs, custom_generate=SpecDecGenerate(draft, policy), ...)``; per call, ``policy=`` and
-    ``generator=`` may be passed to ``generate`` as extra keyword arguments. The counters of the latest call are
-    kept in :attr:`last_stats`.
+    ``generator=`` may be passed to ``generate`` as extra keyword arguments. A stop policy drafts chains, a
+    :class:`~accept_head.tree_growth.TreeRule` (``ConfidenceTree()``, ``HeadTree(head, cost)``, ...) draft trees.
+    The counters of the latest call are kept in :attr:`last_stats`.
     """
 
-    def __init__(self, draft: torch.nn.Module | Drafter, policy: StopPolicy) -> None:
+    def __init__(self, draft: torch.nn.Module | Drafter, policy: StopPolicy | TreeRule) -> None:
         self.draft, self.policy = draft, policy
         self.last_stats: DecodeStats | None = None
 
@@ -416,7 +574,7 @@ class SpecDecGenerate:
         stopping_criteria: StoppingCriteriaList,
         generation_config: GenerationConfig,
         streamer: Any = None,
-        policy: StopPolicy | None = None,
+        policy: StopPolicy | TreeRule | None = None,
         generator: torch.Generator | None = None,
         **model_kwargs: Any,
     ) -> torch.Tensor | SpecDecGenerateOutput:
@@ -438,8 +596,9 @@ class SpecDecGenerate:
         return f"SpecDecGenerate(draft={type(self.draft).__name__}, policy={self.policy.describe()})"
 
 
-def make_custom_generate(draft: torch.nn.Module | Drafter, policy: StopPolicy) -> SpecDecGenerate:
+def make_custom_generate(draft: torch.nn.Module | Drafter, policy: StopPolicy | TreeRule) -> SpecDecGenerate:
     """A ``custom_generate`` callable for ``target.generate`` with any drafter the toolkit supports (an HF causal
     LM, a :class:`~accept_head.feature_draft.FeatureDraft`, a :class:`~accept_head.drafters.Drafter` such as a
-    pruned ``ModelDrafter``) and any stop policy (``FixedK``, ``Heuristic``, ``HeadThreshold``, ...)."""
+    pruned ``ModelDrafter``) and any stop policy (``FixedK``, ``Heuristic``, ``HeadThreshold``, ...) or tree rule
+    (``HeadTree``, ``ConfidenceTree``, ``StaticTree``, ...: tree decoding)."""
     return SpecDecGenerate(draft, policy)

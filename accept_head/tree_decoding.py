@@ -118,14 +118,7 @@ def tree_generate(
     """
     _check_int("max_new_tokens", max_new_tokens, low=0)
     sampling = SamplingConfig(temperature, top_k, top_p)
-    check_masked_attention(target)
-    drafter = as_tree_drafter(draft, target)
-    head = getattr(rule, "head", None)
-    if head is not None and head.hidden_size != drafter.hidden_size:
-        raise ValueError(
-            f"The acceptance head expects hidden size {head.hidden_size} but the draft's is {drafter.hidden_size}; "
-            "train a head for this draft."
-        )
+    drafter = tree_drafter_for(draft, target, rule)
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats, tokens = TreeDecodeStats(), ids[0].tolist()
     with _timed(stats, "total_time"):
@@ -142,11 +135,7 @@ def tree_generate(
                 tree_tokens, parents, paths, rows = tree_rows(tree, nodes)
                 with capture_lm_head_input(target) as box:
                     logits = tree_forward(target, cache, [tokens[-1], *tree_tokens], [-1, *parents])
-                if sampling.greedy:
-                    row, m, next_token = verify_greedy(logits.argmax(-1).tolist(), _row_tokens(tree, paths), rows)
-                else:
-                    probs = probabilities(logits, sampling)
-                    row, m, next_token = verify_sampled(probs, _row_tokens(tree, paths), rows, generator)
+                row, m, next_token = verify_tree(logits, tree, paths, rows, sampling, generator)
                 accepted = paths[row][:m] if m else []
                 commit_nodes(cache, len(tokens) - 1, rows[row][:m] if m else [])
             if observe is not None:
@@ -161,6 +150,37 @@ def tree_generate(
             if new[-1] in eos:
                 break
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)
+
+
+def tree_drafter_for(draft, target: torch.nn.Module, rule: TreeRule) -> TreeDrafter:
+    """The :class:`~accept_head.tree_drafters.TreeDrafter` for ``draft`` (:func:`as_tree_drafter`), after checking
+    that ``target`` takes a tree mask and that the rule's acceptance head, if any, reads the draft's hidden size."""
+    check_masked_attention(target)
+    drafter = as_tree_drafter(draft, target)
+    head = getattr(rule, "head", None)
+    if head is not None and head.hidden_size != drafter.hidden_size:
+        raise ValueError(
+            f"The acceptance head expects hidden size {head.hidden_size} but the draft's is {drafter.hidden_size}; "
+            "train a head for this draft."
+        )
+    return drafter
+
+
+def verify_tree(
+    logits: torch.Tensor,
+    tree: DraftTree,
+    paths: list[list[int]],
+    rows: list[list[int]],
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> tuple[int, int, int]:
+    """Verify a round: ``logits`` (1 + |nodes|, V) are the target's at the root and at each verified node (target
+    tree indices ``rows``, round nodes ``paths``, as :func:`tree_rows` lays them out). Greedy accepts a node iff it is
+    the argmax; otherwise :func:`~accept_head.tree_verify.verify_sampled` on ``probabilities(logits, sampling)``.
+    Returns (winning row or −1, accepted count m, the target's next token)."""
+    if sampling.greedy:
+        return verify_greedy(logits.argmax(-1).tolist(), _row_tokens(tree, paths), rows)
+    return verify_sampled(probabilities(logits, sampling), _row_tokens(tree, paths), rows, generator)
 
 
 def _row_tokens(tree: DraftTree, paths: list[list[int]]) -> list[list[int]]:

@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 from scipy.stats import chisquare
+from transformers import LogitsProcessorList
 
 from accept_head.decoding import GenerationResult
 from accept_head.decoding import verify as correct_verify
@@ -43,14 +44,20 @@ def goodness_of_fit(counts: torch.Tensor, probs: torch.Tensor) -> float:
 
 
 @torch.inference_mode()
-def exact_joint(model: torch.nn.Module, prompt: Sequence[int], new_tokens: int) -> torch.Tensor:
+def exact_joint(
+    model: torch.nn.Module, prompt: Sequence[int], new_tokens: int, processors: LogitsProcessorList | None = None
+) -> torch.Tensor:
     """P(first ``new_tokens`` tokens) when sampling from ``model`` alone at temperature 1 after ``prompt``: a
-    (V,)*new_tokens float64 tensor, enumerated over every prefix (keep V and ``new_tokens`` small)."""
+    (V,)*new_tokens float64 tensor, enumerated over every prefix (keep V and ``new_tokens`` small). With
+    ``processors``, HF's sampling distribution softmax(Φ_context(logits)) at every step instead."""
     vocab = int(model.config.vocab_size)
     joint = torch.ones((), dtype=torch.float64)
     for n in range(new_tokens):
-        prefixes = [list(prompt) + list(p) for p in itertools.product(range(vocab), repeat=n)]
-        steps = probabilities(model(input_ids=torch.tensor(prefixes)).logits[:, -1], SamplingConfig(1.0)).double()
+        prefixes = torch.tensor([list(prompt) + list(p) for p in itertools.product(range(vocab), repeat=n)])
+        logits = model(input_ids=prefixes).logits[:, -1].float()
+        if processors is not None:
+            logits = processors(prefixes, logits)
+        steps = probabilities(logits, SamplingConfig(1.0)).double()
         joint = joint[..., None] * steps.view(*([vocab] * n), vocab)
     return joint
 
