@@ -1,6 +1,6 @@
 """Tree labels, the C2T classifier and the tree-trained head (:mod:`accept_head.training.tree_recipe`)::
 
-    python -m train.trees --config configs/trees/smollm2-135m.yaml
+python -m train.trees --config configs/trees/smollm2-135m.yaml
 """
 
 from __future__ import annotations
