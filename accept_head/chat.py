@@ -5,9 +5,9 @@
 text while it streams), then prints the answer's tokens/s, the mean number of candidates accepted
 per round and the speed-up over a plain ``target.generate`` pass on the same prompt, timed the same way.
 ``--prompt`` runs one turn and exits (scripts, tests); without it the chat reads turns from stdin until EOF or
-``/exit``. ``--tree`` decodes with a draft tree grown by the head (``SpecDecPP.generate(..., tree=True)``): the answer
-is printed once finished, then the tokens per round (per target call) and the mean tree size (candidates verified
-per call).
+``/exit``. ``--tree`` decodes with a draft tree grown by the head (the bundle's :meth:`SpecDecPP.tree_rule` through
+the same ``custom_generate`` path, so it streams and takes ``--repetition_penalty`` too) and the statistics line gives
+the tokens per round (per target call) and the mean tree size (candidates verified per call).
 
 ``overhead`` times the same greedy generations through ``speculative_generate`` directly and through
 ``target.generate(custom_generate=specdec.custom_generate)``, paired and interleaved, and prints the median relative
@@ -142,53 +142,37 @@ def _against_autoregressive(
 
 
 def answer(specdec: SpecDecPP, messages: list[dict], policy: StopPolicy, args: argparse.Namespace, out: TextIO) -> str:
-    """Stream one answer to ``out`` and print its statistics line; returns the answer's text."""
+    """Stream one answer to ``out`` and print its statistics line; returns the answer's text. With ``args.tree`` the
+    rounds draft trees grown by the bundle's head (:meth:`SpecDecPP.tree_rule`) instead of ``policy``'s chains."""
     tokenizer = specdec.tokenizer
     input_ids = torch.tensor([specdec.encode(messages)])
     kwargs = generation_kwargs(args, specdec)
-    fn = make_custom_generate(specdec.draft, policy)
+    if args.tree and args.policy != "head":
+        raise ValueError(f"--tree grows trees with the bundle's head; drop --policy {args.policy} or drop --tree.")
+    rule = specdec.tree_rule(greedy=not kwargs["do_sample"]) if args.tree else policy
+    fn = make_custom_generate(specdec.draft, rule)
     streamer = LiveStreamer(tokenizer, out)
     if args.seed is not None:
         torch.manual_seed(args.seed)
     sequences, seconds = _timed_generate(specdec.target, input_ids, custom_generate=fn, streamer=streamer, **kwargs)
     stats = fn.last_stats
     new = sequences[0, input_ids.shape[1] :]
-    line = (
-        f"[{len(new)} tokens in {seconds:.2f} s: {len(new) / seconds:.1f} tok/s · {stats.mean_accepted:.2f} "
-        f"accepted/round of {statistics.fmean(stats.proposed or [0]):.2f} drafted · {policy.describe()}"
-    )
+    line = f"[{len(new)} tokens in {seconds:.2f} s: {len(new) / seconds:.1f} tok/s · "
+    if args.tree:
+        line += (
+            f"{stats.generated / max(stats.target_calls, 1):.2f} tokens/round · tree of "
+            f"{statistics.fmean(stats.fed or [1]) - 1:.1f} candidates/round · {rule.describe()}"
+        )
+    else:
+        line += (
+            f"{stats.mean_accepted:.2f} accepted/round of {statistics.fmean(stats.proposed or [0]):.2f} drafted · "
+            f"{policy.describe()}"
+        )
     if not args.no_baseline:
         line += _against_autoregressive(specdec, input_ids, args, sequences, len(new) / seconds)
     out.write(line + "]\n")
     out.flush()
     return tokenizer.decode(new, skip_special_tokens=True)
-
-
-def answer_tree(specdec: SpecDecPP, messages: list[dict], args: argparse.Namespace, out: TextIO) -> str:
-    """Decode one answer with ``tree=True`` and print it with its statistics line; returns the answer's text."""
-    if args.repetition_penalty is not None or args.policy != "head":
-        raise ValueError("--tree decodes with the bundle's head and no logits processors: drop --repetition_penalty "
-                         "and --policy, or drop --tree.")  # fmt: skip
-    input_ids = torch.tensor([specdec.encode(messages)])
-    temperature = specdec.temperature if args.temperature is None else args.temperature
-    with device_timer(next(specdec.target.parameters()).device) as watch:
-        result = specdec.generate(
-            input_ids, args.max_new_tokens, temperature, args.top_k, args.top_p, seed=args.seed, tree=True
-        )
-    seconds = watch.seconds
-    stats, new = result.stats, result.new_token_ids
-    out.write(result.text + "\n")
-    line = (
-        f"[{len(new)} tokens in {seconds:.2f} s: {len(new) / seconds:.1f} tok/s · "
-        f"{stats.generated / max(stats.target_calls, 1):.2f} tokens/round · tree of "
-        f"{statistics.fmean(stats.fed or [1]) - 1:.1f} candidates/round · "
-        f"{specdec.tree_rule(greedy=temperature == 0).describe()}"
-    )
-    if not args.no_baseline:
-        line += _against_autoregressive(specdec, input_ids, args, result.sequences, len(new) / seconds)
-    out.write(line + "]\n")
-    out.flush()
-    return result.text
 
 
 def chat(args: argparse.Namespace, out: TextIO = sys.stdout, inp: TextIO = sys.stdin) -> int:
@@ -201,10 +185,7 @@ def chat(args: argparse.Namespace, out: TextIO = sys.stdout, inp: TextIO = sys.s
         out.write(f"SpecDec++ chat on {args.bundle} ({policy.describe()}); /exit or Ctrl-D to quit.\n")
     for text in [args.prompt] if args.prompt is not None else _read_turns(out, inp):
         messages.append({"role": "user", "content": text})
-        if args.tree:
-            reply = answer_tree(specdec, messages, args, out)
-        else:
-            reply = answer(specdec, messages, policy, args, out)
+        reply = answer(specdec, messages, policy, args, out)
         messages.append({"role": "assistant", "content": reply})
     return 0
 
@@ -296,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--repetition_penalty", type=float, default=None)
             p.add_argument("--seed", type=int, default=None)
             p.add_argument("--no_baseline", action="store_true", help="skip the autoregressive comparison pass")
-            p.add_argument("--tree", action="store_true", help="draft a token tree grown by the head (no streaming)")
+            p.add_argument("--tree", action="store_true", help="draft a token tree grown by the head each round")
         else:
             p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
             p.add_argument("--repeats", type=int, default=3)

@@ -374,8 +374,12 @@ def test_chat_tree_mode_reports_tokens_per_round_and_tree_size(tree_bundle_dir) 
     assert chat_main([*argv, "--temperature", "0"], out=out) == 0
     text = out.getvalue()
     assert "tokens/round" in text and "candidates/round" in text and "HeadTree(" in text and "(same tokens)" in text
+    # Through generate's custom_generate path: a context-reading processor still gives the target's own tokens.
+    out = io.StringIO()
+    assert chat_main([*argv, "--temperature", "0", "--repetition_penalty", "1.3"], out=out) == 0
+    assert "candidates/round" in out.getvalue() and "(same tokens)" in out.getvalue()
     with pytest.raises(SystemExit):
-        chat_main([*argv, "--repetition_penalty", "1.2"], out=io.StringIO())
+        chat_main([*argv, "--policy", "fixed:3"], out=io.StringIO())
 
 
 # --- tree labels and the C2T-style baseline ---------------------------------------------------------------------------
