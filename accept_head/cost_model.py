@@ -34,14 +34,23 @@ class CostModel:
     """R² of the linear fit of t_target(K), when measured."""
     measured: dict = field(default_factory=dict)
     """Raw medians/min/max per K, when measured."""
+    t_single: float | None = None
+    """Seconds of a one-token target pass (an autoregressive step, or a round that verifies no candidate), when
+    measured; None: the line's intercept. The line is fitted over K ≥ 1 and need not pass through it: on a CPU a
+    one-row matrix product runs a matrix-vector kernel, and two rows can cost twice as much."""
 
     def __post_init__(self) -> None:
         if self.t_draft < 0 or self.t_target_a <= 0:
             raise ValueError(
                 f"cost model needs t_draft >= 0 and t_target_a > 0, got {self.t_draft}, {self.t_target_a}."
             )
+        if self.t_single is not None and not self.t_single > 0:
+            raise ValueError(f"t_single={self.t_single} must be > 0 seconds (or None: the line's intercept).")
 
     def t_target(self, k: int | float) -> float:
+        """Seconds of a target call verifying ``k`` candidates (k + 1 tokens); k = 0 is a one-token pass."""
+        if k == 0 and self.t_single is not None:
+            return self.t_single
         return self.t_target_a + self.t_target_b * k
 
     def modeled_tokens_per_second(self, generated: int, draft_calls: int, proposed: Sequence[int]) -> float:
@@ -169,7 +178,8 @@ def measure_costs(
     warmup: int = 3,
     seed: int = 0,
 ) -> CostModel:
-    """Measure t_draft (one cached draft step, plus the head when given) and t_target(K) for each K on this machine.
+    """Measure t_draft (one cached draft step, plus the head when given), t_target(K) for each K and the one-token
+    pass (``t_single``, an autoregressive step) on this machine.
 
     Each timing is a median over ``repeats`` after ``warmup`` runs, on a cache holding ``context`` tokens that is
     cropped back after every call, exactly as the decoder does.
@@ -204,15 +214,35 @@ def measure_costs(
             crop_cache(target_cache, context - 1)
 
         steps[k] = target_step
+    one = torch.randint(0, vocab, (1, 1), generator=gen).to(device)
+
+    def single_step():  # a one-token pass: an autoregressive step
+        target(input_ids=one, **cache_kwargs(target, target_cache))
+        crop_cache(target_cache, context - 1)
+
+    steps["single"] = single_step
     # Round-robin (draft, head, K = 1..20, then again): a burst of load from elsewhere on a shared machine hits every
     # measurement alike instead of bending the line fitted through them.
     times = _timed_interleaved(steps, repeats, warmup, {device, getattr(drafter, "device", device)})
     draft_times, head_times = times.pop("draft"), times.pop("head", [0.0])
+    single = times.pop("single")
     per_k = {k: _summary(k_times) for k, k_times in times.items()}
-    measured: dict = {"draft": _summary(draft_times), "head": _summary(head_times), "target": per_k}
+    measured: dict = {
+        "draft": _summary(draft_times),
+        "head": _summary(head_times),
+        "single": _summary(single),
+        "target": per_k,
+    }
     a, b, r2 = fit_linear(list(per_k), [summary["median"] for summary in per_k.values()])
     t_draft = statistics.median(draft_times) + statistics.median(head_times)
-    return CostModel(t_draft=t_draft, t_target_a=max(a, 1e-9), t_target_b=b, r2=r2, measured=measured)
+    return CostModel(
+        t_draft=t_draft,
+        t_target_a=max(a, 1e-9),
+        t_target_b=b,
+        r2=r2,
+        measured=measured,
+        t_single=statistics.median(single),
+    )
 
 
 def _summary(times: Sequence[float]) -> dict:

@@ -53,6 +53,24 @@ def test_modeled_tokens_per_second_is_the_inverse_of_eq_2_3_with_the_papers_cost
     assert modeled == pytest.approx(100 / 5.725)
 
 
+def test_a_measured_one_token_pass_prices_k_zero_and_nothing_else() -> None:
+    line = CostModel(t_draft=0.01, t_target_a=0.130, t_target_b=0.002)
+    measured = CostModel(t_draft=0.01, t_target_a=0.130, t_target_b=0.002, t_single=0.100)
+    assert line.t_target(0) == pytest.approx(0.130)  # without it: the intercept, as bundles saved before hold
+    assert measured.t_target(0) == 0.100 and measured.t_target(1) == pytest.approx(0.132)
+    # The target alone: one one-token pass per token.
+    from accept_head.decoding import DecodeStats
+    from accept_head.engine import aggregate
+
+    alone = DecodeStats(generated=10, target_calls=10)
+    assert aggregate("AR", [alone], measured).modeled_tokens_per_second == pytest.approx(10.0)
+    assert aggregate("AR", [alone], line).modeled_tokens_per_second == pytest.approx(1 / 0.130)
+    assert CostModel.from_dict(measured.to_dict()) == measured
+    assert CostModel.from_dict({"t_draft": 0.01, "t_target_a": 0.13}).t_single is None
+    with pytest.raises(ValueError, match="t_single=0"):
+        CostModel(t_draft=0.01, t_target_a=0.13, t_single=0.0)
+
+
 def test_fit_decode_costs_recovers_per_round_and_per_candidate_costs() -> None:
     # Two prompt sets with different prefill overheads; 30 ms per target call, 4 ms per drafted candidate.
     runs = []
@@ -282,6 +300,10 @@ def test_costs_command_writes_json_and_plot(tiny, tmp_path) -> None:
     assert stored["cost_model"]["t_draft"] > 0 and stored["cost_model"]["t_target_a"] > 0
     assert sorted(stored["cost_model"]["measured"]["target"]) == ["1", "2", "4"]
     assert payload["settings"]["ks"] == [1, 2, 4]
+    # The one-token pass is measured, not read off the line: it prices the autoregressive step.
+    single = stored["cost_model"]["measured"]["single"]
+    assert single["n"] == 3 and stored["cost_model"]["t_single"] == single["median"] > 0
+    assert CostModel.from_dict(stored).t_target(0) == single["median"]
 
 
 def test_costs_command_times_a_fresh_head_of_a_given_depth_without_a_bundle(tiny, tmp_path) -> None:

@@ -20,9 +20,10 @@ def costs(
     head_depth: int | None = None,
     output_dir: str = "eval_out/costs",
 ) -> dict:
-    """Measure the cost model of a pair: one cached draft step (plus the head's scoring when a bundle is given) and
-    one target pass verifying K candidates for every K, each a median over ``repeats`` after ``warmup`` runs on a
-    ``context``-token KV cache; fit t_target(K) = a + b·K. Writes costs.json (load it with ``--cost_model``) and
+    """Measure the cost model of a pair: one cached draft step (plus the head's scoring when a bundle is given), one
+    target pass verifying K candidates for every K and a one-token pass (the autoregressive step the speculative rows
+    are compared with), each a median over ``repeats`` after ``warmup`` runs on a ``context``-token KV cache; fit
+    t_target(K) = a + b·K over the K. Writes costs.json (load it with ``--cost_model``) and
     costs.png, and prints the table.
 
     Args:
@@ -64,13 +65,15 @@ def costs(
         return [name, *(fmt(seconds[stat] * 1e3, digits) for stat in ("median", "min", "max")), fit]
 
     rows = [row("draft step", measured["draft"], 2), row("head", measured["head"], 3)]
+    rows += [row("target, 1 token", measured["single"], 2)]
     rows += [row(f"target K={k}", measured["target"][k], 2, fmt(model.t_target(k) * 1e3, 2)) for k in ks]
     print(
         text_table(
             ["pass", "median ms", "min ms", "max ms", "fit ms"],
             rows,
             title=f"t_target(K) = {model.t_target_a * 1e3:.2f} + {model.t_target_b * 1e3:.3f}·K ms "
-            f"(R² {fmt(model.r2, 3)}), t_draft = {model.t_draft * 1e3:.2f} ms",
+            f"(R² {fmt(model.r2, 3)}), t_draft = {model.t_draft * 1e3:.2f} ms, one-token pass "
+            f"{model.t_target(0) * 1e3:.2f} ms",
         )
     )
     if head is not None:
