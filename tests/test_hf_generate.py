@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from generate_helpers import AtLength, Recorder, greedy
 from stats_helpers import goodness_of_fit
 from tiny_models import (
     TableLM,
@@ -25,14 +26,12 @@ from tiny_models import (
 from transformers import (
     LogitsProcessorList,
     RepetitionPenaltyLogitsProcessor,
-    StoppingCriteria,
     StoppingCriteriaList,
     TemperatureLogitsWarper,
     TextIteratorStreamer,
     TopPLogitsWarper,
 )
 from transformers.generation import GenerateDecoderOnlyOutput
-from transformers.generation.streamers import BaseStreamer
 
 import accept_head.hf_generate as hf_generate
 from accept_head import (
@@ -68,10 +67,6 @@ def pair() -> tuple[torch.nn.Module, torch.nn.Module]:
 def head_policy(draft: torch.nn.Module) -> HeadThreshold:
     torch.manual_seed(0)
     return HeadThreshold(AcceptanceHead(draft.config.hidden_size, depth=1), 0.6, min_candidates=1, max_candidates=6)
-
-
-def greedy(target: torch.nn.Module, prompt: list[int], **kwargs) -> torch.Tensor:
-    return target.generate(torch.tensor([prompt]), do_sample=False, **kwargs)
 
 
 # ---- greedy output is the target's own ----------------------------------------------------------------------------
@@ -294,32 +289,12 @@ def test_eos_lists_and_stopping_criteria_stop_at_the_first_firing_token(pair) ->
     assert torch.equal(ours, greedy(target, PROMPTS[1], **options))
     assert ours[0, -1].item() in eos and ours.shape[1] <= len(PROMPTS[1]) + 10
 
-    class AtLength(StoppingCriteria):
-        def __init__(self, length: int) -> None:
-            self.length, self.calls = length, 0
-
-        def __call__(self, input_ids, scores, **kwargs):
-            self.calls += 1
-            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
-
     stop = AtLength(len(PROMPTS[1]) + 3)
     options = dict(max_new_tokens=20, suppress_tokens=[3], stopping_criteria=StoppingCriteriaList([stop]))
     ours = greedy(target, PROMPTS[1], custom_generate=fn, **options)
     assert ours.shape[1] == len(PROMPTS[1]) + 3 and fn.last_stats.proposed[0] == 5  # trimmed inside the round
     assert torch.equal(ours, greedy(target, PROMPTS[1], **options))
     assert greedy(target, PROMPTS[0], custom_generate=fn, max_new_tokens=7, suppress_tokens=[3]).shape[1] == 3 + 7
-
-
-class Recorder(BaseStreamer):
-    def __init__(self) -> None:
-        self.puts: list[list[int]] = []
-        self.ended = 0
-
-    def put(self, value: torch.Tensor) -> None:
-        self.puts.append(value.reshape(-1).tolist())
-
-    def end(self) -> None:
-        self.ended += 1
 
 
 def test_streamers_receive_exactly_the_output_tokens(pair) -> None:

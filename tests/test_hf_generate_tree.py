@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from generate_helpers import AtLength, Recorder, greedy
 from stats_helpers import ALPHA, exact_joint, pair_p_values, sampled_tokens
 from tiny_models import (
     distilled_feature_draft,
@@ -28,14 +29,12 @@ from transformers import (
     LogitsProcessorList,
     NoRepeatNGramLogitsProcessor,
     RepetitionPenaltyLogitsProcessor,
-    StoppingCriteria,
     StoppingCriteriaList,
     TemperatureLogitsWarper,
     TextIteratorStreamer,
     TopKLogitsWarper,
 )
 from transformers.generation import GenerateDecoderOnlyOutput
-from transformers.generation.streamers import BaseStreamer
 
 import accept_head.hf_generate as hf_generate
 from accept_head import (
@@ -80,10 +79,6 @@ def tree_rules(hidden_size: int) -> dict:
         "confidence": ConfidenceTree(width=3, top_k=3, max_depth=4, max_nodes=16),
         "static": StaticTree((3, 2, 1)),
     }
-
-
-def greedy(target: torch.nn.Module, prompt: list[int], **kwargs) -> torch.Tensor:
-    return target.generate(torch.tensor([prompt]), do_sample=False, **kwargs)
 
 
 def flattened_paths(self: hf_generate.ProcessedLogits, logits: torch.Tensor, start: int, paths) -> torch.Tensor:
@@ -263,18 +258,6 @@ def test_return_dict_scores_logits_and_cache_match_hf(pair) -> None:
     assert not any(t.is_inference() for t in (ours.sequences, *ours.scores, *ours.logits))
 
 
-class Recorder(BaseStreamer):
-    def __init__(self) -> None:
-        self.puts: list[list[int]] = []
-        self.ended = 0
-
-    def put(self, value: torch.Tensor) -> None:
-        self.puts.append(value.reshape(-1).tolist())
-
-    def end(self) -> None:
-        self.ended += 1
-
-
 def test_streamers_receive_exactly_the_output_tokens(pair) -> None:
     target, draft = pair
     fn = make_custom_generate(draft, tree_rules(draft.config.hidden_size)["confidence"])
@@ -287,14 +270,6 @@ def test_streamers_receive_exactly_the_output_tokens(pair) -> None:
     streamer = TextIteratorStreamer(tokenizer, skip_prompt=True, timeout=5)
     out = greedy(target, PROMPTS[0], custom_generate=fn, max_new_tokens=12, streamer=streamer)
     assert "".join(streamer) == tokenizer.decode(out[0, len(PROMPTS[0]) :])
-
-
-class AtLength(StoppingCriteria):
-    def __init__(self, length: int) -> None:
-        self.length = length
-
-    def __call__(self, input_ids, scores, **kwargs):
-        return torch.full((input_ids.shape[0],), input_ids.shape[1] >= self.length, dtype=torch.bool)
 
 
 def test_stopping_criteria_and_eos_lists_stop_at_the_first_firing_token(pair) -> None:

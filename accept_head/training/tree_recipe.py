@@ -121,12 +121,14 @@ def scorers(bundle: SpecDecPP, models: TreeModels, greedy: bool) -> dict:
     calibration = bundle.calibration_for(greedy)
 
     def head_scorer(head: AcceptanceHead, calibrated):
+        head = copy.deepcopy(head).float().eval()  # once, not per round; the bundle's own head is left as it is
+
         def score(r: LabelledRound) -> dict[int, float]:
             out = {n: r.probs[n] for n in r.labelled()}
             fed = [n for n in r.labelled() if n in r.hidden]
             if fed:
                 with torch.inference_mode():
-                    probs = head.float().accept_prob(torch.stack([r.hidden[n].float() for n in fed])).tolist()
+                    probs = head.accept_prob(torch.stack([r.hidden[n].float() for n in fed])).tolist()
                 out |= {n: float(calibrated(p)) if calibrated else p for n, p in zip(fed, probs)}
             return out
 
