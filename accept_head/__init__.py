@@ -1,22 +1,24 @@
 """accept_head: SpecDec++ acceptance heads for adaptive, lossless speculative decoding with Hugging Face models."""
 
-from .baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle, roc_threshold
-from .bundle import SpecDecOutput, SpecDecPP
-from .calibration import Calibration
-from .decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate, verify
-from .drafters import Drafter, DraftStep, ModelDrafter
-from .feature_draft import FeatureDraft, FeatureDrafter
-from .head import AcceptanceHead, from_official_state_dict
-from .hf_assisted import AssistedSettings, HFAssisted
-from .hf_generate import SpecDecGenerate, make_custom_generate
-from .loading import load_model, load_tokenizer
-from .lookahead import NgramPool, lookahead_generate
-from .ngrammys import ModelBigram, ngrammys_generate
-from .ouroboros import OuroborosStats, PhrasePool, ouroboros_generate
-from .pairs import ModelSpec, check_same_tokenizer
-from .policies import FixedK, HeadThreshold, RoundState, StopPolicy
-from .sampling import SamplingConfig
-from .tree_verify import TreeDecodeStats
+from .acceptance.calibration import Calibration
+from .acceptance.head import AcceptanceHead, from_official_state_dict
+from .chain.baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle, roc_threshold
+from .chain.decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate, verify
+from .chain.hf_assisted import AssistedSettings, HFAssisted
+from .chain.policies import FixedK, HeadThreshold, RoundState, StopPolicy
+from .core import __version__ as __version__
+from .core.moved import install as _install_moved_paths
+from .core.sampling import SamplingConfig
+from .learning_free.lookahead import NgramPool, lookahead_generate
+from .learning_free.ngrammys import ModelBigram, ngrammys_generate
+from .learning_free.ouroboros import OuroborosStats, PhrasePool, ouroboros_generate
+from .models.drafters import Drafter, DraftStep, ModelDrafter
+from .models.feature_draft import FeatureDraft, FeatureDrafter
+from .models.loading import load_model, load_tokenizer
+from .models.pairs import ModelSpec, check_same_tokenizer
+from .specdecpp.bundle import SpecDecOutput, SpecDecPP
+from .specdecpp.hf_generate import SpecDecGenerate, make_custom_generate
+from .trees.verify import TreeDecodeStats
 
 __all__ = [
     "AcceptanceHead",
@@ -61,4 +63,5 @@ __all__ = [
     "speculative_generate",
     "verify",
 ]
-__version__ = "0.1.0"
+
+_install_moved_paths()  # old module paths (accept_head.decoding, ...) resolve for one release, with a warning

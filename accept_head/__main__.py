@@ -1,6 +1,6 @@
-"""``python -m accept_head chat --bundle <folder>`` (and ``overhead``): see :mod:`accept_head.chat`."""
+"""``python -m accept_head chat --bundle <folder>`` (and ``overhead``): see :mod:`accept_head.specdecpp.chat`."""
 
-from .chat import main
+from .specdecpp.chat import main
 
 if __name__ == "__main__":
     raise SystemExit(main())

@@ -14,8 +14,8 @@ Examples::
     python -m eval calibration --bundle B --prompts '[{path: humaneval, limit: 8}]'
     python -m eval bench --help
 
-The options several commands share, :class:`~accept_head.pair_loading.PairOptions` (``pair``) and
-:class:`~accept_head.prompts.PromptOptions` (``prompt_options``), are flat flags and top-level YAML keys
+The options several commands share, :class:`~accept_head.engine.pair_loading.PairOptions` (``pair``) and
+:class:`~accept_head.core.prompts.PromptOptions` (``prompt_options``), are flat flags and top-level YAML keys
 (``--bundle``, ``--target.path``, ``--prompt_mode``, ``--split_seed``), like the command's own parameters.
 """
 
@@ -58,8 +58,8 @@ def commands() -> dict:
 
 def option_groups() -> dict[str, type]:
     """Parameter name → the dataclass of shared options it takes, whose fields are the command's flags."""
-    from accept_head.pair_loading import PairOptions
-    from accept_head.prompts import PromptOptions
+    from accept_head.core.prompts import PromptOptions
+    from accept_head.engine.pair_loading import PairOptions
 
     return {"pair": PairOptions, "prompt_options": PromptOptions}
 

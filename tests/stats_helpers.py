@@ -3,7 +3,7 @@
 :func:`goodness_of_fit` is a χ² test of sampled outcomes against probabilities computed exactly from a model
 (:func:`exact_joint` for a small-vocabulary model; :func:`sampled_tokens` draws the seeded runs and
 :func:`pair_p_values` tests their token pairs); the broken verifiers below are drop-in replacements for
-:func:`accept_head.decoding.verify` (or :func:`accept_head.tree_verify.verify_sampled`) that a correct check must
+:func:`accept_head.chain.decoding.verify` (or :func:`accept_head.trees.verify.verify_sampled`) that a correct check must
 reject, so a test that passes with the real verifier and fails with these says something about the decoder.
 """
 
@@ -16,9 +16,9 @@ import torch
 from scipy.stats import chisquare
 from transformers import LogitsProcessorList
 
-from accept_head.decoding import GenerationResult
-from accept_head.decoding import verify as correct_verify
-from accept_head.sampling import SamplingConfig, probabilities, sample
+from accept_head.chain.decoding import GenerationResult
+from accept_head.chain.decoding import verify as correct_verify
+from accept_head.core.sampling import SamplingConfig, probabilities, sample
 
 ALPHA = 1e-3
 """A correct decoder passes at this level; the seeds are fixed, so the outcome is deterministic."""
@@ -92,7 +92,7 @@ def accept_every_candidate(p, q, candidates, generator):
 
 
 def accept_first_guess(probs, rows, nodes, generator):
-    """A broken tree verifier (a drop-in for :func:`accept_head.tree_verify.verify_sampled`): accepts the first row's
+    """A broken tree verifier (a drop-in for :func:`accept_head.trees.verify.verify_sampled`): accepts the first row's
     first token whatever its probability, then draws the next token after it (the output follows the guesses)."""
     if not rows:
         return -1, 0, int(sample(probs[0][None], generator)[0])

@@ -31,7 +31,7 @@ def imported_names(tree: ast.AST) -> list[tuple[int, str]]:
 
 def test_the_library_has_modules_to_check() -> None:
     names = {path.relative_to(LIBRARY).as_posix() for path in MODULES}
-    assert {"__init__.py", "decoding.py", "labelgen/run.py", "training/cli.py"} <= names
+    assert {"__init__.py", "chain/decoding.py", "labelgen/run.py", "training/cli.py"} <= names
 
 
 def test_imported_names_sees_imports_inside_functions_and_skips_relative_ones() -> None:
@@ -80,7 +80,7 @@ def import_graph(package: Path) -> dict[str, dict[str, int]]:
             else:
                 continue
             for target in targets:
-                while target and target not in paths:  # `from accept_head.pairs import x` → accept_head.pairs
+                while target and target not in paths:  # `from a.b.pairs import x` → a.b.pairs
                     target = target.rpartition(".")[0]
                 if target and target != name:
                     graph[name].setdefault(target, node.lineno)
@@ -162,7 +162,7 @@ def test_the_library_imports_without_a_cycle() -> None:
     """Every import counts, including those inside functions: a cycle hidden from Python by a function-level import
     still makes a reader go round it. Lower modules must not import higher ones (docs/architecture.md, "Loading")."""
     graph = import_graph(LIBRARY)
-    assert "accept_head.pairs" in graph and graph["accept_head.bundle"], "the graph found no imports"
+    assert "accept_head.models.pairs" in graph and graph["accept_head.specdecpp.bundle"], "the graph found no imports"
     tangles = [
         f"{len(group)} modules {sorted(group)} import each other, e.g. "
         + describe_cycle(shortest_cycle(graph, group), graph)
@@ -217,3 +217,86 @@ def test_entry_points_install_only_under_a_namespaced_package() -> None:
         source = REPO.joinpath(*parts[:-1], f"{parts[-1]}.py")
         defined = {node.name for node in ast.parse(source.read_text()).body if isinstance(node, ast.FunctionDef)}
         assert function in defined, f"console script {script} names {target}, but {source} defines no {function}()"
+
+
+LAYERS = (
+    ("core",),
+    ("models",),
+    ("acceptance",),
+    ("chain",),
+    ("trees", "labelgen"),
+    ("learning_free", "specdecpp"),
+    ("engine",),
+    ("training",),
+    ("evaluation",),
+)
+"""The sub-packages of ``accept_head`` from the bottom up: each imports only packages on lower floors (never one on
+its own floor or above). ``accept_head/__init__.py`` and ``__main__.py`` stand above them all."""
+MAX_FLOORS = 10
+MAX_ENTRIES = 13
+"""``accept_head/``'s top level: ``__init__.py``, ``__main__.py`` and the sub-packages."""
+MAX_MODULES = 14
+"""Modules in one folder, ``__init__.py`` included."""
+
+
+def package_of(module: str) -> str:
+    """The sub-package a library module belongs to (``accept_head.chain.decoding`` → ``chain``), or the module itself
+    for ``accept_head`` and ``accept_head.__main__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and (LIBRARY / parts[1]).is_dir() else module
+
+
+def package_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, str]]:
+    """``{package: {imported package: 'module → module'}}``: the module graph with each sub-package as one node."""
+    out: dict[str, dict[str, str]] = {}
+    for module, imported in graph.items():
+        edges = out.setdefault(package_of(module), {})
+        for other in imported:
+            if package_of(other) != package_of(module):
+                edges.setdefault(package_of(other), f"{module} (line {imported[other]}) → {other}")
+    return out
+
+
+def floors(graph: dict[str, dict]) -> int:
+    """The longest import chain of an acyclic graph, counted in nodes (a node importing nothing is floor 1)."""
+    memo: dict[str, int] = {}
+
+    def floor(node: str) -> int:
+        if node not in memo:
+            memo[node] = 1 + max((floor(other) for other in graph[node]), default=0)
+        return memo[node]
+
+    return max(floor(node) for node in graph)
+
+
+def test_every_sub_package_has_a_floor_and_says_what_it_owns() -> None:
+    folders = {path.name for path in LIBRARY.iterdir() if path.is_dir() and (path / "__init__.py").exists()}
+    assert folders == {name for layer in LAYERS for name in layer}, "add the new sub-package to LAYERS"
+    for name in folders:
+        doc = ast.get_docstring(ast.parse((LIBRARY / name / "__init__.py").read_text()))
+        assert doc, f"accept_head/{name}/__init__.py needs a docstring saying what the package owns"
+
+
+def test_each_sub_package_imports_only_those_below_it() -> None:
+    floor = {name: i for i, layer in enumerate(LAYERS) for name in layer}
+    upward = [
+        f"{package} imports {other}: {how}"
+        for package, edges in package_graph(import_graph(LIBRARY)).items()
+        for other, how in edges.items()
+        if package in floor and (other not in floor or floor[other] >= floor[package])
+    ]
+    assert not upward, "imports that are not downward:\n  " + "\n  ".join(upward)
+
+
+def test_floors_counts_the_longest_chain() -> None:
+    assert floors({"a": {"b": 1}, "b": {"c": 1}, "c": {}, "d": {"c": 1}}) == 3
+
+
+def test_the_package_graph_is_low_and_the_folders_small() -> None:
+    packages = package_graph(import_graph(LIBRARY))
+    assert floors(packages) <= MAX_FLOORS, f"the sub-packages stand {floors(packages)} floors high"
+    entries = sorted(p.name for p in LIBRARY.iterdir() if p.name != "__pycache__")
+    assert len(entries) <= MAX_ENTRIES, f"accept_head/ holds {len(entries)} entries: {entries}"
+    for folder in [LIBRARY, *(p for p in LIBRARY.iterdir() if p.is_dir() and p.name != "__pycache__")]:
+        modules = list(folder.glob("*.py"))
+        assert len(modules) <= MAX_MODULES, f"{folder.relative_to(REPO)} holds {len(modules)} modules"

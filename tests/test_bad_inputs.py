@@ -13,7 +13,7 @@ import pytest
 import torch
 from tiny_models import TableLM, make_llama, make_pair, make_tokenizer
 
-import accept_head.bundle as bundle_module
+import accept_head.specdecpp.bundle as bundle_module
 from accept_head import (
     AcceptanceHead,
     FixedK,
@@ -24,8 +24,8 @@ from accept_head import (
     check_same_tokenizer,
     speculative_generate,
 )
-from accept_head.bundle import CONFIG_NAME
-from accept_head.head import HEAD_WEIGHTS
+from accept_head.acceptance.head import HEAD_WEIGHTS
+from accept_head.specdecpp.bundle import CONFIG_NAME
 
 VOCAB, POSITIONS = 8, 16
 

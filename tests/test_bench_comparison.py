@@ -1,7 +1,7 @@
 """``python -m eval bench`` with a ``comparison_draft``: a standalone draft benchmarked beside the pair's own.
 
 On tiny models, through the real CLI, for a bundle whose draft is a Hugging Face model and one whose draft is a
-:class:`~accept_head.feature_draft.FeatureDraft`:
+:class:`~accept_head.models.feature_draft.FeatureDraft`:
 
 * FixedK rows with ``draft=standalone`` (and ``draft=standalone-pruned``, the standalone model restricted to the
   feature draft's kept vocabulary, for the feature-draft bundle) exist with the K chosen for that draft on validation;
@@ -21,13 +21,13 @@ import torch
 import yaml
 from tiny_models import make_llama, make_tokenizer, perturbed_copy, save_bundle
 
-import accept_head.engine as engine
-from accept_head.drafters import ModelDrafter
-from accept_head.engine import MethodSpec, Runner, greedy_identity
+import accept_head.engine.runner as engine
+from accept_head.engine.pair_loading import load_pair
+from accept_head.engine.runner import MethodSpec, Runner, greedy_identity
 from accept_head.evaluation.bench import add_comparison_drafts
-from accept_head.feature_draft import FeatureDraft
-from accept_head.pair_loading import load_pair
-from accept_head.pairs import ModelSpec
+from accept_head.models.drafters import ModelDrafter
+from accept_head.models.feature_draft import FeatureDraft
+from accept_head.models.pairs import ModelSpec
 from eval.__main__ import main
 
 WORDS = "write a short poem about the number two . explain why python code is fun please give me one answer".split()
@@ -176,7 +176,7 @@ def test_comparison_drafts_reach_the_decoder_and_decode_losslessly(tiny, monkeyp
 def test_runner_ignore_eos_makes_every_method_write_the_whole_budget(ignore_eos: bool) -> None:
     """With an EOS the target writes early, decoders stop there unless the runner ignores EOS; then every method,
     HF's assisted generation included, writes exactly max_new_tokens (outputs of one length for tokens/s)."""
-    from accept_head.pair_loading import Pair
+    from accept_head.engine.pair_loading import Pair
 
     tokenizer = make_tokenizer()
     target = make_llama(tokenizer=tokenizer, seed=0)

@@ -2,7 +2,8 @@
 
 On tiny random Llamas, offline:
 
-* through :class:`~accept_head.engine.Runner`, every kind decodes exactly the target's greedy output, and passes the
+* through :class:`~accept_head.engine.runner.Runner`, every kind decodes exactly the target's greedy output, and passes
+the
   sampling setting through unchanged at temperature > 0;
 * N-Grammys' model bigram is built once per target, when the decoder is built (before anything is timed), and read
   back from the disk cache by the next runner;
@@ -25,9 +26,10 @@ import yaml
 from tiny_models import make_llama, make_tokenizer, near_bigram, perturbed_copy, save_bundle
 
 from accept_head import autoregressive_generate
-from accept_head.cost_model import CostModel
-from accept_head.decoding import DecodeStats
-from accept_head.engine import (
+from accept_head.chain.decoding import DecodeStats
+from accept_head.core.costs import CostModel
+from accept_head.engine.pair_loading import Pair
+from accept_head.engine.runner import (
     TREE_DECODERS,
     MethodSpec,
     PolicyGrid,
@@ -40,10 +42,9 @@ from accept_head.engine import (
 from accept_head.evaluation.bench import tree_settings, tree_specs
 from accept_head.evaluation.report import analyse
 from accept_head.evaluation.report_page import _table_one
-from accept_head.feature_draft import FeatureDraft
-from accept_head.ngrammys import ModelBigram
-from accept_head.pair_loading import Pair
-from accept_head.tree_verify import TreeDecodeStats
+from accept_head.learning_free.ngrammys import ModelBigram
+from accept_head.models.feature_draft import FeatureDraft
+from accept_head.trees.verify import TreeDecodeStats
 from eval.__main__ import main
 
 WORDS = "write a short poem about the number two . explain why python code is fun please give me one answer".split()

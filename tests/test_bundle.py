@@ -12,8 +12,8 @@ import torch
 from tiny_models import make_pair
 
 from accept_head import AcceptanceHead, Calibration, HeadThreshold, ModelSpec, SpecDecPP, load_model, load_tokenizer
-from accept_head.bundle import CONFIG_NAME, CUSTOM_GENERATE, FORMAT_VERSION, portable_spec
-from accept_head.head import HEAD_WEIGHTS
+from accept_head.acceptance.head import HEAD_WEIGHTS
+from accept_head.specdecpp.bundle import CONFIG_NAME, CUSTOM_GENERATE, FORMAT_VERSION, portable_spec
 
 
 def build_bundle(models_root: Path) -> SpecDecPP:
@@ -194,8 +194,8 @@ def test_bundle_eval_and_data_gen_stop_on_the_same_eos_ids(tmp_path) -> None:
     from tiny_models import make_llama, make_tokenizer
 
     from accept_head import AcceptanceHead, SpecDecPP
-    from accept_head.pair_loading import Pair
-    from accept_head.pairs import eos_token_ids
+    from accept_head.engine.pair_loading import Pair
+    from accept_head.models.pairs import eos_token_ids
 
     tokenizer = make_tokenizer()
     target = make_llama(tokenizer=tokenizer)

@@ -6,7 +6,7 @@ import re
 import torch
 from tiny_models import make_tokenizer
 
-from accept_head.chat import LiveStreamer
+from accept_head.specdecpp.chat import LiveStreamer
 
 ANSI = re.compile(r"\x1b7\x1b\[2m.*?\x1b\[0m|\x1b8\x1b\[J")
 

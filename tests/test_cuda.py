@@ -30,10 +30,10 @@ from accept_head import (
     ouroboros_generate,
     speculative_generate,
 )
-from accept_head.loading import load_model
-from accept_head.loss import weighted_bce
-from accept_head.pairs import ModelSpec
-from accept_head.rollout import rollout_labels
+from accept_head.acceptance.loss import weighted_bce
+from accept_head.chain.rollout import rollout_labels
+from accept_head.models.loading import load_model
+from accept_head.models.pairs import ModelSpec
 
 DEVICES = [
     "cpu",

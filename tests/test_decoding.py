@@ -352,10 +352,10 @@ def test_same_seed_gives_same_sample_and_different_seeds_differ() -> None:
 def test_decode_stats_add_up_into_the_pooled_counts_of_several_runs() -> None:
     from dataclasses import dataclass
 
-    from accept_head.decoding import DecodeStats
-    from accept_head.engine import aggregate
-    from accept_head.ouroboros import OuroborosStats
-    from accept_head.tree_verify import TreeDecodeStats
+    from accept_head.chain.decoding import DecodeStats
+    from accept_head.engine.runner import aggregate
+    from accept_head.learning_free.ouroboros import OuroborosStats
+    from accept_head.trees.verify import TreeDecodeStats
 
     a, b = DecodeStats(), DecodeStats()
     a.record_round(proposed=4, accepted=2, committed=3)

@@ -101,8 +101,8 @@ def test_fit_trains_with_lightning_and_resumes_from_its_last_checkpoint(tmp_path
     from train_helpers import write_prompts
     from transformers import AutoModelForCausalLM
 
-    from accept_head.pairs import ModelSpec
-    from accept_head.prompts import PromptSource
+    from accept_head.core.prompts import PromptSource
+    from accept_head.models.pairs import ModelSpec
     from accept_head.training.distill_recipe import DistillConfig, evaluate, fit, generate, model_card
 
     target, _ = make_pair(tmp_path)
@@ -160,8 +160,8 @@ def test_generate_mixes_every_source_and_never_distills_on_held_out_prompts(tmp_
     from tiny_models import make_pair
     from train_helpers import write_prompts
 
-    from accept_head.pairs import ModelSpec
-    from accept_head.prompts import PromptSource, split_of
+    from accept_head.core.prompts import PromptSource, split_of
+    from accept_head.models.pairs import ModelSpec
     from accept_head.training.distill_recipe import DistillConfig, generate
 
     target, _ = make_pair(tmp_path)

@@ -14,13 +14,13 @@ import yaml
 from tiny_models import make_llama, make_tokenizer, perturbed_copy, save_bundle
 
 from accept_head import Calibration
-from accept_head.cost_model import CostModel, fit_decode_costs, latency_per_token
-from accept_head.decoding import DecodeStats
-from accept_head.engine import MethodSpec, PolicyGrid, expand_grids, headroom_share, run_interleaved
+from accept_head.acceptance.labels import FORMAT, FORMAT_VERSION, label_features
+from accept_head.chain.decoding import DecodeStats
+from accept_head.core.costs import CostModel, fit_decode_costs, latency_per_token
+from accept_head.core.prompts import EncodedPrompt, round_robin
+from accept_head.engine.runner import MethodSpec, PolicyGrid, expand_grids, headroom_share, run_interleaved
 from accept_head.evaluation.report import _h_star_spec, head_sources
 from accept_head.evaluation.report_page import render_markdown
-from accept_head.labels import FORMAT, FORMAT_VERSION, label_features
-from accept_head.prompts import EncodedPrompt, round_robin
 from eval.__main__ import main
 
 # SpecDec++ §2 measured these on 2×A100 for Llama-2-chat 7B (draft) / 70B (target).
@@ -59,8 +59,8 @@ def test_a_measured_one_token_pass_prices_k_zero_and_nothing_else() -> None:
     assert line.t_target(0) == pytest.approx(0.130)  # without it: the intercept, as bundles saved before hold
     assert measured.t_target(0) == 0.100 and measured.t_target(1) == pytest.approx(0.132)
     # The target alone: one one-token pass per token.
-    from accept_head.decoding import DecodeStats
-    from accept_head.engine import aggregate
+    from accept_head.chain.decoding import DecodeStats
+    from accept_head.engine.runner import aggregate
 
     alone = DecodeStats(generated=10, target_calls=10)
     assert aggregate("AR", [alone], measured).modeled_tokens_per_second == pytest.approx(10.0)
@@ -257,9 +257,9 @@ def test_oracle_method_decodes_greedily_and_counts_what_decoding_with_the_oracle
     drifts, so they must equal the counters of a plain decoding with the prompt's oracle, and its output must be the
     target's greedy output. The times are the real decoding's."""
     from accept_head import autoregressive_generate, speculative_generate
-    from accept_head.baselines import Oracle
-    from accept_head.engine import Runner
-    from accept_head.pair_loading import load_pair
+    from accept_head.chain.baselines import Oracle
+    from accept_head.engine.pair_loading import load_pair
+    from accept_head.engine.runner import Runner
 
     pair = load_pair(tiny["bundle"])
     runner = Runner(pair, max_new_tokens=12, temperature=0.0)
@@ -391,8 +391,8 @@ def test_a_trained_head_decodes_like_the_bundle_it_becomes(tiny) -> None:
     """The end-of-fit sweep runs before a bundle exists: a Runner given a TrainedHead (head, calibration, candidate
     bounds) and the pair's stop ids builds the same HeadThreshold and decodes the same tokens as a Runner reading the
     bundle; without an h* it asks for a threshold, and without any head it refuses SpecDec++."""
-    from accept_head.engine import Runner, TrainedHead
-    from accept_head.pair_loading import Pair, load_pair
+    from accept_head.engine.pair_loading import Pair, load_pair
+    from accept_head.engine.runner import Runner, TrainedHead
 
     pair = load_pair(tiny["bundle"])
     bundle = pair.bundle
@@ -413,9 +413,9 @@ def test_a_trained_head_decodes_like_the_bundle_it_becomes(tiny) -> None:
 
 
 def test_on_policy_records_decode_with_the_bundles_own_policy(tiny) -> None:
+    from accept_head.chain.policies import HeadThreshold
+    from accept_head.engine.pair_loading import load_pair
     from accept_head.evaluation.calibration import RecordingHeadThreshold
-    from accept_head.pair_loading import load_pair
-    from accept_head.policies import HeadThreshold
 
     pair = load_pair(tiny["bundle"])
     base = HeadThreshold(pair.bundle.head, 0.4, 1, 7, calibration=pair.bundle.calibration, unscored="confidence")

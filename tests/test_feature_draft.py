@@ -24,13 +24,13 @@ from safetensors.torch import load_file
 from stats_helpers import ALPHA, accept_every_candidate, exact_joint, pair_p_values
 from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, perturbed_copy
 
-import accept_head.decoding as decoding
+import accept_head.chain.decoding as decoding
 from accept_head import AcceptanceHead, FixedK, HeadThreshold, autoregressive_generate, load_model, speculative_generate
-from accept_head.decoding import verify as correct_verify
-from accept_head.drafters import ModelDrafter
-from accept_head.feature_draft import FeatureDraft, FeatureDrafter, model_fingerprint
-from accept_head.features import lm_head_input
-from accept_head.sampling import sample
+from accept_head.chain.decoding import verify as correct_verify
+from accept_head.core.sampling import sample
+from accept_head.models.drafters import ModelDrafter
+from accept_head.models.feature_draft import FeatureDraft, FeatureDrafter, model_fingerprint
+from accept_head.models.features import lm_head_input
 
 # --- tiny models ----------------------------------------------------------------------------------------------------
 
@@ -560,7 +560,7 @@ def test_fingerprint_ignores_dtype_and_tells_models_apart(tmp_path, llama, kept)
 
 def test_fixed_k_ceiling_counts_the_accepted_run_plus_the_targets_token() -> None:
     """Eq. 2.1 with independent per-step acceptance: tokens per round 1 + Σ_j Π_{i≤j} α_i over k·t_draft + t(k)."""
-    from accept_head.cost_model import CostModel, expected_fixed_k_speedup
+    from accept_head.core.costs import CostModel, expected_fixed_k_speedup
 
     cost = CostModel(t_draft=0.1, t_target_a=1.0, t_target_b=0.05)
     # α = (0.5, 0.5): tokens = 1 + 0.5 + 0.25 = 1.75 per round of 2·0.1 + 1.1 = 1.3 s; the target alone: 1 token/s.

@@ -25,7 +25,7 @@ from tiny_models import make_llama, make_tokenizer
 from train_helpers import write_prompts
 
 from accept_head import FixedK, autoregressive_generate, load_model, speculative_generate
-from accept_head.prompts import split_of
+from accept_head.core.prompts import split_of
 from accept_head.training import feature_draft_recipe as stages
 from accept_head.training import own_responses
 from train import feature_draft as recipe

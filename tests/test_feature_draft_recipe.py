@@ -29,9 +29,9 @@ from safetensors.torch import load_file, save_file
 from tiny_models import make_llama, make_tokenizer
 
 from accept_head import FixedK, autoregressive_generate, load_model, speculative_generate
-from accept_head.feature_draft import FeatureDraft
-from accept_head.features import lm_head_input
-from accept_head.pairs import ModelSpec
+from accept_head.models.feature_draft import FeatureDraft
+from accept_head.models.features import lm_head_input
+from accept_head.models.pairs import ModelSpec
 from accept_head.training import feature_draft_recipe as stages
 from train import feature_draft as recipe
 
@@ -362,7 +362,7 @@ def test_per_step_acceptance_step_one_matches_a_hand_computation(tmp_path) -> No
 def test_per_step_acceptance_and_the_training_unroll_measure_the_same_context(tmp_path) -> None:
     """``evaluate``'s per-step acceptance (a cached decode from each start) equals the acceptance of the training
     unroll's step-k predictions at the same positions, steps 1-3: fit's validation and evaluate score one context."""
-    from accept_head.labels import draft_acceptance
+    from accept_head.acceptance.labels import draft_acceptance
     from accept_head.training.feature_draft import unrolled_predictions
 
     target = make_llama(seed=3)
@@ -476,7 +476,7 @@ def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None
 def test_soft_cross_entropy_equals_the_direct_form_with_its_gradients(train_lm_head: bool) -> None:
     """The module computes −Σ p log q as P·logsumexp(z) − f̂·(pᵀW) (:class:`WeightedLogSumExp`); in fp32 loss and
     gradients equal the direct −Σ_v p(v) log_softmax(z)(v) over the kept vocabulary, frozen or trained LM head."""
-    from accept_head.feature_draft import FeatureDraftConfig
+    from accept_head.models.feature_draft import FeatureDraftConfig
     from accept_head.training.feature_draft import FeatureDraftModule, step_loss_mask, unrolled_predictions
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""The adaptive stop for learning-free decoders (accept_head/free_stop.py) and its benchmark.
+"""The adaptive stop for learning-free decoders (accept_head/engine/free_stop.py) and its benchmark.
 
 Greedy output with the stop must equal autoregressive greedy decoding for N-Grammys and Lookahead, at every
 threshold, with and without the cost curve; sampled output must keep the target's distribution (χ², slow); the
@@ -20,8 +20,9 @@ from stats_helpers import ALPHA, accept_first_guess, exact_joint, pair_p_values,
 from tiny_models import make_llama, make_tokenizer, near_bigram, small_vocab_llama
 
 from accept_head import ModelBigram, autoregressive_generate, lookahead_generate, ngrammys_generate
-from accept_head.cost_model import TreeCost, measure_tree_costs
-from accept_head.free_stop import (
+from accept_head.core.costs import TreeCost
+from accept_head.core.sampling import SamplingConfig, probabilities
+from accept_head.engine.free_stop import (
     FEATURE_NAMES,
     AdaptiveRowStop,
     GuessFeatures,
@@ -32,8 +33,8 @@ from accept_head.free_stop import (
     collect_labels,
     match_length,
 )
-from accept_head.sampling import SamplingConfig, probabilities
-from accept_head.tree_verify import RowOrigin
+from accept_head.engine.measure import measure_tree_costs
+from accept_head.trees.verify import RowOrigin
 
 PROMPTS = [[1, 12, 40, 41, 9, 12, 40, 41, 9, 12, 40], [2, 30, 31, 32, 30, 31, 32, 30, 31], [5, 7, 7, 7, 7, 8, 9, 7]]
 TRAINING = [[3, 20, 21, 22, 20, 21, 22, 20], [4, 50, 51, 50, 51, 52, 50, 51], [6, 60, 61, 62, 63, 60, 61], [8, 9, 10]]
@@ -259,7 +260,7 @@ def synthetic(
     ids=["logistic", "distorted", "soft"],
 )
 def test_predictor_is_calibrated_on_synthetic_data(link, soft: bool) -> None:
-    from accept_head.metrics import expected_calibration_error
+    from accept_head.acceptance.metrics import expected_calibration_error
 
     train, _ = synthetic(8000, 0, link, soft)
     test, truth = synthetic(8000, 1, link)
@@ -317,9 +318,9 @@ def test_tree_cost_curve() -> None:
 
 def test_the_engine_prices_each_target_call_at_the_tokens_it_fed() -> None:
     """``aggregate`` under a TreeCost (how ``eval free_stop`` models tokens/s): Σ cost(fed) + draft_time per run."""
-    from accept_head.decoding import DecodeStats
-    from accept_head.engine import aggregate
-    from accept_head.tree_verify import TreeDecodeStats
+    from accept_head.chain.decoding import DecodeStats
+    from accept_head.engine.runner import aggregate
+    from accept_head.trees.verify import TreeDecodeStats
 
     tree = TreeDecodeStats(generated=6, target_calls=2, draft_time=0.5, fed=[1, 16])  # 1 + 3 + 0.5 seconds
     assert aggregate("tree", [tree, tree], CURVE).modeled_tokens_per_second == pytest.approx(12 / 9)
@@ -372,7 +373,7 @@ def test_adaptive_sampling_keeps_the_target_distribution() -> None:
 @torch.inference_mode()
 def test_broken_verification_under_adaptive_stop_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same check with a verifier that accepts the first selected guess unconditionally must fail."""
-    monkeypatch.setattr("accept_head.ngrammys.verify_sampled", accept_first_guess)
+    monkeypatch.setattr("accept_head.learning_free.ngrammys.verify_sampled", accept_first_guess)
     tokens, _, joint = adaptive_sampled_tokens(300)
     assert max(pair_p_values(tokens, joint)) < 1e-6
 

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from accept_head import AcceptanceHead, from_official_state_dict
-from accept_head.head import HEAD_CONFIG, HEAD_WEIGHTS
+from accept_head.acceptance.head import HEAD_CONFIG, HEAD_WEIGHTS
 
 
 def seeded_head(hidden_size: int = 16, depth: int = 3, seed: int = 0) -> AcceptanceHead:

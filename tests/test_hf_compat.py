@@ -9,7 +9,7 @@ import torch
 from tiny_models import make_llama
 from transformers import DynamicCache
 
-from accept_head._hf_compat import OUTPUT_CACHE_FIELD, cache_kwargs, cache_length, crop_cache, register_gqa_eager
+from accept_head.core.hf_compat import OUTPUT_CACHE_FIELD, cache_kwargs, cache_length, crop_cache, register_gqa_eager
 
 
 def test_cropped_cache_continues_exactly_like_a_fresh_prefix() -> None:

@@ -33,7 +33,7 @@ from transformers import (
 )
 from transformers.generation import GenerateDecoderOnlyOutput
 
-import accept_head.hf_generate as hf_generate
+import accept_head.specdecpp.hf_generate as hf_generate
 from accept_head import (
     AcceptanceHead,
     DraftStep,
@@ -47,10 +47,10 @@ from accept_head import (
     load_tokenizer,
     make_custom_generate,
 )
-from accept_head._hf_compat import OUTPUT_CACHE_FIELD, enclosing_generate_arguments
-from accept_head.bundle import CUSTOM_GENERATE
-from accept_head.chat import main as chat_main
-from accept_head.pairs import normalize_device, normalize_dtype
+from accept_head.core.hf_compat import OUTPUT_CACHE_FIELD, enclosing_generate_arguments
+from accept_head.models.pairs import normalize_device, normalize_dtype
+from accept_head.specdecpp.bundle import CUSTOM_GENERATE
+from accept_head.specdecpp.chat import main as chat_main
 
 PROMPTS = ([2, 10, 11], [5, 9, 10, 11, 40, 41], [7], [12, 13, 14, 15, 16, 17, 18, 19])
 

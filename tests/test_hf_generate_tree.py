@@ -36,7 +36,7 @@ from transformers import (
 )
 from transformers.generation import GenerateDecoderOnlyOutput
 
-import accept_head.hf_generate as hf_generate
+import accept_head.specdecpp.hf_generate as hf_generate
 from accept_head import (
     AcceptanceHead,
     FixedK,
@@ -46,13 +46,13 @@ from accept_head import (
     load_tokenizer,
     make_custom_generate,
 )
-from accept_head._hf_compat import OUTPUT_CACHE_FIELD
-from accept_head.bundle import CUSTOM_GENERATE
-from accept_head.cost_model import CostModel
-from accept_head.features import lm_head_input
-from accept_head.tree_drafters import FeatureTreeDrafter, ModelTreeDrafter
-from accept_head.tree_growth import ConfidenceTree, HeadTree, StaticTree
-from accept_head.tree_verify import TreeDecodeStats
+from accept_head.core.costs import CostModel
+from accept_head.core.hf_compat import OUTPUT_CACHE_FIELD
+from accept_head.models.features import lm_head_input
+from accept_head.specdecpp.bundle import CUSTOM_GENERATE
+from accept_head.trees.drafters import FeatureTreeDrafter, ModelTreeDrafter
+from accept_head.trees.growth import ConfidenceTree, HeadTree, StaticTree
+from accept_head.trees.verify import TreeDecodeStats
 
 COST = CostModel(t_draft=0.004, t_target_a=0.039, t_target_b=0.00032)
 PROMPTS = ([2, 10, 11], [5, 9, 10, 11, 40, 41], [7])

@@ -17,7 +17,7 @@ from stats_helpers import ALPHA, accept_first_guess, exact_joint, pair_p_values,
 from tiny_models import make_llama, make_tokenizer, small_vocab_llama
 from transformers import DynamicCache, LlamaForCausalLM
 
-import accept_head.tree_verify as tree_verify
+import accept_head.trees.verify as tree_verify
 from accept_head import (
     ModelBigram,
     NgramPool,
@@ -26,10 +26,10 @@ from accept_head import (
     lookahead_generate,
     ngrammys_generate,
 )
-from accept_head._hf_compat import cache_kwargs, keep_cache_positions
-from accept_head.lookahead import JacobiWindow, lookahead_tree
-from accept_head.ngrammys import ContextNgrams
-from accept_head.tree_verify import add_rows, commit_nodes, tree_forward, tree_mask
+from accept_head.core.hf_compat import cache_kwargs, keep_cache_positions
+from accept_head.learning_free.lookahead import JacobiWindow, lookahead_tree
+from accept_head.learning_free.ngrammys import ContextNgrams
+from accept_head.trees.verify import add_rows, commit_nodes, tree_forward, tree_mask
 
 # Prompts repeat themselves so that context n-grams have something to match.
 PROMPTS = [[1, 12, 40, 41, 9, 12, 40, 41, 9, 12, 40], [2, 30, 31, 32, 30, 31, 32, 30, 31], [5, 7, 7, 7, 7, 8, 9, 7]]

@@ -23,9 +23,9 @@ from stats_helpers import (
 )
 from tiny_models import TableLM
 
-import accept_head.decoding as decoding
+import accept_head.chain.decoding as decoding
 from accept_head import AcceptanceHead, FixedK, HeadThreshold, autoregressive_generate, speculative_generate
-from accept_head.sampling import SamplingConfig, probabilities
+from accept_head.core.sampling import SamplingConfig, probabilities
 
 VOCAB, POSITIONS = 8, 8
 PROMPT = [0, 3, 5]

@@ -17,7 +17,7 @@ from stats_helpers import ALPHA, accept_first_guess, exact_joint, pair_p_values,
 from tiny_models import make_llama, make_tokenizer, near_bigram, perturbed_copy, small_vocab_llama
 from transformers import LlamaForCausalLM
 
-import accept_head.ouroboros as ouroboros
+import accept_head.learning_free.ouroboros as ouroboros
 from accept_head import (
     ModelDrafter,
     PhrasePool,
@@ -25,7 +25,7 @@ from accept_head import (
     autoregressive_generate,
     ouroboros_generate,
 )
-from accept_head.ouroboros import (
+from accept_head.learning_free.ouroboros import (
     PhraseDraft,
     candidate_tree,
     inspiration_phrases,

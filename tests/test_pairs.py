@@ -1,5 +1,5 @@
 """Loading model pairs: local folders, dtype, PEFT adapters, GGUF resolution and its hash-keyed cache, tokenizers, and
-the one place that tells them apart (``accept_head.loading``)."""
+the one place that tells them apart (``accept_head.models.loading``)."""
 
 from __future__ import annotations
 
@@ -10,9 +10,9 @@ import torch
 from tiny_models import make_llama, make_pair, make_tokenizer
 
 from accept_head import FeatureDraft, FeatureDrafter, ModelSpec, check_same_tokenizer, load_model, load_tokenizer
-from accept_head.drafters import ModelDrafter, as_drafter
-from accept_head.loading import is_feature_draft, model_kind
-from accept_head.pairs import _sha256, resolve_gguf
+from accept_head.models.drafters import ModelDrafter, as_drafter
+from accept_head.models.loading import is_feature_draft, model_kind
+from accept_head.models.pairs import _sha256, resolve_gguf
 
 
 @pytest.fixture(scope="module")

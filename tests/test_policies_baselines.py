@@ -10,9 +10,9 @@ import torch
 from stats_helpers import ALPHA, accept_every_candidate, goodness_of_fit, resample_from_target_on_rejection
 from tiny_models import SPECIAL_TOKENS, TableLM, make_llama, perturbed_copy
 
-import accept_head.decoding as decoding
+import accept_head.chain.decoding as decoding
 from accept_head import autoregressive_generate, speculative_generate
-from accept_head.baselines import (
+from accept_head.chain.baselines import (
     ConfidenceThreshold,
     EntropyStop,
     Heuristic,
@@ -20,8 +20,8 @@ from accept_head.baselines import (
     entropy_lower_bound,
     roc_threshold,
 )
-from accept_head.hf_assisted import AssistedSettings, HFAssisted, rounds_from_target_passes
-from accept_head.policies import RoundState
+from accept_head.chain.hf_assisted import AssistedSettings, HFAssisted, rounds_from_target_passes
+from accept_head.chain.policies import RoundState
 
 EOS, PAD = SPECIAL_TOKENS.index("<eos>"), SPECIAL_TOKENS.index("<pad>")
 PROMPTS = [[1, 7], [1, 12, 40, 41, 9], [1, 30, 31, 32, 33, 34, 35, 36, 37]]

@@ -1,4 +1,5 @@
-"""On-policy rollout labels (:mod:`accept_head.rollout`), ``data_gen --label_mode rollout`` and head training on the
+"""On-policy rollout labels (:mod:`accept_head.chain.rollout`), ``data_gen --label_mode rollout`` and head training on
+the
 stored hidden states, on tiny random Llama pairs (and a tiny random feature draft)."""
 
 from __future__ import annotations
@@ -23,17 +24,17 @@ from tiny_models import (
 from train_helpers import TinySetup, run_data_gen, train_config, write_config, write_prompts
 
 from accept_head import FixedK, autoregressive_generate, speculative_generate
-from accept_head.engine import h_star_label
-from accept_head.feature_draft import FeatureDraft
-from accept_head.features import lm_head_input
+from accept_head.acceptance.labels import load_label_dataset
+from accept_head.chain.rollout import read_hidden, rollout_labels
+from accept_head.core.prompts import PromptOptions
+from accept_head.core.sampling import SamplingConfig, probabilities
+from accept_head.core.seeds import seeded_generator
+from accept_head.engine.runner import h_star_label
 from accept_head.labelgen import generate as generate_module
 from accept_head.labelgen.run import parse_config
-from accept_head.labels import load_label_dataset
-from accept_head.loading import load_model
-from accept_head.prompts import PromptOptions
-from accept_head.rollout import read_hidden, rollout_labels
-from accept_head.sampling import SamplingConfig, probabilities
-from accept_head.seeds import seeded_generator
+from accept_head.models.feature_draft import FeatureDraft
+from accept_head.models.features import lm_head_input
+from accept_head.models.loading import load_model
 from data_gen.cli import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
@@ -265,7 +266,7 @@ def test_joint_check_rejects_a_broken_verifier(joint_setup, monkeypatch: pytest.
     """Redrawing a rejected position from p instead of the residual (p − q)+ must fail the same joint χ² (measured
     with 400 runs: p = 1e-11 with the standalone draft, 4e-5 with the feature draft)."""
     target, drafts, joint = joint_setup
-    monkeypatch.setattr("accept_head.rollout.verify", resample_from_target_on_rejection)
+    monkeypatch.setattr("accept_head.chain.rollout.verify", resample_from_target_on_rejection)
     counts, _ = joint_counts(target, drafts[drafter], 400)
     assert goodness_of_fit(counts, joint) < ALPHA
 
@@ -409,9 +410,9 @@ def test_train_fit_on_rollout_labels_trains_on_stored_hidden_states(tiny: TinySe
     # `python -m eval label_modes` scores the exported head on the stored states of a rollout dataset, raw and
     # calibrated.
     from accept_head import SpecDecPP
-    from accept_head.calibration import apply_calibration
+    from accept_head.acceptance.calibration import apply_calibration
+    from accept_head.acceptance.metrics import acceptance_metrics
     from accept_head.evaluation import label_modes
-    from accept_head.metrics import acceptance_metrics
 
     scores = label_modes.label_modes(dataset=str(tiny.labels), bundles=[str(tmp_path / "bundle")])
     dataset, _ = load_label_dataset(tiny.labels)
@@ -483,8 +484,8 @@ def test_train_fit_with_greedy_labels_fits_a_greedy_calibration(tiny: TinySetup,
     fitted only on prompts the head did not train on; the bundle decodes greedily with it and samples with the
     other."""
     from accept_head import SpecDecPP
-    from accept_head.calibration import apply_calibration, choose_calibration
-    from accept_head.metrics import acceptance_metrics
+    from accept_head.acceptance.calibration import apply_calibration, choose_calibration
+    from accept_head.acceptance.metrics import acceptance_metrics
 
     greedy = tmp_path / "greedy-labels"
     run_data_gen(rollout_config(tiny, temperature=0.0), greedy)  # the head's prompts, so the filter has work to do

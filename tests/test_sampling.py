@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from accept_head.sampling import SamplingConfig, probabilities, sample
+from accept_head.core.sampling import SamplingConfig, probabilities, sample
 
 
 def hf_probabilities(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:

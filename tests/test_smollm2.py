@@ -12,7 +12,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from accept_head import AcceptanceHead, FixedK, HeadThreshold, load_model, load_tokenizer, speculative_generate
-from accept_head.prompts import chat_prompt_ids
+from accept_head.core.prompts import chat_prompt_ids
 
 pytestmark = pytest.mark.slow
 

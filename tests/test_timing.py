@@ -1,7 +1,7 @@
 """Timed regions wait for the device: on a simulated asynchronous device (work queued by a forward call only advances
 the clock when someone waits for it, as CUDA kernels do), each region's seconds are exactly the work it queued.
 
-Each test fails if :func:`accept_head.timing.device_timer` stops synchronising at either end, or if a decoder times
+Each test fails if :func:`accept_head.core.timing.device_timer` stops synchronising at either end, or if a decoder times
 a region with a raw clock read instead of the timer.
 """
 
@@ -12,9 +12,9 @@ import torch
 from tiny_models import make_llama, perturbed_copy
 
 from accept_head import FixedK, autoregressive_generate, speculative_generate
-from accept_head import timing as timing_module
-from accept_head.cost_model import _timed_interleaved
-from accept_head.timing import device_timer, module_device, synchronize
+from accept_head.core import timing as timing_module
+from accept_head.core.timing import device_timer, module_device, synchronize
+from accept_head.engine.measure import _timed_interleaved
 
 TARGET_PASS_S = 1.0
 """Simulated device seconds one target forward queues."""

@@ -7,15 +7,15 @@ import math
 import pytest
 import torch
 
-from accept_head.calibration import (
+from accept_head.acceptance.calibration import (
     Calibration,
     apply_calibration,
     choose_calibration,
     fit_isotonic,
     fit_temperature,
 )
-from accept_head.loss import weighted_bce
-from accept_head.metrics import (
+from accept_head.acceptance.loss import weighted_bce
+from accept_head.acceptance.metrics import (
     acceptance_metrics,
     binary_auc,
     brier_score,
@@ -23,8 +23,8 @@ from accept_head.metrics import (
     soft_auc,
     soft_bce,
 )
-from accept_head.mixing import mix_tokens
-from accept_head.seeds import derive_seed
+from accept_head.acceptance.mixing import mix_tokens
+from accept_head.core.seeds import derive_seed
 from accept_head.training.data import (
     BucketBatchSampler,
     EpochRandomSampler,

@@ -1,4 +1,4 @@
-"""Speculative decoding over draft trees (:mod:`accept_head.tree_decoding`), on tiny random models.
+"""Speculative decoding over draft trees (:mod:`accept_head.trees.decoding`), on tiny random models.
 
 * The draft's tree attention mask equals a hand-written one.
 * Greedy tree decoding returns exactly the target's greedy continuation in float32, for a Hugging Face draft and a
@@ -23,17 +23,17 @@ import torch
 from stats_helpers import ALPHA, exact_joint, pair_p_values, sampled_tokens
 from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, perturbed_copy, small_vocab_llama
 
-import accept_head.tree_decoding as tree_decoding
+import accept_head.trees.decoding as tree_decoding
 from accept_head import AcceptanceHead, autoregressive_generate
-from accept_head._hf_compat import cache_kwargs
-from accept_head.cost_model import CostModel
-from accept_head.feature_draft import FeatureDraft
-from accept_head.features import lm_head_input
-from accept_head.sampling import SamplingConfig, probabilities
-from accept_head.tree_drafters import FeatureTreeDrafter, ModelTreeDrafter, slot_attention
-from accept_head.tree_growth import ConfidenceTree, CostTree, DraftTree, HeadTree, StaticTree, best_subtree
-from accept_head.tree_labels import C2TClassifier, C2TTree, TreeLabelRecorder, node_labels
-from accept_head.tree_verify import tree_mask
+from accept_head.core.costs import CostModel
+from accept_head.core.hf_compat import cache_kwargs
+from accept_head.core.sampling import SamplingConfig, probabilities
+from accept_head.models.feature_draft import FeatureDraft
+from accept_head.models.features import lm_head_input
+from accept_head.trees.drafters import FeatureTreeDrafter, ModelTreeDrafter, slot_attention
+from accept_head.trees.growth import ConfidenceTree, CostTree, DraftTree, HeadTree, StaticTree, best_subtree
+from accept_head.trees.labels import C2TClassifier, C2TTree, TreeLabelRecorder, node_labels
+from accept_head.trees.verify import tree_mask
 
 COST = CostModel(t_draft=0.004, t_target_a=0.039, t_target_b=0.00032)
 PROMPTS = [[2, 10, 11, 12, 13, 14], [2, 40, 41, 7], [5]]
@@ -367,7 +367,7 @@ def test_bundle_tree_generation_round_trips_and_equals_greedy(tree_bundle_dir) -
 def test_chat_tree_mode_reports_tokens_per_round_and_tree_size(tree_bundle_dir) -> None:
     import io
 
-    from accept_head.chat import main as chat_main
+    from accept_head.specdecpp.chat import main as chat_main
 
     out = io.StringIO()
     argv = ["chat", "--bundle", str(tree_bundle_dir), "--prompt", "write code", "--max_new_tokens", "10", "--tree"]
@@ -438,8 +438,8 @@ def test_c2t_classifier_trains_on_tree_labels_and_decodes_losslessly(pair) -> No
 
 
 def test_engine_runs_the_tree_methods_like_any_other(tree_bundle_dir) -> None:
-    from accept_head.engine import MethodSpec, Runner, aggregate
-    from accept_head.pair_loading import load_pair
+    from accept_head.engine.pair_loading import load_pair
+    from accept_head.engine.runner import MethodSpec, Runner, aggregate
 
     pair = load_pair(str(tree_bundle_dir))
     runner = Runner(pair, max_new_tokens=12, temperature=0.0)

@@ -22,12 +22,12 @@ from sklearn.metrics import roc_auc_score
 from tiny_models import tree_bundle
 
 from accept_head import AcceptanceHead, autoregressive_generate
-from accept_head.cost_model import CostModel
-from accept_head.engine import MethodSpec, Runner
+from accept_head.core.costs import CostModel
+from accept_head.engine.pair_loading import load_pair
+from accept_head.engine.runner import MethodSpec, Runner
 from accept_head.evaluation.bench import draft_tree_specs
-from accept_head.pair_loading import load_pair
 from accept_head.training import tree_recipe
-from accept_head.tree_labels import C2TClassifier, LabelledRound, TreeModels
+from accept_head.trees.labels import C2TClassifier, LabelledRound, TreeModels
 
 COST = CostModel(t_draft=0.004, t_target_a=0.039, t_target_b=0.002)
 TREE = {"width": 2, "top_k": 3, "max_depth": 4, "max_nodes": 12}

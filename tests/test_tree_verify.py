@@ -1,4 +1,4 @@
-"""The exact output distribution of :func:`~accept_head.tree_verify.verify_sampled` (multi-candidate sample
+"""The exact output distribution of :func:`~accept_head.trees.verify.verify_sampled` (multi-candidate sample
 verification, Fu et al. 2024 Alg. 4), computed by enumerating every branch of its randomness.
 
 ``verify_sampled`` draws two kinds of random numbers: a uniform u per candidate it tries (accept iff u is below a
@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 import pytest
 import torch
 
-import accept_head.tree_verify as tree_verify
-from accept_head.tree_verify import add_rows, verify_sampled
+import accept_head.trees.verify as tree_verify
+from accept_head.trees.verify import add_rows, verify_sampled
 
 VOCAB = 5
 TOLERANCE = 1e-9

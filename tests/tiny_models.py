@@ -234,7 +234,7 @@ def save_bundle(folder: str | Path, target, draft, tokenizer, target_path: str |
     """Save a SpecDecPP bundle of ``target`` and ``draft`` (saved at the two paths) with a seeded depth-1 head and
     threshold 0.5 (``kw`` goes to ``SpecDecPP``, e.g. ``calibration``); returns the bundle."""
     from accept_head import AcceptanceHead, SpecDecPP
-    from accept_head.pairs import ModelSpec
+    from accept_head.models.pairs import ModelSpec
 
     with torch.random.fork_rng():
         torch.manual_seed(0)
@@ -267,7 +267,7 @@ def draft_vocabulary(vocab_size: int, written: Sequence[int], leave_out: int, se
 
 
 def distilled_feature_draft(target, kept_ids: torch.Tensor, texts, steps: int = 150, unroll: int = 3, seed: int = 0):
-    """A :class:`~accept_head.feature_draft.FeatureDraft` for ``target`` distilled on ``texts`` (token id lists,
+    """A :class:`~accept_head.models.feature_draft.FeatureDraft` for ``target`` distilled on ``texts`` (token id lists,
     typically the target's own continuations of the prompts a test decodes), so that its candidates are often the
     target's and the accept path of decoding runs.
 
@@ -278,8 +278,8 @@ def distilled_feature_draft(target, kept_ids: torch.Tensor, texts, steps: int = 
     the step-(k−1) predictions as the decoder feeds them. Every part of ``fc`` is trained: the draft reads the
     target's features, not only the token. Seeded and deterministic; about a second per 50 steps on one core.
     """
-    from accept_head.feature_draft import FeatureDraft
-    from accept_head.features import lm_head_input
+    from accept_head.models.feature_draft import FeatureDraft
+    from accept_head.models.features import lm_head_input
 
     lengths = [len(text) for text in texts]
     ids = torch.zeros(len(texts), max(lengths), dtype=torch.long)  # right padding: causal positions never see it

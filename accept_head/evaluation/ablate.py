@@ -19,8 +19,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..tables import markdown_table, text_table
-from .common import fmt, machine_info, output_folder, ratio, write_json
+from ..core.records import machine_info, write_json
+from ..core.tables import markdown_table, text_table
+from .common import fmt, output_folder, ratio
 
 
 @dataclass
@@ -94,7 +95,7 @@ def _fit_args(
 
 _ROW_KEYS = ("label", "family", "param", "variant", "modeled_tokens_per_second", "tokens_per_second")
 _ROW_KEYS += ("verification_rate", "discard_rate", "mean_proposed", "mean_accepted")
-"""What a variant's result keeps of each sweep row (:meth:`~accept_head.sweep.SweepRow.to_dict`)."""
+"""What a variant's result keeps of each sweep row (:meth:`~accept_head.engine.sweep.SweepRow.to_dict`)."""
 
 
 def _row_dict(row) -> dict[str, Any]:
@@ -242,7 +243,7 @@ def ablate(
 
 
 def _cost_model(bundle: str | None, cost_model: str | None) -> tuple[dict, str]:
-    from ..cost_model import CostModel
+    from ..core.costs import CostModel
 
     if cost_model is not None:
         if not Path(cost_model).is_file():
@@ -362,7 +363,7 @@ def _page(payload: dict, header: list[str], rows: list[list[str]], figure: Path)
 
 def ablate_plot(results: list[dict], path: str | Path) -> Path:
     """Horizontal bars: SpecDec++'s modeled tokens/s per variant, with the reference run's baselines as lines."""
-    from ..plots import new_figure, save_figure
+    from ..acceptance.plots import new_figure, save_figure
 
     ar, best_k = _baselines(results)
     fig = new_figure(6.4, 0.45 * len(results) + 1.6)

@@ -14,10 +14,15 @@ from dataclasses import dataclass
 
 from transformers import PreTrainedModel
 
-from ..baselines import ConfidenceThreshold, confidence_pairs_from_dataset, roc_threshold
-from ..cost_model import CostModel
-from ..decoding import speculative_generate
-from ..engine import (
+from ..chain.baselines import ConfidenceThreshold, confidence_pairs_from_dataset, roc_threshold
+from ..chain.decoding import speculative_generate
+from ..core.costs import CostModel
+from ..core.prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
+from ..core.records import machine_info, write_json
+from ..core.seeds import seeded_generator
+from ..core.tables import text_table
+from ..engine.pair_loading import Pair, PairOptions
+from ..engine.runner import (
     DRAFT_TREES,
     TREE_DECODERS,
     MethodSpec,
@@ -32,13 +37,9 @@ from ..engine import (
     throughput,
     tree_params,
 )
-from ..pair_loading import Pair, PairOptions
-from ..pairs import ModelSpec
-from ..prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
-from ..seeds import seeded_generator
-from ..tables import text_table
-from ..tree_labels import TreeModels
-from .common import fmt, machine_info, output_folder, ratios, resolve_cost_model, tokens_per_second_cells, write_json
+from ..models.pairs import ModelSpec
+from ..trees.labels import TreeModels
+from .common import fmt, output_folder, ratios, resolve_cost_model, tokens_per_second_cells
 from .plots import bench_plot
 from .sweep import run_sweep, temperature_key
 
@@ -92,7 +93,8 @@ def tune_confidence(
 
 def tree_settings(grids: dict[str, Sequence[dict] | None]) -> dict[str, list[dict]]:
     """The tree decoders' grids (kind → list of parameter dicts; None or [] leaves a kind out), each setting checked
-    and completed by :func:`~accept_head.engine.tree_params`. Needs no model. Raises ValueError naming the grid entry
+    and completed by :func:`~accept_head.engine.runner.tree_params`. Needs no model. Raises ValueError naming the grid
+    entry
     and the bad value."""
     out: dict[str, list[dict]] = {}
     for kind, grid in grids.items():
@@ -252,9 +254,9 @@ def bench(
         draft_trees: Draft-tree settings searched on validation, kind → grid, e.g. ``{head_tree: [{threshold:
             null}, {threshold: 0.5}], confidence_tree: [{width: 4, top_k: 4, max_depth: 4, max_nodes: 16}]}`` (kinds:
             head_tree, confidence_tree, static_tree, c2t_tree, cost_tree; params: the keyword arguments of
-            :class:`~accept_head.tree_growth.HeadTree` (``head: tree`` for the tree-trained head),
-            :class:`~accept_head.tree_growth.ConfidenceTree`, :class:`~accept_head.tree_growth.StaticTree`,
-            :class:`~accept_head.tree_labels.C2TTree`, :class:`~accept_head.tree_growth.CostTree`). The head's grid
+            :class:`~accept_head.trees.growth.HeadTree` (``head: tree`` for the tree-trained head),
+            :class:`~accept_head.trees.growth.ConfidenceTree`, :class:`~accept_head.trees.growth.StaticTree`,
+            :class:`~accept_head.trees.labels.C2TTree`, :class:`~accept_head.trees.growth.CostTree`). The head's grid
             over ``threshold`` is its h* sweep for trees, per temperature. The cost-priced trees (head, C2T, cost)
             plan with the bench's ``cost_model``.
         tree_models: Folder written by ``python -m train.trees`` (C2T classifiers and tree-trained heads per mode),
@@ -266,7 +268,7 @@ def bench(
         oracle: Include the greedy hindsight oracle (greedy only).
         select_by: Choose the validation winners by ``modeled`` (cost model; robust to machine noise) or
             ``measured`` tokens/s. Tree decoders are priced by the tokens their target calls read (see
-            :func:`~accept_head.engine.aggregate`); Ouroboros with a comparison draft, which the cost model does
+            :func:`~accept_head.engine.runner.aggregate`); Ouroboros with a comparison draft, which the cost model does
             not price, is chosen by measured tokens/s, like FixedK with a comparison draft.
         cost_model: ``bundle``, ``measure`` or a costs.json from ``python -m eval costs``.
         seed: Seed of the prompt shuffle and of every decoding generator.
@@ -450,7 +452,7 @@ def fixed_k_ceiling(pair: Pair, temperature: float, k: int, cost: CostModel) -> 
     import json
     from pathlib import Path
 
-    from ..cost_model import expected_fixed_k_speedup
+    from ..core.costs import expected_fixed_k_speedup
 
     spec = pair.draft_spec
     path = Path(spec.path) / "eval.json" if spec is not None else None
@@ -472,8 +474,8 @@ def fixed_k_ceiling(pair: Pair, temperature: float, k: int, cost: CostModel) -> 
 def add_comparison_drafts(pair: Pair, spec: ModelSpec) -> None:
     """Load the standalone draft ``spec`` as comparison draft ``standalone`` and, when the pair's draft is a feature
     draft, the same model restricted to that draft's pruned vocabulary as ``standalone-pruned``."""
-    from ..drafters import ModelDrafter
-    from ..loading import load_model
+    from ..models.drafters import ModelDrafter
+    from ..models.loading import load_model
 
     standalone = load_model(spec)
     pair.comparison_drafts["standalone"] = standalone

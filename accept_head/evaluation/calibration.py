@@ -21,9 +21,8 @@ from pathlib import Path
 
 import torch
 
-from ..engine import MethodSpec, Runner, run_interleaved
-from ..labels import recorded_temperature
-from ..metrics import (
+from ..acceptance.labels import recorded_temperature
+from ..acceptance.metrics import (
     ReliabilityBins,
     binary_auc,
     brier_score,
@@ -31,13 +30,15 @@ from ..metrics import (
     reliability_bins,
     soft_auc,
 )
-from ..pair_loading import Pair, PairOptions
-from ..plots import reliability_plot
-from ..policies import HeadThreshold, RoundState
-from ..prompts import PromptOptions, PromptSet, PromptSource
-from ..seeds import seeded_generator
-from ..tables import text_table
-from .common import fmt, machine_info, output_folder, write_json
+from ..acceptance.plots import reliability_plot
+from ..chain.policies import HeadThreshold, RoundState
+from ..core.prompts import PromptOptions, PromptSet, PromptSource
+from ..core.records import machine_info, write_json
+from ..core.seeds import seeded_generator
+from ..core.tables import text_table
+from ..engine.pair_loading import Pair, PairOptions
+from ..engine.runner import MethodSpec, Runner, run_interleaved
+from .common import fmt, output_folder
 
 VARIANTS = ("raw", "calibrated", "draft confidence")
 """The predictors each view scores: the head raw, the head after its calibration map, the draft's own q(y)."""
@@ -76,9 +77,9 @@ def offline_predictions(
     For each row the draft reads (prompt, Z) once; the hidden state at the position whose input is Z_i = Y_i is the
     head's input e_i (the state SpecDec++ scores y_i with). Mixing is seeded per row from (seed, prompt id).
     """
-    from ..features import decoder_matches_lm_head_input, final_hidden_states
-    from ..labels import load_label_dataset
-    from ..mixing import mix_tokens
+    from ..acceptance.labels import load_label_dataset
+    from ..acceptance.mixing import mix_tokens
+    from ..models.features import decoder_matches_lm_head_input, final_hidden_states
 
     if pair.bundle is None:
         raise ValueError("offline calibration needs a bundle with a head (--bundle).")
@@ -196,7 +197,7 @@ def on_policy_records(
 
 
 class _RecordingRunner(Runner):
-    """A :class:`~accept_head.engine.Runner` whose SpecDec++ policy records what it judged
+    """A :class:`~accept_head.engine.runner.Runner` whose SpecDec++ policy records what it judged
     (:class:`RecordingHeadThreshold`)."""
 
     def policy(self, spec: MethodSpec) -> RecordingHeadThreshold:

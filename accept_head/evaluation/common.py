@@ -1,29 +1,23 @@
 """What every ``python -m eval`` command shares: the cost model and output. The pair and the prompts come from the
-options the commands share, :class:`accept_head.pair_loading.PairOptions` and
-:class:`accept_head.prompts.PromptOptions`, and are decoded by :mod:`accept_head.engine`.
+options the commands share, :class:`accept_head.engine.pair_loading.PairOptions` and
+:class:`accept_head.core.prompts.PromptOptions`, and are decoded by :mod:`accept_head.engine.runner`.
 
 Nothing here runs at import time.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import math
-import os
-import platform
-import sys
 from pathlib import Path
-from typing import Any
 
-import torch
-
-from ..cost_model import CostModel, measure_costs
-from ..engine import MethodSummary
+from ..core.costs import CostModel
+from ..engine.measure import measure_costs
+from ..engine.pair_loading import Pair, PairOptions, load_pair
+from ..engine.runner import MethodSummary
 from ..labelgen.output import make_writable_dir
-from ..loading import load_model, load_tokenizer
-from ..pair_loading import Pair, PairOptions, load_pair
-from ..pairs import ModelSpec
+from ..models.loading import load_model, load_tokenizer
+from ..models.pairs import ModelSpec
 
 # ---- cost model ----------------------------------------------------------------------------------------------------
 
@@ -48,64 +42,6 @@ def resolve_cost_model(source: str, pair: Pair, seed: int = 0) -> tuple[CostMode
 
 
 # ---- output --------------------------------------------------------------------------------------------------------
-
-
-def machine_info() -> dict:
-    """Where the numbers were measured."""
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import transformers
-
-    return {
-        "cpu": cpu,
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": command_line(),
-    }
-
-
-def command_line() -> str:
-    """The command that is running, as a user would type it (``python -m eval ...`` for this CLI)."""
-    import shlex
-
-    if not sys.argv:
-        return ""
-    program = Path(sys.argv[0])
-    head = "python -m eval" if program.name == "__main__.py" and program.parent.name == "eval" else program.name
-    return " ".join([head, *(shlex.quote(arg) for arg in sys.argv[1:])])
-
-
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return None if math.isnan(value) else ("inf" if value > 0 else "-inf")
-    if isinstance(value, dict):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_jsonable(v) for v in value]
-    if hasattr(value, "to_dict"):
-        return _jsonable(value.to_dict())
-    if isinstance(value, Path):
-        return str(value)
-    return value
-
-
-def write_json(path: str | Path, payload: dict) -> Path:
-    """Write ``payload`` as sorted, indented JSON (non-finite floats become null / "inf")."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(_jsonable(payload), indent=2, sort_keys=True) + "\n")
-    return path
 
 
 def output_folder(output_dir: str | Path) -> Path:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from ..cost_model import CostModel, measure_costs
-from ..head import AcceptanceHead
-from ..pair_loading import PairOptions
-from ..tables import text_table
-from .common import fmt, machine_info, output_folder, write_json
+from ..acceptance.head import AcceptanceHead
+from ..core.costs import CostModel
+from ..core.records import machine_info, write_json
+from ..core.tables import text_table
+from ..engine.measure import measure_costs
+from ..engine.pair_loading import PairOptions
+from .common import fmt, output_folder
 from .plots import costs_plot
 
 

@@ -11,14 +11,15 @@ from collections.abc import Callable
 import torch
 from transformers import DynamicCache
 
-from .._hf_compat import cache_kwargs
-from ..chat import DEFAULT_PROMPTS
-from ..decoding import autoregressive_generate
-from ..pair_loading import PairOptions
-from ..prompts import PromptOptions, PromptSource, chat_prompt_ids
-from ..tables import text_table
-from ..timing import device_timer, module_device
-from .common import fmt, load_target, machine_info, output_folder, write_json
+from ..chain.decoding import autoregressive_generate
+from ..core.hf_compat import cache_kwargs
+from ..core.prompts import PromptOptions, PromptSource, chat_prompt_ids
+from ..core.records import machine_info, write_json
+from ..core.tables import text_table
+from ..core.timing import device_timer, module_device
+from ..engine.pair_loading import PairOptions
+from ..specdecpp.chat import DEFAULT_PROMPTS
+from .common import fmt, load_target, output_folder
 
 METHODS = ("autoregressive", "generate", "forward_loop")
 """The three ways of decoding, in the order they are interleaved."""
@@ -75,7 +76,7 @@ def decode_speed(
 ) -> dict:
     """Time the target's greedy decoding three ways, interleaved prompt by prompt: ``autoregressive_generate``,
     ``model.generate(do_sample=False)`` and a bare cached-forward loop (:func:`forward_loop`). Every timing waits for
-    the device (:func:`~accept_head.timing.device_timer`). The first call of each method, before any warm-up, is
+    the device (:func:`~accept_head.core.timing.device_timer`). The first call of each method, before any warm-up, is
     reported apart (``cold_s``: CUDA context, kernel loading, allocator growth). Writes decode_speed.json and prints
     ms per token, tokens/s and autoregressive_generate's time against ``generate``'s.
 

@@ -1,11 +1,14 @@
-"""``python -m eval free_stop``: the adaptive stop of :mod:`accept_head.free_stop` against the best static setting of
+"""``python -m eval free_stop``: the adaptive stop of :mod:`accept_head.engine.free_stop` against the best static
+setting of
 the same learning-free decoder (N-Grammys, Lookahead), on prompts that chose nothing.
 
 Per temperature and decoder:
 
-1. *Train* (:func:`~accept_head.free_stop.fit_predictor`): decode the training prompts with the decoder's generous
-   ``pool`` setting and a :class:`~accept_head.free_stop.LabelRecorder`, fit a
-   :class:`~accept_head.free_stop.GuessPredictor` (calibrated out of fold by prompt); its calibration is reported on
+1. *Train* (:func:`~accept_head.engine.free_stop.fit_predictor`): decode the training prompts with the decoder's
+generous
+   ``pool`` setting and a :class:`~accept_head.engine.free_stop.LabelRecorder`, fit a
+   :class:`~accept_head.engine.free_stop.GuessPredictor` (calibrated out of fold by prompt); its calibration is
+   reported on
    labels collected the same way on the validation prompts.
 2. *Validate*: decode the validation prompts once with every static setting and with the adaptive stop at every
    threshold h (with and without the cost curve); keep the best static setting and the best adaptive one by
@@ -14,9 +17,11 @@ Per temperature and decoder:
    interleaved (A B C A B C …, one seed per prompt shared by every method) over ``repeats`` passes after a warm-up,
    and print tokens per target call, wall-clock tokens/s (median, min–max over passes) and modeled tokens/s.
 
-Every decode runs through :mod:`accept_head.engine` (the stop is a method's ``stop`` parameter). Modeled seconds of
+Every decode runs through :mod:`accept_head.engine.runner` (the stop is a method's ``stop`` parameter). Modeled seconds
+of
 a run: Σ over target calls of the measured cost-per-tree-size curve at the tokens the call fed
-(:class:`~accept_head.cost_model.TreeCost`, priced by :func:`~accept_head.engine.aggregate`), plus the measured time
+(:class:`~accept_head.core.costs.TreeCost`, priced by :func:`~accept_head.engine.runner.aggregate`), plus the measured
+time
 spent building guesses and running the stop.
 Writes ``free_stop.json``, ``tree_costs.json`` and each fitted predictor (``<decoder>-<temperature>-predictor.json``).
 """
@@ -31,14 +36,16 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from ..cost_model import TreeCost, measure_tree_costs
-from ..engine import MethodSpec, MethodSummary, Runner, best_of, run_interleaved, summarize, tree_params
-from ..free_stop import AdaptiveRowStop, fit_predictor
-from ..pair_loading import PairOptions
-from ..pairs import ModelSpec
-from ..prompts import PromptOptions, PromptSource, check_disjoint
-from ..tables import text_table
-from .common import fmt, load_target, machine_info, output_folder, tokens_per_second_cells, write_json
+from ..core.costs import TreeCost
+from ..core.prompts import PromptOptions, PromptSource, check_disjoint
+from ..core.records import machine_info, write_json
+from ..core.tables import text_table
+from ..engine.free_stop import AdaptiveRowStop, fit_predictor
+from ..engine.measure import measure_tree_costs
+from ..engine.pair_loading import PairOptions
+from ..engine.runner import MethodSpec, MethodSummary, Runner, best_of, run_interleaved, summarize, tree_params
+from ..models.pairs import ModelSpec
+from .common import fmt, load_target, output_folder, tokens_per_second_cells
 from .sweep import temperature_key
 
 DECODERS = ("ngrammys", "lookahead")
@@ -46,7 +53,7 @@ DECODERS = ("ngrammys", "lookahead")
 
 @dataclass
 class NgrammysSetting:
-    """One static N-Grammys setting (:func:`~accept_head.ngrammys.ngrammys_generate`)."""
+    """One static N-Grammys setting (:func:`~accept_head.learning_free.ngrammys.ngrammys_generate`)."""
 
     k: int = 10
     """Rows per round."""
@@ -60,7 +67,7 @@ class NgrammysSetting:
 
 @dataclass
 class LookaheadSetting:
-    """One static Lookahead setting (:func:`~accept_head.lookahead.lookahead_generate`)."""
+    """One static Lookahead setting (:func:`~accept_head.learning_free.lookahead.lookahead_generate`)."""
 
     window: int = 5
     """W: Jacobi window columns."""
@@ -154,7 +161,7 @@ def free_stop(
     seed: int = 0,
     output_dir: str = "eval_out/free_stop",
 ) -> dict:
-    """Benchmark the adaptive stop for learning-free decoders (accept_head.free_stop) against the best static
+    """Benchmark the adaptive stop for learning-free decoders (accept_head.engine.free_stop) against the best static
     setting of the same decoder: fit the acceptance predictor on the training prompts, choose the threshold h and
     the static setting on the validation prompts, report on the test prompts. Writes free_stop.json,
     tree_costs.json and the fitted predictors, and prints one table per temperature. Only the pair's target is

@@ -9,11 +9,12 @@ decode?
 ``dataset`` is a ``label_mode: rollout`` dataset (``python -m data_gen``) made with the bundles' draft on prompts none
 of them trained or chose anything on: every candidate of real rounds, its drafter's hidden state and its label
 min(1, p/q). Each head scores exactly those hidden states, so the heads are compared on the same positions; metrics
-are those of training's validation (:func:`accept_head.metrics.acceptance_metrics`), raw and after each bundle's own
+are those of training's validation (:func:`accept_head.acceptance.metrics.acceptance_metrics`), raw and after each
+bundle's own
 calibration map.
 
 With ``prompts``, every bundle also decodes them at its own h* (the bundles must share one target and draft), beside
-the autoregressive target and any ``fixed_k`` rows, interleaved prompt by prompt (:func:`~accept_head.engine.
+the autoregressive target and any ``fixed_k`` rows, interleaved prompt by prompt (:func:`~accept_head.engine.runner.
 run_decoders`) with the same seeds, and the table of measured and modeled tokens/s is printed per temperature. The
 prompts must be ones that chose nothing for these bundles (not their training, calibration or sweep prompts).
 """
@@ -25,15 +26,15 @@ from pathlib import Path
 
 import torch
 
-from .. import SpecDecPP
-from ..calibration import apply_calibration
-from ..engine import MethodSpec, Runner, h_star_spec, run_decoders, summarize
-from ..labels import load_label_dataset, recorded_temperature
-from ..metrics import acceptance_metrics
-from ..pair_loading import load_pair
-from ..prompts import PromptOptions, PromptSource
-from ..rollout import read_hidden
-from ..tables import text_table
+from ..acceptance.calibration import apply_calibration
+from ..acceptance.labels import load_label_dataset, recorded_temperature
+from ..acceptance.metrics import acceptance_metrics
+from ..chain.rollout import read_hidden
+from ..core.prompts import PromptOptions, PromptSource
+from ..core.tables import text_table
+from ..engine.pair_loading import load_pair
+from ..engine.runner import MethodSpec, Runner, h_star_spec, run_decoders, summarize
+from ..specdecpp.bundle import SpecDecPP
 from ..training.data import is_rollout
 from .bench import BENCH_HEADER, _method_rows, _with_ratios
 from .common import resolve_cost_model

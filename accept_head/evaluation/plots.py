@@ -1,14 +1,14 @@
-"""PNG figures of ``python -m eval``, over :mod:`accept_head.plots`."""
+"""PNG figures of ``python -m eval``, over :mod:`accept_head.acceptance.plots`."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
 
-from .. import plots
-from ..cost_model import CostModel
-from ..engine import MethodSummary
-from ..plots import ParetoSeries, finish_axes, new_figure, save_figure
+from ..acceptance import plots
+from ..acceptance.plots import ParetoSeries, finish_axes, new_figure, save_figure
+from ..core.costs import CostModel
+from ..engine.runner import MethodSummary
 
 _STYLE = {
     "fixed_k": ("s", "tab:blue"),
@@ -24,7 +24,7 @@ _STYLE = {
 
 def pareto_plot(summaries: Sequence[MethodSummary], path: str | Path, title: str) -> Path:
     """Verification rate N_target/N (x) against discard rate N_discarded/N (y), one series per method family
-    (:func:`accept_head.plots.pareto_plot`)."""
+    (:func:`accept_head.acceptance.plots.pareto_plot`)."""
     families: dict[str, list[MethodSummary]] = {}
     for summary in summaries:
         families.setdefault(summary.spec.kind, []).append(summary)

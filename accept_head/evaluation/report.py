@@ -15,7 +15,12 @@ from typing import Any
 
 from transformers import PreTrainedModel
 
-from ..engine import (
+from ..acceptance.plots import reliability_plot
+from ..core.prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
+from ..core.records import machine_info, write_json
+from ..core.tables import text_table
+from ..engine.pair_loading import Pair, PairOptions
+from ..engine.runner import (
     DRAFT_TREES,
     TREE_DECODERS,
     MethodSpec,
@@ -29,15 +34,11 @@ from ..engine import (
     headroom_share,
     selection_basis,
 )
-from ..pair_loading import Pair, PairOptions
-from ..pairs import ModelSpec
-from ..plots import reliability_plot
-from ..prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
-from ..tables import text_table
-from ..tree_labels import TreeModels
+from ..models.pairs import ModelSpec
+from ..trees.labels import TreeModels
 from .bench import add_comparison_drafts
 from .calibration import CALIBRATION_HEADER, calibration_rows, calibration_views, reliability_panels
-from .common import machine_info, output_folder, ratio, ratios, resolve_cost_model, write_json
+from .common import output_folder, ratio, ratios, resolve_cost_model
 from .plots import costs_plot, pareto_plot
 from .report_page import TRAINING_FREE, render_markdown
 from .sweep import run_sweep, sweep_table, temperature_key
@@ -165,7 +166,7 @@ def analyse(summaries: Sequence[MethodSummary], select_by: str) -> dict:
 
 
 def _modeled_headroom(s: MethodSummary, fixed: MethodSummary, oracle: MethodSummary) -> float | None:
-    """:func:`~accept_head.engine.headroom_share` of ``s`` over the best FixedK, in modeled tokens/s."""
+    """:func:`~accept_head.engine.runner.headroom_share` of ``s`` over the best FixedK, in modeled tokens/s."""
     return headroom_share(*(m.pooled.modeled_tokens_per_second for m in (s, fixed, oracle)))
 
 
@@ -274,7 +275,8 @@ def report(
     """Regenerate the results page of a bundle from scratch.
 
     Every method grid (``policies``) is decoded on the validation prompts first, per temperature, and each kind's
-    best setting there (:func:`~accept_head.engine.choose_settings`) is what the page reports on the test sets, beside
+    best setting there (:func:`~accept_head.engine.runner.choose_settings`) is what the page reports on the test sets,
+    beside
     SpecDec++ at the bundle's h*: nothing reported is chosen on the prompts it is reported on. The page holds a
     best-throughput table shaped like SpecDec++'s Table 1, the winner per prompt set and decoding mode, each chosen
     method's numbers (tokens per target call included), the share of the oracle's headroom each captures

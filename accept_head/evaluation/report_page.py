@@ -7,9 +7,9 @@ from __future__ import annotations
 import statistics
 from collections.abc import Sequence
 
-from ..cost_model import DecodeCostFit, fit_decode_costs
-from ..engine import DRAFT_TREES, TREE_DECODERS
-from ..tables import markdown_table
+from ..core.costs import DecodeCostFit, fit_decode_costs
+from ..core.tables import markdown_table
+from ..engine.runner import DRAFT_TREES, TREE_DECODERS
 from .calibration import CALIBRATION_HEADER, calibration_rows, position_rows
 from .common import fmt, ratio
 from .sweep import temperature_key

@@ -6,12 +6,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from ..cost_model import CostModel
-from ..engine import MethodSpec, MethodSummary, PolicyGrid, Runner, expand_grids, run_interleaved, summarize
-from ..pair_loading import Pair, PairOptions
-from ..prompts import PromptOptions, PromptSet, PromptSource
-from ..tables import text_table
-from .common import fmt, machine_info, output_folder, resolve_cost_model, write_json
+from ..core.costs import CostModel
+from ..core.prompts import PromptOptions, PromptSet, PromptSource
+from ..core.records import machine_info, write_json
+from ..core.tables import text_table
+from ..engine.pair_loading import Pair, PairOptions
+from ..engine.runner import MethodSpec, MethodSummary, PolicyGrid, Runner, expand_grids, run_interleaved, summarize
+from .common import fmt, output_folder, resolve_cost_model
 from .plots import pareto_plot
 
 DEFAULT_GRIDS: list[dict] = [

@@ -20,9 +20,9 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from ..labels import label_transform, position_labels
-from ..seeds import seeded_generator
-from ..timing import device_timer
+from ..acceptance.labels import label_transform, position_labels
+from ..core.seeds import seeded_generator
+from ..core.timing import device_timer
 from .config import DataGenConfig
 from .generate import LoadedPair, label_batch, load_run
 

@@ -6,11 +6,11 @@ import json
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-from ..labels import LABEL_MODES
-from ..pairs import ModelSpec
-from ..prompts import PromptSource
-from ..rollout import HIDDEN_DTYPES, check_k_max
-from ..sampling import SamplingConfig
+from ..acceptance.labels import LABEL_MODES
+from ..chain.rollout import HIDDEN_DTYPES, check_k_max
+from ..core.prompts import PromptSource
+from ..core.sampling import SamplingConfig
+from ..models.pairs import ModelSpec
 
 RUN_ONLY_KEYS = ("output_dir", "overwrite", "merge", "progress", "threads")
 """Keys that change how a run goes, not what it produces: left out of the fingerprint that guards resumption."""
@@ -30,7 +30,7 @@ class DataGenConfig:
     """The target model p: writes the responses and gives p_i (path, dtype, device, attn_implementation, ...)."""
     draft: ModelSpec
     """The draft model q whose candidates are labelled; must share the target's tokenizer. A feature-draft folder
-    (:class:`~accept_head.feature_draft.FeatureDraft`, which reads the target's hidden states and uses its
+    (:class:`~accept_head.models.feature_draft.FeatureDraft`, which reads the target's hidden states and uses its
     tokenizer) needs ``label_mode: rollout``."""
     prompts: list[PromptSource]
     """Prompt sources, e.g. [{path: humaneval}, {path: data.jsonl, field: instruction, limit: 500, split: head}]."""
@@ -49,7 +49,8 @@ class DataGenConfig:
     batch_size: int = 16
     """Prompts per generation batch; one batch is one unit of resumable work."""
     label_mode: Literal["sample", "greedy", "rollout"] = "rollout"
-    """rollout (the default, for every drafter kind): on-policy labels (:mod:`accept_head.rollout`): real speculative
+    """rollout (the default, for every drafter kind): on-policy labels (:mod:`accept_head.chain.rollout`): real
+    speculative
     rounds of ``k_max`` candidates, one prompt at a time; each candidate is labelled min(1, p_k(y_k)/q_k(y_k)) under
     the sampling flags (greedy when temperature is 0) from its round's verification pass, and the drafter's hidden
     state of each candidate is stored, so head training needs no draft forward. On the embedded pair's standalone

@@ -6,9 +6,9 @@ b is generated and labelled with generators seeded from (seed, b) only, so resum
 shards, gives the same dataset as one uninterrupted run.
 
 With ``label_mode: rollout`` a batch is ``batch_size`` prompts decoded one at a time by real speculative rounds of
-``k_max`` candidates (:func:`accept_head.rollout.rollout_labels`), each prompt with a generator seeded from (seed,
+``k_max`` candidates (:func:`accept_head.chain.rollout.rollout_labels`), each prompt with a generator seeded from (seed,
 its row index); the rows hold per-candidate lists and the drafter's hidden states, flattened into a ``hidden``
-column (:data:`accept_head.rollout.ROLLOUT_COLUMNS`; its width and dtype are in ``meta.json["rollout"]``).
+column (:data:`accept_head.chain.rollout.ROLLOUT_COLUMNS`; its width and dtype are in ``meta.json["rollout"]``).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ import json
 import math
 import os
 import shutil
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -29,8 +28,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..batch_generate import sample_batch
-from ..labels import (
+from ..acceptance.labels import (
     FORMAT,
     FORMAT_VERSION,
     LockstepLabeller,
@@ -38,12 +36,14 @@ from ..labels import (
     label_responses,
     label_transform,
 )
-from ..loading import is_feature_draft, load_model, load_tokenizer
-from ..pairs import check_same_tokenizer, check_same_vocab, eos_token_ids
-from ..prompts import Prompt, PromptStats, chat_prompt_ids, load_prompts
-from ..rollout import rollout_features, rollout_labels
-from ..seeds import seeded_generator
-from ..timing import device_timer, module_device
+from ..chain.rollout import rollout_features, rollout_labels
+from ..core.prompts import Prompt, PromptStats, chat_prompt_ids, load_prompts
+from ..core.records import code_version
+from ..core.seeds import seeded_generator
+from ..core.timing import device_timer, module_device
+from ..models.batch_generate import sample_batch
+from ..models.loading import is_feature_draft, load_model, load_tokenizer
+from ..models.pairs import check_same_tokenizer, check_same_vocab, eos_token_ids
 from .config import DataGenConfig
 from .output import (
     META,
@@ -130,26 +130,6 @@ def fit_prompts(
 # ----------------------------------------------------------------------------------------------------------------
 # Seeds, code version
 # ----------------------------------------------------------------------------------------------------------------
-
-
-def code_version() -> dict[str, Any]:
-    """Package version and, when the code sits in a git checkout, its commit and whether it has local changes."""
-    import accept_head
-
-    info: dict[str, Any] = {"package": "accept-head", "version": accept_head.__version__, "git_commit": None}
-    root = Path(accept_head.__file__).resolve().parent
-
-    def git(*args: str) -> subprocess.CompletedProcess:
-        return subprocess.run(["git", *args], cwd=root, capture_output=True, text=True, timeout=10)
-
-    try:
-        commit = git("rev-parse", "HEAD")
-        if commit.returncode == 0:
-            info["git_commit"] = commit.stdout.strip()
-            info["git_dirty"] = bool(git("status", "--porcelain", "--untracked-files=no").stdout.strip())
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return info
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -241,7 +221,8 @@ class LoadedPair:
 
     target: torch.nn.Module
     draft: torch.nn.Module
-    """An HF causal LM, or a :class:`~accept_head.feature_draft.FeatureDraft` bound to ``target`` (rollout only)."""
+    """An HF causal LM, or a :class:`~accept_head.models.feature_draft.FeatureDraft` bound to ``target`` (rollout
+    only)."""
     tokenizer: Any
     eos: list[int]
     """Token ids that end a response (tokenizer EOS plus the target's generation_config EOS ids)."""
@@ -282,8 +263,9 @@ def load_run(cfg: DataGenConfig) -> tuple[PromptPlan, LoadedPair]:
 class LabelledBatch:
     response_ids: list[list[int]]
     labels: list[dict[str, list]]
-    """Per row, the per-position label lists of :func:`accept_head.labels.label_responses` (per-candidate lists and
-    ``hidden`` for rollout batches, :meth:`accept_head.rollout.RolloutLabels.row`)."""
+    """Per row, the per-position label lists of :func:`accept_head.acceptance.labels.label_responses` (per-candidate
+    lists and
+    ``hidden`` for rollout batches, :meth:`accept_head.chain.rollout.RolloutLabels.row`)."""
     generation_s: float
     scoring_s: float
     totals: dict[str, float] = field(default_factory=dict)
@@ -345,7 +327,7 @@ def label_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]
 
 def rollout_batch(cfg: DataGenConfig, pair: LoadedPair, prompt_ids: list[list[int]], index: int) -> LabelledBatch:
     """Batch ``index`` in rollout mode: each prompt decoded alone by speculative rounds of ``k_max`` candidates, every
-    candidate labelled from its round's verification pass (:func:`accept_head.rollout.rollout_labels`).
+    candidate labelled from its round's verification pass (:func:`accept_head.chain.rollout.rollout_labels`).
 
     Prompt ``i`` of the batch (row ``index * batch_size + i`` of the run) uses a generator seeded from (seed, row),
     so its row does not depend on the batching, a restart or the shard it falls in.

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..labels import load_label_dataset
+from ..acceptance.labels import load_label_dataset
 from .config import DataGenConfig, config_differences
 from .generate import format_summary, run_record, total_keys
 from .output import (

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..labels import FORMAT
+from ..acceptance.labels import FORMAT
 from .config import config_differences
 
 META = "meta.json"

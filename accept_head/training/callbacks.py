@@ -21,13 +21,21 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 
-from ..bundle import SpecDecPP
-from ..calibration import CALIBRATION_METHODS, Calibration, apply_calibration, choose_calibration, fit_calibration
-from ..cost_model import CostModel, measure_costs
-from ..metrics import expected_calibration_error, reliability_bins
-from ..plots import reliability_plot
-from ..sampling import SamplingConfig
-from ..sweep import FIXED_K, THRESHOLDS, check_fixed_k, check_thresholds, format_table, pareto_plot, run_sweep
+from ..acceptance.calibration import (
+    CALIBRATION_METHODS,
+    Calibration,
+    apply_calibration,
+    choose_calibration,
+    fit_calibration,
+)
+from ..acceptance.metrics import expected_calibration_error, reliability_bins
+from ..acceptance.plots import reliability_plot
+from ..core import __version__
+from ..core.costs import CostModel
+from ..core.sampling import SamplingConfig
+from ..engine.measure import measure_costs
+from ..engine.sweep import FIXED_K, THRESHOLDS, check_fixed_k, check_thresholds, format_table, pareto_plot, run_sweep
+from ..specdecpp.bundle import SpecDecPP
 from .data import AcceptanceDataModule
 from .model_card import model_card
 from .report import FitReport
@@ -546,11 +554,9 @@ class ExportBundle(EndOfFitStage):
             print(f"bundle check: from_pretrained + generate -> {len(out.new_token_ids)} tokens", flush=True)
 
     def _provenance(self, trainer: Trainer, dm: AcceptanceDataModule, report: FitReport) -> dict[str, Any]:
-        import accept_head
-
         return {
             "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-            "accept_head_version": accept_head.__version__,
+            "accept_head_version": __version__,
             "command": self.command,
             "config": self.run_config,
             "data_meta": dm.meta,

@@ -2,11 +2,13 @@
 length-bucketed batches, wrapped in a LightningDataModule.
 
 A training example is one prompt x with the target's response X, the draft's samples Y and the soft labels
-ℓ_i = min(1, p_i(Y_i)/q_i(Y_i)) (see :mod:`accept_head.labels`). Each epoch builds Z by token mixing
-(:mod:`accept_head.mixing`) and feeds (x, Z) to the frozen draft; the loss applies where Z_i = Y_i, at the hidden
+ℓ_i = min(1, p_i(Y_i)/q_i(Y_i)) (see :mod:`accept_head.acceptance.labels`). Each epoch builds Z by token mixing
+(:mod:`accept_head.acceptance.mixing`) and feeds (x, Z) to the frozen draft; the loss applies where Z_i = Y_i, at the
+hidden
 state whose input token is Z_i.
 
-Rollout datasets (``label_mode: rollout`` in ``meta.json``, :mod:`accept_head.rollout`) are detected automatically:
+Rollout datasets (``label_mode: rollout`` in ``meta.json``, :mod:`accept_head.chain.rollout`) are detected
+automatically:
 they store the drafter's hidden state of every candidate next to its on-policy label, so an example is one prompt's
 (hidden, label) pairs (:class:`StoredHiddenDataset`) — no draft forward and no token mixing (``mix_ratio`` and
 ``max_length`` do not apply). The prompt split is the same.
@@ -26,16 +28,16 @@ from lightning.pytorch import LightningDataModule
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
-from ..feature_draft import read_config
-from ..labels import recorded_temperature
-from ..loading import is_feature_draft, load_model, load_tokenizer
-from ..mixing import check_ratio, mix_tokens
-from ..pairs import ModelSpec, eos_token_ids, local_folder, local_path
-from ..sampling import SamplingConfig
-from ..seeds import seeded_generator
+from ..acceptance.labels import recorded_temperature
+from ..acceptance.mixing import check_ratio, mix_tokens
+from ..core.sampling import SamplingConfig
+from ..core.seeds import seeded_generator
+from ..models.feature_draft import read_config
+from ..models.loading import is_feature_draft, load_model, load_tokenizer
+from ..models.pairs import ModelSpec, eos_token_ids, local_folder, local_path
 
 ROLLOUT = "rollout"
-"""``meta.json["label_mode"]`` of a dataset with stored hidden states (:mod:`accept_head.rollout`)."""
+"""``meta.json["label_mode"]`` of a dataset with stored hidden states (:mod:`accept_head.chain.rollout`)."""
 
 VALIDATION_EPOCH = -1
 """The mixing 'epoch' of validation examples: fixed, so validation metrics are comparable across epochs."""
@@ -175,7 +177,8 @@ class _RowDataset(Dataset):
 class MixedTokenDataset(_RowDataset):
     """Examples for the head: ``dataset[(row, epoch)]`` mixes row ``row`` for epoch ``epoch``.
 
-    The generator of each (row, epoch) is seeded from (seed, epoch, prompt_id) (:func:`accept_head.seeds.derive_seed`),
+    The generator of each (row, epoch) is seeded from (seed, epoch, prompt_id)
+    (:func:`accept_head.core.seeds.derive_seed`),
     so the mixing is resampled every epoch, reproducible per seed, and independent of batch order, workers and
     processes. Items: ``input_ids`` (L,) = prompt + Z, ``loss_mask`` (L,) True where Z_i = Y_i,
     ``labels`` (L,) the soft labels there, ``row`` the row index.
@@ -515,7 +518,7 @@ class AcceptanceDataModule(LightningDataModule):
         return MixedTokenDataset(rows, self.mix_ratio, self.mix_seed)
 
     def _load(self, path: str) -> tuple[list[LabelRow] | list[HiddenRow], dict]:
-        from ..labels import load_label_dataset
+        from ..acceptance.labels import load_label_dataset
 
         if not Path(path).exists():
             hint = (
@@ -576,7 +579,7 @@ class AcceptanceDataModule(LightningDataModule):
     def _load_rollout(self, path: str, dataset, meta: dict) -> tuple[list[HiddenRow], dict[str, int]]:
         """Rows of a rollout dataset: each prompt's stored hidden states (C, d) and labels (C,); and the rows
         dropped."""
-        from ..rollout import read_hidden
+        from ..chain.rollout import read_hidden
 
         width = (meta.get("rollout") or {}).get("hidden_size")
         if width != self.hidden_size:

@@ -20,8 +20,8 @@ import torch
 from lightning.pytorch import LightningModule
 from torch.nn.utils.rnn import pad_sequence
 
-from ..labels import draft_acceptance
-from ..seeds import seeded_generator
+from ..acceptance.labels import draft_acceptance
+from ..core.seeds import seeded_generator
 from .module import adamw_cosine
 
 Example = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]

@@ -22,13 +22,13 @@ import torch
 from lightning.pytorch import seed_everything
 from transformers import AutoModelForCausalLM
 
-from ..batch_generate import sample_batch
-from ..drafters import ModelDrafter
-from ..loading import load_model, load_tokenizer
-from ..pairs import ModelSpec, eos_token_ids
-from ..prompts import PromptSource, chat_prompt_ids, load_prompts, training_prompts
-from ..sampling import SamplingConfig
-from ..seeds import seeded_generator
+from ..core.prompts import PromptSource, chat_prompt_ids, load_prompts, training_prompts
+from ..core.sampling import SamplingConfig
+from ..core.seeds import seeded_generator
+from ..models.batch_generate import sample_batch
+from ..models.drafters import ModelDrafter
+from ..models.loading import load_model, load_tokenizer
+from ..models.pairs import ModelSpec, eos_token_ids
 from .distill_draft import (
     DistillDraftModule,
     DraftArchitecture,
@@ -76,7 +76,7 @@ class DistillConfig:
     """Use only this many distillation prompts, taken round-robin across the sources (each shuffled, seeded); None
     uses all."""
     split_seed: int = 0
-    """Seed of the prompt-id hash split (:func:`~accept_head.prompts.split_of`): prompts in its ``eval`` split, and
+    """Seed of the prompt-id hash split (:func:`~accept_head.core.prompts.split_of`): prompts in its ``eval`` split, and
     every ``eval_prompts`` prompt, are never distilled on, whatever ``prompts`` lists."""
     topk: int = 32
     """Target log-probabilities kept per response position."""
@@ -98,7 +98,7 @@ class DistillConfig:
 def generate(cfg: DistillConfig) -> None:
     """Stage 1: the target answers eval prompts then distillation prompts; one shard per batch, resumable.
 
-    The distillation prompts mix every source (:func:`~accept_head.prompts.training_prompts`) and never include a
+    The distillation prompts mix every source (:func:`~accept_head.core.prompts.training_prompts`) and never include a
     held-out one; ``<work_dir>/split.json`` records the split seed and both lists of prompt ids."""
     set_threads(cfg.threads)
     work = expand(cfg.work_dir)

@@ -91,15 +91,15 @@ def time_draft_step(target, drafter, rounds: int, head=None, context: int = 128,
     target forwards (blocks, as a round drafts several tokens in a row; rounds interleave the two against machine
     noise). ``ratio`` is draft over target.
 
-    Not :func:`~accept_head.cost_model.measure_costs`: that alternates draft and target call by call, so every draft
+    Not :func:`~accept_head.engine.measure.measure_costs`: that alternates draft and target call by call, so every draft
     step starts with the target's weights in the CPU caches: on this project's 2-core CPU, side by side on the
     committed feature draft, it measured c = 0.100 where this measures 0.058 (draft 3.3 against 2.2 ms).
     """
     from transformers import DynamicCache
 
-    from .._hf_compat import cache_kwargs, crop_cache
-    from ..decoding import prefill
-    from ..timing import device_timer, module_device
+    from ..chain.decoding import prefill
+    from ..core.hf_compat import cache_kwargs, crop_cache
+    from ..core.timing import device_timer, module_device
 
     device = module_device(target)
     draft_device = getattr(drafter, "device", device)
@@ -128,7 +128,7 @@ def time_draft_step(target, drafter, rounds: int, head=None, context: int = 128,
 
 def plot_curves(path: Path, curves: Sequence[tuple[list, list, dict]], xlabel: str, ylabel: str) -> None:
     """A model card's learning-curve PNG: one line per ``(xs, ys, matplotlib keyword arguments)``."""
-    from ..plots import new_figure, save_figure
+    from ..acceptance.plots import new_figure, save_figure
 
     fig = new_figure(6, 3.5)
     ax = fig.subplots()

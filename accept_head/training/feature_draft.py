@@ -1,4 +1,4 @@
-"""Training a :class:`~accept_head.feature_draft.FeatureDraft` with Lightning on teacher-forced target features.
+"""Training a :class:`~accept_head.models.feature_draft.FeatureDraft` with Lightning on teacher-forced target features.
 
 Data: for each sequence (prompt + the target's own response) the target's final hidden states f_0..f_{T-1} (bf16)
 and the log-normaliser of its full-vocabulary logits at each position (so its probabilities over the kept
@@ -33,9 +33,9 @@ from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import DataLoader
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repeat_kv
 
-from ..feature_draft import FeatureDraft, FeatureDraftConfig
-from ..labels import draft_acceptance
-from ..seeds import seeded_generator
+from ..acceptance.labels import draft_acceptance
+from ..core.seeds import seeded_generator
+from ..models.feature_draft import FeatureDraft, FeatureDraftConfig
 from .module import adamw_cosine
 
 
@@ -152,7 +152,7 @@ def unrolled_predictions(
     """Predicted features for pairs s = 0..N−1 (N = T − 1) at drafting steps 1..``steps``: each (B, N, d).
 
     Step k at pair s is the k-th candidate of the round that starts after position t = s − k + 1 is committed,
-    computed exactly as :class:`~accept_head.feature_draft.FeatureDrafter` decodes it (EAGLE-3's training-time
+    computed exactly as :class:`~accept_head.models.feature_draft.FeatureDrafter` decodes it (EAGLE-3's training-time
     test): the pairs 0..t read the target's own features f (the committed text), the pairs t+1..s−1 read the round's
     own earlier predictions (steps 2..k−1), and pair s reads the step-(k−1) prediction f̂_s. The draft's single
     decoder layer makes this one pass per step: its keys and values at a pair depend only on that pair's input, so

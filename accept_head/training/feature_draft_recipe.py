@@ -3,7 +3,7 @@
 Its stages (``python -m train.feature_draft features|vocab|fit|evaluate|ablate|model_card``), each resumable, all
 driven by one :class:`FeatureDraftRecipe`. ``features`` teacher-forces the target over the prompt + response pairs
 that ``python -m train.distill_draft generate`` wrote, in batched passes, and stores its final hidden state and
-log-normaliser at every position (safetensors shards); ``fit`` trains a :class:`~accept_head.feature_draft.
+log-normaliser at every position (safetensors shards); ``fit`` trains a :class:`~accept_head.models.feature_draft.
 FeatureDraft` on them (:mod:`.feature_draft`).
 """
 
@@ -27,15 +27,15 @@ from lightning.pytorch import seed_everything
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
-from .._hf_compat import crop_cache
-from ..drafters import ModelDrafter
-from ..feature_draft import FeatureDraft, FeatureDraftConfig, FeatureDrafter
-from ..features import decoder_matches_lm_head_input, final_hidden_states
-from ..head import AcceptanceHead
-from ..labels import draft_acceptance
-from ..loading import load_model, load_tokenizer
-from ..pairs import ModelSpec, eos_token_ids
-from ..prompts import EncodedPrompt, PromptSource, chat_prompt_ids, load_prompts, training_prompts
+from ..acceptance.head import AcceptanceHead
+from ..acceptance.labels import draft_acceptance
+from ..core.hf_compat import crop_cache
+from ..core.prompts import EncodedPrompt, PromptSource, chat_prompt_ids, load_prompts, training_prompts
+from ..models.drafters import ModelDrafter
+from ..models.feature_draft import FeatureDraft, FeatureDraftConfig, FeatureDrafter
+from ..models.features import decoder_matches_lm_head_input, final_hidden_states
+from ..models.loading import load_model, load_tokenizer
+from ..models.pairs import ModelSpec, eos_token_ids
 from .draft_recipe import (
     expand,
     fit_resumable,
@@ -83,7 +83,7 @@ class FeatureDraftRecipe:
     """Held-out prompt sources (e.g. ``split: eval`` and HumanEval): their responses score ``evaluate``, never
     ``fit``."""
     split_seed: int = 0
-    """Seed of the prompt-id hash split (:func:`~accept_head.prompts.split_of`), recorded in
+    """Seed of the prompt-id hash split (:func:`~accept_head.core.prompts.split_of`), recorded in
     ``<work_dir>/responses/split.json``."""
     max_prompts: int | None = None
     """Training prompts the ``responses`` stage answers at most (after mixing); None: all."""

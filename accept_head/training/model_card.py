@@ -6,8 +6,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from ..bundle import SpecDecPP, portable_spec
-from ..sweep import markdown_table
+from ..engine.sweep import markdown_table
+from ..specdecpp.bundle import SpecDecPP, portable_spec
 from .report import FitReport
 
 METRIC_ROWS = (

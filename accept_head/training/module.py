@@ -2,7 +2,8 @@
 
 Per batch: the frozen draft reads (prompt, Z) — Z the token-mixed response — and its final hidden states at the
 positions holding draft tokens go through the head; the loss is the weighted BCE against the soft labels there
-(:mod:`accept_head.loss`). Only the head is trained and only the head is checkpointed: the draft's weights are
+(:mod:`accept_head.acceptance.loss`). Only the head is trained and only the head is checkpointed: the draft's weights
+are
 reloaded from its spec, never copied into Lightning checkpoints.
 
 Batches of a rollout dataset (:class:`~accept_head.training.data.StoredHiddenDataset`) carry the drafter's stored
@@ -19,19 +20,19 @@ import torch
 from lightning.pytorch import LightningModule
 from torchmetrics.aggregation import CatMetric
 
-from ..features import decoder_matches_lm_head_input, final_hidden_states
-from ..head import AcceptanceHead
-from ..loading import load_model
-from ..loss import check_weights, weighted_bce
-from ..metrics import acceptance_metrics
-from ..pairs import ModelSpec
+from ..acceptance.head import AcceptanceHead
+from ..acceptance.loss import check_weights, weighted_bce
+from ..acceptance.metrics import acceptance_metrics
+from ..models.features import decoder_matches_lm_head_input, final_hidden_states
+from ..models.loading import load_model
+from ..models.pairs import ModelSpec
 from .report import FitReport
 
 DRAFT_PREFIX = "draft."
 
 
 class AcceptanceHeadModule(LightningModule):
-    """An :class:`~accept_head.head.AcceptanceHead` trained on the hidden states of a frozen draft."""
+    """An :class:`~accept_head.acceptance.head.AcceptanceHead` trained on the hidden states of a frozen draft."""
 
     def __init__(
         self,

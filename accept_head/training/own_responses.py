@@ -24,10 +24,10 @@ from time import monotonic
 import torch
 from transformers import DynamicCache
 
-from .._hf_compat import cache_kwargs
-from ..batch_generate import left_pad
-from ..prompts import EncodedPrompt
-from ..seeds import derive_seed
+from ..core.hf_compat import cache_kwargs
+from ..core.prompts import EncodedPrompt
+from ..core.seeds import derive_seed
+from ..models.batch_generate import left_pad
 from .draft_recipe import save_atomic
 
 GREEDY = -1

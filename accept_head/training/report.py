@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..calibration import Calibration, CalibrationChoice
-from ..cost_model import CostModel
-from ..sweep import SweepResult, SweepRow
+from ..acceptance.calibration import Calibration, CalibrationChoice
+from ..core.costs import CostModel
+from ..engine.sweep import SweepResult, SweepRow
 
 
 @dataclass

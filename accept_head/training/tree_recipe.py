@@ -3,21 +3,21 @@
 For each decoding mode (greedy, T = 1) of a bundle's pair:
 
 1. **Labels.** Decode the training prompts with a wide collection tree (EAGLE-2's rule, so every round verifies
-   many nodes) and keep every round whole (:class:`~accept_head.tree_labels.LabelledRound`): the label of each node
+   many nodes) and keep every round whole (:class:`~accept_head.trees.labels.LabelledRound`): the label of each node
    whose parent the target scored, P(node accepted | parent accepted) under the tree verification rule. The same on
    separate check prompts. Rounds are cached per prompt set (``rounds-<set>.pt``), so a rerun resumes.
-2. **Fit.** A C2T classifier on the training nodes (:class:`~accept_head.tree_labels.C2TClassifier`), and a *tree
+2. **Fit.** A C2T classifier on the training nodes (:class:`~accept_head.trees.labels.C2TClassifier`), and a *tree
    head*: the bundle's acceptance head fine-tuned with BCE on the fed training nodes' hidden states — the second head
    of "one head for chains and trees, or one each".
 3. **Check** (prompts that trained nothing): per scorer — the draft's probability (EAGLE-2), the bundle's chain head
    (with its calibration for the mode), the tree head, C2T and the labels themselves (the oracle) — the BCE and AUC on
    the labelled fed nodes, and the trees each would verify: in every check round, the subtree of the labelled nodes
    with the best expected tokens per second under the cost model when values are the scorer's path products
-   (:func:`~accept_head.tree_growth.best_subtree`), scored with the *true* values. The oracle's is the ceiling of
+   (:func:`~accept_head.trees.growth.best_subtree`), scored with the *true* values. The oracle's is the ceiling of
    the tree a perfect head would pick from those drafted nodes.
 
 Writes ``<output_dir>/<mode>/`` (``c2t.safetensors``, ``head.safetensors``: load with
-:meth:`~accept_head.tree_labels.TreeModels.load`, pass to ``eval bench --tree_models``) and ``trees.json``.
+:meth:`~accept_head.trees.labels.TreeModels.load`, pass to ``eval bench --tree_models``) and ``trees.json``.
 """
 
 from __future__ import annotations
@@ -31,16 +31,16 @@ from pathlib import Path
 import torch
 from sklearn.metrics import roc_auc_score
 
-from ..bundle import SpecDecPP
-from ..cost_model import CostModel
-from ..evaluation.common import machine_info, write_json
-from ..head import AcceptanceHead
-from ..prompts import PromptOptions, PromptSource
-from ..sampling import SamplingConfig
-from ..seeds import seeded_generator
-from ..tree_decoding import tree_generate
-from ..tree_growth import ConfidenceTree, best_subtree
-from ..tree_labels import C2TClassifier, LabelledRound, TreeLabelRecorder, TreeModels, tree_mode
+from ..acceptance.head import AcceptanceHead
+from ..core.costs import CostModel
+from ..core.prompts import PromptOptions, PromptSource
+from ..core.records import machine_info, write_json
+from ..core.sampling import SamplingConfig
+from ..core.seeds import seeded_generator
+from ..specdecpp.bundle import SpecDecPP
+from ..trees.decoding import tree_generate
+from ..trees.growth import ConfidenceTree, best_subtree
+from ..trees.labels import C2TClassifier, LabelledRound, TreeLabelRecorder, TreeModels, tree_mode
 
 
 def collect_rounds(
@@ -117,7 +117,7 @@ def bce(labels: list[float], scores: list[float]) -> float:
 
 def scorers(bundle: SpecDecPP, models: TreeModels, greedy: bool) -> dict:
     """Scorer name → function(round) → {labelled node: score}. Head scorers score fed nodes from their hidden state
-    and count an unfed node's draft probability (as :class:`~accept_head.tree_growth.HeadTree` does)."""
+    and count an unfed node's draft probability (as :class:`~accept_head.trees.growth.HeadTree` does)."""
     calibration = bundle.calibration_for(greedy)
 
     def head_scorer(head: AcceptanceHead, calibrated):

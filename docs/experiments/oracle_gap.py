@@ -1,6 +1,6 @@
 """Why does the hindsight oracle model at ~1.47x autoregressive in ``eval bench`` but measure ~1.11x?
 
-The bench times the oracle's real decode but reports Lemma 2.1's counts (:meth:`~accept_head.baselines.Oracle.
+The bench times the oracle's real decode but reports Lemma 2.1's counts (:meth:`~accept_head.chain.baselines.Oracle.
 limit_stats`), because in bf16 a multi-token verification can flip a near-tie argmax and the decode leaves the greedy
 continuation the oracle was built on. This script decodes the bench's greedy test prompts (``configs/eval/bench.yaml``)
 with each prompt's oracle and records, per prompt, the counts of the decode that actually ran beside the limit's, then
@@ -20,9 +20,9 @@ import statistics
 import yaml
 
 from accept_head import Oracle, autoregressive_generate, speculative_generate
-from accept_head.cost_model import CostModel
-from accept_head.pair_loading import load_pair
-from accept_head.prompts import PromptOptions, PromptSource
+from accept_head.core.costs import CostModel
+from accept_head.core.prompts import PromptOptions, PromptSource
+from accept_head.engine.pair_loading import load_pair
 
 
 def run(dtype: str, sources: list[PromptSource], max_new_tokens: int) -> dict:

@@ -24,11 +24,11 @@ import torch
 import yaml
 
 from accept_head import SpecDecPP, autoregressive_generate
-from accept_head.cost_model import CostModel
-from accept_head.engine import aggregate
-from accept_head.prompts import PromptOptions, PromptSource
-from accept_head.tree_decoding import tree_generate
-from accept_head.tree_growth import ConfidenceTree, HeadTree
+from accept_head.core.costs import CostModel
+from accept_head.core.prompts import PromptOptions, PromptSource
+from accept_head.engine.runner import aggregate
+from accept_head.trees.decoding import tree_generate
+from accept_head.trees.growth import ConfidenceTree, HeadTree
 
 
 def main() -> None:

@@ -1,0 +1,158 @@
+"""Stop policies: when to stop drafting candidates in a speculative round.
+
+Every rule — fixed K, the SpecDec++ head threshold, and the baselines — implements the same small interface so the
+decoder treats them alike and benchmarks compare like with like:
+
+* ``should_stop(state)`` is asked before each new candidate, with ``state.n`` candidates drafted so far (0 first);
+  returning True submits the current candidates to the target.
+* ``score(hidden)`` (only for policies with ``uses_hidden``) turns the draft's final hidden state at the position
+  whose input is the latest candidate into that candidate's predicted acceptance probability. It arrives one step
+  late: after feeding y_n to the draft, the same forward pass yields q_{n+1} and e_n.
+* ``update(state, accepted)`` is called after verification with the round as it was drafted (``state.n`` candidates
+  proposed, their ``token_probs``, ...) and how many of them the target accepted; adaptive schedules learn from it, so
+  no policy needs to remember the round itself.
+
+The decoder enforces ``max_candidates`` and the token budget itself.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from ..acceptance.head import AcceptanceHead
+
+
+@dataclass
+class RoundState:
+    """What a policy may look at while a round is being drafted."""
+
+    n: int = 0
+    """Candidates drafted so far in this round."""
+    candidates: list[int] = field(default_factory=list)
+    """y_1..y_n, the candidates drafted so far."""
+    position: int = 0
+    """Absolute index (in the full sequence) the next candidate would take."""
+    token_probs: list[float] = field(default_factory=list)
+    """q_i(y_i): the draft's probability of each candidate it proposed (after the sampling transform). Under greedy
+    decoding q_i is one-hot, so for policies with ``uses_confidence`` it is the draft's untempered softmax instead."""
+    entropies: list[float] = field(default_factory=list)
+    """Entropy (nats) of the draft's distribution q_i each candidate was drawn from (only if ``uses_entropy``; under
+    greedy decoding the entropy of the untempered softmax)."""
+    accept_probs: list[float] = field(default_factory=list)
+    """Predicted acceptance probability of candidates 1..n-1 (only for policies with ``uses_hidden``)."""
+
+
+class StopPolicy:
+    """Base class: subclasses override :meth:`should_stop` (and :meth:`score` / :meth:`update` when needed)."""
+
+    max_candidates: int = 20
+    uses_hidden: bool = False
+    uses_entropy: bool = False
+    uses_confidence: bool = False
+    """Reads ``token_probs`` as a confidence (the decoder then takes it from the untempered softmax when greedy)."""
+    requires_greedy: bool = False
+    """Only valid for greedy decoding (the decoder raises otherwise)."""
+
+    def should_stop(self, state: RoundState) -> bool:
+        raise NotImplementedError
+
+    def score(self, hidden: torch.Tensor) -> float:
+        raise NotImplementedError(f"{type(self).__name__} does not score hidden states.")
+
+    def update(self, state: RoundState, accepted: int) -> None:
+        """Feedback after verification: the round as drafted (``state.n`` candidates proposed) and how many of its
+        candidates the target accepted. Stateless policies ignore it."""
+
+    def reset(self) -> None:
+        """Forget any cross-round state (called at the start of each generation)."""
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+def _check_candidates(min_candidates: int, max_candidates: int) -> tuple[int, int]:
+    """(min_candidates, max_candidates) once they are valid bounds on the candidates per round."""
+    if min_candidates < 0:
+        raise ValueError(f"min_candidates={min_candidates} must be >= 0.")
+    if max_candidates < 1:
+        raise ValueError(f"max_candidates={max_candidates} must be >= 1.")
+    if max_candidates < min_candidates:
+        raise ValueError(f"max_candidates={max_candidates} must be >= min_candidates={min_candidates}.")
+    return min_candidates, max_candidates
+
+
+class FixedK(StopPolicy):
+    """Draft exactly k candidates per round (speculative decoding as in Leviathan et al. / Chen et al.)."""
+
+    def __init__(self, k: int) -> None:
+        if not isinstance(k, int) or k < 1:
+            raise ValueError(f"k={k!r} must be an integer >= 1 (candidates per round).")
+        self.k = k
+        self.max_candidates = k
+
+    def should_stop(self, state: RoundState) -> bool:
+        return state.n >= self.k
+
+    def describe(self) -> str:
+        return f"FixedK(k={self.k})"
+
+
+UNSCORED = (None, "confidence")
+
+
+class HeadThreshold(StopPolicy):
+    """SpecDec++ (Alg. 2): stop once P(at least one candidate is rejected) = 1 − Π sigmoid(f(e_j)) exceeds h.
+
+    Thm 3.1 shows a threshold on this probability is the optimal stopping rule for the MDP whose costs are the
+    discarded draft tokens and the target calls. The head score of y_j arrives one step late, so a round submits
+    y_1..y_K where y_K is unscored. ``calibration`` optionally maps raw probabilities to calibrated ones.
+
+    When the decision about drafting past y_n is taken, y_n itself has no score yet, so Alg. 2 cannot stop after
+    the first candidate: every round submits at least two. ``unscored="confidence"`` (an extension, not in the
+    paper) counts the draft's own probability q_n(y_n) for the unscored candidate instead, so a round can stop at
+    one candidate when the draft is unsure.
+    """
+
+    uses_hidden = True
+
+    def __init__(
+        self,
+        head: AcceptanceHead,
+        threshold: float,
+        min_candidates: int = 1,
+        max_candidates: int = 20,
+        calibration=None,
+        unscored: str | None = None,
+    ) -> None:
+        if not 0.0 < threshold < 1.0:
+            raise ValueError(f"threshold={threshold} must be in (0, 1): it bounds P(some candidate is rejected).")
+        if unscored not in UNSCORED:
+            raise ValueError(f"unscored={unscored!r} must be one of {UNSCORED}.")
+        self.min_candidates, self.max_candidates = _check_candidates(min_candidates, max_candidates)
+        self.head = head
+        self.threshold = float(threshold)
+        self.calibration = calibration
+        self.unscored = unscored
+        self.uses_confidence = unscored == "confidence"
+
+    def score(self, hidden: torch.Tensor) -> float:
+        with torch.inference_mode():
+            prob = self.head.accept_prob_one(hidden)
+        if self.calibration is not None:
+            prob = float(self.calibration(prob))
+        return prob
+
+    def should_stop(self, state: RoundState) -> bool:
+        if state.n < max(self.min_candidates, 1):
+            return False
+        all_accepted = math.prod(state.accept_probs)
+        if self.unscored == "confidence":  # candidates the head has not scored yet (the latest one)
+            all_accepted *= math.prod(state.token_probs[len(state.accept_probs) : state.n])
+        return 1.0 - all_accepted > self.threshold
+
+    def describe(self) -> str:
+        extra = f", unscored={self.unscored}" if self.unscored else ""
+        return f"HeadThreshold(h={self.threshold:g}{extra})"

@@ -1,0 +1,382 @@
+"""A draft that reads the target: one decoder layer over the target's own features (EAGLE, Li et al. 2024).
+
+At sequence position t the draft reads the pair (f_t, x_{t+1}) — the target's final hidden state f_t (its LM head's
+input, which already encodes the target's prediction of x_{t+1}) and the embedding of the token actually chosen
+there — through ``fc([f_t; emb(x_{t+1})])`` and one Llama decoder layer, and predicts f̂_{t+1}; the LM head turns
+f̂_{t+1} into q(x_{t+2}). The target's input embedding is reused frozen (read from the target at bind time, never
+stored); the final norm starts as the target's and stays frozen; the LM head covers a pruned vocabulary
+(``kept_ids``, the most frequent tokens: q = 0 elsewhere, lossless because verification still covers every token)
+and starts from the target's own output rows.
+
+While drafting, step k ≥ 2 feeds the draft's own f̂ back in place of the target's f. After verification the accepted
+positions are re-read with the target's true features from the verification pass (:class:`FeatureDrafter`).
+
+A draft folder holds ``config.json`` (with a fingerprint of the target it was trained for) and ``model.safetensors``;
+binding it to a different target raises a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import warnings
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+from transformers import DynamicCache
+
+from ..core.hf_compat import cache_kwargs, crop_cache
+from .drafters import Drafter, DraftStep, check_kept_ids
+
+FORMAT = "accept_head.feature_draft"
+FORMAT_VERSION = 2
+"""Version 2 adds slim folders (``lm_head_from_target``); full folders are still written as version 1."""
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+def model_fingerprint(model: torch.nn.Module) -> str:
+    """A short hash of a model's vocabulary, width and token embeddings (input and output, in bf16), the weights a
+    feature draft depends on. The same model loaded in float32 or bfloat16 has the same fingerprint."""
+    digest = hashlib.sha256()
+    digest.update(f"{model.config.vocab_size}:{model.config.hidden_size}".encode())
+    seen = set()
+    for module in (model.get_input_embeddings(), model.get_output_embeddings()):
+        weight = module.weight
+        if weight.data_ptr() in seen:
+            continue
+        seen.add(weight.data_ptr())
+        digest.update(weight.detach().to("cpu", torch.bfloat16).contiguous().view(torch.int16).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+@dataclass
+class FeatureDraftConfig:
+    """Shape of a feature draft. The attention/MLP shape defaults to the target's own layer shape."""
+
+    hidden_size: int
+    """The target's width d (features and token embeddings are both d-dimensional)."""
+    intermediate_size: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    """The target's full vocabulary size (the draft's logits are returned over all of it)."""
+    kept_vocab_size: int
+    """Rows of the pruned LM head."""
+    rms_norm_eps: float = 1e-5
+    max_position_embeddings: int = 8192
+    rope_parameters: dict | None = None
+    target_fingerprint: str | None = None
+    """:func:`model_fingerprint` of the target this draft was trained for."""
+    target_name: str | None = None
+    """Where the target came from (informational)."""
+    train_lm_head: bool = False
+    """Whether training updated the LM head rows (else they stay the target's)."""
+    lm_head_from_target: bool = False
+    """A slim folder: the LM head rows are not stored but gathered from the target (its output rows of
+    ``kept_ids``) when the draft is bound to it, after its fingerprint is checked."""
+    extra: dict = field(default_factory=dict)
+    """Free-form provenance (training recipe, data) written by the trainer."""
+
+    @classmethod
+    def for_target(cls, target: torch.nn.Module, kept_vocab_size: int, **overrides) -> FeatureDraftConfig:
+        c = target.config
+        heads = c.num_attention_heads
+        values = dict(
+            hidden_size=c.hidden_size,
+            intermediate_size=c.intermediate_size,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+            head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+            vocab_size=c.vocab_size,
+            kept_vocab_size=kept_vocab_size,
+            rms_norm_eps=getattr(c, "rms_norm_eps", 1e-5),
+            max_position_embeddings=c.max_position_embeddings,
+            rope_parameters=getattr(c, "rope_parameters", None),
+            target_fingerprint=model_fingerprint(target),
+        )
+        values.update(overrides)
+        return cls(**values)
+
+
+class FeatureDraft(nn.Module):
+    """fc([f; emb(x)]) → one Llama decoder layer → norm → LM head over ``kept_ids``.
+
+    Call :meth:`bind` with the target before use: it supplies the (frozen, shared) input embedding and checks the
+    target's fingerprint.
+    """
+
+    def __init__(self, config: FeatureDraftConfig) -> None:
+        from transformers import LlamaConfig, LlamaModel
+
+        super().__init__()
+        self.config = config
+        llama = LlamaConfig(
+            vocab_size=1,  # inputs arrive as embeddings: the layer stack's own embedding table is unused
+            hidden_size=config.hidden_size,
+            intermediate_size=config.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=config.num_attention_heads,
+            num_key_value_heads=config.num_key_value_heads,
+            head_dim=config.head_dim,
+            rms_norm_eps=config.rms_norm_eps,
+            max_position_embeddings=config.max_position_embeddings,
+            rope_parameters=config.rope_parameters,
+            pad_token_id=None,
+            bos_token_id=None,
+            eos_token_id=None,
+        )
+        self.fc = nn.Linear(2 * config.hidden_size, config.hidden_size)
+        self.decoder = LlamaModel(llama)
+        self.lm_head = nn.Linear(config.hidden_size, config.kept_vocab_size, bias=False)
+        self.register_buffer("kept_ids", torch.arange(config.kept_vocab_size), persistent=True)
+        self.decoder.norm.weight.requires_grad_(False)
+        self.lm_head.weight.requires_grad_(config.train_lm_head)
+        self._bound: tuple[nn.Embedding, ...] = ()  # a tuple, so the target's embedding is not registered here
+        self.target_fingerprint: str | None = None
+
+    # --- building and binding -------------------------------------------------------------------------------------
+    @classmethod
+    def from_target(cls, target: torch.nn.Module, kept_ids: torch.Tensor, **config_overrides) -> FeatureDraft:
+        """A fresh draft for ``target``: LM head rows, final norm and embedding taken from the target."""
+        kept_ids = check_kept_ids(kept_ids, target.config.vocab_size)
+        config = FeatureDraftConfig.for_target(target, len(kept_ids), **config_overrides)
+        draft = cls(config)
+        with torch.no_grad():
+            draft.kept_ids.copy_(kept_ids)
+            draft.lm_head.weight.copy_(target.get_output_embeddings().weight[kept_ids].float())
+            norm = _final_norm_weight(target)
+            if norm is not None:
+                draft.decoder.norm.weight.copy_(norm.float())
+        draft.bind(target)
+        return draft
+
+    def bind(self, target: torch.nn.Module) -> FeatureDraft:
+        """Attach the target's input embedding (shared, frozen) after checking this draft was trained for it."""
+        expected = self.config.target_fingerprint
+        if target.config.hidden_size != self.config.hidden_size:
+            raise ValueError(
+                f"The feature draft reads features of width {self.config.hidden_size} but the target's hidden size is "
+                f"{target.config.hidden_size}; train a draft for this target."
+            )
+        if target.config.vocab_size != self.config.vocab_size:
+            raise ValueError(
+                f"The feature draft covers a vocabulary of {self.config.vocab_size} but the target's has "
+                f"{target.config.vocab_size}; train a draft for this target."
+            )
+        if self._bound and self._bound[0] is target.get_input_embeddings():
+            return self
+        found = model_fingerprint(target)
+        if expected is not None and found != expected:
+            raise ValueError(
+                f"This feature draft was trained for the target with fingerprint {expected} "
+                f"({self.config.target_name or 'unknown'}), but the target given has fingerprint {found}; "
+                "pair it with the model it was trained on or train a draft for this one."
+            )
+        if self.config.lm_head_from_target:  # a slim folder: the frozen LM head is the target's own rows
+            with torch.no_grad():
+                rows = target.get_output_embeddings().weight[self.kept_ids.to(target.device)]
+                self.lm_head.weight.copy_(rows.to(self.lm_head.weight))
+        self._bound = (target.get_input_embeddings(),)
+        self.target_fingerprint = found
+        return self
+
+    @property
+    def embed(self) -> nn.Embedding:
+        if not self._bound:
+            raise RuntimeError("FeatureDraft is not bound to a target: call draft.bind(target) first.")
+        return self._bound[0]
+
+    def make_drafter(self, target: torch.nn.Module) -> FeatureDrafter:
+        """The :class:`FeatureDrafter` that drafts with this model bound to ``target`` (what
+        :func:`~accept_head.models.drafters.as_drafter` returns for a feature draft)."""
+        return FeatureDrafter(self, target)
+
+    # --- the model ------------------------------------------------------------------------------------------------
+    def forward(
+        self,
+        features: torch.Tensor,
+        next_tokens: torch.Tensor,
+        past_key_values: DynamicCache | None = None,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        use_cache: bool = False,
+    ) -> torch.Tensor:
+        """features (B, T, d): f_t (the target's or the draft's own); next_tokens (B, T): x_{t+1}.
+        Returns the predicted features f̂_{t+1}, (B, T, d) — feed them to :meth:`kept_logits`."""
+        with torch.no_grad():
+            emb = self.embed(next_tokens)
+        x = self.fc(torch.cat([features.to(self.fc.weight.dtype), emb.to(self.fc.weight.dtype)], dim=-1))
+        out = self.decoder(
+            inputs_embeds=x,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            **cache_kwargs(self.decoder, past_key_values, use_cache),
+        )
+        return out.last_hidden_state
+
+    def kept_logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """(…, d) predicted features → (…, kept_vocab_size) logits over ``kept_ids``."""
+        return self.lm_head(predicted)
+
+    def full_logits(self, predicted: torch.Tensor) -> torch.Tensor:
+        """(d,) → (V,) logits over the whole vocabulary, −inf outside ``kept_ids``."""
+        kept = self.kept_logits(predicted)
+        out = kept.new_full((*kept.shape[:-1], self.config.vocab_size), float("-inf"))
+        out[..., self.kept_ids] = kept
+        return out
+
+    # --- folders --------------------------------------------------------------------------------------------------
+    def save_pretrained(self, folder: str | Path, slim: bool | None = None) -> Path:
+        """Write ``config.json`` (sorted keys, format version) and ``model.safetensors``.
+
+        ``slim`` (default: whenever the LM head was not trained and the target's fingerprint is known) leaves the LM
+        head out: it is the target's own rows of ``kept_ids``, gathered again by :meth:`bind` — the folder keeps
+        only the draft's own weights, the kept-token ids and its config."""
+        if slim is None:
+            slim = not self.config.train_lm_head and self.config.target_fingerprint is not None
+        if slim and (self.config.train_lm_head or self.config.target_fingerprint is None):
+            raise ValueError(
+                "A slim folder needs a frozen LM head and the target's fingerprint (train_lm_head="
+                f"{self.config.train_lm_head}, target_fingerprint={self.config.target_fingerprint}); save with "
+                "slim=False."
+            )
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        config = {**asdict(self.config), "lm_head_from_target": slim}
+        config = {"format": FORMAT, "format_version": FORMAT_VERSION if slim else 1, **config}
+        skip = ("decoder.embed", "lm_head.") if slim else ("decoder.embed",)
+        state = {k: v.detach().contiguous() for k, v in self.state_dict().items() if not k.startswith(skip)}
+        save_file(state, str(folder / WEIGHTS_NAME), metadata={"format": FORMAT})
+        (folder / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        return folder
+
+    @classmethod
+    def from_pretrained(
+        cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> FeatureDraft:
+        """Load a folder written by :meth:`save_pretrained` (bind it to its target before use)."""
+        folder = Path(folder)
+        config = read_config(folder)
+        weights = folder / WEIGHTS_NAME
+        if not weights.is_file():
+            raise FileNotFoundError(f"{weights} is missing: a feature draft folder needs {WEIGHTS_NAME}.")
+        draft = cls(config)
+        try:
+            state = load_file(str(weights))
+        except Exception as error:  # safetensors raises its own error types for truncated/corrupt files
+            raise ValueError(f"{weights} could not be read ({error}); the file is corrupt — re-export it.") from None
+        if config.lm_head_from_target and config.target_fingerprint is None:
+            raise ValueError(
+                f"{folder / CONFIG_NAME} stores no LM head (lm_head_from_target) and no target fingerprint to check "
+                "the target it would come from against; re-export the draft."
+            )
+        missing, unexpected = draft.load_state_dict(state, strict=False)
+        from_target = ("decoder.embed", "lm_head.") if config.lm_head_from_target else ("decoder.embed",)
+        missing = [k for k in missing if not k.startswith(from_target)]
+        if missing or unexpected:
+            raise ValueError(
+                f"{weights} does not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}."
+            )
+        check_kept_ids(draft.kept_ids, config.vocab_size)
+        return draft.to(device=device, dtype=dtype).eval()
+
+
+def is_feature_draft_folder(folder: str | Path) -> bool:
+    path = Path(folder) / CONFIG_NAME
+    if not path.is_file():
+        return False
+    try:
+        return json.loads(path.read_text()).get("format") == FORMAT
+    except json.JSONDecodeError:
+        return False
+
+
+def read_config(folder: Path) -> FeatureDraftConfig:
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing: {folder} is not a feature draft folder.")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} is not valid JSON ({error}); the draft folder is corrupt.") from None
+    if raw.get("format") != FORMAT:
+        raise ValueError(f"{path} has format={raw.get('format')!r}, expected {FORMAT!r}.")
+    if raw.get("format_version", 0) > FORMAT_VERSION:
+        raise ValueError(
+            f"{path} has format_version {raw['format_version']}; this accept_head reads up to {FORMAT_VERSION}. "
+            "Upgrade accept_head."
+        )
+    known = {f.name for f in fields(FeatureDraftConfig)}
+    unknown = sorted(set(raw) - known - {"format", "format_version"})
+    if unknown:
+        warnings.warn(f"{path}: ignoring unknown keys {unknown}", stacklevel=3)
+    return FeatureDraftConfig(**{k: v for k, v in raw.items() if k in known})
+
+
+def _final_norm_weight(target: torch.nn.Module) -> torch.Tensor | None:
+    base = getattr(target, "base_model", None)
+    norm = getattr(base, "norm", None)
+    return getattr(norm, "weight", None)
+
+
+class FeatureDrafter(Drafter):
+    """Drafts with a :class:`FeatureDraft`: the target's true features for committed positions, its own for the
+    candidates of the current round."""
+
+    needs_target_features = True
+
+    def __init__(self, draft: FeatureDraft, target: torch.nn.Module) -> None:
+        self.model = draft.bind(target)
+        self.vocab_size = draft.config.vocab_size
+        self.hidden_size = draft.config.hidden_size
+        self.context_limit = draft.config.max_position_embeddings
+        self.device = draft.kept_ids.device
+        self.cache = DynamicCache()
+        self.pending_features: torch.Tensor | None = None
+        self.pending_tokens: list[int] = []
+        self.committed_length = 0  # pairs in the cache that carry the target's true features
+        self.last_predicted: torch.Tensor | None = None
+
+    def start(self, prompt: Sequence[int], features: torch.Tensor | None) -> None:
+        if features is None or features.shape[0] != len(prompt) - 1:
+            raise ValueError(
+                f"FeatureDrafter.start needs the target's features of prompt positions 0..{len(prompt) - 2}, "
+                f"got {None if features is None else tuple(features.shape)}."
+            )
+        self.cache = DynamicCache()
+        self.committed_length = 0
+        self.pending_features, self.pending_tokens = features, list(prompt[1:])
+        self.last_predicted = None
+
+    def _run(self, features: torch.Tensor, tokens: list[int]) -> DraftStep:
+        start = self.cache.get_seq_length()
+        positions = torch.arange(start, start + len(tokens), device=self.device)[None]
+        ids = torch.tensor([tokens], device=self.device)
+        predicted = self.model(features[None].to(self.device), ids, self.cache, position_ids=positions, use_cache=True)
+        self.last_predicted = predicted[0, -1]
+        return DraftStep(self.model.full_logits(self.last_predicted), self.last_predicted)
+
+    def propose(self, token: int | None) -> DraftStep | None:
+        if token is None:
+            if not self.pending_tokens:
+                return None  # a one-token prompt: no target feature yet, the target writes the first token alone
+            step = self._run(self.pending_features, self.pending_tokens)
+            self.committed_length += len(self.pending_tokens)
+            self.pending_features, self.pending_tokens = None, []
+            return step
+        return self._run(self.last_predicted[None], [token])
+
+    def commit(self, tokens: Sequence[int], features: torch.Tensor | None) -> None:
+        # Candidate positions were read with predicted features: drop them and re-read with the target's own.
+        crop_cache(self.cache, self.committed_length)
+        assert features is not None and features.shape[0] == len(tokens)
+        if self.pending_tokens:  # the draft did not run this round: keep what it has not read yet
+            features = torch.cat([self.pending_features.to(features), features])
+            tokens = [*self.pending_tokens, *tokens]
+        self.pending_features, self.pending_tokens = features, list(tokens)

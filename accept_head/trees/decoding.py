@@ -1,0 +1,197 @@
+"""Lossless speculative decoding over a draft *tree*: SpecDec++'s acceptance head choosing the branches.
+
+Each round: the drafter reads the committed text (one forward) and proposes the top-k children of the root; while
+the rule (:mod:`~accept_head.trees.growth`) says another depth pays, the best frontier nodes are fed in ONE batched
+draft forward under a tree mask (:mod:`~accept_head.trees.drafters`), which scores them (the head reads their hidden
+states) and proposes their top-k children. The rule then picks the nodes to verify; the target scores them all in
+one pass under a tree mask (:func:`~accept_head.trees.verify.tree_forward`), the longest surviving path is accepted
+with the target's own next token, and both models keep exactly that path.
+
+Why top-k children stay lossless at T > 0. The candidates are deterministic functions of the committed text (the
+draft's top-k, no sampling), so they are independent of the verifier's randomness, and
+:func:`~accept_head.trees.verify.verify_sampled` tries the distinct siblings c_1..c_k of the current node in turn,
+accepting c_i with probability r(c_i)/Σr where r is p with the mass of c_1..c_{i−1} removed, and otherwise draws from
+what remains of r. Then P(emit c_i) = p(c_i) for every sibling and P(emit x) = p(x) for every other x — the emitted
+token follows the target's p whatever the candidates are; the same holds at the accepted child with its own p, so
+the whole sequence follows the target (Fu et al. 2024, Alg. 4; ``tests/test_tree_decoding.py`` checks it by χ²).
+The rule needs no independent draws from q (SpecInfer's multi-draft rule would); the price is that a candidate is
+accepted with probability p(c), not min(1, p/q). Greedy verification accepts a node iff it is the target's argmax.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+from transformers import DynamicCache
+
+from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos, draft_room, prefill
+from ..core.sampling import SamplingConfig, probabilities
+from ..models.features import capture_lm_head_input
+from .drafters import TreeDrafter, as_tree_drafter
+from .growth import DraftTree, TreeRule
+from .verify import (
+    TreeDecodeStats,
+    check_masked_attention,
+    commit_nodes,
+    tree_forward,
+    verify_greedy,
+    verify_sampled,
+)
+
+
+def draft_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
+    """(n, V) draft logits → the distributions whose top-k become children and whose values price them: the
+    sampling transform at T > 0, the untempered softmax at greedy (a one-hot carries no confidence)."""
+    return logits.float().softmax(-1) if sampling.greedy else probabilities(logits, sampling)
+
+
+def draft_tree(
+    drafter: TreeDrafter, rule: TreeRule, sampling: SamplingConfig, max_depth: int, stats: TreeDecodeStats
+) -> DraftTree:
+    """Grow one round's tree (at most ``max_depth`` deep). Returns every proposed node with its score and value."""
+    tree = DraftTree()
+    step = drafter.root() if max_depth > 0 else None
+    parents = [-1]  # the nodes whose children the latest forward proposed (−1: the root)
+    while step is not None:
+        tree.forwards += 1
+        stats.draft_calls += 1
+        q = draft_probs(step.logits, sampling)
+        entropies = (-(q * q.clamp_min(1e-30).log()).sum(-1)).tolist()
+        top = q.topk(min(rule.children(tree.depth + 1), q.shape[-1]), dim=-1)
+        for parent, probs, tokens, entropy in zip(parents, top.values.tolist(), top.indices.tolist(), entropies):
+            depth, joint = (1, 1.0) if parent < 0 else (tree.depths[parent] + 1, tree.joints[parent])
+            for prob, token in zip(probs, tokens):
+                if prob > 0:  # q = 0 outside a pruned vocabulary
+                    tree.add(token, parent, prob, rule.prior(prob, entropy, depth, joint * prob), entropy)
+        if tree.depth >= max_depth or not rule.grow(tree):
+            break
+        parents = rule.frontier(tree)
+        if not parents:
+            break
+        slots = [tree.slots[tree.parents[n]] if tree.parents[n] >= 0 else -1 for n in parents]
+        step = drafter.expand([tree.tokens[n] for n in parents], slots)
+        first = max(tree.slots, default=-1) + 1
+        for i, node in enumerate(parents):
+            tree.slots[node], tree.hidden[node] = first + i, step.hidden[i]
+        if rule.uses_hidden:
+            with _timed(stats, "head_time"):
+                for node, score in zip(parents, rule.score(step.hidden)):
+                    tree.rescore(node, score)
+    return tree
+
+
+def tree_rows(tree: DraftTree, nodes: Sequence[int]) -> tuple[list[int], list[int], list[list[int]], list[list[int]]]:
+    """Lay the verified ``nodes`` (creation order, ancestor-closed) out for the target: (tokens, parents) of the
+    target's tree with the root at index 0, and each root-to-leaf row as round nodes and as target tree indices."""
+    index = {node: i + 1 for i, node in enumerate(nodes)}
+    tokens = [tree.tokens[n] for n in nodes]
+    parents = [index.get(tree.parents[n], 0) for n in nodes]
+    inner = {tree.parents[n] for n in nodes}
+    paths = [tree.path(n) for n in nodes if n not in inner]
+    return tokens, parents, paths, [[index[n] for n in path] for path in paths]
+
+
+@torch.inference_mode()
+def tree_generate(
+    target: torch.nn.Module,
+    draft,
+    input_ids: torch.Tensor | Sequence[int],
+    rule: TreeRule,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eos_token_id: int | Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    observe: Callable[[DraftTree, list[int], torch.Tensor], None] | None = None,
+) -> GenerationResult:
+    """Lossless speculative decoding over draft trees grown by ``rule`` (see the module docstring).
+
+    ``draft``: a Hugging Face causal LM sharing the target's tokenizer, a
+    :class:`~accept_head.models.feature_draft.FeatureDraft` or a :class:`~accept_head.trees.drafters.TreeDrafter`. The
+    target must take a custom 4D attention mask (eager or SDPA attention). Returns the sequences and
+    :class:`~accept_head.trees.verify.TreeDecodeStats` (``fed``: tokens fed to the target per call, ``rows``: leaves).
+    ``observe(tree, nodes, logits)``, if given, sees each round after verification: the drafted tree, the verified
+    nodes and the target's logits (1 + len(nodes), V) at the root and at each of them (for tree labels,
+    :mod:`~accept_head.trees.labels`).
+    """
+    _check_int("max_new_tokens", max_new_tokens, low=0)
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    drafter = tree_drafter_for(draft, target, rule)
+    ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
+    stats, tokens = TreeDecodeStats(), ids[0].tolist()
+    with _timed(stats, "total_time"):
+        cache = DynamicCache()  # the target's: it lacks the last committed token, each round's root
+        with _timed(stats, "target_time"):
+            prefill(target, drafter, ids.to(next(target.parameters()).device), cache)
+        while stats.generated < budget:
+            # 1. Draft: a path commits at most budget - generated - 1 candidates, never past the draft's context.
+            depth = min(budget - stats.generated - 1, draft_room(drafter, len(tokens)))
+            with _timed(stats, "draft_time"):
+                tree = draft_tree(drafter, rule, sampling, depth, stats)
+                nodes = rule.select(tree)
+            with _timed(stats, "target_time"):  # 2. Verify the root (the last token) and the nodes in one pass
+                tree_tokens, parents, paths, rows = tree_rows(tree, nodes)
+                with capture_lm_head_input(target) as box:
+                    logits = tree_forward(target, cache, [tokens[-1], *tree_tokens], [-1, *parents])
+                row, m, next_token = verify_tree(logits, tree, paths, rows, sampling, generator)
+                accepted = paths[row][:m] if m else []
+                commit_nodes(cache, len(tokens) - 1, rows[row][:m] if m else [])
+            if observe is not None:
+                observe(tree, nodes, logits)
+            # 3. Commit the accepted path and the target's token (up to an EOS); both models keep that path.
+            new = _until_eos([*(tree.tokens[n] for n in accepted), next_token], eos)
+            stats.record_tree_round(1 + len(nodes), len(paths), len(paths[row]) if row >= 0 else 0, m, len(new))
+            with _timed(stats, "draft_time"):
+                hidden = box[0][0, [0, *(rows[row][:m] if m else [])]] if drafter.needs_target_features else None
+                drafter.commit(new, None if hidden is None else hidden[: len(new)], _fed_slots(tree, accepted))
+            tokens.extend(new)
+            if new[-1] in eos:
+                break
+    return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)
+
+
+def tree_drafter_for(draft, target: torch.nn.Module, rule: TreeRule) -> TreeDrafter:
+    """The :class:`~accept_head.trees.drafters.TreeDrafter` for ``draft`` (:func:`as_tree_drafter`), after checking
+    that ``target`` takes a tree mask and that the rule's acceptance head, if any, reads the draft's hidden size."""
+    check_masked_attention(target)
+    drafter = as_tree_drafter(draft, target)
+    head = getattr(rule, "head", None)
+    if head is not None and head.hidden_size != drafter.hidden_size:
+        raise ValueError(
+            f"The acceptance head expects hidden size {head.hidden_size} but the draft's is {drafter.hidden_size}; "
+            "train a head for this draft."
+        )
+    return drafter
+
+
+def verify_tree(
+    logits: torch.Tensor,
+    tree: DraftTree,
+    paths: list[list[int]],
+    rows: list[list[int]],
+    sampling: SamplingConfig,
+    generator: torch.Generator | None,
+) -> tuple[int, int, int]:
+    """Verify a round: ``logits`` (1 + |nodes|, V) are the target's at the root and at each verified node (target
+    tree indices ``rows``, round nodes ``paths``, as :func:`tree_rows` lays them out). Greedy accepts a node iff it is
+    the argmax; otherwise :func:`~accept_head.trees.verify.verify_sampled` on ``probabilities(logits, sampling)``.
+    Returns (winning row or −1, accepted count m, the target's next token)."""
+    if sampling.greedy:
+        return verify_greedy(logits.argmax(-1).tolist(), _row_tokens(tree, paths), rows)
+    return verify_sampled(probabilities(logits, sampling), _row_tokens(tree, paths), rows, generator)
+
+
+def _row_tokens(tree: DraftTree, paths: list[list[int]]) -> list[list[int]]:
+    return [[tree.tokens[n] for n in path] for path in paths]
+
+
+def _fed_slots(tree: DraftTree, accepted: Sequence[int]) -> list[int]:
+    """The drafter's slots of the accepted nodes it was fed (a prefix of the path)."""
+    slots = []
+    for node in accepted:
+        if tree.slots[node] < 0:
+            break
+        slots.append(tree.slots[node])
+    return slots

@@ -1,0 +1,315 @@
+"""Which draft branches to grow and which to verify: the rules of a tree round, behind one interface.
+
+A round's draft tree (:class:`DraftTree`) holds every proposed node with a *score* s(n), an estimate of
+P(n accepted | its parent accepted), and a *value* v(n) = ∏ s along its path: the probability that n is reached and
+accepted. A tree T then yields 1 + Σ_{n∈T} v(n) tokens in expectation (the accepted nodes plus the target's own
+token), and costs depth(T) draft forwards and one target call over |T| candidates:
+cost(T) = depth(T)·t_draft + t_target(|T|) with t_target(n) = a + b·n (:class:`~accept_head.core.costs.CostModel`).
+
+Rules (:class:`TreeRule`), compared like with like by the same tree round:
+
+* :class:`HeadTree` — SpecDec++ for trees: a node's score is the acceptance head's p̂ on the draft's hidden state at
+  that node (a node not fed yet counts its draft probability, as the chain's ``unscored="confidence"``). It drafts
+  another depth only while that can still raise the expected tokens per second, and verifies the subtree with the
+  best expected tokens per second (:func:`best_subtree`); ``threshold`` h keeps out nodes with v < 1 − h (the chain
+  rule's threshold on P(some rejection)).
+* :class:`CostTree` — the same growth and selection with the nodes' draft probabilities as scores (the ablation
+  of the head; :class:`~accept_head.trees.labels.C2TTree` scores them with a C2T-style classifier instead).
+* :class:`ConfidenceTree` — EAGLE-2: scores are the draft's probabilities; a fixed depth, the best ``width`` nodes
+  of each depth expanded, then the ``max_nodes`` best nodes by value verified (re-ranking).
+* :class:`StaticTree` — EAGLE-1: a fixed shape, ``shape[d]`` children for every node of depth d.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ..acceptance.head import AcceptanceHead
+from ..core.costs import CostModel
+
+
+@dataclass
+class DraftTree:
+    """The nodes of one round, in creation order (parents before children). Index −1 is the root (the last
+    committed token)."""
+
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    depths: list[int] = field(default_factory=list)
+    """1 for children of the root."""
+    probs: list[float] = field(default_factory=list)
+    """The draft's probability of the node's token in its parent's distribution."""
+    joints: list[float] = field(default_factory=list)
+    """The product of ``probs`` along the node's path (EAGLE-2's confidence value)."""
+    scores: list[float] = field(default_factory=list)
+    """s(n): estimated P(n accepted | parent accepted)."""
+    values: list[float] = field(default_factory=list)
+    """v(n) = ∏ s along the path."""
+    entropies: list[float] = field(default_factory=list)
+    """Entropy (nats) of the parent's draft distribution the node was taken from."""
+    slots: list[int] = field(default_factory=list)
+    """The drafter's cache slot of each fed node (−1: not fed)."""
+    hidden: dict[int, torch.Tensor] = field(default_factory=dict)
+    """The draft's hidden state (d,) at each fed node (the head's input), kept when the rule reads it."""
+    forwards: int = 0
+    """Draft forwards spent on this round (the root step included)."""
+
+    def add(self, token: int, parent: int, prob: float, score: float, entropy: float = 0.0) -> int:
+        self.tokens.append(int(token))
+        self.entropies.append(float(entropy))
+        self.parents.append(parent)
+        self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
+        self.probs.append(float(prob))
+        self.joints.append((1.0 if parent < 0 else self.joints[parent]) * float(prob))
+        self.scores.append(float(score))
+        self.values.append((1.0 if parent < 0 else self.values[parent]) * float(score))
+        self.slots.append(-1)
+        return len(self.tokens) - 1
+
+    def rescore(self, node: int, score: float) -> None:
+        """Replace a childless node's score (its value follows)."""
+        assert node not in self.parents, "rescore a node before its children are added"
+        self.scores[node] = float(score)
+        self.values[node] = (1.0 if self.parents[node] < 0 else self.values[self.parents[node]]) * float(score)
+
+    @property
+    def depth(self) -> int:
+        return max(self.depths, default=0)
+
+    def newest(self) -> list[int]:
+        """Nodes of the deepest depth, best value first (ties: the earlier node)."""
+        deepest = [n for n, d in enumerate(self.depths) if d == self.depth]
+        return sorted(deepest, key=lambda n: -self.values[n])
+
+    def path(self, node: int) -> list[int]:
+        """The nodes from depth 1 down to ``node``."""
+        out = []
+        while node >= 0:
+            out.append(node)
+            node = self.parents[node]
+        return out[::-1]
+
+
+def check_tree_settings(**settings: int) -> None:
+    """Raise ValueError unless every setting is an integer >= 1 (widths, depths, node budgets, shapes)."""
+    for name, value in settings.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be an integer >= 1 (a tree needs at least one node per depth).")
+
+
+def best_subtree(
+    parents: Sequence[int],
+    values: Sequence[float],
+    cost: CostModel,
+    max_nodes: int,
+    floor: float = 0.0,
+    forwards: int | None = None,
+) -> tuple[list[int], float]:
+    """The ancestor-closed subset T of a tree that maximises expected tokens per second (1 + Σ_T v) / cost(T).
+
+    ``values`` must not rise from a parent to its child (v = ∏ s, s ≤ 1). Draft cost: ``forwards``·t_draft when the
+    draft forwards are already spent (then only |T| matters), else depth(T)·t_draft. Nodes with v < ``floor`` are
+    left out, and |T| ≤ ``max_nodes``. Exact: for each depth cap D the best T of size n is the n best nodes by value
+    (ancestor-closed, because values fall along paths; ties go to the earlier node, a parent), so scanning every
+    (D, n) covers the optimum. Returns (nodes in creation order, expected tokens per second; the empty tree's
+    1 / t_target(0) when nothing pays).
+    """
+    depths: list[int] = []
+    for parent in parents:
+        depths.append(1 if parent < 0 else depths[parent] + 1)
+    best, best_rate = [], 1.0 / cost.t_target(0)
+    caps = range(1, max(depths, default=0) + 1) if forwards is None else [max(depths, default=0)]
+    for cap in caps:
+        ranked = sorted((n for n, d in enumerate(depths) if d <= cap and values[n] >= floor), key=lambda n: -values[n])
+        draft = cap * cost.t_draft if forwards is None else forwards * cost.t_draft
+        expected = 1.0
+        for size, node in enumerate(ranked[:max_nodes], start=1):
+            expected += values[node]
+            rate = expected / (draft + cost.t_target(size))
+            if rate > best_rate:
+                best, best_rate = ranked[:size], rate
+    return sorted(best), best_rate
+
+
+class TreeRule:
+    """How a tree round grows and what it verifies. The round (:func:`~accept_head.trees.decoding.draft_tree`)
+    proposes :meth:`children` top-k children of each node in :meth:`frontier` (each scored by :meth:`prior`), asks
+    :meth:`grow` before each further draft forward, and verifies :meth:`select`."""
+
+    uses_hidden: bool = False
+    """Scores fed nodes from the draft's hidden state (:meth:`score`)."""
+    max_depth: int
+    max_nodes: int
+
+    def children(self, depth: int) -> int:
+        """How many children (the draft's top-k) each expanded node of depth ``depth`` − 1 gets."""
+        raise NotImplementedError
+
+    def frontier(self, tree: DraftTree) -> list[int]:
+        """The nodes of the newest depth to feed (expand) in the next draft forward."""
+        raise NotImplementedError
+
+    def prior(self, prob: float, entropy: float, depth: int, joint: float) -> float:
+        """A new node's score before it is fed, from its draft probability ``prob``, the entropy of the distribution
+        it was taken from, its depth and ``joint``, the product of draft probabilities along its path: by default
+        ``prob`` (EAGLE-2's confidence)."""
+        return prob
+
+    def grow(self, tree: DraftTree) -> bool:
+        """Whether another draft forward (one more depth) is worth it."""
+        return tree.depth < self.max_depth
+
+    def score(self, hidden: torch.Tensor) -> list[float]:
+        """(n, d) hidden states of fed nodes → their scores."""
+        raise NotImplementedError(f"{type(self).__name__} does not score hidden states.")
+
+    def select(self, tree: DraftTree) -> list[int]:
+        """The nodes to verify (ancestor-closed), in creation order."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        return type(self).__name__
+
+
+class ConfidenceTree(TreeRule):
+    """EAGLE-2's dynamic tree: value = product of draft probabilities; the ``width`` best nodes of each depth get
+    their ``top_k`` children, for ``max_depth`` depths; the ``max_nodes`` best nodes are verified."""
+
+    def __init__(self, width: int = 4, top_k: int = 4, max_depth: int = 6, max_nodes: int = 32) -> None:
+        check_tree_settings(width=width, top_k=top_k, max_depth=max_depth, max_nodes=max_nodes)
+        self.width, self.top_k, self.max_depth, self.max_nodes = width, top_k, max_depth, max_nodes
+
+    def children(self, depth: int) -> int:
+        return self.top_k
+
+    def frontier(self, tree: DraftTree) -> list[int]:
+        return tree.newest()[: self.width]
+
+    def select(self, tree: DraftTree) -> list[int]:
+        return sorted(sorted(range(len(tree.values)), key=lambda n: -tree.values[n])[: self.max_nodes])
+
+    def describe(self) -> str:
+        return f"ConfidenceTree(width={self.width}, top_k={self.top_k}, depth={self.max_depth}, nodes={self.max_nodes})"
+
+
+class StaticTree(TreeRule):
+    """EAGLE-1's fixed tree: every node of depth d − 1 gets ``shape[d-1]`` children (the draft's top ones), up to
+    ``len(shape)`` depths; all nodes are verified (at most ``max_nodes``, the best by value)."""
+
+    def __init__(self, shape: Sequence[int] = (4, 2, 2, 1, 1), max_nodes: int = 64) -> None:
+        if not shape:
+            raise ValueError("shape=() is empty: a static tree needs one child count per depth, e.g. (4, 2, 1).")
+        check_tree_settings(**{f"shape[{d}]": k for d, k in enumerate(shape)}, max_nodes=max_nodes)
+        self.shape, self.max_depth, self.max_nodes = tuple(shape), len(shape), max_nodes
+
+    def children(self, depth: int) -> int:
+        return self.shape[depth - 1]
+
+    def frontier(self, tree: DraftTree) -> list[int]:
+        return sorted(tree.newest())
+
+    def select(self, tree: DraftTree) -> list[int]:
+        return sorted(sorted(range(len(tree.values)), key=lambda n: -tree.values[n])[: self.max_nodes])
+
+    def describe(self) -> str:
+        return f"StaticTree(shape={self.shape})"
+
+
+class CostTree(TreeRule):
+    """A tree grown by expected tokens per second under ``cost``: the ``width`` best nodes of the newest depth are
+    expanded into their ``top_k`` children while :meth:`grow` says a depth pays, then :func:`best_subtree` picks what
+    to verify. Nodes keep their :meth:`~TreeRule.prior` scores (subclasses score them otherwise).
+
+    ``min_depth`` depths are drafted before the cost rule decides (as the chain rule's ``min_candidates``): with
+    ``min_depth=2`` every round feeds its first depth, so an acceptance head has scored those nodes when the rule
+    first asks whether a further depth pays; with 1 that first decision rests on the draft probabilities alone."""
+
+    def __init__(
+        self,
+        cost: CostModel,
+        width: int = 4,
+        top_k: int = 4,
+        max_depth: int = 12,
+        max_nodes: int = 48,
+        threshold: float | None = None,
+        min_depth: int = 1,
+    ) -> None:
+        check_tree_settings(width=width, top_k=top_k, max_depth=max_depth, max_nodes=max_nodes, min_depth=min_depth)
+        if min_depth > max_depth:
+            raise ValueError(f"min_depth={min_depth} must be <= max_depth={max_depth}.")
+        if threshold is not None and not 0.0 < threshold <= 1.0:
+            raise ValueError(
+                f"threshold={threshold} must be in (0, 1] (nodes need P(reached and accepted) >= 1 - threshold) "
+                "or None (the cost model alone decides)."
+            )
+        self.cost = cost
+        self.width, self.top_k, self.max_depth, self.max_nodes = width, top_k, max_depth, max_nodes
+        self.threshold, self.min_depth = threshold, min_depth
+        self.floor = 0.0 if threshold is None else 1.0 - threshold
+
+    def children(self, depth: int) -> int:
+        return self.top_k
+
+    def frontier(self, tree: DraftTree) -> list[int]:
+        return [n for n in tree.newest()[: self.width] if tree.values[n] >= self.floor]
+
+    def grow(self, tree: DraftTree) -> bool:
+        """Draft one more depth iff the best tree after it could beat the best tree now, both priced with one
+        estimate per frontier node n (the nodes the next forward feeds): n is accepted as often as its parent was
+        (the parent's score — the head's, once the parent was fed; at depth 1, n's own draft probability), and so
+        is its best child, which the next depth adds. The cost counts the extra forward (depth(T)·t_draft)."""
+        frontier = self.frontier(tree)
+        if tree.depth >= self.max_depth or not frontier:
+            return False
+        if tree.depth < self.min_depth:
+            return True
+        parents, values = list(tree.parents), list(tree.values)
+        for node in frontier:
+            parent = tree.parents[node]
+            rate = tree.scores[node] if parent < 0 else tree.scores[parent]
+            values[node] = (1.0 if parent < 0 else tree.values[parent]) * rate
+            parents.append(node)
+            values.append(values[node] * rate)
+        _, now = best_subtree(tree.parents, values[: len(tree.values)], self.cost, self.max_nodes, self.floor)
+        _, after = best_subtree(parents, values, self.cost, self.max_nodes, self.floor)
+        return after > now and not math.isclose(after, now)
+
+    def select(self, tree: DraftTree) -> list[int]:
+        nodes, _ = best_subtree(tree.parents, tree.values, self.cost, self.max_nodes, self.floor, tree.forwards)
+        return nodes
+
+    def describe(self) -> str:
+        extra = "" if self.threshold is None else f", h={self.threshold:g}"
+        return f"{type(self).__name__}(width={self.width}, top_k={self.top_k}, nodes={self.max_nodes}{extra})"
+
+
+class HeadTree(CostTree):
+    """SpecDec++ for trees (see the module docstring): the acceptance head scores every fed node from the draft's
+    hidden state there (through ``calibration`` when given); the tree grows by expected tokens per second under
+    ``cost`` (:class:`CostTree`)."""
+
+    uses_hidden = True
+
+    def __init__(
+        self,
+        head: AcceptanceHead,
+        cost: CostModel,
+        width: int = 4,
+        top_k: int = 4,
+        max_depth: int = 12,
+        max_nodes: int = 48,
+        threshold: float | None = None,
+        calibration=None,
+        min_depth: int = 1,
+    ) -> None:
+        super().__init__(cost, width, top_k, max_depth, max_nodes, threshold, min_depth)
+        self.head, self.calibration = head, calibration
+
+    def score(self, hidden: torch.Tensor) -> list[float]:
+        with torch.inference_mode():
+            probs = self.head.accept_prob(hidden).float().tolist()
+        return probs if self.calibration is None else [float(self.calibration(p)) for p in probs]

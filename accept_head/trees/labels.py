@@ -1,0 +1,224 @@
+"""Labels for tree rounds, and a C2T-style classifier trained on them.
+
+**Labels.** Every drafted node whose parent the target scored in a round's verification pass (the root, or a
+verified node) is labelled from that pass with P(node accepted | parent accepted) under the tree verification rule:
+at T > 0 this is exactly p_parent(token) — :func:`~accept_head.trees.verify.verify_sampled` emits each token with its
+target probability whatever candidates it tried, so the label holds for verified nodes and for nodes drafted but not
+verified alike — and at greedy it is 1[token = argmax p_parent]. These are the soft labels SpecDec++ trains its head
+on, extended from a chain's candidates to every node of a tree (:func:`node_labels`, collected over real decoding by
+:class:`TreeLabelRecorder` through ``tree_generate(observe=...)``).
+
+**C2T** (Huo et al. 2025) prunes a draft tree with a tiny classifier on three features of a node: the joint draft
+probability of its path, the entropy of the distribution it was taken from, and its depth. :class:`C2TClassifier`
+is such a classifier (3 → 16 → 1, SiLU, 81 parameters) trained with BCE on the same tree labels;
+:class:`C2TTree` grows trees by the cost rule of :class:`~accept_head.trees.growth.HeadTree` with the classifier's
+score in place of the head's, so the two are compared like with like.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from ..acceptance.head import HEAD_WEIGHTS, AcceptanceHead
+from ..core.costs import CostModel
+from ..core.sampling import SamplingConfig, probabilities
+from .growth import CostTree, DraftTree
+
+C2T_WEIGHTS = "c2t.safetensors"
+
+
+def node_labels(tree: DraftTree, nodes: list[int], logits: torch.Tensor, sampling: SamplingConfig) -> dict[int, float]:
+    """Labels of a round's nodes from its verification pass: ``nodes`` were verified (creation order) and
+    ``logits`` (1 + len(nodes), V) are the target's at the root and at each of them. Returns {node: label} for every
+    node whose parent was scored (see the module docstring)."""
+    probs = probabilities(logits, sampling)
+    row = {node: i + 1 for i, node in enumerate(nodes)}
+    labels = {}
+    for node, parent in enumerate(tree.parents):
+        scored = 0 if parent < 0 else row.get(parent)
+        if scored is not None:
+            labels[node] = float(probs[scored, tree.tokens[node]])
+    return labels
+
+
+def c2t_features(tree: DraftTree, node: int) -> list[float]:
+    """C2T's three features of a node: log joint draft probability of its path, the entropy of the distribution it
+    was taken from, and its depth."""
+    return [math.log(max(tree.joints[node], 1e-30)), tree.entropies[node], float(tree.depths[node])]
+
+
+@dataclass
+class LabelledRound:
+    """One tree round kept for training and for pricing trees offline: the drafted tree's shape, what each scorer
+    reads, and the labels of every node whose parent the target scored (:func:`node_labels`)."""
+
+    parents: list[int]
+    probs: list[float]
+    """The draft's probability of each node (its EAGLE-2 score)."""
+    features: list[list[float]]
+    """C2T features of each node (:func:`c2t_features`)."""
+    labels: dict[int, float]
+    hidden: dict[int, torch.Tensor]
+    """The draft's hidden state at each fed node (the head's input)."""
+    forwards: int
+
+    def labelled(self) -> list[int]:
+        """The nodes with a label, in creation order: an ancestor-closed subtree (a verified parent's own path was
+        verified, so every node on it has a label)."""
+        return sorted(self.labels)
+
+
+@dataclass
+class TreeLabelRecorder:
+    """Collects labelled nodes over decoding: pass ``recorder.observe`` as ``tree_generate(observe=...)``."""
+
+    sampling: SamplingConfig
+    features: list[list[float]] = field(default_factory=list)
+    """C2T features per labelled node."""
+    hidden: list[torch.Tensor] = field(default_factory=list)
+    """The draft's hidden state of each labelled node that was fed (head training rows)."""
+    hidden_labels: list[float] = field(default_factory=list)
+    labels: list[float] = field(default_factory=list)
+    rounds: list[LabelledRound] = field(default_factory=list)
+    """Every observed round whole (:class:`LabelledRound`)."""
+
+    def observe(self, tree: DraftTree, nodes: list[int], logits: torch.Tensor) -> None:
+        labels = node_labels(tree, nodes, logits, self.sampling)
+        features = [c2t_features(tree, node) for node in range(len(tree.tokens))]
+        hidden = {node: state.float().cpu() for node, state in tree.hidden.items()}
+        self.rounds.append(LabelledRound(list(tree.parents), list(tree.probs), features, labels, hidden, tree.forwards))
+        for node, label in labels.items():
+            self.features.append(features[node])
+            self.labels.append(label)
+            if node in hidden:
+                self.hidden.append(hidden[node])
+                self.hidden_labels.append(label)
+
+
+class C2TClassifier(nn.Module):
+    """P(node accepted | parent accepted) from C2T's three features (3 → 16 → 1), inputs standardised."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(3, 16), nn.SiLU(), nn.Linear(16, 1))
+        self.register_buffer("mean", torch.zeros(3))
+        self.register_buffer("std", torch.ones(3))
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """(..., 3) → acceptance logits (...)."""
+        return self.net((features - self.mean) / self.std).squeeze(-1)
+
+    @classmethod
+    def fit(cls, features: list[list[float]], labels: list[float], steps: int = 500, seed: int = 0) -> C2TClassifier:
+        """Train on (features, soft labels) with BCE and Adam (full batch). Raises ValueError without labels."""
+        if not labels or len(features) != len(labels):
+            raise ValueError(f"C2TClassifier.fit needs as many labels as feature rows, got {len(labels)} labels.")
+        x = torch.tensor(features, dtype=torch.float32)
+        y = torch.tensor(labels, dtype=torch.float32)
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = cls()
+        model.mean.copy_(x.mean(0))
+        model.std.copy_(x.std(0).clamp_min(1e-3) if len(x) > 1 else torch.ones(3))
+        optimizer = torch.optim.Adam(model.net.parameters(), lr=0.02)
+        for _ in range(steps):
+            optimizer.zero_grad()
+            loss = nn.functional.binary_cross_entropy_with_logits(model(x), y)
+            loss.backward()
+            optimizer.step()
+        return model.eval()
+
+    def save(self, path: str | Path) -> None:
+        """Weights and standardisation in one safetensors file."""
+        state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
+        save_file(state, str(path), metadata={"format": "pt"})
+
+    @classmethod
+    def load(cls, path: str | Path) -> C2TClassifier:
+        model = cls()
+        try:
+            model.load_state_dict(load_file(str(path)))
+        except (OSError, RuntimeError, SafetensorError) as err:
+            raise ValueError(f"{path} is not a C2T classifier saved by C2TClassifier.save: {err}") from err
+        return model.eval()
+
+
+class C2TTree(CostTree):
+    """The cost-priced tree of :class:`~accept_head.trees.growth.CostTree` scored by a :class:`C2TClassifier`: every
+    node is scored when proposed (no draft state needed). ``settings``: CostTree's width, top_k, max_depth, ..."""
+
+    def __init__(self, classifier: C2TClassifier, cost: CostModel, **settings) -> None:
+        super().__init__(cost, **settings)
+        self.classifier = classifier
+
+    def prior(self, prob: float, entropy: float, depth: int, joint: float) -> float:
+        with torch.inference_mode():
+            logit = self.classifier(torch.tensor([math.log(max(joint, 1e-30)), entropy, float(depth)]))
+        return float(torch.sigmoid(logit))
+
+
+MODES = ("greedy", "sampled")
+"""Decoding modes that tree labels (and what is trained on them) are kept apart by: greedy, and sampling (T > 0)."""
+
+
+def tree_mode(greedy: bool) -> str:
+    return MODES[0] if greedy else MODES[1]
+
+
+@dataclass
+class TreeModels:
+    """What is trained on tree labels (``python -m train.trees``), per decoding mode (:data:`MODES`): a C2T
+    classifier for :class:`C2TTree` and an acceptance head trained on tree nodes (``head_tree`` with ``head: tree``).
+    Saved as ``<folder>/<mode>/c2t.safetensors`` and ``<folder>/<mode>/head.safetensors`` (+ ``head_config.json``)."""
+
+    c2t: dict[str, C2TClassifier] = field(default_factory=dict)
+    heads: dict[str, AcceptanceHead] = field(default_factory=dict)
+
+    def classifier(self, greedy: bool) -> C2TClassifier:
+        return self._get(self.c2t, greedy, "C2T classifier")
+
+    def head(self, greedy: bool) -> AcceptanceHead:
+        return self._get(self.heads, greedy, "tree-trained head")
+
+    @staticmethod
+    def _get(table: dict, greedy: bool, what: str):
+        mode = tree_mode(greedy)
+        if mode not in table:
+            raise ValueError(
+                f"no {what} for {mode} decoding here (have: {sorted(table) or 'none'}); train one with "
+                f"`python -m train.trees --config ...` with this mode's temperature."
+            )
+        return table[mode]
+
+    def save(self, folder: str | Path) -> None:
+        for mode, classifier in self.c2t.items():
+            (Path(folder) / mode).mkdir(parents=True, exist_ok=True)
+            classifier.save(Path(folder) / mode / C2T_WEIGHTS)
+        for mode, head in self.heads.items():
+            head.save_pretrained(Path(folder) / mode)
+
+    @classmethod
+    def load(cls, folder: str | Path) -> TreeModels:
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise FileNotFoundError(
+                f"tree_models={str(folder)!r} is not a folder; write one with `python -m train.trees`."
+            )
+        models = cls()
+        for mode in MODES:
+            if (folder / mode / C2T_WEIGHTS).is_file():
+                models.c2t[mode] = C2TClassifier.load(folder / mode / C2T_WEIGHTS)
+            if (folder / mode / HEAD_WEIGHTS).is_file():
+                models.heads[mode] = AcceptanceHead.from_pretrained(folder / mode).eval()
+        if not models.c2t and not models.heads:
+            raise FileNotFoundError(
+                f"{folder} holds no {'/'.join(MODES)} subfolder with {C2T_WEIGHTS} or {HEAD_WEIGHTS}."
+            )
+        return models

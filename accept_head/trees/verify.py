@@ -1,0 +1,261 @@
+"""One target pass over many guesses: token trees under a custom 4D attention mask, and their lossless verification.
+
+The learning-free decoders (:mod:`~accept_head.learning_free.ngrammys`, :mod:`~accept_head.learning_free.lookahead`)
+submit several guessed
+continuations ("rows") of the committed text at once. They are laid out as one sequence of ``T`` new tokens whose
+attention pattern is a tree: token ``i`` has a parent ``parents[i]`` (−1: it follows the committed prefix directly)
+and attends to the whole KV cache of the prefix plus its ancestors and itself; its position id is the prefix length
+plus its depth. Rows that share the root share its keys and values, and the prefix is never copied per row.
+
+transformers API: ``model(input_ids, attention_mask=<(1, 1, T, L + T) additive float mask>, position_ids=(1, T),
+cache=DynamicCache, use_cache=True, logits_to_keep=<1-D index tensor>)`` (``past_key_values=`` before 5.24). In
+transformers 5.x ``masking_utils.create_causal_mask`` returns a 4D mask unchanged ("already prepared 4D mask ...
+returned as-is", checked in 5.23), and the eager, SDPA and this toolkit's grouped eager attention add a float mask
+to the scores, so the tree pattern reaches every layer. After verification
+:func:`~accept_head.core.hf_compat.keep_cache_positions` keeps the prefix, the root and the accepted row's positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+from transformers import DynamicCache
+
+from ..chain.decoding import DecodeStats, _forward
+from ..core.hf_compat import GQA_EAGER, cache_kwargs, keep_cache_positions
+from ..core.sampling import generator_device, sample
+
+MASKED_ATTENTION = ("eager", "sdpa", GQA_EAGER)
+"""Attention implementations that apply an arbitrary additive 4D mask (flash-attention kernels take none; flex
+attention needs a ``BlockMask``)."""
+
+
+@dataclass
+class TreeDecodeStats(DecodeStats):
+    """:class:`~accept_head.chain.decoding.DecodeStats` of a decoder that verifies several rows per target call.
+
+    ``proposed`` / ``accepted`` hold the *winning* row's length and accepted count per call (``discarded`` sums
+    their difference); ``draft_calls`` stays 0 (no draft model) and ``draft_time`` is the time spent building
+    guesses.
+    """
+
+    fed: list[int] = field(default_factory=list)
+    """Tokens fed to the target in each call (the root, every row and, for Lookahead, its window)."""
+    rows: list[int] = field(default_factory=list)
+    """Candidate rows verified in each call."""
+
+    def record_tree_round(self, fed: int, rows: int, proposed: int, accepted: int, committed: int) -> None:
+        """Count one target call that fed ``fed`` tree tokens holding ``rows`` candidate rows: the winning row's
+        ``proposed`` tokens, ``accepted`` of them, ``committed`` tokens kept (see
+        :meth:`~accept_head.chain.decoding.DecodeStats.record_round`)."""
+        self.fed.append(fed)
+        self.rows.append(rows)
+        self.record_round(proposed, accepted, committed)
+
+
+@dataclass(frozen=True)
+class RowOrigin:
+    """Where a guessed row came from: what a stop rule may read about it besides its tokens."""
+
+    source: str
+    """``context`` (copied from earlier text), ``model`` (the model bigram's chain) or ``pool`` (Lookahead's pool)."""
+    rank: int
+    """Rank within its source: 0 = the most recent context match, the most likely successor, the newest pool entry."""
+    start: int = -1
+    """For ``context`` rows: the index in the committed text where the copied continuation starts; else −1."""
+
+
+class RowStop(Protocol):
+    """Chooses how much of each guessed row a learning-free decoder submits (:mod:`~accept_head.engine.free_stop`).
+
+    The decoder calls ``start`` once with the prompt, then every round ``select`` before the target call and
+    ``observe`` after it. ``select`` returns one length per row in [0, len(row)]: the row's first tokens to verify
+    (0 drops it). It sees only the committed text and the guesses, never the target's output, so every guess is
+    fixed before verification and decoding stays lossless whatever it returns.
+    """
+
+    def start(self, tokens: Sequence[int]) -> None: ...
+
+    def select(self, tokens: Sequence[int], rows: list[list[int]], origins: list[RowOrigin], fed: int) -> list[int]:
+        """``tokens``: the committed text (its last token is the tree's root); ``fed``: tokens the call feeds
+        besides the rows (the root, and Lookahead's window)."""
+        ...
+
+    def observe(
+        self,
+        tokens: Sequence[int],
+        rows: list[list[int]],
+        origins: list[RowOrigin],
+        nodes: list[list[int]],
+        logits: torch.Tensor,
+    ) -> None:
+        """After verification: ``logits[0]`` (V,) is the target's output after the root and ``logits[nodes[r][j]]``
+        after ``rows[r][j]``; ``tokens`` is still the text before this round's tokens are committed."""
+        ...
+
+
+def apply_stop(
+    stop: RowStop, tokens: Sequence[int], rows: list[list[int]], origins: list[RowOrigin], fed: int
+) -> tuple[list[list[int]], list[RowOrigin]]:
+    """The rows ``stop`` keeps (each cut to its selected length; empty ones dropped) and their origins."""
+    if not rows:
+        return rows, origins
+    lengths = stop.select(tokens, rows, origins, fed)
+    if len(lengths) != len(rows) or any(not 0 <= n <= len(row) for n, row in zip(lengths, rows)):
+        raise ValueError(
+            f"{type(stop).__name__}.select returned lengths {list(lengths)} for rows of lengths "
+            f"{[len(row) for row in rows]}: it must return one length in [0, len(row)] per row."
+        )
+    kept = [(row[:n], origin) for n, row, origin in zip(lengths, rows, origins) if n > 0]
+    return [row for row, _ in kept], [origin for _, origin in kept]
+
+
+def check_masked_attention(model: torch.nn.Module) -> None:
+    """Raise ValueError unless ``model`` applies custom 4D attention masks (see :data:`MASKED_ATTENTION`)."""
+    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
+    if implementation not in MASKED_ATTENTION:
+        raise ValueError(
+            f"{type(model).__name__} uses attn_implementation={implementation!r}, which cannot take the custom 4D "
+            f"attention mask of tree verification; load it with attn_implementation in {MASKED_ATTENTION}."
+        )
+
+
+def prefill_root(target: torch.nn.Module, ids: torch.Tensor) -> DynamicCache:
+    """The target's KV cache over the prompt ``ids`` (1, L) but its last token, which the first tree feeds as its
+    root (tree index 0); the cache keeps lacking the last committed token from then on."""
+    cache = DynamicCache()
+    if ids.shape[1] > 1:
+        _forward(target, ids[:, :-1].to(next(target.parameters()).device), cache, last_only=True)
+    return cache
+
+
+def add_rows(tokens: list[int], parents: list[int], root: int, rows: Sequence[Sequence[int]]) -> list[list[int]]:
+    """Append ``rows`` to the tree (``tokens`` / ``parents`` in place), each a chain hanging off node ``root``.
+
+    Returns ``nodes``: ``nodes[r][j]`` is the tree index of ``rows[r][j]``.
+    """
+    nodes = []
+    for row in rows:
+        parent, indices = root, []
+        for token in row:
+            tokens.append(int(token))
+            parents.append(parent)
+            parent = len(tokens) - 1
+            indices.append(parent)
+        nodes.append(indices)
+    return nodes
+
+
+def tree_mask(parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention pattern of a token tree: ``mask`` (T, T) bool, True where token i may attend to token j (j is
+    i or an ancestor of i), and ``depths`` (T,) long (0 for tokens whose parent is −1). Parents precede children."""
+    size = len(parents)
+    mask = torch.zeros(size, size, dtype=torch.bool)
+    depths = torch.zeros(size, dtype=torch.long)
+    for i, parent in enumerate(parents):
+        if not -1 <= parent < i:
+            raise ValueError(f"parents[{i}]={parent}: a parent must be -1 or an earlier token.")
+        if parent >= 0:
+            mask[i] = mask[parent]
+            depths[i] = depths[parent] + 1
+        mask[i, i] = True
+    return mask, depths
+
+
+def tree_forward(
+    model: torch.nn.Module,
+    cache: DynamicCache,
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    keep: Sequence[int] | None = None,
+) -> torch.Tensor:
+    """Run a token tree through ``model`` on top of its KV cache (prefix length L) in one forward pass.
+
+    tokens / parents: length T. Position ids are L + depth, clamped to the model's last position
+    (``max_position_embeddings`` − 1; for guesses that would run past the context: they are never committed).
+    Returns logits (len(keep), V), rows in ``keep`` order (all T rows if ``keep`` is None). The cache grows by T
+    positions; the caller keeps what was accepted with :func:`commit_nodes`.
+    """
+    device = next(model.parameters()).device
+    dtype = getattr(model, "dtype", torch.float32)
+    prefix = cache.get_seq_length()
+    mask, depths = tree_mask(parents)
+    additive = torch.zeros(1, 1, len(tokens), prefix + len(tokens), dtype=dtype, device=device)
+    additive[0, 0, :, prefix:] = torch.where(mask, 0.0, torch.finfo(dtype).min).to(device, dtype)
+    positions = prefix + depths
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if limit is not None:
+        positions = positions.clamp(max=limit - 1)
+    out = model(
+        input_ids=torch.tensor([list(tokens)], device=device),
+        attention_mask=additive,
+        position_ids=positions[None].to(device),
+        **cache_kwargs(model, cache),
+        logits_to_keep=0 if keep is None else torch.tensor(list(keep), device=device),
+    )
+    return out.logits[0]
+
+
+def commit_nodes(cache: DynamicCache, prefix: int, nodes: Sequence[int]) -> None:
+    """After :func:`tree_forward` on a cache of ``prefix`` positions: keep the prefix, the root (tree index 0) and
+    the tree nodes ``nodes`` (the accepted tokens, in order)."""
+    keep_cache_positions(cache, prefix + 1, [prefix + n for n in nodes])
+
+
+def verify_greedy(argmax: Sequence[int], rows: Sequence[Sequence[int]], nodes: Sequence[Sequence[int]]) -> tuple:
+    """Greedy verification of rows hanging off the root (Fu et al. 2024, Alg. 3; N-Grammys' longest match).
+
+    ``argmax[n]``: the target's greedy next token after tree node ``n`` (0 = root). A row's candidates are accepted
+    while each equals the target's argmax after its predecessor. Returns (winning row or −1 if there are no rows,
+    accepted count m, the target's own next token after the last accepted one). Ties go to the earlier row.
+    """
+    best, best_m = -1, 0
+    for r, row in enumerate(rows):
+        m = 0
+        while m < len(row) and row[m] == argmax[nodes[r][m - 1] if m else 0]:
+            m += 1
+        if best < 0 or m > best_m:
+            best, best_m = r, m
+    last = nodes[best][best_m - 1] if best_m else 0
+    return best, best_m, int(argmax[last])
+
+
+def verify_sampled(
+    probs: torch.Tensor,
+    rows: Sequence[Sequence[int]],
+    nodes: Sequence[Sequence[int]],
+    generator: torch.Generator | None,
+) -> tuple:
+    """Lossless sampling verification of deterministic guesses (Fu et al. 2024, Alg. 4 "sample verification").
+
+    ``probs[n]`` (V,): the target's distribution after tree node ``n`` (0 = root). At each depth the distinct
+    candidate tokens of the rows still alive are tried in row order: candidate c is accepted with probability
+    residual(c) / Σ residual, else its mass is removed from the residual; if none is accepted the next token is drawn
+    from the residual. Each token is thereby distributed exactly as the target's (a point-mass draft makes the
+    speculative-sampling ratio p/q equal p). Returns (winning row or −1, accepted count m, next token).
+    """
+    alive, node, m = list(range(len(rows))), 0, 0
+    while True:
+        live = [r for r in alive if len(rows[r]) > m]
+        if not live:  # every surviving row is exhausted: the bonus token
+            return (alive[0] if alive else -1), m, int(sample(probs[node][None], generator)[0])
+        residual, tried, accepted = probs[node].double().clone(), set(), None
+        for r in live:
+            token = rows[r][m]
+            if token in tried:
+                continue
+            tried.add(token)
+            u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=generator_device(generator)))
+            if u * float(residual.sum()) < float(residual[token]):  # p = 0 never passes, p = Σ always does
+                accepted = token
+                break
+            residual[token] = 0.0
+        if accepted is None:
+            if float(residual.sum()) <= 0:  # rounding only: the removed tokens held all the mass
+                residual = probs[node].double()
+            return live[0], m, int(sample(residual[None], generator)[0])
+        alive = [r for r in live if rows[r][m] == accepted]
+        node, m = nodes[alive[0]][m], m + 1
