@@ -1,0 +1,234 @@
+"""Batched sampling built for throughput on a CPU: continuous batching over a preallocated KV cache.
+
+``model.generate`` on a batch keeps every row to the end, grows its cache by concatenation at every step and samples
+from a float32 copy of the whole batch's logits. Here every row lives in a *slot* of a :class:`SlotCache` (one
+preallocated key/value buffer per layer, written in place at each row's own positions); a row that ends (EOS or
+``max_new_tokens``) frees its slot, and free slots are refilled with the next prompts in one batched prefill, so the
+decode step keeps its batch full until the prompts run out (then the cache is compacted to the rows still alive).
+The model runs through its own ``forward`` (any Hugging Face causal LM whose attention takes a 4D mask and
+``position_ids``, such as Llama, Qwen2, SmolLM2) with ``logits_to_keep=1``.
+
+Sampling is exact: row i's token at temperature T is the inverse CDF of softmax(logits_i / T) (float32) at one
+uniform u_i drawn per row and step from the caller's generator — the same distribution as ``torch.multinomial``,
+with one random number per row instead of one per vocabulary entry; greedy rows take the argmax. Given the same
+prompts, settings and seed, the same rows come out (the schedule of refills is itself a function of them).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from transformers import Cache
+from transformers.cache_utils import CacheLayerMixin
+
+from ..core.hf_compat import cache_kwargs
+
+
+class SlotLayer(CacheLayerMixin):
+    """One layer's keys and values, (slots, kv_heads, length, head_dim), written where the owning
+    :class:`SlotCache` says the fed tokens go."""
+
+    is_sliding = False
+    is_compileable = False
+
+    def __init__(self, owner: SlotCache) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        shape = (self.owner.slots, key_states.shape[1], self.owner.length + 1, key_states.shape[-1])
+        self.keys = key_states.new_zeros(shape)  # index `length` is the scratch position padding tokens write to
+        self.values = value_states.new_zeros(shape[:3] + (value_states.shape[-1],))
+        self.device, self.is_initialized = key_states.device, True
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        """Write (n, heads, T, d) keys/values at the fed rows' positions; return the keys/values they attend over."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        rows, positions, span = self.owner.fed_rows, self.owner.fed_positions, self.owner.span
+        self.keys[rows[:, None], :, positions] = key_states.transpose(1, 2)
+        self.values[rows[:, None], :, positions] = value_states.transpose(1, 2)
+        if self.owner.all_rows:  # the decode step: every slot, no copy
+            return self.keys[:, :, :span], self.values[:, :, :span]
+        return self.keys[rows, :, :span], self.values[rows, :, :span]
+
+    def get_seq_length(self) -> int:
+        return self.owner.span
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.span, 0
+
+    def get_max_length(self) -> int:
+        return self.owner.length
+
+    def keep(self, slots: torch.Tensor) -> None:
+        self.keys, self.values = self.keys[slots], self.values[slots]
+
+
+class SlotCache(Cache):
+    """A KV cache of ``slots`` independent rows of up to ``length`` positions each, for a model with ``layers``
+    attention layers. Before each forward, :meth:`feed` names the slots fed and the cache position of every fed
+    token; a row's position in the cache is its token's position in its own sequence (slots start at 0)."""
+
+    def __init__(self, layers: int, slots: int, length: int) -> None:
+        self.slots, self.length = slots, length
+        super().__init__(layers=[SlotLayer(self) for _ in range(layers)])
+        self.fed_rows = self.fed_positions = None
+        self.all_rows, self.span = True, 0
+
+    def feed(self, rows: torch.Tensor, positions: torch.Tensor, span: int) -> None:
+        """The next forward feeds slots ``rows`` (n,) their tokens at cache positions ``positions`` (n, T) (padding:
+        :attr:`length`, a scratch position never attended); they attend over the first ``span`` positions."""
+        self.fed_rows, self.fed_positions, self.span = rows, positions, span
+        self.all_rows = len(rows) == self.slots and bool((rows == torch.arange(self.slots, device=rows.device)).all())
+
+    def keep(self, slots: torch.Tensor) -> None:
+        """Keep only ``slots`` (their order becomes the new slot order)."""
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.keep(slots)
+        self.slots = len(slots)
+
+
+def attention_bias(positions: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:
+    """(n, 1, T, span) additive mask: the token at cache position ``positions[i, t]`` sees positions 0..that one of
+    its own slot; a padding token (at the scratch position, past ``span``) sees them all (its output is never read)."""
+    visible = torch.arange(span, device=positions.device) <= positions[:, :, None]
+    return torch.zeros(visible.shape, dtype=dtype, device=positions.device).masked_fill_(
+        ~visible, torch.finfo(dtype).min
+    )[:, None]
+
+
+def sample_rows(logits: torch.Tensor, temperature: float, greedy: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``logits`` (n, V): the argmax where ``greedy`` (n,) is set, else the inverse CDF of
+    softmax(logits / temperature) (float32) at ``uniform`` (n,) in [0, 1)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    cdf = probs.cumsum_(-1)
+    sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
+    sampled = sampled.clamp_(max=logits.shape[-1] - 1)  # u * total can round up to the last entry's cdf
+    return torch.where(greedy, logits.argmax(-1), sampled)
+
+
+@dataclass
+class _Slot:
+    """The row a slot decodes: its index in the caller's list, where its next token goes, what it wrote."""
+
+    row: int
+    position: int
+    tokens: list[int]
+
+
+@torch.inference_mode()
+def slot_generate(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    greedy: Sequence[bool],
+    *,
+    max_new_tokens: int,
+    temperature: float,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    generator: torch.Generator,
+    slots: int = 128,
+    refill_fraction: float = 0.125,
+) -> list[list[int]]:
+    """Responses of ``model`` to ``prompts`` (token id lists), in their order, decoded ``slots`` rows at a time.
+
+    Row i takes the argmax where ``greedy[i]``, else samples at ``temperature`` (uniforms from ``generator``, which
+    lives on the model's device). A response ends with its first EOS (kept) or after ``max_new_tokens``. Free slots
+    are refilled with the next prompts (in order) once ``refill_fraction`` of the slots are free, or when every
+    live row has ended.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature={temperature} must be > 0 (greedy rows are chosen by `greedy`).")
+    if slots < 1 or not 0 < refill_fraction <= 1 or max_new_tokens < 1:
+        raise ValueError(
+            f"need slots >= 1, 0 < refill_fraction <= 1 and max_new_tokens >= 1 "
+            f"(got {slots}, {refill_fraction}, {max_new_tokens})."
+        )
+    if len(greedy) != len(prompts) or any(len(p) == 0 for p in prompts):
+        raise ValueError("slot_generate needs one `greedy` flag per prompt and no empty prompt.")
+    device = next(model.parameters()).device
+    eos = set(int(t) for t in eos_token_ids)
+    length = max((len(p) for p in prompts), default=0) + max_new_tokens
+    cache = SlotCache(model.config.num_hidden_layers, min(slots, len(prompts)), length)
+    live: list[_Slot | None] = [None] * cache.slots
+    greedy_rows = torch.tensor(list(greedy), dtype=torch.bool)
+    out: list[list[int]] = [[] for _ in prompts]
+    waiting = list(range(len(prompts)))[::-1]  # popped from the end: the prompts in order
+    last = torch.full((cache.slots,), pad_token_id, dtype=torch.long)
+    while True:
+        free = [i for i, slot in enumerate(live) if slot is None]
+        if waiting and free and len(free) >= min(refill_fraction * cache.slots, len(waiting)):
+            _refill(model, cache, live, free, waiting, prompts, greedy_rows, last, temperature, generator, out, eos)
+            _retire(live, out, eos, max_new_tokens)
+            continue
+        alive = [i for i, slot in enumerate(live) if slot is not None]
+        if not alive:
+            return out
+        if not waiting and len(alive) <= cache.slots // 2:  # the tail: decode only the rows still alive
+            keep = torch.tensor(alive)
+            cache.keep(keep.to(device))
+            live, last = [live[i] for i in alive], last[keep]
+        _decode_step(model, cache, live, greedy_rows, last, temperature, generator, pad_token_id, device)
+        _retire(live, out, eos, max_new_tokens)
+
+
+def _refill(model, cache, live, free, waiting, prompts, greedy_rows, last, temperature, generator, out, eos) -> None:
+    """Prefill the next prompts into the ``free`` slots (left-padded into one batch) and sample their first tokens."""
+    device = next(model.parameters()).device
+    chosen = free[: len(waiting)]
+    rows = [waiting.pop() for _ in chosen]
+    width = max(len(prompts[r]) for r in rows)
+    ids = torch.full((len(rows), width), 0, dtype=torch.long)
+    positions = torch.full((len(rows), width), cache.length, dtype=torch.long)  # padding writes the scratch position
+    for i, r in enumerate(rows):
+        n = len(prompts[r])
+        ids[i, width - n :] = torch.as_tensor(prompts[r])
+        positions[i, width - n :] = torch.arange(n)
+    span = width
+    cache.feed(torch.tensor(chosen, device=device), positions.to(device), span)
+    logits = model(
+        input_ids=ids.to(device),
+        position_ids=positions.clamp(max=span - 1).to(device),
+        attention_mask=attention_bias(positions.to(device), span, model.dtype),
+        **cache_kwargs(model, cache),
+        logits_to_keep=1,
+    ).logits[:, -1]
+    uniform = torch.rand(len(rows), generator=generator, device=device)
+    tokens = sample_rows(logits, temperature, greedy_rows[rows].to(device), uniform).cpu()
+    for slot, r, token in zip(chosen, rows, tokens.tolist()):
+        live[slot] = _Slot(row=r, position=len(prompts[r]), tokens=[token])
+        last[slot] = token
+
+
+def _decode_step(model, cache, live, greedy_rows, last, temperature, generator, pad_token_id, device) -> None:
+    """Feed every slot its last token (free slots feed padding to the scratch position) and sample the next."""
+    positions = torch.tensor([[s.position if s is not None else cache.length] for s in live])
+    span = int(max(s.position for s in live if s is not None)) + 1
+    cache.feed(torch.arange(cache.slots, device=device), positions.to(device), span)
+    logits = model(
+        input_ids=last[:, None].to(device),
+        position_ids=positions.clamp(max=span - 1).to(device),
+        attention_mask=attention_bias(positions.to(device), span, model.dtype),
+        **cache_kwargs(model, cache),
+        logits_to_keep=1,
+    ).logits[:, -1]
+    greedy = torch.tensor([s is not None and bool(greedy_rows[s.row]) for s in live], device=device)
+    uniform = torch.rand(cache.slots, generator=generator, device=device)
+    tokens = sample_rows(logits, temperature, greedy, uniform).cpu()
+    for slot, token in zip(live, tokens.tolist()):
+        if slot is not None:
+            slot.position += 1
+            slot.tokens.append(token)
+    last.copy_(torch.where(torch.tensor([s is not None for s in live]), tokens, pad_token_id))
+
+
+def _retire(live, out, eos, max_new_tokens) -> None:
+    """Free the slots whose row wrote an EOS or its last token, handing the row's tokens to ``out``."""
+    for i, slot in enumerate(live):
+        if slot is not None and (slot.tokens[-1] in eos or len(slot.tokens) >= max_new_tokens):
+            out[slot.row] = slot.tokens
+            live[i] = None
