@@ -24,7 +24,7 @@ demo: install
 	$(PYTHON) -m train fit --config configs/demo.yaml
 
 # On a machine with a CUDA GPU: the cuda tests, the target's decoding speed three ways, and the GPU benchmark, each
-# writing under $(OUT) (see README "On a GPU"). Nothing here has been run on a GPU yet.
+# writing under $(OUT) (see docs/gpu.md). Nothing here has been run on a GPU yet.
 OUT ?= eval_out/gpu-check
 gpu-check:
 	mkdir -p $(OUT)
