@@ -104,6 +104,11 @@ class FeatureDraftRecipe:
     compile: bool = False
     """``torch.compile(mode="reduce-overhead")`` the single-token generation step (CUDA graphs; with
     ``static_cache``, on CUDA)."""
+    slots: int | None = None
+    """Decode each shard by continuous batching over this many KV-cache slots
+    (:func:`~accept_head.models.slot_generate.slot_generate`: finished rows are replaced by the shard's next prompts;
+    the fast path on a CPU); None: each shard as one left-padded batch (where ``static_cache`` and ``compile``
+    apply)."""
     accelerator: str = "cpu"
     """Lightning accelerator of ``fit`` (``cpu`` or ``gpu``); the target moves to that device for it."""
     precision: str = "bf16-mixed"
@@ -202,6 +207,8 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
         raise ValueError("The `responses` stage needs `prompts` (training) and `eval_prompts` (held out) sources.")
     if cfg.compile and not cfg.static_cache:
         raise ValueError("compile=true needs static_cache=true (a dynamic cache changes shape at every step).")
+    if cfg.slots is not None and (cfg.slots < 1 or cfg.static_cache):
+        raise ValueError(f"slots={cfg.slots} must be >= 1 and cannot be combined with static_cache (set one).")
     deadline = _deadline(cfg.responses_budget_s, deadline)
     set_threads(cfg.threads)
     folder = _generations(cfg)
@@ -213,6 +220,7 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     # What fixes every shard's rows and draws: a resumed run must agree on all of it.
     plan = ("seed", "samples_per_prompt", "greedy_responses", "generate_batch_size", "sort_window", "max_new_tokens")
     split = {"split_seed": cfg.split_seed} | {k: getattr(cfg, k) for k in (*plan, "temperature")}
+    split |= {"slots": cfg.slots} if cfg.slots else {}  # slots draw other samples: never mixed with batch shards
     split |= {k: [p.id for p in v] for k, v in sets.items()}
     split_path = folder / "split.json"
     if split_path.exists() and json.loads(split_path.read_text()) != split:
@@ -248,6 +256,7 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
             static_cache=cfg.static_cache,
             cache_length=cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.static_cache else None,
             step_fn=step_fn,
+            slots=cfg.slots,
         )
         meta["tokens"] += done["tokens"]
         meta["seconds"] += done["seconds"]

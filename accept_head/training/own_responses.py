@@ -9,6 +9,8 @@ time-limited run resumes at the first missing shard. Sampling draws from one ``t
 model's device, seeded from the recipe seed, the split and the shard index, so the same seed and split give the same
 shards.
 
+On a CPU, ``slots`` decodes each shard by continuous batching (:func:`~accept_head.models.slot_generate.slot_generate`:
+finished rows' cache slots refilled with the next prompts, exact inverse-CDF sampling): the fast path there.
 On CUDA, ``static_cache`` decodes with a fixed-shape :class:`~transformers.StaticCache` (no batch compaction) so that
 ``compile`` can capture the single-token step with ``torch.compile(mode="reduce-overhead")`` (CUDA graphs).
 """
@@ -28,6 +30,7 @@ from ..core.hf_compat import cache_kwargs
 from ..core.prompts import EncodedPrompt
 from ..core.seeds import derive_seed
 from ..models.batch_generate import left_pad
+from ..models.slot_generate import slot_generate
 from .draft_recipe import save_atomic
 
 GREEDY = -1
@@ -180,11 +183,14 @@ def write_response_shards(
     static_cache: bool = False,
     cache_length: int | None = None,
     step_fn=None,
+    slots: int | None = None,
 ) -> dict:
     """Write the shards ``<folder>/<kind>-NNNNN.pt`` of ``batches`` that are missing, in order, until ``deadline``
     (a ``time.monotonic()`` value; None: no limit). Each holds ``prompt_id``, ``prompt_ids``, ``response_ids`` and
     ``sample`` (the sample index, :data:`GREEDY` for greedy rows). Returns the shard counts, the tokens written
-    and the seconds spent in this call; prints the tokens/s meter after every shard."""
+    and the seconds spent in this call; prints the tokens/s meter after every shard. ``slots``: decode each shard by
+    continuous batching over that many cache slots (:func:`~accept_head.models.slot_generate.slot_generate`) instead
+    of as one left-padded batch."""
     folder.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
     tokens, seconds, written, stopped = 0, 0.0, 0, False
@@ -198,19 +204,21 @@ def write_response_shards(
         generator = torch.Generator(device).manual_seed(derive_seed(seed, "responses", split_seed, kind, index))
         greedy = torch.tensor([row.sample == GREEDY for row in batch])
         start = time.perf_counter()
-        responses = generate_responses(
-            model,
-            [row.prompt.ids for row in batch],
-            greedy,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            eos_token_ids=eos_token_ids,
-            pad_token_id=pad_token_id,
-            generator=generator,
-            static_cache=static_cache,
-            cache_length=cache_length,
-            step_fn=step_fn,
-        )
+        settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_token_ids=eos_token_ids)
+        settings |= dict(pad_token_id=pad_token_id, generator=generator)
+        prompts = [row.prompt.ids for row in batch]
+        if slots:
+            responses = slot_generate(model, prompts, greedy.tolist(), slots=slots, **settings)
+        else:
+            responses = generate_responses(
+                model,
+                prompts,
+                greedy,
+                static_cache=static_cache,
+                cache_length=cache_length,
+                step_fn=step_fn,
+                **settings,
+            )
         elapsed = time.perf_counter() - start
         shard = {
             "prompt_id": [row.prompt.id for row in batch],

@@ -1,0 +1,199 @@
+"""Continuous batching over a slot KV cache (:mod:`accept_head.models.slot_generate`), on tiny random float32 Llamas:
+
+* greedy rows equal ``model.generate``'s greedy rows, through refills and the tail's compaction, and two controls
+  that mix rows' caches (compaction that leaves the buffers behind; a mask that lets a refilled row see its slot's
+  previous occupant) break that equality;
+* T=1 samples follow the target's exact distribution of the first two tokens (χ²), and a broken sampler fails;
+* the same seed gives the same responses, another seed others;
+* the recipe's ``responses`` stage with ``slots`` stopped by its time budget resumes to the same shards.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import sys
+from pathlib import Path
+from unittest import mock
+
+import pytest
+import torch
+import yaml
+from stats_helpers import ALPHA, exact_joint, goodness_of_fit
+from tiny_models import make_llama, make_tokenizer, small_vocab_llama
+from train_helpers import write_prompts
+
+from accept_head.models import slot_generate as slots_module
+from accept_head.models.slot_generate import sample_rows, slot_generate
+from accept_head.training import feature_draft_recipe as stages
+from accept_head.training import own_responses
+from train import feature_draft as recipe
+
+EOS = 3
+LENGTHS = (3, 9, 5, 12, 4, 7, 2, 10, 6, 5, 8)
+
+
+@pytest.fixture(scope="module")
+def target() -> torch.nn.Module:
+    return make_llama(seed=0)
+
+
+@pytest.fixture(scope="module")
+def prompts(target) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(4, target.config.vocab_size, (n,), generator=gen).tolist() for n in LENGTHS]
+
+
+def reference(model: torch.nn.Module, prompt: list[int], new_tokens: int) -> list[int]:
+    """``model.generate``'s greedy response, through its first EOS."""
+    ids = model.generate(
+        torch.tensor([prompt]), max_new_tokens=new_tokens, do_sample=False, eos_token_id=EOS, pad_token_id=0
+    )[0, len(prompt) :].tolist()
+    return ids[: ids.index(EOS) + 1] if EOS in ids else ids
+
+
+def greedy_run(model, prompts, slots: int, new_tokens: int = 14) -> list[list[int]]:
+    return slot_generate(
+        model, prompts, [True] * len(prompts), max_new_tokens=new_tokens, temperature=1.0, eos_token_ids=[EOS],
+        pad_token_id=0, generator=torch.Generator().manual_seed(0), slots=slots,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("slots", [1, 3, 4, 16])
+def test_greedy_rows_equal_generates_through_refills_and_compaction(target, prompts, slots) -> None:
+    assert greedy_run(target, prompts, slots) == [reference(target, p, 14) for p in prompts]
+
+
+def test_greedy_rows_mixed_with_sampled_ones_keep_their_argmax(target, prompts) -> None:
+    greedy = [i % 2 == 0 for i in range(len(prompts))]
+    out = slot_generate(
+        target, prompts, greedy, max_new_tokens=10, temperature=1.0, eos_token_ids=[EOS], pad_token_id=0,
+        generator=torch.Generator().manual_seed(3), slots=4,
+    )  # fmt: skip
+    for p, o, g in zip(prompts, out, greedy):
+        assert (o == reference(target, p, 10)) or not g
+        assert 1 <= len(o) <= 10
+
+
+def test_compaction_that_keeps_the_wrong_buffers_mixes_rows(target, prompts, monkeypatch) -> None:
+    """Control: were the tail's compaction to keep the first slots' keys and values instead of the live rows', rows
+    would read each other's caches, and the greedy equality above catches it."""
+
+    def first_slots(self, slots: torch.Tensor) -> None:
+        self.keys, self.values = self.keys[: len(slots)], self.values[: len(slots)]
+
+    monkeypatch.setattr(slots_module.SlotLayer, "keep", first_slots)
+    assert greedy_run(target, prompts, 4) != [reference(target, p, 14) for p in prompts]
+
+
+def test_a_mask_that_shows_a_slots_previous_occupant_mixes_rows(target, prompts, monkeypatch) -> None:
+    """Control: a refilled slot still holds its previous row's keys past the new prompt; a mask that let the new
+    row see every written position of its slot (not just its own) changes its greedy output."""
+
+    def leaky(positions, span, dtype):
+        return torch.zeros((positions.shape[0], 1, positions.shape[1], span), dtype=dtype)
+
+    monkeypatch.setattr(slots_module, "attention_bias", leaky)
+    assert greedy_run(target, prompts, 2) != [reference(target, p, 14) for p in prompts]
+
+
+def test_samples_follow_the_targets_exact_distribution_and_a_broken_sampler_fails(monkeypatch) -> None:
+    """3,000 rows of one prompt, their first two tokens at T=1, against the target's exact joint (a vocabulary of
+    8: 64 cells); the control draws its uniforms squared."""
+    model, prompt, rows = small_vocab_llama(seed=2), [1, 5, 2], 3000
+    exact = exact_joint(model, prompt, 2)
+
+    def pair_counts() -> torch.Tensor:
+        out = slot_generate(
+            model, [prompt] * rows, [False] * rows, max_new_tokens=2, temperature=1.0, eos_token_ids=[],
+            pad_token_id=0, generator=torch.Generator().manual_seed(11), slots=64,
+        )  # fmt: skip
+        counts = torch.zeros(8, 8)
+        for a, b in out:
+            counts[a, b] += 1
+        return counts
+
+    assert goodness_of_fit(pair_counts(), exact) > ALPHA
+    real = slots_module.sample_rows
+    monkeypatch.setattr(slots_module, "sample_rows", lambda lo, t, g, u: real(lo, t, g, u**2))
+    assert goodness_of_fit(pair_counts(), exact) < ALPHA
+
+
+def test_sample_rows_takes_the_inverse_cdf_at_the_uniform() -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    cuts = {0.05: 0, 0.15: 1, 0.29: 1, 0.31: 2, 0.61: 3, 0.999: 3}
+    for u, token in cuts.items():
+        assert int(sample_rows(logits, 1.0, torch.tensor([False]), torch.tensor([u]))) == token
+    assert int(sample_rows(logits, 1.0, torch.tensor([True]), torch.tensor([0.05]))) == 3
+
+
+def test_the_same_seed_gives_the_same_responses_and_another_seed_others(target, prompts) -> None:
+    def run(seed: int) -> list[list[int]]:
+        return slot_generate(
+            target, prompts, [False] * len(prompts), max_new_tokens=10, temperature=1.0, eos_token_ids=[EOS],
+            pad_token_id=0, generator=torch.Generator().manual_seed(seed), slots=4,
+        )  # fmt: skip
+
+    assert run(5) == run(5) and run(5) != run(6)
+
+
+def test_bad_settings_are_refused_naming_the_value(target, prompts) -> None:
+    settings = dict(max_new_tokens=4, eos_token_ids=[EOS], pad_token_id=0, generator=torch.Generator())
+    with pytest.raises(ValueError, match="temperature=0"):
+        slot_generate(target, prompts, [True] * len(prompts), temperature=0, **settings)
+    with pytest.raises(ValueError, match=r"got 0, 0.125, 4"):
+        slot_generate(target, prompts, [True] * len(prompts), temperature=1.0, slots=0, **settings)
+    with pytest.raises(ValueError, match="one `greedy` flag per prompt"):
+        slot_generate(target, prompts, [True], temperature=1.0, **settings)
+
+
+def run_cli(*argv: str) -> None:
+    with mock.patch.object(sys, "argv", ["python -m train.feature_draft", *argv]):
+        recipe.main()
+
+
+def responses_config(root: Path, work: str, **overrides) -> Path:
+    if not (root / "target").exists():
+        make_llama(root / "target", tokenizer=make_tokenizer(), seed=0)
+        for i, name in enumerate(("alpha", "beta")):
+            write_prompts(root / f"{name}.jsonl", 30, seed=i)
+    cfg = {
+        "target": {"path": str(root / "target"), "dtype": "float32"},
+        "prompts": [{"path": str(root / f"{name}.jsonl"), "name": name} for name in ("alpha", "beta")],
+        "eval_prompts": [{"path": str(root / "alpha.jsonl"), "name": "alpha", "split": "eval"}],
+        "work_dir": str(root / work),
+        "max_prompts": 10,
+        "samples_per_prompt": 2,
+        "max_new_tokens": 8,
+        "generate_batch_size": 6,
+        "sort_window": 2,
+        "slots": 4,
+        "threads": 1,
+    } | overrides
+    path = root / f"{work}.yaml"
+    path.write_text(yaml.safe_dump({"cfg": cfg}))
+    return path
+
+
+def test_the_responses_stage_with_slots_resumes_to_the_same_shards(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run_cli("responses", "--config", str(responses_config(tmp_path, "straight")))
+    clock = itertools.count(0.0, 1.0)
+    with monkeypatch.context() as mp:
+        mp.setattr(stages, "monotonic", lambda: next(clock))
+        mp.setattr(own_responses, "monotonic", lambda: next(clock))
+        run_cli("responses", "--config", str(responses_config(tmp_path, "resumed", responses_budget_s=4)))
+    folder = tmp_path / "resumed" / "responses"
+    assert json.loads((folder / "meta.json").read_text())["stopped_by_budget"]
+    assert json.loads((folder / "split.json").read_text())["slots"] == 4
+    run_cli("responses", "--config", str(responses_config(tmp_path, "resumed")))
+    for kind in ("eval", "train"):
+        ours = sorted((folder / "shards").glob(f"{kind}-*.pt"))
+        theirs = sorted((tmp_path / "straight" / "responses" / "shards").glob(f"{kind}-*.pt"))
+        assert [p.name for p in ours] == [p.name for p in theirs] and ours
+        for a, b in zip(ours, theirs):
+            a, b = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
+            assert a["prompt_id"] == b["prompt_id"] and torch.equal(a["sample"], b["sample"])
+            assert all(torch.equal(x, y) for x, y in zip(a["response_ids"], b["response_ids"]))
+    with pytest.raises(ValueError, match="split.json"):  # slots draw other samples than one batch per shard
+        run_cli("responses", "--config", str(responses_config(tmp_path, "resumed", slots=None)))
