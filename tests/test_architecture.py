@@ -300,3 +300,24 @@ def test_the_package_graph_is_low_and_the_folders_small() -> None:
     for folder in [LIBRARY, *(p for p in LIBRARY.iterdir() if p.is_dir() and p.name != "__pycache__")]:
         modules = list(folder.glob("*.py"))
         assert len(modules) <= MAX_MODULES, f"{folder.relative_to(REPO)} holds {len(modules)} modules"
+
+
+def long_functions(folder: Path, limit: int) -> list[str]:
+    """``path::name (N lines)`` of every function and method in ``folder``'s modules longer than ``limit`` lines,
+    counted from its ``def`` line to its last line (ast: ``end_lineno - lineno + 1``, docstring included)."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    found.append(f"{path.relative_to(REPO).as_posix()}::{node.name} ({length} lines)")
+    return found
+
+
+def test_no_evaluation_function_is_over_80_lines() -> None:
+    """A command reads as its named steps (load, choose on validation, run, write), each short enough to read whole."""
+    too_long = long_functions(LIBRARY / "evaluation", 80)
+    assert not too_long, "functions over 80 lines in accept_head/evaluation/; split them into named steps: " + (
+        ", ".join(too_long)
+    )

