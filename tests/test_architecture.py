@@ -300,3 +300,26 @@ def test_the_package_graph_is_low_and_the_folders_small() -> None:
     for folder in [LIBRARY, *(p for p in LIBRARY.iterdir() if p.is_dir() and p.name != "__pycache__")]:
         modules = list(folder.glob("*.py"))
         assert len(modules) <= MAX_MODULES, f"{folder.relative_to(REPO)} holds {len(modules)} modules"
+
+
+REWRITTEN_ELSEWHERE = ("accept_head/training/own_responses.py:",)
+"""Files another branch is rewriting (issue 38); their functions are left to that rewrite. Empty this once it lands."""
+
+
+def long_functions(folder: Path, limit: int) -> list[str]:
+    """``path:line name (N lines)`` of every function and method under ``folder`` longer than ``limit`` lines, its
+    docstring included (``end_lineno - lineno + 1``, from the ``def`` line)."""
+    found = []
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                if length > limit:
+                    found.append(f"{path.relative_to(REPO).as_posix()}:{node.lineno} {node.name} ({length} lines)")
+    return found
+
+
+def test_no_training_function_is_over_80_lines() -> None:
+    """A command reads as its named steps (load, choose, run, write), the way gpt-fast's ``generate`` does."""
+    long = [f for f in long_functions(LIBRARY / "training", 80) if not f.startswith(REWRITTEN_ELSEWHERE)]
+    assert not long, "split these into named steps (≤ 80 lines each, docstring included):\n  " + "\n  ".join(long)
