@@ -316,7 +316,7 @@ def test_broken_sample_verification_is_detected(small, method: str, monkeypatch:
     check. (A subtler mutant — one that keeps a rejected sibling's mass in the residual — passes this χ² at these
     sample sizes; ``test_tree_verify.py`` catches it exactly.)"""
     model, joint = small
-    monkeypatch.setattr(f"accept_head.{method}.verify_sampled", accept_first_guess)
+    monkeypatch.setattr(f"accept_head.learning_free.{method}.verify_sampled", accept_first_guess)
     decode = SAMPLERS[method](model, ModelBigram.build(model, top=3))
     tokens, _ = sampled_tokens(decode, CONTROL_SAMPLES, len(SMALL_PROMPT))
     assert max(pair_p_values(tokens, joint)) < 1e-6

@@ -192,8 +192,7 @@ def rollout_labels(
         target: the target causal LM (batch size 1).
         draft: a Hugging Face causal LM sharing the target's tokenizer, a
             :class:`~accept_head.models.feature_draft.FeatureDraft` or a :class:`~accept_head.models.drafters.Drafter`
-            whose
-            steps carry hidden states.
+            whose steps carry hidden states.
         prompt_ids: (L,) or (1, L) prompt token ids.
         max_new_tokens: longest response; it ends earlier at an EOS id.
         k_max: candidates drafted per round (fewer only when the token budget runs out).
@@ -206,24 +205,16 @@ def rollout_labels(
     """
     check_k_max(k_max)
     policy = FixedK(k_max)
-    inner = as_drafter(draft, target, with_hidden=True)
-    if inner.hidden_size is None:
-        raise ValueError(
-            f"{type(inner).__name__} exposes no hidden state: rollout labels need the drafter's hidden state of each "
-            "candidate (the acceptance head's input)."
-        )
+    inner = _hidden_drafter(draft, target)
     ids, budget, eos = _prepare(prompt_ids, max_new_tokens, eos_token_ids, target)
     drafter = _RecordingDrafter(inner)
     device = next(target.parameters()).device
     draft_device = getattr(inner, "device", None)
-    with_features = drafter.needs_target_features
     stats = DecodeStats()
     label_seconds = 0.0
     tokens = ids[0].tolist()
-    prompt_len = len(tokens)
     cache = DynamicCache()  # the target's: it always lacks the last token, which the next pass feeds
     parts: list[dict[str, torch.Tensor]] = []
-    round_index = 0
     with _timed(stats, "total_time", {device, draft_device or device}):
         with _timed(stats, "target_time", device):
             prefill(target, drafter, ids.to(device), cache)
@@ -231,68 +222,106 @@ def rollout_labels(
             # 1. Draft exactly min(k_max, room) candidates, then feed y_K once more for its hidden state (one more
             #    position than decoding reads, hence the draft's room less one).
             limit = min(k_max, budget - stats.generated - 1, draft_room(inner, len(tokens)) - 1)
-            drafter.steps = []
             with _timed(stats, "draft_time", draft_device):
-                state, q_rows = draft_round(drafter, policy, sampling, limit, len(tokens), generator, stats)
-                candidates, k = state.candidates, state.n
-                if k:
-                    if len(drafter.steps) != k:  # the drafter returned None after y_K: no hidden state for y_K
-                        raise ValueError(
-                            f"{type(inner).__name__} stopped proposing after candidate {k} of round {round_index}; "
-                            "rollout labels need a hidden state for every candidate."
-                        )
-                    # y_K's hidden state; commit() crops what was fed and not accepted
-                    with device_timer(draft_device) as watch:
-                        drafter.propose(candidates[-1])
-                    stats.draft_calls += 1
-                    label_seconds += watch.seconds
-            steps = drafter.steps
+                candidates, q_rows, extra = _draft_and_feed(drafter, policy, sampling, limit, tokens, generator, stats)
+            label_seconds += extra
             # 2. Verify: one target pass over [last token, y_1..y_K] gives p_1..p_{K+1}.
             with _timed(stats, "target_time", device):
                 verify_ids = torch.tensor([[tokens[-1], *candidates]], device=device)
-                logits, hidden = _target_pass(target, verify_ids, cache, with_features)
+                logits, hidden = _target_pass(target, verify_ids, cache, drafter.needs_target_features)
                 p = probabilities(logits, sampling)
                 q = torch.stack(q_rows) if q_rows else p[:0]
                 candidate_ids = verify_ids[0, 1:]
                 m, next_token = verify(p, q, candidate_ids, generator)
             # 3. Label every candidate from the same pass (before the accept rule, whatever it decides) up to the
             #    first drafted EOS: past it, a candidate's context holds an accepted EOS, which decoding never reaches.
-            labelled = len(_until_eos(candidates, eos))
-            if labelled:
+            if labelled := len(_until_eos(candidates, eos)):
                 with device_timer(device) as watch:
-                    if any(s is None or s.hidden is None for s in steps[1 : labelled + 1]):
-                        raise ValueError(f"{type(inner).__name__} returned a step without a hidden state.")
-                    draft_logits = torch.stack([s.logits for s in steps[:labelled]]).to(logits.device)
-                    labels = position_labels(
-                        logits[:labelled],
-                        draft_logits,
-                        transform=sampling,
-                        uniforms=None,
-                        draft_ids=candidate_ids[:labelled],
-                    )
-                    part = {name: getattr(labels, name) for name in PER_POSITION}
-                    part["round"] = torch.full((labelled,), round_index, dtype=torch.long)
-                    part["step"] = torch.arange(1, labelled + 1, dtype=torch.long)
-                    part["accepted"] = torch.arange(labelled) < m
-                    part["hidden"] = torch.stack([s.hidden for s in steps[1 : labelled + 1]]).float().cpu()
-                    parts.append(part)
+                    part = _round_labels(drafter, logits, candidate_ids, labelled, m, len(stats.proposed), sampling)
+                parts.append(part)
                 label_seconds += watch.seconds
             # 4. Commit exactly as speculative_generate does.
             new = _until_eos(candidates[:m] + [next_token], eos)
-            stats.record_round(k, m, len(new))
+            stats.record_round(len(candidates), m, len(new))
             crop_cache(cache, len(tokens) + m)  # the target holds the old prefix plus [tokens[-1], y_1..y_m]
             with _timed(stats, "draft_time", draft_device):
                 drafter.commit(new, None if hidden is None else hidden[: len(new)])
             tokens.extend(new)
-            round_index += 1
             if new[-1] in eos:
                 break
     return RolloutLabels(
-        response_ids=torch.tensor(tokens[prompt_len:], dtype=torch.long),
+        response_ids=torch.tensor(tokens[ids.shape[-1] :], dtype=torch.long),  # after the prompt
         **_cat(parts, inner.hidden_size),
         stats=stats,
         label_seconds=label_seconds,
     )
+
+
+def _hidden_drafter(draft: torch.nn.Module | Drafter, target: torch.nn.Module) -> Drafter:
+    """``draft`` as a :class:`Drafter` whose steps carry hidden states; ValueError when it exposes none."""
+    inner = as_drafter(draft, target, with_hidden=True)
+    if inner.hidden_size is None:
+        raise ValueError(
+            f"{type(inner).__name__} exposes no hidden state: rollout labels need the drafter's hidden state of each "
+            "candidate (the acceptance head's input)."
+        )
+    return inner
+
+
+def _draft_and_feed(
+    drafter: _RecordingDrafter,
+    policy: FixedK,
+    sampling: SamplingConfig,
+    limit: int,
+    tokens: list[int],
+    generator: torch.Generator | None,
+    stats: DecodeStats,
+) -> tuple[list[int], list[torch.Tensor], float]:
+    """Step 1 of a rollout round: :func:`draft_round`, then one more ``propose(y_K)`` for y_K's hidden state.
+    ``tokens``: the committed text. Returns the candidates, their q rows and the seconds of that extra call
+    (``drafter.steps`` holds the round's steps)."""
+    round_index = len(stats.proposed)  # the rounds verified before this one
+    drafter.steps = []
+    state, q_rows = draft_round(drafter, policy, sampling, limit, len(tokens), generator, stats)
+    if not state.n:
+        return state.candidates, q_rows, 0.0
+    if len(drafter.steps) != state.n:  # the drafter returned None after y_K: no hidden state for y_K
+        raise ValueError(
+            f"{type(drafter.inner).__name__} stopped proposing after candidate {state.n} of round {round_index}; "
+            "rollout labels need a hidden state for every candidate."
+        )
+    # y_K's hidden state; commit() crops what was fed and not accepted
+    with device_timer(getattr(drafter.inner, "device", None)) as watch:
+        drafter.propose(state.candidates[-1])
+    stats.draft_calls += 1
+    return state.candidates, q_rows, watch.seconds
+
+
+def _round_labels(
+    drafter: _RecordingDrafter,
+    logits: torch.Tensor,
+    candidate_ids: torch.Tensor,
+    labelled: int,
+    accepted: int,
+    round_index: int,
+    sampling: SamplingConfig,
+) -> dict[str, torch.Tensor]:
+    """Step 3 of a rollout round: the per-candidate columns of its first ``labelled`` candidates, from the
+    verification pass's ``logits`` (K+1, V) and the round's draft steps (``drafter.steps[k]`` holds y_k's hidden
+    state); ``accepted``: how many the decode accepted; ``round_index``: the rounds verified before this one."""
+    steps = drafter.steps
+    if any(s is None or s.hidden is None for s in steps[1 : labelled + 1]):
+        raise ValueError(f"{type(drafter.inner).__name__} returned a step without a hidden state.")
+    draft_logits = torch.stack([s.logits for s in steps[:labelled]]).to(logits.device)
+    labels = position_labels(
+        logits[:labelled], draft_logits, transform=sampling, uniforms=None, draft_ids=candidate_ids[:labelled]
+    )
+    part = {name: getattr(labels, name) for name in PER_POSITION}
+    part["round"] = torch.full((labelled,), round_index, dtype=torch.long)
+    part["step"] = torch.arange(1, labelled + 1, dtype=torch.long)
+    part["accepted"] = torch.arange(labelled) < accepted
+    part["hidden"] = torch.stack([s.hidden for s in steps[1 : labelled + 1]]).float().cpu()
+    return part
 
 
 def _cat(parts: list[dict[str, torch.Tensor]], width: int) -> dict[str, torch.Tensor]:

@@ -17,11 +17,16 @@ def text_table(header: Sequence[str], rows: Sequence[Sequence[str]], title: str 
     return "\n".join(([title] if title else []) + [rule, lines[0], rule, *lines[1:], rule])
 
 
+RULES = {"l": ":---", "r": "---:", "-": "---"}
+"""The rule under a Markdown table's header per column alignment: left, right, or none (``-``, shown left)."""
+
+
 def markdown_table(header: Sequence[str], rows: Sequence[Sequence[str]], aligns: str | None = None) -> str:
-    """The same table in Markdown; ``aligns`` has one ``l``/``r`` per column (default: first left, others right)."""
+    """The same table in Markdown; ``aligns`` has one ``l``/``r``/``-`` per column (:data:`RULES`; default: first
+    left, others right)."""
     aligns = aligns or "l" + "r" * (len(header) - 1)
     if len(aligns) != len(header):
         raise ValueError(f"aligns={aligns!r} must have one letter per column ({len(header)}).")
-    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(":---" if a == "l" else "---:" for a in aligns) + "|"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "|".join(RULES.get(a, RULES["r"]) for a in aligns) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines)

@@ -182,11 +182,7 @@ def lookahead_generate(
     (``proposed`` / ``accepted``: the winning guess)."""
     check_lookahead_params(window, ngram, guess_set)
     sampling = SamplingConfig(temperature, top_k, top_p)
-    vocab = int(target.config.vocab_size)
-    if pool is None:
-        pool = NgramPool(ngram, guess_set, vocab)
-    pool.check(ngram, guess_set, vocab)
-    check_masked_attention(target)
+    pool = _checked_pool(target, pool, ngram, guess_set)
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats = TreeDecodeStats()
     with _timed(stats, "total_time"):
@@ -208,9 +204,7 @@ def lookahead_generate(
                     fed = len(jacobi.levels) * len(jacobi.levels[0])  # the window, x_t included
                     guesses, origins = apply_stop(stop, tokens, [list(g) for g in guesses], origins, fed)
                 tree, parents, top, nodes = lookahead_tree(jacobi, guesses)
-                keep = sorted({0, *top, *(n for row in nodes for n in row)})  # logits rows needed; 0 (x_t) first
-                row_of = {n: i for i, n in enumerate(keep)}
-                nodes = [[row_of[n] for n in row] for row in nodes]
+                keep, row_of, nodes = _logits_rows(top, nodes)
             # 2. One target call: Jacobi step of the window and verification of the guesses.
             with _timed(stats, "target_time"):
                 logits = tree_forward(target, cache, tree, parents, keep)
@@ -231,10 +225,37 @@ def lookahead_generate(
                 break
             with _timed(stats, "draft_time"):
                 predictions = [argmax[row_of[n]] for n in top]
-                if jacobi.full:
-                    for key, continuation in jacobi.ngrams(predictions):
-                        pool.add(key, continuation)
-                if context_ngrams:
-                    pool.add_sequence(tokens, len(tokens) - len(new))
+                _harvest(pool, jacobi, predictions, tokens, len(new), context_ngrams)
                 jacobi.advance(tokens[-1], predictions)
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)
+
+
+def _checked_pool(target: torch.nn.Module, pool: NgramPool | None, ngram: int, guess_set: int) -> NgramPool:
+    """``pool`` checked for N, G and the target's vocabulary (a fresh pool if None), once the target is checked to
+    take 4D masks."""
+    vocab = int(target.config.vocab_size)
+    if pool is None:
+        pool = NgramPool(ngram, guess_set, vocab)
+    pool.check(ngram, guess_set, vocab)
+    check_masked_attention(target)
+    return pool
+
+
+def _logits_rows(top: list[int], nodes: list[list[int]]) -> tuple[list[int], dict[int, int], list[list[int]]]:
+    """The tree indices whose logits a round reads (0, x_t, first; the window's top level ``top``; every guess
+    node), the row of each among them, and the guesses' ``nodes`` renumbered to those rows."""
+    keep = sorted({0, *top, *(n for row in nodes for n in row)})
+    row_of = {n: i for i, n in enumerate(keep)}
+    return keep, row_of, [[row_of[n] for n in row] for row in nodes]
+
+
+def _harvest(
+    pool: NgramPool, jacobi: JacobiWindow, predictions: list[int], tokens: list[int], new: int, context_ngrams: bool
+) -> None:
+    """Add to ``pool`` the full window's n-grams (each column, the target's ``predictions`` appended) and, with
+    ``context_ngrams``, the n-grams of ``tokens`` that end in its ``new`` last tokens (those just committed)."""
+    if jacobi.full:
+        for key, continuation in jacobi.ngrams(predictions):
+            pool.add(key, continuation)
+    if context_ngrams:
+        pool.add_sequence(tokens, len(tokens) - new)

@@ -387,18 +387,7 @@ def ouroboros_generate(
     """
     check_ouroboros_params(gamma, phrase_length, phrases_per_token, candidates)
     sampling = SamplingConfig(temperature, top_k, top_p)
-    if isinstance(draft, Drafter) or not isinstance(draft, torch.nn.Module) or not hasattr(draft, "config"):
-        raise TypeError(
-            f"Ouroboros drafts with a Hugging Face causal LM (it verifies phrases in the draft's own forward pass); "
-            f"got a {type(draft).__name__}."
-        )
-    check_same_vocab(target, draft)
-    vocab = int(target.config.vocab_size)
-    if pool is None:
-        pool = PhrasePool(phrase_length, phrases_per_token, vocab)
-    pool.check(phrase_length, phrases_per_token, vocab)
-    check_masked_attention(target)
-    check_masked_attention(draft)
+    pool = _checked_pair_and_pool(target, draft, pool, phrase_length, phrases_per_token)
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats = OuroborosStats()
     with _timed(stats, "total_time"):
@@ -443,3 +432,23 @@ def ouroboros_generate(
                 break
     stats.draft_calls = drafter.calls
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)
+
+
+def _checked_pair_and_pool(
+    target: torch.nn.Module, draft, pool: PhrasePool | None, phrase_length: int, phrases_per_token: int
+) -> PhrasePool:
+    """Check that ``draft`` is a Hugging Face causal LM sharing the target's vocabulary and that both take 4D masks;
+    return ``pool`` checked for β, W and that vocabulary (a fresh pool if None)."""
+    if isinstance(draft, Drafter) or not isinstance(draft, torch.nn.Module) or not hasattr(draft, "config"):
+        raise TypeError(
+            f"Ouroboros drafts with a Hugging Face causal LM (it verifies phrases in the draft's own forward pass); "
+            f"got a {type(draft).__name__}."
+        )
+    check_same_vocab(target, draft)
+    vocab = int(target.config.vocab_size)
+    if pool is None:
+        pool = PhrasePool(phrase_length, phrases_per_token, vocab)
+    pool.check(phrase_length, phrases_per_token, vocab)
+    check_masked_attention(target)
+    check_masked_attention(draft)
+    return pool

@@ -130,12 +130,20 @@ def sample_batch(
                 follower.select(keep)
             rows, step_ids, step_pos, mask = rows[keep.cpu()], step_ids[keep], step_pos[keep], mask[keep]
             finished = finished[keep]
+    return _responses(generated, lengths, (topk_ids, topk_logp) if capture_topk else None)
+
+
+def _responses(
+    generated: torch.Tensor, lengths: torch.Tensor, topk: tuple[torch.Tensor, torch.Tensor] | None
+) -> list[SampledResponse]:
+    """One :class:`SampledResponse` per row of ``generated`` (B, T), cut to its length, with its rows of the captured
+    ``topk`` (ids, log-probabilities), each (B, T, k), when given."""
     results = []
-    for row in range(batch):
+    for row in range(len(generated)):
         length = int(lengths[row])
         response = SampledResponse(token_ids=generated[row, :length].tolist())
-        if capture_topk:
-            response.topk_ids = topk_ids[row, :length].clone()
-            response.topk_logprobs = topk_logp[row, :length].clone()
+        if topk is not None:
+            response.topk_ids = topk[0][row, :length].clone()
+            response.topk_logprobs = topk[1][row, :length].clone()
         results.append(response)
     return results

@@ -114,6 +114,32 @@ def _check_train_fraction(train_fraction: float) -> None:
         raise ValueError(f"train_fraction={train_fraction} must be in (0, 1]; 1 trains on every training prompt.")
 
 
+def _check_split(val_fraction: float, val_size: int | None, train_fraction: float) -> None:
+    """Raise ValueError unless the validation split is non-empty and ``train_fraction`` is in (0, 1]."""
+    if val_size is None and not 0.0 < val_fraction < 1.0:
+        raise ValueError(
+            f"val_fraction={val_fraction} must be in (0, 1) (or set --data.val_size): an empty validation split "
+            "leaves nothing to validate, calibrate or sweep on."
+        )
+    if val_size is not None and val_size < 1:
+        raise ValueError(f"val_size={val_size}: the validation split would be empty; set --data.val_size >= 1.")
+    _check_train_fraction(train_fraction)
+
+
+def _check_batching(batch_size: int, max_length: int | None) -> None:
+    """Raise ValueError unless ``batch_size`` >= 1 and ``max_length`` is None or >= 2."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size={batch_size} must be >= 1.")
+    if max_length is not None and max_length < 2:
+        raise ValueError(f"max_length={max_length} must be >= 2 (or null for no truncation).")
+
+
+def _check_greedy_labels(greedy_path: str | None, greedy_data_gen: str | dict[str, Any] | None) -> None:
+    """Raise ValueError when ``greedy_data_gen`` is set without ``greedy_path`` (where it would write)."""
+    if greedy_data_gen is not None and greedy_path is None:
+        raise ValueError("data.greedy_data_gen needs data.greedy_path: the folder to write the greedy labels to.")
+
+
 def prompt_split(
     prompt_ids: Sequence[str], val_fraction: float, val_size: int | None, seed: int, train_fraction: float = 1.0
 ) -> dict[str, Any]:
@@ -367,6 +393,17 @@ class AcceptanceDataModule(LightningDataModule):
     (``mix_ratio``, ``mix_seed``'s mixing and ``max_length`` are unused). ``rollout`` tells which kind was loaded.
     """
 
+    # What ``setup`` loads: nothing until it runs (``meta``, ``split`` and ``dropped`` are set per instance).
+    rollout: bool = False
+    """Whether ``path`` holds rollout labels with stored hidden states (set by ``setup``)."""
+    train_set: MixedTokenDataset | StoredHiddenDataset | None = None
+    val_set: MixedTokenDataset | StoredHiddenDataset | None = None
+    test_set: MixedTokenDataset | StoredHiddenDataset | None = None
+    greedy_set: MixedTokenDataset | StoredHiddenDataset | None = None
+    """The greedy labels of prompts the head does not train on (``greedy_path``), for the greedy calibration."""
+    _target: torch.nn.Module | None = None
+    _tokenizer: Any = None
+
     def __init__(
         self,
         path: str,
@@ -419,18 +456,8 @@ class AcceptanceDataModule(LightningDataModule):
         """
         super().__init__()
         check_ratio(mix_ratio)
-        if val_size is None and not 0.0 < val_fraction < 1.0:
-            raise ValueError(
-                f"val_fraction={val_fraction} must be in (0, 1) (or set --data.val_size): an empty validation split "
-                "leaves nothing to validate, calibrate or sweep on."
-            )
-        if val_size is not None and val_size < 1:
-            raise ValueError(f"val_size={val_size}: the validation split would be empty; set --data.val_size >= 1.")
-        _check_train_fraction(train_fraction)
-        if batch_size < 1:
-            raise ValueError(f"batch_size={batch_size} must be >= 1.")
-        if max_length is not None and max_length < 2:
-            raise ValueError(f"max_length={max_length} must be >= 2 (or null for no truncation).")
+        _check_split(val_fraction, val_size, train_fraction)
+        _check_batching(batch_size, max_length)
         self.path = str(Path(path).expanduser())
         self.draft = ModelSpec.coerce(draft)
         self.target_override = ModelSpec.coerce(target) if target is not None else None
@@ -441,8 +468,7 @@ class AcceptanceDataModule(LightningDataModule):
         self.batch_size, self.bucket_pool, self.max_length = batch_size, bucket_pool, max_length
         self.num_workers = num_workers
         self.test_path = str(Path(test_path).expanduser()) if test_path else None
-        if greedy_data_gen is not None and greedy_path is None:
-            raise ValueError("data.greedy_data_gen needs data.greedy_path: the folder to write the greedy labels to.")
+        _check_greedy_labels(greedy_path, greedy_data_gen)
         self.greedy_path = str(Path(greedy_path).expanduser()) if greedy_path else None
         self.greedy_data_gen = greedy_data_gen
         self.hidden_size = draft_hidden_size(self.draft)
@@ -450,15 +476,6 @@ class AcceptanceDataModule(LightningDataModule):
         self.meta: dict = {}
         self.split: dict = {}
         self.dropped: dict[str, int] = {}
-        self.rollout = False
-        """Whether ``path`` holds rollout labels with stored hidden states (set by ``setup``)."""
-        self.train_set: MixedTokenDataset | StoredHiddenDataset | None = None
-        self.val_set: MixedTokenDataset | StoredHiddenDataset | None = None
-        self.test_set: MixedTokenDataset | StoredHiddenDataset | None = None
-        self.greedy_set: MixedTokenDataset | StoredHiddenDataset | None = None
-        """The greedy labels of prompts the head does not train on (``greedy_path``), for the greedy calibration."""
-        self._target: torch.nn.Module | None = None
-        self._tokenizer: Any = None
         self.save_hyperparameters()
 
     # -- Lightning hooks

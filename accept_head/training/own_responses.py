@@ -112,39 +112,14 @@ def generate_responses(
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     forward = step_fn or model
     if static_cache:
-        from transformers import StaticCache
-
-        length = cache_length or prompt_length + max_new_tokens
-        if length < prompt_length + max_new_tokens:
-            raise ValueError(
-                f"cache_length={length} is shorter than the prompt ({prompt_length}) + max_new_tokens "
-                f"({max_new_tokens}); raise it."
-            )
-        cache = StaticCache(config=model.config, max_cache_len=length)
-        mask = torch.cat([mask, mask.new_zeros(batch, length - prompt_length)], dim=1)
+        cache, mask = _static_cache(model, mask, cache_length or prompt_length + max_new_tokens, max_new_tokens)
     else:
         cache = DynamicCache()
     step_ids, step_pos = ids, positions
     for step in range(max_new_tokens):
-        if static_cache:
-            # The prompt fills positions 0..P-1; step s >= 1 feeds the token written at step s - 1 (position P + s - 1).
-            first = 0 if step == 0 else prompt_length + step - 1
-            kwargs = {"cache_position": torch.arange(first, prompt_length + step, device=device)}
-            model_call = forward if step > 0 else model  # the prefill has another shape: never the captured graph
-        else:
-            kwargs, model_call = {}, model
-        logits = (
-            model_call(
-                input_ids=step_ids,
-                attention_mask=mask,
-                position_ids=step_pos,
-                **cache_kwargs(model, cache),
-                logits_to_keep=1,
-                **kwargs,
-            )
-            .logits[:, -1]
-            .float()
-        )
+        call, extra = _step_call(model, forward, static_cache, step, prompt_length)
+        inputs = dict(input_ids=step_ids, attention_mask=mask, position_ids=step_pos, logits_to_keep=1, **extra)
+        logits = call(**inputs, **cache_kwargs(model, cache)).logits[:, -1].float()
         sampled = torch.multinomial((logits / temperature).softmax(-1), 1, generator=generator).squeeze(-1)
         next_ids = torch.where(greedy, logits.argmax(-1), sampled)
         next_ids = torch.where(done, torch.full_like(next_ids, pad_token_id), next_ids)
@@ -158,13 +133,41 @@ def generate_responses(
         if (step + 1) % check_every == 0 or step + 1 == max_new_tokens:
             if bool(done.all()):
                 break
-            if not static_cache and bool(done.any()):
+            if not static_cache and bool(done.any()):  # drop the finished rows from the batch and the cache
                 keep = (~done).nonzero().squeeze(-1)
                 cache.batch_select_indices(keep)
-                rows, step_ids, step_pos, mask = rows[keep], step_ids[keep], step_pos[keep], mask[keep]
-                done, greedy = done[keep], greedy[keep]
+                rows, step_ids, step_pos, mask, done, greedy = (
+                    x[keep] for x in (rows, step_ids, step_pos, mask, done, greedy)
+                )
     lengths = _first_eos_lengths(out, eos).tolist()
     return [row[:length] for row, length in zip(out.cpu().tolist(), lengths)]
+
+
+def _step_call(model: torch.nn.Module, forward, static_cache: bool, step: int, prompt_length: int):
+    """The callable of generation step ``step`` and its extra keyword arguments: with a static cache, the prompt fills
+    positions 0..P-1 and step s >= 1 feeds the token written at step s - 1 (position P + s - 1), through ``forward``
+    (a compiled step) from step 1 on — the prefill has another shape, never the captured graph."""
+    if not static_cache:
+        return model, {}
+    device = next(model.parameters()).device
+    first = 0 if step == 0 else prompt_length + step - 1
+    return (forward if step > 0 else model), {
+        "cache_position": torch.arange(first, prompt_length + step, device=device)
+    }
+
+
+def _static_cache(model: torch.nn.Module, mask: torch.Tensor, length: int, max_new_tokens: int):
+    """A :class:`~transformers.StaticCache` of ``length`` positions and ``mask`` (B, P) widened to it with zeros."""
+    from transformers import StaticCache
+
+    prompt_length = mask.shape[1]
+    if length < prompt_length + max_new_tokens:
+        raise ValueError(
+            f"cache_length={length} is shorter than the prompt ({prompt_length}) + max_new_tokens "
+            f"({max_new_tokens}); raise it."
+        )
+    cache = StaticCache(config=model.config, max_cache_len=length)
+    return cache, torch.cat([mask, mask.new_zeros(mask.shape[0], length - prompt_length)], dim=1)
 
 
 def write_response_shards(

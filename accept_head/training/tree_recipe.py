@@ -63,7 +63,25 @@ def collect_rounds(
     return recorder.rounds
 
 
+def _label_rounds(
+    folder: Path, bundle: SpecDecPP, prompt_sets: tuple, rule, temperature: float, max_new_tokens: int, seed: int
+) -> tuple[list[LabelledRound], list[LabelledRound]]:
+    """The labelled rounds of the training and the check prompt set (decoded with seeds ``seed`` and ``seed + 1``),
+    each cached in ``folder`` as ``rounds-<set>.pt`` so a rerun resumes."""
+    train_set, check_set = prompt_sets
+    train = _cached_rounds(
+        folder / "rounds-train.pt",
+        lambda: collect_rounds(bundle, train_set.prompts, rule, temperature, max_new_tokens, seed),
+    )
+    check = _cached_rounds(
+        folder / "rounds-check.pt",
+        lambda: collect_rounds(bundle, check_set.prompts, rule, temperature, max_new_tokens, seed + 1),
+    )
+    return train, check
+
+
 def _cached_rounds(path: Path, make) -> list[LabelledRound]:
+    """The rounds stored at ``path``, or ``make()``'s (then stored there, whole or not at all)."""
     if path.is_file():
         return [LabelledRound(**raw) for raw in torch.load(path, weights_only=True)]
     rounds = make()
@@ -252,78 +270,76 @@ def run(
     if threads:
         torch.set_num_threads(threads)
     temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
-    settings = {"width": 4, "top_k": 4, "max_depth": 5, "max_nodes": 48, **(collect or {})}
-    rule = ConfidenceTree(**settings)
+    rule = ConfidenceTree(**{"width": 4, "top_k": 4, "max_depth": 5, "max_nodes": 48, **(collect or {})})
     folder = Path(output_dir)
     specdec = SpecDecPP.from_pretrained(bundle, **({"dtype": dtype} if dtype else {}))
-    options = prompt_options or PromptOptions()
+    prompt_sets = _prompt_sets(specdec, prompts, check_prompts, prompt_options or PromptOptions(), seed)
+    cost = _cost_model(specdec, cost_model)
+    models, results = TreeModels(), {}
+    for temperature in temperatures:
+        greedy, mode = temperature == 0, tree_mode(temperature == 0)
+        start = time.perf_counter()
+        # 1. Label: every round of the collection tree, on the training and on the check prompts (cached per set).
+        train, check = _label_rounds(folder / mode, specdec, prompt_sets, rule, temperature, max_new_tokens, seed)
+        # 2. Fit the C2T classifier and the tree head on the training rounds.
+        labelled = [(r.features[n], r.labels[n]) for r in train for n in r.labelled()]
+        models.c2t[mode] = C2TClassifier.fit([f for f, _ in labelled], [y for _, y in labelled], c2t_steps, seed)
+        models.heads[mode] = fit_tree_head(specdec.head, train, head_epochs, head_lr, head_batch_size, seed)
+        # 3. Check every scorer on the check rounds: its BCE and AUC, and the trees it would verify.
+        checked = _check_results(train, check, scorers(specdec, models, greedy), cost, max_nodes)
+        results[mode] = {"temperature": temperature, **checked, "seconds": time.perf_counter() - start}
+        print(_summary(mode, results[mode]), flush=True)
+    # 4. Write the models and trees.json.
+    models.save(folder)
+    settings = {"max_new_tokens": max_new_tokens, "max_nodes": max_nodes, "head_epochs": head_epochs}
+    settings |= {"head_lr": head_lr, "c2t_steps": c2t_steps, "seed": seed, "dtype": dtype}
+    payload = {"command": "train.trees", "machine": machine_info(), "bundle": str(bundle)}
+    payload |= {"collection_tree": rule.describe(), "prompts": prompt_sets[0].describe()}
+    payload |= {"check_prompts": prompt_sets[1].describe(), "settings": settings}
+    payload |= {"cost_model": {"source": cost_model, **cost.to_dict()}, "results": results}
+    write_json(folder / "trees.json", payload)
+    print(f"wrote {folder / 'trees.json'} and the models under {folder}/<mode>/")
+    return payload
+
+
+def _prompt_sets(specdec: SpecDecPP, prompts, check_prompts, options: PromptOptions, seed: int) -> tuple:
+    """The encoded training and check prompt sets; ValueError when they share a prompt."""
     train_set = options.encode("tree-train", prompts, specdec.tokenizer, seed)
     check_set = options.encode("tree-check", check_prompts, specdec.tokenizer, seed)
     overlap = {p.id for p in train_set.prompts} & {p.id for p in check_set.prompts}
     if overlap:
         raise ValueError(f"training and check prompts overlap ({sorted(overlap)[:3]} ...): use disjoint offsets.")
+    return train_set, check_set
+
+
+def _cost_model(specdec: SpecDecPP, cost_model: str) -> CostModel:
+    """The cost model that prices the offline trees: the bundle's (``bundle``) or a ``costs.json`` file's."""
     if cost_model == "bundle":
-        cost = CostModel.from_dict(specdec.cost_model)
-    else:
-        cost = CostModel.from_dict(json.loads(Path(cost_model).read_text()))
-    models, results = TreeModels(), {}
-    for temperature in temperatures:
-        greedy, mode = temperature == 0, tree_mode(temperature == 0)
-        start = time.perf_counter()
-        train = _cached_rounds(
-            folder / mode / "rounds-train.pt",
-            lambda: collect_rounds(specdec, train_set.prompts, rule, temperature, max_new_tokens, seed),
-        )
-        check = _cached_rounds(
-            folder / mode / "rounds-check.pt",
-            lambda: collect_rounds(specdec, check_set.prompts, rule, temperature, max_new_tokens, seed + 1),
-        )
-        labelled = [(r.features[n], r.labels[n]) for r in train for n in r.labelled()]
-        models.c2t[mode] = C2TClassifier.fit([f for f, _ in labelled], [y for _, y in labelled], c2t_steps, seed)
-        models.heads[mode] = fit_tree_head(specdec.head, train, head_epochs, head_lr, head_batch_size, seed)
-        table = scorers(specdec, models, greedy)
-        results[mode] = {
-            "temperature": temperature,
-            "rounds": {"train": len(train), "check": len(check)},
-            "labelled_nodes": {"train": len(labelled), "check": sum(len(r.labels) for r in check)},
-            "fed_labelled_nodes": {"train": len(_fed_rows(train)[1]), "check": len(_fed_rows(check)[1])},
-            "fed_nodes": {name: node_metrics(check, score, fed_only=True) for name, score in table.items()},
-            # The nodes a chain drafts (each parent's top child): where the chain head was trained.
-            "fed_top_children": {
-                name: node_metrics(check, score, fed_only=True, top_only=True) for name, score in table.items()
-            },
-            "all_nodes": {
-                name: node_metrics(check, score, fed_only=False)
-                for name, score in table.items()
-                if "head" not in name  # head scorers fall back to the draft probability off the fed nodes
-            },
-            "priced_trees": {name: price_trees(check, score, cost, max_nodes) for name, score in table.items()},
-            "seconds": time.perf_counter() - start,
-        }
-        print(_summary(mode, results[mode]), flush=True)
-    models.save(folder)
-    payload = {
-        "command": "train.trees",
-        "machine": machine_info(),
-        "bundle": str(bundle),
-        "collection_tree": rule.describe(),
-        "prompts": train_set.describe(),
-        "check_prompts": check_set.describe(),
-        "settings": {
-            "max_new_tokens": max_new_tokens,
-            "max_nodes": max_nodes,
-            "head_epochs": head_epochs,
-            "head_lr": head_lr,
-            "c2t_steps": c2t_steps,
-            "seed": seed,
-            "dtype": dtype,
+        return CostModel.from_dict(specdec.cost_model)
+    return CostModel.from_dict(json.loads(Path(cost_model).read_text()))
+
+
+def _check_results(
+    train: list[LabelledRound], check: list[LabelledRound], table: dict, cost: CostModel, max_nodes: int
+) -> dict:
+    """The counts of ``train`` and ``check`` rounds and, per scorer of ``table``, its metrics on the check rounds'
+    nodes and the trees it would verify (the ``results`` of trees.json, less temperature and seconds)."""
+    return {
+        "rounds": {"train": len(train), "check": len(check)},
+        "labelled_nodes": {"train": sum(len(r.labelled()) for r in train), "check": sum(len(r.labels) for r in check)},
+        "fed_labelled_nodes": {"train": len(_fed_rows(train)[1]), "check": len(_fed_rows(check)[1])},
+        "fed_nodes": {name: node_metrics(check, score, fed_only=True) for name, score in table.items()},
+        # The nodes a chain drafts (each parent's top child): where the chain head was trained.
+        "fed_top_children": {
+            name: node_metrics(check, score, fed_only=True, top_only=True) for name, score in table.items()
         },
-        "cost_model": {"source": cost_model, **cost.to_dict()},
-        "results": results,
+        "all_nodes": {
+            name: node_metrics(check, score, fed_only=False)
+            for name, score in table.items()
+            if "head" not in name  # head scorers fall back to the draft probability off the fed nodes
+        },
+        "priced_trees": {name: price_trees(check, score, cost, max_nodes) for name, score in table.items()},
     }
-    write_json(folder / "trees.json", payload)
-    print(f"wrote {folder / 'trees.json'} and the models under {folder}/<mode>/")
-    return payload
 
 
 def _summary(mode: str, result: dict) -> str:
