@@ -197,3 +197,14 @@ def test_the_responses_stage_with_slots_resumes_to_the_same_shards(tmp_path, mon
             assert all(torch.equal(x, y) for x, y in zip(a["response_ids"], b["response_ids"]))
     with pytest.raises(ValueError, match="split.json"):  # slots draw other samples than one batch per shard
         run_cli("responses", "--config", str(responses_config(tmp_path, "resumed", slots=None)))
+
+
+def test_bench_responses_times_the_three_generators_on_the_same_rows(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run_cli("bench_responses", "--config", str(responses_config(tmp_path, "bench")), "--rows", "9")
+    result = json.loads((tmp_path / "bench" / "bench_responses.json").read_text())
+    assert result["settings"]["rows"] == 9 and result["settings"]["batch_size"] == 6
+    assert set(result["tokens_per_second"]) == {"generate", "batch", "slots"}
+    for passes in result["passes"].values():
+        assert 9 <= passes["tokens"][0] <= 9 * 8 and passes["seconds"][0] > 0
+    assert result["ratio_to_generate"]["generate"] == 1.0 and result["machine"]["cpu_capability"]

@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import json
 import random
+import statistics
 import sysconfig
 import time
 from collections import Counter
@@ -31,6 +32,7 @@ from ..acceptance.head import AcceptanceHead
 from ..acceptance.labels import draft_acceptance
 from ..core.hf_compat import crop_cache
 from ..core.prompts import EncodedPrompt, PromptSource, chat_prompt_ids, load_prompts, training_prompts
+from ..core.records import machine_info, write_json
 from ..models.drafters import ModelDrafter
 from ..models.feature_draft import FeatureDraft, FeatureDraftConfig, FeatureDrafter
 from ..models.features import decoder_matches_lm_head_input, final_hidden_states
@@ -48,7 +50,7 @@ from .draft_recipe import (
 )
 from .feature_draft import FeatureDataModule, FeatureDraftModule, FeatureSequence, read_feature_shards
 from .model_card import blocks, card, front_matter, plain_table, read_json, section
-from .own_responses import response_rows, write_response_shards
+from .own_responses import GENERATORS, bench_generators, response_rows, write_response_shards
 
 
 @dataclass
@@ -260,6 +262,47 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     print(f"[responses] {meta['tokens']} tokens written at {meta['tokens_per_second']:.0f} tok/s", flush=True)
     return meta
+
+
+def bench_responses(
+    cfg: FeatureDraftRecipe, rows: int | None = None, repeats: int = 1, max_new_tokens: int | None = None
+) -> dict:
+    """Response tokens/s of the ``responses`` stage's generators side by side on this machine: Hugging Face's
+    ``model.generate``, one left-padded batch at a time (``batch``) and continuous batching (``slots``), each writing
+    T=``temperature`` samples for the same first ``rows`` training rows (default: four batches of
+    ``generate_batch_size``) in batches of ``generate_batch_size``, ``max_new_tokens`` each (default: the config's),
+    interleaved ``repeats`` times. Prints the table; writes ``<work_dir>/bench_responses.json``."""
+    set_threads(cfg.threads)
+    tokenizer, model = load_tokenizer(cfg.target), load_model(cfg.target)
+    held_out = load_prompts(cfg.eval_prompts, seed=cfg.seed, split_seed=cfg.split_seed)
+    train = training_prompts(cfg.prompts, held_out, seed=cfg.seed, split_seed=cfg.split_seed, limit=cfg.max_prompts)
+    batches = response_rows(
+        _encode(tokenizer, train, cfg.max_prompt_tokens), 1, False, cfg.generate_batch_size, cfg.sort_window
+    )
+    prompts = [row.prompt.ids for batch in batches for row in batch][: rows or 4 * cfg.generate_batch_size]
+    eos = eos_token_ids(tokenizer, model)
+    new_tokens = max_new_tokens or cfg.max_new_tokens
+    passes = bench_generators(
+        model, prompts, batch_size=cfg.generate_batch_size, max_new_tokens=new_tokens, temperature=cfg.temperature,
+        eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0],
+        repeats=repeats, seed=cfg.seed,
+    )  # fmt: skip
+    speed = {name: statistics.median(t / s for t, s in zip(p["tokens"], p["seconds"])) for name, p in passes.items()}
+    result = {
+        "machine": machine_info(),
+        "settings": {"rows": len(prompts), "batch_size": cfg.generate_batch_size, "max_new_tokens": new_tokens}
+        | {"temperature": cfg.temperature, "repeats": repeats, "dtype": cfg.target.dtype, "threads": cfg.threads},
+        "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
+        "passes": passes,
+        "tokens_per_second": speed,
+        "ratio_to_generate": {name: speed[name] / speed["generate"] for name in GENERATORS},
+    }
+    for name in GENERATORS:
+        print(f"{name:>9}: {speed[name]:7.0f} response tok/s  ({result['ratio_to_generate'][name]:.2f}x generate)")
+    folder = expand(cfg.work_dir)
+    folder.mkdir(parents=True, exist_ok=True)
+    write_json(folder / "bench_responses.json", result)
+    return result
 
 
 def _check_responses_config(cfg: FeatureDraftRecipe) -> None:

@@ -246,3 +246,71 @@ def write_response_shards(
         "seconds": seconds,
         "stopped_by_budget": stopped,
     }
+
+
+GENERATORS = ("generate", "batch", "slots")
+"""What :func:`bench_generators` times: Hugging Face's ``model.generate``, :func:`generate_responses` (one
+left-padded batch at a time, finished rows dropped) and :func:`~accept_head.models.slot_generate.slot_generate`."""
+
+
+@torch.inference_mode()
+def bench_generators(
+    model: torch.nn.Module,
+    prompts: Sequence[Sequence[int]],
+    *,
+    batch_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+    repeats: int = 1,
+    seed: int = 0,
+) -> dict[str, dict]:
+    """Response tokens/s of each of :data:`GENERATORS` writing T=``temperature`` samples for every prompt, the same
+    rows through batches of ``batch_size`` (``model.generate`` and ``batch``: one batch after another; ``slots``:
+    ``batch_size`` slots refilled from all of them), interleaved ``repeats`` times. A response counts through its
+    first EOS. Returns, per generator, the tokens and seconds of every pass."""
+    device = next(model.parameters()).device
+    chunks = [list(prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
+    eos = torch.as_tensor(list(eos_token_ids))
+    settings = dict(max_new_tokens=max_new_tokens, temperature=temperature, eos_token_ids=eos_token_ids)
+    settings |= dict(pad_token_id=pad_token_id)
+
+    def hf_generate(generator: torch.Generator) -> int:
+        tokens = 0
+        for chunk in chunks:
+            ids, mask = left_pad(chunk, pad_token_id)
+            out = model.generate(
+                ids.to(device), attention_mask=mask.to(device), do_sample=True, temperature=temperature, top_k=0,
+                top_p=1.0, max_new_tokens=max_new_tokens, eos_token_id=list(eos_token_ids),
+                pad_token_id=pad_token_id,
+            )[:, ids.shape[1] :].cpu()  # fmt: skip
+            tokens += int(_first_eos_lengths(out, eos).sum())
+        return tokens
+
+    def batch(generator: torch.Generator) -> int:
+        greedy = [torch.zeros(len(chunk), dtype=torch.bool) for chunk in chunks]
+        return sum(
+            len(r)
+            for c, g in zip(chunks, greedy)
+            for r in generate_responses(model, c, g, generator=generator, **settings)
+        )
+
+    def slots(generator: torch.Generator) -> int:
+        responses = slot_generate(
+            model, list(prompts), [False] * len(prompts), slots=batch_size, generator=generator, **settings
+        )
+        return sum(len(r) for r in responses)
+
+    runs = {"generate": hf_generate, "batch": batch, "slots": slots}
+    passes: dict[str, dict] = {name: {"tokens": [], "seconds": []} for name in GENERATORS}
+    for repeat in range(repeats):
+        for name in GENERATORS:
+            generator = torch.Generator(device).manual_seed(derive_seed(seed, "bench", name, repeat))
+            torch.manual_seed(derive_seed(seed, "bench-global", name, repeat))  # model.generate's own draws
+            start = time.perf_counter()
+            tokens = runs[name](generator)
+            passes[name]["seconds"].append(time.perf_counter() - start)
+            passes[name]["tokens"].append(tokens)
+            print(f"[bench] {name}: {tokens} tokens in {passes[name]['seconds'][-1]:.1f}s", flush=True)
+    return passes
