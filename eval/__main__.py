@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import inspect
 import sys
-import warnings
 from collections.abc import Sequence
 from dataclasses import fields
 
@@ -83,14 +82,10 @@ def build_parser(functions: dict, prog: str = "python -m eval"):
         parameters = inspect.signature(function).parameters
         sub = ArgumentParser(description=summary(function))
         sub.add_argument("--config", action="config", help="A YAML file of this command's flags (top-level keys).")
-        with warnings.catch_warnings():
-            # jsonargparse looks for a shorter import path of each parameter's type in its module's parent packages
-            # (accept_head.engine for accept_head.engine.runner.PolicyGrid); that probe is not a use of an old path.
-            warnings.filterwarnings("ignore", r"accept_head\.engine\.\w+ moved to", FutureWarning)
-            for key, options in groups.items():
-                if key in parameters:
-                    sub.add_class_arguments(options, nested_key=None, skip=SKIPPED.get(name), sub_configs=True)
-            sub.add_function_arguments(function, nested_key=None, as_group=False, skip=set(groups), sub_configs=True)
+        for key, options in groups.items():
+            if key in parameters:
+                sub.add_class_arguments(options, nested_key=None, skip=SKIPPED.get(name), sub_configs=True)
+        sub.add_function_arguments(function, nested_key=None, as_group=False, skip=set(groups), sub_configs=True)
         subcommands.add_subcommand(name, sub, help=summary(function).split(". ")[0].removesuffix(".") + ".")
     return parser
 
