@@ -195,6 +195,12 @@ def test_the_responses_stage_with_slots_resumes_to_the_same_shards(tmp_path, mon
             a, b = torch.load(a, weights_only=True), torch.load(b, weights_only=True)
             assert a["prompt_id"] == b["prompt_id"] and torch.equal(a["sample"], b["sample"])
             assert all(torch.equal(x, y) for x, y in zip(a["response_ids"], b["response_ids"]))
+    present = stages.progress(
+        stages.FeatureDraftRecipe(**yaml.safe_load(responses_config(tmp_path, "resumed").read_text())["cfg"])
+    )
+    meta = json.loads((folder / "meta.json").read_text())
+    assert present == meta["present"] and present["train"]["rows"] == 10 * 3  # 10 prompts x (2 samples + greedy)
+    assert present["train"]["positions"] == present["train"]["prompt"] + present["train"]["response"] > 0
     with pytest.raises(ValueError, match="split.json"):  # slots draw other samples than one batch per shard
         run_cli("responses", "--config", str(responses_config(tmp_path, "resumed", slots=None)))
 

@@ -6,6 +6,7 @@ the config's ``time_budget_s``::
     python -m train.feature_draft all      --config configs/distill/smollm2-135m-feature-draft-gpu.yaml
     python -m train.feature_draft responses --config ...  # the target's own responses (T=1 samples + greedy)
     python -m train.feature_draft bench_responses --config ...  # its generators' tok/s beside model.generate
+    python -m train.feature_draft progress --config ...  # shards, rows and positions written so far
     python -m train.distill_draft generate --config <distill yaml>  # or: responses written by the standalone recipe
     python -m train.feature_draft text     --config ...   # optional: more text (e.g. Python's stdlib) as sequences
     python -m train.feature_draft features --config configs/distill/smollm2-135m-feature-draft.yaml
@@ -27,6 +28,7 @@ from accept_head.training.feature_draft_recipe import (
     features,
     fit,
     model_card,
+    progress,
     responses,
     run_all,
     text,
@@ -37,7 +39,7 @@ from accept_head.training.feature_draft_recipe import (
 def main() -> None:
     from jsonargparse import CLI
 
-    stages = [responses, text, features, vocab, fit, evaluate, model_card, ablate, bench_responses]
+    stages = [responses, text, features, vocab, fit, evaluate, model_card, ablate, bench_responses, progress]
     CLI({"all": run_all} | {stage.__name__: stage for stage in stages}, as_positional=False)  # subcommands by name
 
 

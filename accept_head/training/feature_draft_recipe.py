@@ -50,7 +50,7 @@ from .draft_recipe import (
 )
 from .feature_draft import FeatureDataModule, FeatureDraftModule, FeatureSequence, read_feature_shards
 from .model_card import blocks, card, front_matter, plain_table, read_json, section
-from .own_responses import GENERATORS, bench_generators, response_rows, write_response_shards
+from .own_responses import GENERATORS, bench_generators, response_rows, shard_positions, write_response_shards
 
 
 @dataclass
@@ -258,10 +258,27 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
         if done["stopped_by_budget"]:
             break
     meta["tokens_per_second"] = meta["tokens"] / max(meta["seconds"], 1e-9)
+    meta["present"] = shard_positions(folder / "shards")
     meta["device"] = str(next(model.parameters()).device)
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     print(f"[responses] {meta['tokens']} tokens written at {meta['tokens_per_second']:.0f} tok/s", flush=True)
     return meta
+
+
+def progress(cfg: FeatureDraftRecipe) -> dict:
+    """How far the ``responses`` stage has come: per kind, the shards on disk, their rows, prompt and response tokens
+    and positions (prompt + response), against the shards the plan holds. Prints it; reads only the shards."""
+    folder = _generations(cfg)
+    present = shard_positions(folder / "shards")
+    split = json.loads((folder / "split.json").read_text()) if (folder / "split.json").exists() else {}
+    for kind, counts in present.items():
+        planned = len(split.get(kind, [])) * (1 if kind == "eval" else split.get("samples_per_prompt", 1))
+        planned += len(split.get(kind, [])) if split.get("greedy_responses") else 0
+        print(
+            f"{kind:>5}: {counts['shards']} shards, {counts['rows']}/{planned} rows, {counts['positions']} positions "
+            f"({counts['prompt']} prompt + {counts['response']} response tokens)"
+        )
+    return present
 
 
 def bench_responses(

@@ -314,3 +314,19 @@ def bench_generators(
             passes[name]["tokens"].append(tokens)
             print(f"[bench] {name}: {tokens} tokens in {passes[name]['seconds'][-1]:.1f}s", flush=True)
     return passes
+
+
+def shard_positions(folder: Path) -> dict[str, dict]:
+    """What the response shards under ``folder`` (``<kind>-NNNNN.pt``) hold, per kind: shards, rows, prompt and
+    response tokens, and positions (prompt + response: what a draft trains on)."""
+    out: dict[str, dict] = {}
+    for path in sorted(folder.glob("*-*.pt")):
+        shard = torch.load(path, weights_only=True)
+        kind = out.setdefault(path.name.split("-")[0], dict.fromkeys(("shards", "rows", "prompt", "response"), 0))
+        kind["shards"] += 1
+        kind["rows"] += len(shard["response_ids"])
+        kind["prompt"] += sum(len(p) for p in shard["prompt_ids"])
+        kind["response"] += sum(len(r) for r in shard["response_ids"])
+    for kind in out.values():
+        kind["positions"] = kind["prompt"] + kind["response"]
+    return out
