@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..acceptance.head import AcceptanceHead
-from ..acceptance.inputs import SCALAR_INPUTS
 
 
 @dataclass
@@ -56,16 +55,15 @@ def round_inputs(state: RoundState, names: tuple[str, ...]) -> list[float]:
     """The scalar inputs ``names`` (:data:`~accept_head.acceptance.inputs.SCALAR_INPUTS`) of the latest candidate
     y_n of a round being drafted (n = ``state.n``), as the decoder hands them to a head — the twin of
     :func:`~accept_head.acceptance.inputs.stored_inputs`, which reads them from a rollout dataset for training."""
-    n = state.n
+    n, logps = state.n, state.draft_logps
     values = {
-        "logq": lambda: state.draft_logps[n - 1],
-        "entropy": lambda: state.entropies[n - 1],
-        "top1": lambda: state.top1s[n - 1],
-        "depth": lambda: float(n),
-        "path_logq": lambda: sum(state.draft_logps[:n], 0.0),  # in order, in float64, as the dataset's column
+        "logq": logps[n - 1],
+        "entropy": state.entropies[n - 1],
+        "top1": state.top1s[n - 1],
+        "depth": float(n),
+        "path_logq": sum(logps[:n], 0.0),  # in order, in float64, as the dataset's column is summed
     }
-    assert set(values) == set(SCALAR_INPUTS)
-    return [values[name]() for name in names]
+    return [values[name] for name in names]
 
 
 class StopPolicy:
