@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 from tiny_models import make_pair
 
 from accept_head import AcceptanceHead, Calibration, HeadThreshold, ModelSpec, SpecDecPP, load_model, load_tokenizer
 from accept_head.acceptance.head import HEAD_WEIGHTS
+from accept_head.chain.decoding import speculative_generate
 from accept_head.specdecpp.bundle import CONFIG_NAME, CUSTOM_GENERATE, FORMAT_VERSION, portable_spec
 
 
@@ -94,7 +96,7 @@ def test_bundle_config_is_sorted_versioned_and_complete(bundle: SpecDecPP, tmp_p
     config = json.loads(text)
     assert list(config) == sorted(config)
     assert config["format_version"] == FORMAT_VERSION
-    assert config["head"] == {"depth": 2, "hidden_size": 16}
+    assert config["head"] == {"depth": 2, "hidden_size": 16, "inputs": ["hidden"], "residual_on": None}
     assert config["threshold"] == 0.6 and config["temperature"] == 0.8
     assert config["calibration"] == {"kind": "temperature", "temperature": 1.5}
     assert config["target"]["dtype"] == "float32" and config["draft"]["path"].endswith("draft")
@@ -229,3 +231,55 @@ def test_a_greedy_h_star_serves_greedy_decoding_and_survives_a_round_trip(bundle
     assert max(loaded.last_stats.proposed) <= 2
     with pytest.raises(ValueError, match="1.5"):
         SpecDecPP(bundle.target, bundle.draft, bundle.head, 0.6, greedy_threshold=1.5)
+
+
+# ---- bundles from before head inputs -----------------------------------------------------------------------------
+
+
+class OldMathsThreshold(HeadThreshold):
+    """SpecDec++'s policy scoring with the hidden-only head's maths as written before heads read other inputs."""
+
+    def score(self, hidden: torch.Tensor, state=None) -> float:
+        head = self.head
+        with torch.inference_mode():
+            x = hidden.reshape(-1).to(head.out.weight.dtype)
+            for block in head.blocks:
+                x = x + torch.nn.functional.silu(torch.addmv(block.linear.bias, block.linear.weight, x))
+            prob = float(torch.sigmoid(torch.dot(head.out.weight[0], x) + head.out.bias[0]))
+        return float(self.calibration(prob)) if self.calibration is not None else prob
+
+
+def test_a_bundle_saved_before_head_inputs_loads_and_decodes_as_before(bundle: SpecDecPP, tmp_path: Path) -> None:
+    """A config.json whose head is {depth, hidden_size} (every bundle before heads read other inputs) loads as the
+    hidden-only head and decodes exactly as the old scoring maths does: same text, same rounds."""
+    bundle.save_pretrained(tmp_path / "bundle")
+    config = json.loads((tmp_path / "bundle" / CONFIG_NAME).read_text())
+    config["head"] = {"depth": 2, "hidden_size": 16}
+    (tmp_path / "bundle" / CONFIG_NAME).write_text(json.dumps(config))
+    loaded = SpecDecPP.from_pretrained(tmp_path / "bundle")
+    assert loaded.head.inputs == ("hidden",) and loaded.head.residual_on is None
+    assert not loaded.policy().uses_draft_stats
+    ids = loaded.encode("write a short poem")
+    for temperature in (0.0, 0.8):
+        out = loaded.generate(ids, max_new_tokens=24, temperature=temperature, seed=3)
+        h, unscored = loaded.h_star(greedy=temperature == 0)
+        old = OldMathsThreshold(loaded.head, h, 2, 10, loaded.calibration_for(temperature == 0), unscored)
+        reference = speculative_generate(
+            loaded.target, loaded.draft, [ids], old, 24, temperature, eos_token_id=loaded.eos_token_ids,
+            generator=torch.Generator().manual_seed(3),
+        )  # fmt: skip
+        assert out.sequences.tolist() == reference.sequences.tolist()
+        assert (out.stats.proposed, out.stats.accepted) == (reference.stats.proposed, reference.stats.accepted)
+
+
+def test_the_committed_bundles_head_loads_as_the_hidden_only_head() -> None:
+    """checkpoints/smollm2-135m-specdecpp (exported before heads read other inputs): its head config and weights
+    build the hidden-only head, whose decoding path gives the old maths' probabilities bit for bit."""
+    folder = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-specdecpp"
+    config = SpecDecPP.read_config(folder)
+    head = AcceptanceHead.from_config(config["head"])
+    head.load_state_dict(load_file(str(folder / HEAD_WEIGHTS)))  # strict: no standardisation buffers expected
+    assert head.inputs == ("hidden",) and (head.hidden_size, head.depth) == (576, 3)
+    old = OldMathsThreshold(head, 0.5)
+    for hidden in torch.randn(4, 576, generator=torch.Generator().manual_seed(0)):
+        assert HeadThreshold(head, 0.5).score(hidden) == old.score(hidden)

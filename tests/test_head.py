@@ -1,4 +1,5 @@
-"""The acceptance head: shapes, the residual maths, untied blocks, official-checkpoint import, save/load."""
+"""The acceptance head: shapes, the residual maths, untied blocks, official-checkpoint import, save/load, and heads
+that read scalar inputs besides the hidden state (standardised, optionally as a correction of logit(q))."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from torch import nn
 
 from accept_head import AcceptanceHead, from_official_state_dict
 from accept_head.acceptance.head import HEAD_CONFIG, HEAD_WEIGHTS
+from accept_head.acceptance.inputs import INPUTS
 
 
 def seeded_head(hidden_size: int = 16, depth: int = 3, seed: int = 0) -> AcceptanceHead:
@@ -157,7 +159,8 @@ def test_state_dict_without_a_two_logit_output_is_refused() -> None:
 def test_save_and_load_round_trip_preserves_config_and_outputs(tmp_path) -> None:
     head = seeded_head(hidden_size=24, depth=2)
     head.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / HEAD_CONFIG).read_text()) == {"depth": 2, "hidden_size": 24}
+    config = {"depth": 2, "hidden_size": 24, "inputs": ["hidden"], "residual_on": None}
+    assert json.loads((tmp_path / HEAD_CONFIG).read_text()) == config
     loaded = AcceptanceHead.from_pretrained(tmp_path)
     assert (loaded.hidden_size, loaded.depth) == (24, 2)
     for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
@@ -183,3 +186,112 @@ def test_loading_weights_of_another_shape_is_refused(tmp_path) -> None:
 def test_invalid_head_shape_is_refused(hidden_size: int, depth: int) -> None:
     with pytest.raises(ValueError, match="hidden_size" if hidden_size < 1 else "depth"):
         AcceptanceHead(hidden_size, depth)
+
+
+# ---- scalar inputs besides the hidden state --------------------------------------------------------------------------
+
+
+def head_with_inputs(inputs=INPUTS, residual_on: str | None = None, seed: int = 0) -> AcceptanceHead:
+    """A depth-2 head over hidden size 8 reading ``inputs``, with a non-trivial standardisation."""
+    torch.manual_seed(seed)
+    head = AcceptanceHead(8, 2, inputs, residual_on).eval()
+    count = len(head.scalar_inputs)
+    head.set_scalar_stats(torch.linspace(-2.0, 1.0, count), torch.linspace(0.5, 3.0, count))
+    return head
+
+
+def scalar_rows(n: int, seed: int = 1) -> torch.Tensor:
+    """(n, 5) plausible raw scalar inputs: log q in (log 1e-3, log 0.999), entropy, top-1, depth, path log q."""
+    g = torch.Generator().manual_seed(seed)
+    logq = torch.empty(n).uniform_(-6.9, -0.001, generator=g)
+    depth = torch.randint(1, 6, (n,), generator=g).float()
+    return torch.stack([logq, torch.rand(n, generator=g) * 4, torch.rand(n, generator=g), depth, logq * depth], -1)
+
+
+def test_scalar_inputs_are_standardised_and_concatenated_to_the_hidden_state() -> None:
+    """x_0 = [e; (s − mean)/std], then the same residual maths; the decoder's single-vector path agrees."""
+    head = head_with_inputs()
+    assert head.inputs == INPUTS and head.scalar_inputs == INPUTS[1:] and head.blocks[0].linear.in_features == 8 + 5
+    hidden, scalars = torch.randn(6, 8), scalar_rows(6)
+    x = torch.cat([hidden, (scalars - head.scalar_mean) / head.scalar_std], -1)
+    for block in head.blocks:
+        x = x + nn.functional.silu(x @ block.linear.weight.T + block.linear.bias)
+    expected = (x @ head.out.weight.T + head.out.bias).squeeze(-1)
+    torch.testing.assert_close(head(hidden, scalars), expected)
+    with torch.inference_mode():
+        for h, s, logit in zip(hidden, scalars, expected):
+            assert head.accept_prob_one(h, s.tolist()) == pytest.approx(float(torch.sigmoid(logit)), abs=1e-6)
+
+
+def test_a_head_may_read_scalars_alone_in_the_order_of_inputs() -> None:
+    head = head_with_inputs(["depth", "logq"])  # given in any order, read in the canonical one
+    assert head.inputs == ("logq", "depth") and not head.reads_hidden and head.out.in_features == 2
+    scalars = scalar_rows(4)[:, [0, 3]]
+    assert head(None, scalars).shape == (4,)
+    with torch.inference_mode():
+        assert head.accept_prob_one(None, scalars[0].tolist()) == pytest.approx(
+            float(head.accept_prob(None, scalars)[0])
+        )
+
+
+@pytest.mark.parametrize("inputs", [["hidden", "logq"], ["logq", "entropy", "depth"], list(INPUTS)])
+def test_the_residual_head_starts_as_the_drafts_own_probability(inputs: list[str]) -> None:
+    """residual_on="logq": logit = logit(q) + a correction whose last layer is zero at initialisation, so before
+    training the head predicts q itself, whatever the hidden state, the other inputs or the standardisation."""
+    head = head_with_inputs(inputs, residual_on="logq")
+    scalars = scalar_rows(20)[:, [INPUTS.index(n) - 1 for n in head.scalar_inputs]]
+    hidden = torch.randn(20, 8) if head.reads_hidden else None
+    q = scalars[:, 0].exp()  # logq is the first scalar input
+    torch.testing.assert_close(head.accept_prob(hidden, scalars), q, rtol=1e-5, atol=1e-6)
+    with torch.inference_mode():
+        assert head.accept_prob_one(None if hidden is None else hidden[3], scalars[3].tolist()) == pytest.approx(
+            float(q[3]), rel=1e-5
+        )
+    assert sum(p.abs().sum() for p in head.out.parameters()) == 0 and head.blocks[0].linear.weight.abs().sum() > 0
+
+
+def test_the_residual_logit_is_finite_where_q_rounds_to_one() -> None:
+    head = head_with_inputs(["hidden", "logq"], residual_on="logq")
+    probs = head.accept_prob(torch.randn(2, 8), torch.tensor([[0.0], [-1e-9]]))
+    assert torch.isfinite(torch.logit(probs.double())).all() and bool((probs > 0.999).all())
+
+
+def test_a_head_with_inputs_round_trips_with_its_standardisation(tmp_path) -> None:
+    head = head_with_inputs(residual_on="logq")
+    with torch.no_grad():
+        head.out.weight.normal_()  # trained, so the correction is not zero
+    head.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / HEAD_CONFIG).read_text())
+    assert config == {"depth": 2, "hidden_size": 8, "inputs": list(INPUTS), "residual_on": "logq"}
+    loaded = AcceptanceHead.from_pretrained(tmp_path)
+    assert torch.equal(loaded.scalar_mean, head.scalar_mean) and torch.equal(loaded.scalar_std, head.scalar_std)
+    hidden, scalars = torch.randn(5, 8), scalar_rows(5)
+    torch.testing.assert_close(loaded(hidden, scalars), head(hidden, scalars), rtol=0, atol=0)
+
+
+def test_a_head_config_from_before_inputs_is_the_hidden_only_head() -> None:
+    head = AcceptanceHead.from_config({"depth": 1, "hidden_size": 8})
+    assert head.inputs == ("hidden",) and head.scalar_inputs == () and head.residual_on is None
+    assert sorted(head.state_dict()) == ["blocks.0.linear.bias", "blocks.0.linear.weight", "out.bias", "out.weight"]
+
+
+@pytest.mark.parametrize(
+    ("inputs", "residual_on", "match"),
+    [
+        (["hidden", "log_q"], None, r"unknown: \['log_q'\]"),
+        ([], None, "non-empty subset"),
+        (["hidden", "entropy"], "logq", "residual_on='logq' needs 'logq' among the inputs"),
+        (["hidden", "logq"], "entropy", "must be one of"),
+    ],
+)
+def test_bad_head_inputs_are_refused(inputs, residual_on, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        AcceptanceHead(8, 1, inputs, residual_on)
+
+
+def test_a_head_called_without_the_inputs_it_reads_names_them() -> None:
+    head = head_with_inputs(["hidden", "logq", "depth"])
+    with pytest.raises(ValueError, match=r"reads the scalar inputs \['logq', 'depth'\]: pass scalars=\(\.\.\., 2\)"):
+        head(torch.randn(3, 8))
+    with pytest.raises(ValueError, match="reads the draft's hidden state"):
+        head(None, torch.zeros(3, 2))

@@ -8,6 +8,8 @@ import pytest
 import torch
 
 from accept_head import AcceptanceHead, Calibration, FixedK, HeadThreshold, RoundState
+from accept_head.acceptance.inputs import INPUTS
+from accept_head.chain.policies import round_inputs
 
 
 def head_with_accept_prob(prob: float, hidden_size: int = 4) -> AcceptanceHead:
@@ -82,3 +84,26 @@ def test_head_threshold_scores_hidden_states_with_its_head_and_calibration() -> 
 def test_policies_describe_their_settings() -> None:
     assert FixedK(4).describe() == "FixedK(k=4)"
     assert HeadThreshold(head_with_accept_prob(0.5), 0.7).describe() == "HeadThreshold(h=0.7)"
+
+
+def test_a_head_with_scalar_inputs_is_handed_those_of_the_latest_candidate() -> None:
+    """After y_3 is fed, the head scores y_3: its log q, entropy and top-1, depth 3 and log q(y_1) + ... + log q(y_3)
+    — not y_2's or y_4's numbers, nor a 0-based depth or a path that leaves y_3 out."""
+    state = RoundState(
+        n=3,
+        candidates=[5, 6, 7],
+        draft_logps=[-0.5, -1.25, -2.0],
+        entropies=[1.0, 2.0, 3.0],
+        top1s=[0.7, 0.6, 0.5],
+        accept_probs=[0.9, 0.8],
+    )
+    assert round_inputs(state, INPUTS[1:]) == [-2.0, 3.0, 0.5, 3.0, -3.75]
+    assert round_inputs(state, ("path_logq", "logq")) == [-3.75, -2.0]
+    head = AcceptanceHead(4, 0, ["hidden", "depth", "path_logq"])
+    seen = []
+    head.accept_prob_one = lambda hidden, scalars: seen.append(scalars) or 0.5
+    policy = HeadThreshold(head, 0.5)
+    assert policy.uses_draft_stats and not HeadThreshold(head_with_accept_prob(0.5), 0.5).uses_draft_stats
+    assert policy.score(torch.zeros(4), state) == 0.5 and seen == [[3.0, -3.75]]
+    with pytest.raises(ValueError, match=r"reads \['depth', 'path_logq'\]: score\(hidden, state\) needs the round"):
+        policy.score(torch.zeros(4))

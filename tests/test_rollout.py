@@ -23,7 +23,8 @@ from tiny_models import (
 )
 from train_helpers import TinySetup, run_data_gen, train_config, write_config, write_prompts
 
-from accept_head import FixedK, autoregressive_generate, speculative_generate
+from accept_head import AcceptanceHead, FixedK, HeadThreshold, autoregressive_generate, speculative_generate
+from accept_head.acceptance.inputs import INPUTS
 from accept_head.acceptance.labels import load_label_dataset
 from accept_head.chain.rollout import read_hidden, rollout_labels
 from accept_head.core.prompts import PromptOptions
@@ -69,11 +70,12 @@ def feature_draft(models) -> FeatureDraft:
 
 @pytest.mark.parametrize("name", list(SAMPLINGS))
 def test_rollout_labels_equal_an_independent_recomputation(models, name: str) -> None:
-    """Every candidate's label, features and hidden state equal what the two models give on its prefix directly:
-    the prompt, the text committed by earlier rounds and the round's earlier candidates."""
+    """Every candidate's label, features, head inputs and hidden state equal what the two models give on its prefix
+    directly: the prompt, the text committed by earlier rounds and the round's earlier candidates."""
     target, draft = models
     sampling = SAMPLINGS[name]
     result = rollout_labels(target, draft, PROMPT, 18, 3, sampling, None, torch.Generator().manual_seed(0))
+    inputs = result.inputs()  # what a head with scalar inputs trains on (acceptance/inputs.py), in INPUTS order
     stats = result.stats
     assert len(stats.proposed) >= 4 and sum(stats.proposed) == len(result.draft_ids)
     assert 0 < sum(stats.accepted) < sum(stats.proposed)  # both accept and reject paths ran
@@ -85,6 +87,7 @@ def test_rollout_labels_equal_an_independent_recomputation(models, name: str) ->
         assert result.round[c : c + k].tolist() == [r] * k and result.step[c : c + k].tolist() == list(range(1, k + 1))
         assert result.accepted[c : c + k].tolist() == [True] * m + [False] * (k - m)
         assert response[start : start + m] == candidates[:m]
+        path = 0.0
         for j, y in enumerate(candidates):
             context = torch.tensor([PROMPT + response[:start] + candidates[:j]])
             with torch.no_grad():
@@ -99,6 +102,10 @@ def test_rollout_labels_equal_an_independent_recomputation(models, name: str) ->
             assert float(result.accept_prob[c + j]) == pytest.approx(expected, abs=1e-5)
             assert float(result.draft_logp[c + j]) == pytest.approx(float(q[y].log()), abs=1e-4)
             assert float(result.draft_entropy[c + j]) == pytest.approx(float(torch.special.entr(q).sum()), abs=1e-4)
+            path += float(q[y].log())
+            entropy = float(-(q * q.log()).nan_to_num().sum())
+            expected_inputs = [float(q[y].log()), entropy, float(q.max()), j + 1, path]  # logq ... path_logq
+            torch.testing.assert_close(inputs[c + j], torch.tensor(expected_inputs), atol=1e-4, rtol=1e-4)
             assert float(result.expected_accept[c + j]) == pytest.approx(
                 float(torch.minimum(probabilities(p_logits, sampling), probabilities(q_logits, sampling)).sum()),
                 abs=1e-5,
@@ -107,6 +114,47 @@ def test_rollout_labels_equal_an_independent_recomputation(models, name: str) ->
         start += m + 1
         c += k
     assert start == len(response)
+
+
+class RecordingHeadThreshold(HeadThreshold):
+    """SpecDec++'s policy with ``k`` candidates a round, keeping what the decoder hands the head for each scored
+    candidate: (round, candidate index in the round, scalar inputs, hidden state)."""
+
+    def __init__(self, head: AcceptanceHead, k: int) -> None:
+        super().__init__(head, 0.5, min_candidates=k, max_candidates=k)
+        self.seen: list[tuple[int, int, list[float], torch.Tensor]] = []
+        self.rounds = 0
+
+    def score(self, hidden: torch.Tensor, state=None) -> float:
+        self.seen.append((self.rounds, state.n, self.head_inputs(state), hidden.float().clone()))
+        return super().score(hidden, state)
+
+    def update(self, state, accepted: int) -> None:
+        self.rounds += 1
+
+
+@pytest.mark.parametrize("name", ["t0.8-top_k20-top_p0.9", "greedy"])
+def test_the_decoder_hands_a_head_the_inputs_its_rollout_labels_store(models, name: str) -> None:
+    """Decoding with a head that reads every input and a rollout with the same generator run the same rounds; each
+    candidate the decoder scores gets exactly the inputs (and hidden state) the rollout stored for it to train on —
+    matched by round and by index in the round, so an off-by-one in position or depth fails."""
+    target, draft = models
+    sampling = SAMPLINGS[name]
+    policy = RecordingHeadThreshold(AcceptanceHead(32, 1, INPUTS), 3)
+    decoded = speculative_generate(
+        target, draft, PROMPT, policy, 18, sampling.temperature, sampling.top_k, sampling.top_p,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    stored = rollout_labels(target, draft, PROMPT, 18, 3, sampling, None, torch.Generator().manual_seed(0))
+    assert decoded.sequences[0, len(PROMPT) :].tolist() == stored.response_ids.tolist()
+    assert decoded.stats.proposed == stored.stats.proposed and decoded.stats.accepted == stored.stats.accepted
+    row = {(int(r), int(k)): c for c, (r, k) in enumerate(zip(stored.round, stored.step))}
+    inputs = stored.inputs()
+    assert len(policy.seen) == sum(max(k - 1, 0) for k in stored.stats.proposed) >= 8  # y_K of a round is unscored
+    for round_index, depth, scalars, hidden in policy.seen:
+        c = row[(round_index, depth)]
+        torch.testing.assert_close(torch.tensor(scalars), inputs[c], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(hidden, stored.hidden[c], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("drafter", ["model", "feature"])
@@ -471,12 +519,81 @@ def test_train_fit_on_feature_draft_rollout_labels(feature_setup: TinySetup, tmp
     assert (tmp_path / "bundle" / "head.safetensors").is_file() and cli.model.fit_report.threshold is not None
 
 
-def test_label_mode_scoring_refuses_token_mixing_labels(tiny: TinySetup, tmp_path) -> None:
+def test_train_fit_on_rollout_labels_with_scalar_inputs(tiny: TinySetup, tmp_path) -> None:
+    """A head reading every input, as a correction of logit(q), trains on rollout labels end to end: it standardises
+    the scalar inputs by the training candidates' statistics, the end-of-fit stages decode with it (cost model,
+    sweep), and the exported bundle records its inputs, decodes chains, refuses trees and is scored by `eval
+    label_modes` on the stored inputs — refusing a dataset without one of them."""
+    from accept_head import SpecDecPP
+    from accept_head.acceptance.metrics import acceptance_metrics
     from accept_head.evaluation import label_modes
 
-    run_data_gen(tiny.data_gen_config(label_mode="sample", batch_size=8, max_new_tokens=6), tmp_path / "sample")
+    model = {"inputs": list(INPUTS), "residual_on": "logq"}
+    cli = fit(train_config(tiny, tmp_path, stages=True, trainer={"max_epochs": 1}, model=model), tmp_path)
+    head = cli.model.head
+    dataset, meta = load_label_dataset(tiny.labels)
+    assert meta["head_inputs"] == list(INPUTS) and head.inputs == INPUTS and cli.trainer.global_step > 0
+    rows = [row for row in dataset if row["prompt_id"] in set(cli.datamodule.split["train"])]
+    values = []  # the training candidates' inputs, recomputed from the dataset's columns
+    for row in rows:
+        path = 0.0
+        for logp, entropy, top1, step in zip(row["draft_logp"], row["draft_entropy"], row["draft_top1"], row["step"]):
+            path = logp if step == 1 else path + logp
+            values.append([logp, entropy, top1, step, path])
+    values = torch.tensor(values, dtype=torch.float64)
+    torch.testing.assert_close(head.scalar_mean, values.mean(0).float())
+    torch.testing.assert_close(head.scalar_std, values.std(0, unbiased=False).float())
+
+    bundle = SpecDecPP.from_pretrained(tmp_path / "bundle")
+    config = json.loads((tmp_path / "bundle" / "config.json").read_text())["head"]
+    assert config == {"depth": 1, "hidden_size": 16, "inputs": list(INPUTS), "residual_on": "logq"}
+    assert torch.equal(bundle.head.scalar_mean, head.scalar_mean.cpu())
+    prompt = cli.datamodule.val_prompts(1)[0][1]
+    reference = autoregressive_generate(bundle.target, prompt, 8, temperature=0)
+    assert bundle.generate(prompt, max_new_tokens=8, temperature=0).sequences.tolist() == reference.sequences.tolist()
+    with pytest.raises(
+        ValueError, match=r"reads \['logq', 'entropy', 'top1', 'depth', 'path_logq'\] besides the hidden"
+    ):
+        bundle.generate(prompt, max_new_tokens=4, tree=True)
+
+    hidden, labels, inputs, _ = label_modes.held_out_states(str(tiny.labels))
+    scores = label_modes.score(bundle, hidden, labels, inputs=inputs)
+    with torch.no_grad():
+        logits = bundle.head(hidden.float(), inputs)
+    assert scores["raw"]["auc"] == pytest.approx(acceptance_metrics(logits, labels)["auc"], abs=1e-6)
+    inputs[:, INPUTS.index("path_logq") - 1] = float("nan")  # a dataset without path_logq
+    with pytest.raises(ValueError, match=r"The head reads \['path_logq'\] but the held-out dataset holds only"):
+        label_modes.score(bundle, hidden, labels, inputs=inputs)
+
+
+@pytest.fixture(scope="module")
+def token_labels(tiny: TinySetup, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Token-level (``label_mode: sample``) labels of the tiny pair."""
+    output = tmp_path_factory.mktemp("token-labels") / "sample"
+    return run_data_gen(tiny.data_gen_config(label_mode="sample", batch_size=8, max_new_tokens=6), output)
+
+
+def test_a_head_reading_inputs_token_level_labels_lack_is_refused(
+    tiny: TinySetup, token_labels: Path, tmp_path
+) -> None:
+    _, meta = load_label_dataset(token_labels)
+    assert meta["head_inputs"] == ["hidden"]
+    model = {"inputs": ["hidden", "logq", "depth"]}
+    config = train_config(tiny, tmp_path, stages=False, data={"path": str(token_labels)}, model=model)
+    missing = (
+        r"The head reads \['logq', 'depth'\] but the token-level \('sample'\) label data .* holds only \['hidden'\]"
+    )
+    with pytest.raises(
+        ValueError, match=missing + r": regenerate the labels with `python -m data_gen .*--label_mode rollout"
+    ):
+        fit(config, tmp_path)
+
+
+def test_label_mode_scoring_refuses_token_mixing_labels(token_labels: Path) -> None:
+    from accept_head.evaluation import label_modes
+
     with pytest.raises(ValueError, match="label_mode='sample' labels; scoring needs on-policy rollout labels"):
-        label_modes.held_out_states(str(tmp_path / "sample"))
+        label_modes.held_out_states(str(token_labels))
 
 
 def test_train_fit_with_greedy_labels_fits_a_greedy_calibration(tiny: TinySetup, tmp_path) -> None:

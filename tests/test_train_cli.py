@@ -65,7 +65,8 @@ def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_genera
 
     config = json.loads((bundle_dir / "config.json").read_text())
     provenance = config["provenance"]
-    assert config["threshold"] == report.threshold and config["head"] == {"hidden_size": 16, "depth": 1}
+    assert config["threshold"] == report.threshold
+    assert config["head"] == {"hidden_size": 16, "depth": 1, "inputs": ["hidden"], "residual_on": None}
     # Both HeadThreshold variants were swept with every h; the bundle keeps the chosen one.
     swept = {(row.param, row.variant) for row in report.sweep.family("threshold")}
     assert swept == {(0.3, None), (0.7, None), (0.3, "confidence"), (0.7, "confidence")}

@@ -1,4 +1,5 @@
-"""Pure functions behind head training: loss, token mixing, metrics, calibration fitting, split and batching."""
+"""Pure functions behind head training: loss, token mixing, metrics, calibration fitting, split and batching, and the
+scalar head inputs read from rollout columns."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from accept_head.acceptance.calibration import (
     fit_isotonic,
     fit_temperature,
 )
+from accept_head.acceptance.inputs import dataset_inputs, standardisation, stored_inputs
 from accept_head.acceptance.loss import weighted_bce
 from accept_head.acceptance.metrics import (
     acceptance_metrics,
@@ -28,9 +30,12 @@ from accept_head.core.seeds import derive_seed
 from accept_head.training.data import (
     BucketBatchSampler,
     EpochRandomSampler,
+    HiddenRow,
     LabelRow,
     MixedTokenDataset,
+    StoredHiddenDataset,
     collate,
+    collate_hidden,
     prompt_split,
 )
 
@@ -194,6 +199,50 @@ def test_collate_right_pads_and_masks():
     assert batch["attention_mask"][0].sum() == 3 + 5 and batch["attention_mask"][1].sum() == 5 + 5
     assert not batch["loss_mask"][batch["attention_mask"] == 0].any()
     assert batch["row"].tolist() == [0, 2]
+
+
+# ---- scalar head inputs --------------------------------------------------------------------------------------------
+
+
+def test_stored_inputs_read_rollout_columns_and_sum_the_path_within_each_round():
+    columns = {
+        "draft_logp": [-0.5, -1.0, -2.0, -0.25, -0.75],
+        "draft_entropy": [1.0, 2.0, 3.0, 4.0, 5.0],
+        "draft_top1": [0.9, 0.8, 0.7, 0.6, 0.5],
+        "step": [1, 2, 3, 1, 2],  # two rounds
+    }
+    expected = [
+        [-0.5, 1.0, 0.9, 1, -0.5],
+        [-1.0, 2.0, 0.8, 2, -1.5],
+        [-2.0, 3.0, 0.7, 3, -3.5],
+        [-0.25, 4.0, 0.6, 1, -0.25],  # a new round: the path restarts
+        [-0.75, 5.0, 0.5, 2, -1.0],
+    ]
+    torch.testing.assert_close(stored_inputs(columns), torch.tensor(expected))
+    without_step = stored_inputs({k: v for k, v in columns.items() if k != "step"})
+    assert without_step[:, :3].isfinite().all() and without_step[:, 3:].isnan().all()
+    assert dataset_inputs(True, list(columns)) == ("hidden", "logq", "entropy", "top1", "depth", "path_logq")
+    assert dataset_inputs(True, ["draft_logp"]) == ("hidden", "logq")
+    assert dataset_inputs(False, list(columns)) == ("hidden",)  # token-level labels: no rounds
+
+
+def test_standardisation_is_per_column_and_leaves_constant_columns_unscaled():
+    values = torch.tensor([[1.0, 5.0], [3.0, 5.0]])
+    mean, std = standardisation(values)
+    assert mean.tolist() == [2.0, 5.0] and std.tolist() == [1.0, 1.0]  # population std 1; constant column → 1
+    with pytest.raises(ValueError, match="NaN or infinite"):
+        standardisation(torch.tensor([[float("nan")]]))
+
+
+def test_stored_hidden_batches_carry_the_scalar_inputs_zero_padded():
+    rows = [
+        HiddenRow(f"p{c}", torch.tensor([1, 2]), torch.randn(c, 4), torch.rand(c), torch.randn(c, 5)) for c in (2, 3)
+    ]
+    data = StoredHiddenDataset(rows)
+    batch = collate_hidden([data[(0, 0)], data[(1, 0)]])
+    assert batch["inputs"].shape == (2, 3, 5) and batch["hidden"].shape == (2, 3, 4)
+    assert torch.equal(batch["inputs"][0, :2], rows[0].inputs) and not batch["inputs"][0, 2].any()
+    assert torch.equal(batch["inputs"][batch["loss_mask"]], torch.cat([r.inputs for r in rows]))
 
 
 # ---- metrics ------------------------------------------------------------------------------------------------------

@@ -5,6 +5,8 @@ draft-tree rows of ``eval bench``, on tiny random models.
   and scores it with the true values; with the labels as scores (the oracle) nothing beats it.
 * The soft-label AUC equals the AUC of the expanded binary sample; BCE equals torch's.
 * ``TreeModels`` round-trip through safetensors; missing models and folders give clear errors.
+* The C2T classifier reads the node's own log draft probability besides C2T's three features (its label is
+  conditional on the parent), and classifiers saved with the three features alone still load and score alike.
 * ``python -m train.trees`` on a tiny bundle writes trees.json and models that load, and a rerun reuses the cached
   rounds instead of decoding again.
 * The runner decodes ``c2t_tree`` and ``head_tree head=tree`` losslessly (greedy equality) with those models, refuses
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 
 import pytest
 import torch
@@ -27,7 +30,16 @@ from accept_head.engine.pair_loading import load_pair
 from accept_head.engine.runner import MethodSpec, Runner
 from accept_head.evaluation.bench import draft_tree_specs
 from accept_head.training import tree_recipe
-from accept_head.trees.labels import C2TClassifier, LabelledRound, TreeModels
+from accept_head.trees.growth import DraftTree
+from accept_head.trees.labels import (
+    C2T_FEATURES,
+    LEGACY_FEATURES,
+    C2TClassifier,
+    C2TTree,
+    LabelledRound,
+    TreeModels,
+    c2t_features,
+)
 
 COST = CostModel(t_draft=0.004, t_target_a=0.039, t_target_b=0.002)
 TREE = {"width": 2, "top_k": 3, "max_depth": 4, "max_nodes": 12}
@@ -128,6 +140,60 @@ def test_tree_models_round_trip_and_say_what_is_missing(tmp_path) -> None:
     (tmp_path / "bad" / "greedy" / "c2t.safetensors").write_bytes(b"not safetensors")
     with pytest.raises(ValueError, match="not a C2T classifier"):
         TreeModels.load(tmp_path / "bad")
+
+
+def test_c2t_features_are_log_joint_entropy_depth_and_the_nodes_own_log_probability() -> None:
+    tree = DraftTree()
+    tree.add(5, -1, 0.6, 0.6, entropy=1.5)
+    tree.add(7, 0, 0.25, 0.25, entropy=0.5)  # a child of node 0: joint 0.6 · 0.25
+    assert C2T_FEATURES == ("log_joint", "entropy", "depth", "log_prob")
+    assert c2t_features(tree, 1) == pytest.approx([math.log(0.15), 0.5, 2.0, math.log(0.25)])
+    classifier = C2TClassifier.fit([c2t_features(tree, n) for n in (0, 1)], [1.0, 0.0], steps=5)
+    rule = C2TTree(classifier, COST)
+    with torch.no_grad():
+        expected = torch.sigmoid(classifier(torch.tensor(c2t_features(tree, 1))))
+    assert rule.prior(0.25, 0.5, 2, 0.15) == pytest.approx(float(expected))  # decoding reads the same four
+
+
+def test_c2t_classifier_learns_a_conditional_label_only_with_the_nodes_own_probability() -> None:
+    """The tree label is P(node accepted | parent accepted) — here exactly the node's own q. log joint = log q + log
+    joint(parent) hides it behind the parent's path; with log q as a fourth input the classifier ranks nodes as q
+    does, without it clearly worse (the C2T baseline's deficit against the draft probability alone)."""
+    g = torch.Generator().manual_seed(0)
+    q = torch.rand(600, generator=g) * 0.98 + 0.01
+    parent_joint = torch.rand(600, generator=g) ** 3 + 1e-3
+    depth = torch.randint(1, 6, (600,), generator=g).float()
+    rows = torch.stack([(q * parent_joint).log(), torch.rand(600, generator=g), depth, q.log()], -1).tolist()
+    labels = q.tolist()
+    aucs = {}
+    for name, width in (("four", 4), ("three", 3)):
+        classifier = C2TClassifier.fit([r[:width] for r in rows], labels, steps=200)
+        assert classifier.features == C2T_FEATURES[:width]
+        with torch.no_grad():
+            aucs[name] = tree_recipe.soft_auc(labels, classifier(torch.tensor(rows)).tolist())
+    assert aucs["four"] == pytest.approx(tree_recipe.soft_auc(labels, q.tolist()), abs=0.01)
+    assert aucs["three"] < aucs["four"] - 0.05, aucs
+
+
+def test_a_c2t_classifier_saved_before_log_prob_still_loads(tmp_path) -> None:
+    """A file without a feature list (three inputs, as every classifier before) loads as a three-feature classifier
+    and scores four-feature rows by their first three columns; a new file names its features and round-trips."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        old = C2TClassifier(LEGACY_FEATURES)
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in old.state_dict().items()}, str(tmp_path / "old.safetensors"))
+    loaded = C2TClassifier.load(tmp_path / "old.safetensors")
+    assert loaded.features == LEGACY_FEATURES and loaded.net[0].in_features == 3
+    rows = torch.randn(5, 4)
+    assert torch.equal(loaded(rows), old(rows[:, :3])) and torch.equal(loaded(rows[:, :3]), old(rows[:, :3]))
+    new = C2TClassifier.fit(rows.tolist(), [1.0, 0.0, 1.0, 0.5, 0.0], steps=3)
+    new.save(tmp_path / "new.safetensors")
+    again = C2TClassifier.load(tmp_path / "new.safetensors")
+    assert again.features == C2T_FEATURES and torch.equal(again(rows), new(rows))
+    with pytest.raises(ValueError, match=r"expected \(\.\.\., 4\) node features"):
+        again(rows[:, :3])
 
 
 @pytest.fixture(scope="module")

@@ -1,18 +1,33 @@
-"""The acceptance head f_θ of SpecDec++ (Huang, Guo, Wang 2024, §3.2).
+"""The acceptance head f_θ of SpecDec++ (Huang, Guo, Wang 2024, §3.2), and heads that read more than it.
 
-It reads the draft's final hidden state e_i (the LM head's input) at the position whose input token is y_i and
-predicts P(y_i is accepted | y_<i accepted) = sigmoid(f_θ(e_i)). Architecture: ``depth`` residual blocks
+The paper's head reads the draft's final hidden state e_i (the LM head's input) at the position whose input token is
+y_i and predicts P(y_i is accepted | y_<i accepted) = sigmoid(f_θ(e_i)). Architecture: ``depth`` residual blocks
 x ← x + SiLU(W_d x + b_d), each with its own weights, then a linear layer to one logit; depth 0 is a linear probe.
+
+``inputs`` (:mod:`accept_head.acceptance.inputs`) adds scalars the draft computes anyway — log q(y), the entropy and
+top-1 probability of q, the depth in the round, the path's log q — to the ResNet's input: x_0 = [e_i; z_i], z_i the
+scalars standardised by a mean and standard deviation fitted on the training data and stored with the weights (the
+``scalar_mean`` / ``scalar_std`` buffers). ``residual_on="logq"`` makes the logit logit(q(y_i)) + f_θ(x_0) with the
+last layer zero at initialisation: the new head starts as the draft's own probability and learns a correction.
 """
 
 from __future__ import annotations
 
 import json
+import math
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from .inputs import HIDDEN, check_inputs
+
+RESIDUAL_ON = (None, "logq")
+"""What the head's logit may be a correction of: nothing (the paper's head) or logit(q(y)) (``residual_on="logq"``)."""
+LOGQ_CLIP = 1e-6
+"""logit(q) is taken of q clipped to [1e-6, 1 − 1e-6] (q = 1 happens: a greedy draft's top-1 can round to 1)."""
 
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head_config.json"
@@ -29,46 +44,128 @@ class ResidualBlock(nn.Module):
         return x + nn.functional.silu(self.linear(x))
 
 
-class AcceptanceHead(nn.Module):
-    """(depth + 1)-layer SiLU ResNet from a hidden state (..., hidden_size) to one acceptance logit (...)."""
+def logit_of_logq(logq: torch.Tensor) -> torch.Tensor:
+    """logit(q) = log q − log(1 − q) from log q (...) → (...), q clipped to [LOGQ_CLIP, 1 − LOGQ_CLIP]."""
+    logq = logq.clamp(math.log(LOGQ_CLIP), math.log1p(-LOGQ_CLIP))
+    return logq - torch.log(-torch.expm1(logq))
 
-    def __init__(self, hidden_size: int, depth: int = 3) -> None:
+
+class AcceptanceHead(nn.Module):
+    """(depth + 1)-layer SiLU ResNet from a hidden state (..., hidden_size) — and the scalar ``inputs`` it reads,
+    (..., S) — to one acceptance logit (...)."""
+
+    def __init__(
+        self, hidden_size: int, depth: int = 3, inputs: Sequence[str] = (HIDDEN,), residual_on: str | None = None
+    ) -> None:
         super().__init__()
         if hidden_size < 1:
             raise ValueError(f"hidden_size={hidden_size} must be >= 1 (the draft's hidden size).")
         if depth < 0:
             raise ValueError(f"depth={depth} must be >= 0 (0 is a linear probe).")
+        self.inputs = check_inputs(inputs)
+        self.scalar_inputs = tuple(name for name in self.inputs if name != HIDDEN)
+        """The scalar inputs, in the order of the last axis of ``scalars``."""
+        self.reads_hidden = HIDDEN in self.inputs
+        if residual_on not in RESIDUAL_ON:
+            raise ValueError(f"residual_on={residual_on!r} must be one of {RESIDUAL_ON}.")
+        if residual_on is not None and residual_on not in self.scalar_inputs:
+            raise ValueError(f"residual_on={residual_on!r} needs {residual_on!r} among the inputs {list(self.inputs)}.")
         self.hidden_size = hidden_size
         self.depth = depth
+        self.residual_on = residual_on
+        width = (hidden_size if self.reads_hidden else 0) + len(self.scalar_inputs)
         # Each block owns its weights (the official code repeated one block object, sharing a single weight set).
-        self.blocks = nn.ModuleList(ResidualBlock(hidden_size) for _ in range(depth))
-        self.out = nn.Linear(hidden_size, 1)
+        self.blocks = nn.ModuleList(ResidualBlock(width) for _ in range(depth))
+        self.out = nn.Linear(width, 1)
+        if self.scalar_inputs:  # identity until set_scalar_stats; saved with the weights
+            self.register_buffer("scalar_mean", torch.zeros(len(self.scalar_inputs)))
+            self.register_buffer("scalar_std", torch.ones(len(self.scalar_inputs)))
+        if residual_on is not None:  # the correction starts at zero: the head starts as q itself
+            nn.init.zeros_(self.out.weight)
+            nn.init.zeros_(self.out.bias)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Acceptance logits: (..., hidden_size) → (...)."""
-        x = hidden.to(self.out.weight.dtype)
+    def set_scalar_stats(self, mean: torch.Tensor, std: torch.Tensor) -> None:
+        """Standardise the scalar inputs by ``mean`` and ``std`` (S,) from now on (fitted on the training data)."""
+        if not self.scalar_inputs:
+            raise ValueError("This head reads no scalar input: there is nothing to standardise.")
+        if mean.shape != self.scalar_mean.shape or std.shape != self.scalar_std.shape or not bool((std > 0).all()):
+            raise ValueError(
+                f"need a mean and a positive std of shape ({len(self.scalar_inputs)},) for the inputs "
+                f"{list(self.scalar_inputs)}, got {tuple(mean.shape)} and {tuple(std.shape)}."
+            )
+        with torch.no_grad():
+            self.scalar_mean.copy_(mean)
+            self.scalar_std.copy_(std)
+
+    def _check_inputs(self, hidden: torch.Tensor | None, scalars: torch.Tensor | None) -> None:
+        if self.reads_hidden and hidden is None:
+            raise ValueError("This head reads the draft's hidden state: pass hidden=(..., hidden_size).")
+        if self.scalar_inputs and (scalars is None or scalars.shape[-1] != len(self.scalar_inputs)):
+            got = None if scalars is None else tuple(scalars.shape)
+            raise ValueError(
+                f"This head reads the scalar inputs {list(self.scalar_inputs)}: pass scalars=(..., "
+                f"{len(self.scalar_inputs)}) in that order (got {got})."
+            )
+
+    def _input(self, hidden: torch.Tensor | None, scalars: torch.Tensor | None) -> torch.Tensor:
+        """x_0 = [hidden; standardised scalars] (..., width)."""
+        self._check_inputs(hidden, scalars)
+        dtype = self.out.weight.dtype
+        parts = [hidden.to(dtype)] if self.reads_hidden else []
+        if self.scalar_inputs:
+            parts.append((scalars.to(dtype) - self.scalar_mean.to(dtype)) / self.scalar_std.to(dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+    def _residual(self, scalars: torch.Tensor) -> torch.Tensor:
+        """logit(q(y)) (...) from the raw scalars (..., S)."""
+        return logit_of_logq(scalars[..., self.scalar_inputs.index(self.residual_on)].float())
+
+    def forward(self, hidden: torch.Tensor | None, scalars: torch.Tensor | None = None) -> torch.Tensor:
+        """Acceptance logits: hidden (..., hidden_size) (None for a head that does not read it) and the raw scalar
+        inputs (..., S) in :attr:`scalar_inputs` order (None for the paper's head) → (...)."""
+        x = self._input(hidden, scalars)
         for block in self.blocks:
             x = block(x)
-        return self.out(x).squeeze(-1)
+        logits = self.out(x).squeeze(-1)
+        return logits if self.residual_on is None else logits + self._residual(scalars).to(logits.dtype)
 
-    def accept_prob(self, hidden: torch.Tensor) -> torch.Tensor:
-        """sigmoid(logits): the predicted acceptance probability, (..., hidden_size) → (...)."""
-        return torch.sigmoid(self.forward(hidden))
+    def accept_prob(self, hidden: torch.Tensor | None, scalars: torch.Tensor | None = None) -> torch.Tensor:
+        """sigmoid(logits): the predicted acceptance probability, (..., hidden_size) [+ (..., S)] → (...)."""
+        return torch.sigmoid(self.forward(hidden, scalars))
 
-    def accept_prob_one(self, hidden: torch.Tensor) -> float:
-        """Fast path for decoding: one hidden state (hidden_size,) → its acceptance probability as a float.
+    def accept_prob_one(self, hidden: torch.Tensor | None, scalars: Sequence[float] | None = None) -> float:
+        """Fast path for decoding: one hidden state (hidden_size,) and the candidate's scalar inputs (S floats, in
+        :attr:`scalar_inputs` order) → its acceptance probability as a float.
 
         Same maths as :meth:`accept_prob`, written with matrix-vector kernels because the decoder calls it once per
         drafted token and Python/kernel-launch overhead, not arithmetic, dominates at this size.
         """
-        x = hidden.reshape(-1).to(self.out.weight.dtype)
+        weight = self.out.weight
+        raw = None if not self.scalar_inputs else torch.tensor(scalars, dtype=weight.dtype, device=weight.device)
+        x = self._input(None if hidden is None else hidden.reshape(-1), raw)
         for block in self.blocks:
             x = x + nn.functional.silu(torch.addmv(block.linear.bias, block.linear.weight, x))
-        return float(torch.sigmoid(torch.dot(self.out.weight[0], x) + self.out.bias[0]))
+        logit = torch.dot(weight[0], x) + self.out.bias[0]
+        if self.residual_on is not None:
+            logit = logit + self._residual(raw).to(logit.dtype)
+        return float(torch.sigmoid(logit))
 
     @property
     def config(self) -> dict:
-        return {"hidden_size": self.hidden_size, "depth": self.depth}
+        """What rebuilds the head (:meth:`from_config`); the standardisation is saved with the weights."""
+        return {
+            "hidden_size": self.hidden_size,
+            "depth": self.depth,
+            "inputs": list(self.inputs),
+            "residual_on": self.residual_on,
+        }
+
+    @classmethod
+    def from_config(cls, config: dict) -> AcceptanceHead:
+        """The (untrained) head a :attr:`config` describes; configs written before ``inputs`` existed describe the
+        paper's hidden-only head."""
+        inputs = config.get("inputs") or (HIDDEN,)
+        return cls(int(config["hidden_size"]), int(config["depth"]), inputs, config.get("residual_on"))
 
     def save_pretrained(self, folder: str | Path) -> None:
         folder = Path(folder)
@@ -89,7 +186,7 @@ class AcceptanceHead(nn.Module):
             if not config_path.is_file():
                 raise FileNotFoundError(f"{config_path} is missing: not an acceptance-head folder.")
             config = json.loads(config_path.read_text())
-        head = cls(hidden_size=int(config["hidden_size"]), depth=int(config["depth"]))
+        head = cls.from_config(config)
         try:
             state = load_file(str(weights))
         except Exception as err:  # safetensors raises several types for truncated or foreign files
@@ -97,10 +194,20 @@ class AcceptanceHead(nn.Module):
         missing, unexpected = head.load_state_dict(state, strict=False)
         if missing or unexpected:
             raise ValueError(
-                f"{weights} does not match a depth-{head.depth}, width-{head.hidden_size} head: "
+                f"{weights} does not match a depth-{head.depth}, width-{head.hidden_size} head reading "
+                f"{list(head.inputs)}: "
                 f"missing {missing}, unexpected {unexpected}."
             )
         return head
+
+
+def require_hidden_only(head: AcceptanceHead, use: str) -> None:
+    """ValueError when ``head`` reads scalar inputs that ``use`` (a decoder that feeds hidden states only) lacks."""
+    if head.scalar_inputs:
+        raise ValueError(
+            f"The head reads {list(head.scalar_inputs)} besides the hidden state, which {use} does not feed yet: "
+            "use a hidden-only head there (inputs: [hidden])."
+        )
 
 
 def from_official_state_dict(state: dict[str, torch.Tensor], depth: int) -> AcceptanceHead:

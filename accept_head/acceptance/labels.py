@@ -27,6 +27,7 @@ from ..core.hf_compat import cache_kwargs
 from ..core.sampling import SamplingConfig, inverse_cdf_sample, probabilities
 from ..core.timing import device_timer
 from ..models.batch_generate import left_pad
+from .inputs import draft_stats
 
 FORMAT = "accept_head.data_gen"
 """``meta.json["format"]`` of a label dataset."""
@@ -175,19 +176,13 @@ def position_labels(
     q_y = q.gather(-1, draft_ids[:, None]).squeeze(-1)  # > 0: Y_i was drawn from q_i
     accept_prob = (p_y / q_y).clamp(max=1.0)  # q >= p: accept with p/q; q < p: always accept
     expected_accept, _ = draft_acceptance(p, q)
+    # One-hot p and q carry no confidence information: when greedy, the features are the untransformed softmax's.
+    # The draft's are computed by the function the decoder uses for a head's inputs (acceptance/inputs.py).
+    draft_logp, draft_entropy, draft_top1 = draft_stats(draft_logits, q, draft_ids, transform.greedy)
     if transform.greedy:
-        # One-hot p and q carry no confidence information: take the features from the untransformed softmax.
-        log_p = target_logits.float().log_softmax(-1)
-        log_q = draft_logits.float().log_softmax(-1)
-        target_logp = log_p.gather(-1, draft_ids[:, None]).squeeze(-1)
-        draft_logp = log_q.gather(-1, draft_ids[:, None]).squeeze(-1)
-        draft_entropy = torch.special.entr(log_q.exp()).sum(-1)  # 0·log 0 = 0 where a pruned draft has −inf
-        draft_top1 = log_q.max(-1).values.exp()
+        target_logp = target_logits.float().log_softmax(-1).gather(-1, draft_ids[:, None]).squeeze(-1)
     else:
         target_logp = p_y.log()
-        draft_logp = q_y.log()
-        draft_entropy = torch.special.entr(q).sum(-1)
-        draft_top1 = q.max(-1).values
     return PositionLabels(
         draft_ids=draft_ids.cpu(),
         target_logp=target_logp.cpu(),

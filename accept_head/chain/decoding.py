@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 from transformers import DynamicCache
 
+from ..acceptance.inputs import draft_step_stats
 from ..core.hf_compat import cache_kwargs, crop_cache
 from ..core.sampling import SamplingConfig, generator_device, probabilities, sample
 from ..core.timing import device_timer
@@ -338,14 +339,20 @@ def draft_round(
         state.position += 1
         confidence = step.logits.float().softmax(-1) if untempered else q
         state.token_probs.append(float(confidence[y]))
-        if policy.uses_entropy:
+        if policy.uses_draft_stats:  # the head's scalar inputs, computed as the labels' draft_* columns are
+            with _timed(stats, "head_time", getattr(drafter, "device", None)):
+                logq, entropy, top1 = draft_step_stats(step.logits, q, y, sampling.greedy)
+            state.draft_logps.append(logq)
+            state.entropies.append(entropy)
+            state.top1s.append(top1)
+        elif policy.uses_entropy:
             state.entropies.append(float(-(confidence * confidence.clamp_min(1e-30).log()).sum()))
         if state.n >= limit or policy.should_stop(state):
             break
         step = drafter.propose(y)  # reads y_n: the next candidate's logits and y_n's hidden state
         if policy.uses_hidden:
             with _timed(stats, "head_time", getattr(drafter, "device", None)):
-                state.accept_probs.append(policy.score(step.hidden))
+                state.accept_probs.append(policy.score(step.hidden, state))
     return state, q_rows
 
 

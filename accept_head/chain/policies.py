@@ -5,9 +5,10 @@ decoder treats them alike and benchmarks compare like with like:
 
 * ``should_stop(state)`` is asked before each new candidate, with ``state.n`` candidates drafted so far (0 first);
   returning True submits the current candidates to the target.
-* ``score(hidden)`` (only for policies with ``uses_hidden``) turns the draft's final hidden state at the position
-  whose input is the latest candidate into that candidate's predicted acceptance probability. It arrives one step
-  late: after feeding y_n to the draft, the same forward pass yields q_{n+1} and e_n.
+* ``score(hidden, state)`` (only for policies with ``uses_hidden``) turns the draft's final hidden state at the
+  position whose input is the latest candidate y_n (and, for heads that read them, y_n's scalar inputs from ``state``,
+  :func:`round_inputs`) into that candidate's predicted acceptance probability. It arrives one step late: after
+  feeding y_n to the draft, the same forward pass yields q_{n+1} and e_n.
 * ``update(state, accepted)`` is called after verification with the round as it was drafted (``state.n`` candidates
   proposed, their ``token_probs``, ...) and how many of them the target accepted; adaptive schedules learn from it, so
   no policy needs to remember the round itself.
@@ -39,10 +40,30 @@ class RoundState:
     """q_i(y_i): the draft's probability of each candidate it proposed (after the sampling transform). Under greedy
     decoding q_i is one-hot, so for policies with ``uses_confidence`` it is the draft's untempered softmax instead."""
     entropies: list[float] = field(default_factory=list)
-    """Entropy (nats) of the draft's distribution q_i each candidate was drawn from (only if ``uses_entropy``; under
-    greedy decoding the entropy of the untempered softmax)."""
+    """Entropy (nats) of the draft's distribution q_i each candidate was drawn from (only if ``uses_entropy`` or
+    ``uses_draft_stats``; under greedy decoding the entropy of the untempered softmax)."""
+    draft_logps: list[float] = field(default_factory=list)
+    """log q_i(y_i) (only if ``uses_draft_stats``; under greedy decoding of the untempered softmax), from
+    :func:`~accept_head.acceptance.inputs.draft_stats` like the label dataset's ``draft_logp``."""
+    top1s: list[float] = field(default_factory=list)
+    """max_x q_i(x) (only if ``uses_draft_stats``; under greedy decoding of the untempered softmax)."""
     accept_probs: list[float] = field(default_factory=list)
     """Predicted acceptance probability of candidates 1..n-1 (only for policies with ``uses_hidden``)."""
+
+
+def round_inputs(state: RoundState, names: tuple[str, ...]) -> list[float]:
+    """The scalar inputs ``names`` (:data:`~accept_head.acceptance.inputs.SCALAR_INPUTS`) of the latest candidate
+    y_n of a round being drafted (n = ``state.n``), as the decoder hands them to a head — the twin of
+    :func:`~accept_head.acceptance.inputs.stored_inputs`, which reads them from a rollout dataset for training."""
+    n, logps = state.n, state.draft_logps
+    values = {
+        "logq": logps[n - 1],
+        "entropy": state.entropies[n - 1],
+        "top1": state.top1s[n - 1],
+        "depth": float(n),
+        "path_logq": sum(logps[:n], 0.0),  # in order, in float64, as the dataset's column is summed
+    }
+    return [values[name] for name in names]
 
 
 class StopPolicy:
@@ -53,13 +74,16 @@ class StopPolicy:
     uses_entropy: bool = False
     uses_confidence: bool = False
     """Reads ``token_probs`` as a confidence (the decoder then takes it from the untempered softmax when greedy)."""
+    uses_draft_stats: bool = False
+    """Reads ``draft_logps``, ``entropies`` and ``top1s`` (the decoder records them only for policies that do)."""
     requires_greedy: bool = False
     """Only valid for greedy decoding (the decoder raises otherwise)."""
 
     def should_stop(self, state: RoundState) -> bool:
         raise NotImplementedError
 
-    def score(self, hidden: torch.Tensor) -> float:
+    def score(self, hidden: torch.Tensor, state: RoundState | None = None) -> float:
+        """The predicted acceptance probability of the latest candidate y_n of ``state`` from e_n (``hidden``)."""
         raise NotImplementedError(f"{type(self).__name__} does not score hidden states.")
 
     def update(self, state: RoundState, accepted: int) -> None:
@@ -114,6 +138,9 @@ class HeadThreshold(StopPolicy):
     the first candidate: every round submits at least two. ``unscored="confidence"`` (an extension, not in the
     paper) counts the draft's own probability q_n(y_n) for the unscored candidate instead, so a round can stop at
     one candidate when the draft is unsure.
+
+    A head that reads scalar inputs besides the hidden state (:mod:`accept_head.acceptance.inputs`) gets those of the
+    candidate it scores from the round (:func:`round_inputs`): the decoder records them (``uses_draft_stats``).
     """
 
     uses_hidden = True
@@ -137,10 +164,19 @@ class HeadThreshold(StopPolicy):
         self.calibration = calibration
         self.unscored = unscored
         self.uses_confidence = unscored == "confidence"
+        self.uses_draft_stats = bool(head.scalar_inputs)
 
-    def score(self, hidden: torch.Tensor) -> float:
+    def head_inputs(self, state: RoundState | None) -> list[float] | None:
+        """The scalar inputs of ``state``'s latest candidate the head reads (None for the paper's head)."""
+        if not self.head.scalar_inputs:
+            return None
+        if state is None:
+            raise ValueError(f"The head reads {list(self.head.scalar_inputs)}: score(hidden, state) needs the round.")
+        return round_inputs(state, self.head.scalar_inputs)
+
+    def score(self, hidden: torch.Tensor, state: RoundState | None = None) -> float:
         with torch.inference_mode():
-            prob = self.head.accept_prob_one(hidden)
+            prob = self.head.accept_prob_one(hidden, self.head_inputs(state))
         if self.calibration is not None:
             prob = float(self.calibration(prob))
         return prob

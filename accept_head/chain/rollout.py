@@ -40,6 +40,7 @@ import numpy as np
 import torch
 from transformers import DynamicCache
 
+from ..acceptance.inputs import SOURCES, stored_inputs
 from ..acceptance.labels import COLUMNS, PER_POSITION, _list_features, position_labels
 from ..core.hf_compat import crop_cache
 from ..core.sampling import SamplingConfig, probabilities
@@ -81,6 +82,10 @@ EOS, which decoding never reaches, so they are neither labelled nor counted as a
 - ``hidden``: the drafter's hidden states of the C candidates, (C, d) flattened row-major into C·d values of the
   dataset's ``hidden_dtype`` (float16 or float32; d is ``meta.json["rollout"]["hidden_size"]``). Row c is the state
   at the position whose input is candidate c — the acceptance head's input for it.
+
+``hidden`` and the columns ``draft_logp``, ``draft_entropy``, ``draft_top1`` and ``step`` are every input a head may
+read (:mod:`accept_head.acceptance.inputs`; ``meta.json["head_inputs"]`` lists them): the decoder computes the same
+numbers from the same draft steps (:func:`~accept_head.acceptance.inputs.draft_stats`).
 
 The names the token-level format shares keep :func:`accept_head.acceptance.labels.load_label_dataset` and the readers of
 ``draft_logp`` / ``accept_prob`` working on rollout datasets; readers that align ``draft_ids`` with ``response_ids``
@@ -132,6 +137,12 @@ class RolloutLabels:
     """Counters and timings of the decode (the extra ``propose(y_K)`` calls are counted in ``draft_calls``)."""
     label_seconds: float = 0.0
     """Seconds spent only because labels were asked for (the extra draft steps and the label maths)."""
+
+    def inputs(self) -> torch.Tensor:
+        """(C, S) the scalar head inputs of every candidate (:data:`~accept_head.acceptance.inputs.SCALAR_INPUTS`
+        order), as training reads them from the dataset's columns (:func:`~accept_head.acceptance.inputs.
+        stored_inputs`)."""
+        return stored_inputs({column: getattr(self, column) for column in SOURCES})
 
     def row(self, hidden_dtype: str = "float16") -> dict[str, list | np.ndarray]:
         """The per-candidate lists of a rollout dataset row (:data:`ROLLOUT_COLUMNS`); ``hidden`` is the (C·d,)

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from ..acceptance.inputs import draft_step_stats
 from ..chain.decoding import prefill
 from ..core.costs import CostModel, TreeCost, fit_linear
 from ..core.hf_compat import cache_kwargs, crop_cache
@@ -66,7 +67,12 @@ def measure_costs(
         last["step"] = drafter.propose(token)
 
     def head_step():
-        head.accept_prob(last["step"].hidden[None, :])
+        step = last["step"]
+        if getattr(head, "scalar_inputs", ()):  # its inputs from the step's logits, then one score, as decoding does
+            logq, _, _ = draft_step_stats(step.logits, step.logits.float().softmax(-1), token, greedy=False)
+            head.accept_prob_one(step.hidden, [logq] * len(head.scalar_inputs))
+        else:
+            head.accept_prob(step.hidden[None, :])
 
     steps: dict = {"draft": draft_step}
     if head is not None:

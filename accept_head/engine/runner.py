@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..acceptance.calibration import Calibration
-from ..acceptance.head import AcceptanceHead
+from ..acceptance.head import AcceptanceHead, require_hidden_only
 from ..chain.baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle
 from ..chain.decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate
 from ..chain.hf_assisted import AssistedSettings, HFAssisted
@@ -495,6 +495,7 @@ class Runner:
                 if which == "tree":
                     return HeadTree(self.tree_models.head(greedy), self._tree_cost(), **settings)
                 calibration = self.head.calibration_for(greedy=greedy)
+                require_hidden_only(self.head.head, "head_tree (HeadTree scores nodes from hidden states)")
                 return HeadTree(self.head.head, self._tree_cost(), calibration=calibration, **settings)
             if spec.kind == "c2t_tree":
                 return C2TTree(self.tree_models.classifier(greedy), self._tree_cost(), **params)

@@ -85,6 +85,12 @@ def offline_predictions(
         raise ValueError("offline calibration needs a bundle with a head (--bundle).")
     data, meta = load_label_dataset(dataset)
     head, draft = pair.bundle.head, pair.draft
+    if head.scalar_inputs:
+        raise ValueError(
+            f"The head reads {list(head.scalar_inputs)} besides the hidden state, which the offline view (token "
+            f"mixing on {dataset}) does not have; leave out --dataset (the on-policy view) or run `python -m eval "
+            "label_modes` on rollout labels."
+        )
     device = next(draft.parameters()).device
     use_decoder = decoder_matches_lm_head_input(draft)
     rows = range(len(data)) if max_rows is None else range(min(len(data), max_rows))
@@ -157,9 +163,9 @@ class RecordingHeadThreshold(HeadThreshold):
         self._raw: list[float] = []
         """The raw scores of the round being drafted (``RoundState.accept_probs`` holds the calibrated ones)."""
 
-    def score(self, hidden: torch.Tensor) -> float:
+    def score(self, hidden: torch.Tensor, state: RoundState | None = None) -> float:
         with torch.inference_mode():
-            raw = self.head.accept_prob_one(hidden)
+            raw = self.head.accept_prob_one(hidden, self.head_inputs(state))
         self._raw.append(raw)
         return float(self.calibration(raw)) if self.calibration is not None else raw
 

@@ -8,7 +8,8 @@ decode?
 
 ``dataset`` is a ``label_mode: rollout`` dataset (``python -m data_gen``) made with the bundles' draft on prompts none
 of them trained or chose anything on: every candidate of real rounds, its drafter's hidden state and its label
-min(1, p/q). Each head scores exactly those hidden states, so the heads are compared on the same positions; metrics
+min(1, p/q) (and the scalar inputs heads beyond the paper's read, :mod:`accept_head.acceptance.inputs`). Each head
+scores exactly those candidates, so the heads are compared on the same positions; metrics
 are those of training's validation (:func:`accept_head.acceptance.metrics.acceptance_metrics`), raw and after each
 bundle's own
 calibration map.
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..acceptance.calibration import apply_calibration
+from ..acceptance.inputs import HIDDEN, SCALAR_INPUTS, SOURCES, require_inputs, stored_inputs
 from ..acceptance.labels import load_label_dataset, recorded_temperature
 from ..acceptance.metrics import acceptance_metrics
 from ..chain.rollout import read_hidden
@@ -44,8 +46,9 @@ VIEWS = ("raw", "calibrated", "other map")
 SHOWN = ("auc", "ece", "brier", "bce", "mean_pred", "mean_label", "positions")
 
 
-def held_out_states(dataset: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
-    """(hidden states (M, d), soft labels (M,), meta) of every candidate of a rollout dataset."""
+def held_out_states(dataset: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, dict]:
+    """(hidden states (M, d), soft labels (M,), scalar inputs (M, S) — NaN where the dataset lacks one —, meta) of
+    every candidate of a rollout dataset."""
     data, meta = load_label_dataset(dataset)
     if not is_rollout(meta):
         raise ValueError(
@@ -58,16 +61,28 @@ def held_out_states(dataset: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
         raise ValueError(f"{dataset} holds no labelled candidates.")
     hidden = torch.cat(read_hidden(data, len(data[first]["hidden"]) // counts[first], counts))
     labels = torch.tensor([x for row in data["accept_prob"] for x in row], dtype=torch.float32)
-    return hidden, labels, meta
+    columns = {c: [x for row in data[c] for x in row] for c in SOURCES if c in data.column_names}
+    inputs = stored_inputs(columns, len(labels))
+    return hidden, labels, inputs, meta
 
 
 def score(
-    bundle: SpecDecPP, hidden: torch.Tensor, labels: torch.Tensor, greedy: bool = False
+    bundle: SpecDecPP,
+    hidden: torch.Tensor,
+    labels: torch.Tensor,
+    greedy: bool = False,
+    inputs: torch.Tensor | None = None,
 ) -> dict[str, dict[str, float]]:
-    """The bundle's head on ``hidden``: metrics of its raw and calibrated predictions against ``labels`` (calibrated
-    by the bundle's map for greedy decoding when the labels are greedy ones). A bundle with a greedy map is also
-    scored with the other mode's map (``other map``), which shows what a map fitted for the mode buys."""
+    """The bundle's head on ``hidden`` (and the scalar ``inputs`` (M, S) of :func:`held_out_states` when it reads
+    them): metrics of its raw and calibrated predictions against ``labels`` (calibrated by the bundle's map for greedy
+    decoding when the labels are greedy ones). A bundle with a greedy map is also scored with the other mode's map
+    (``other map``), which shows what a map fitted for the mode buys."""
     head = bundle.head
+    held = [HIDDEN] + (
+        [] if inputs is None else [n for i, n in enumerate(SCALAR_INPUTS) if inputs[:, i].isfinite().all()]
+    )
+    require_inputs(head.inputs, held, "the held-out dataset")
+    scalars = None if inputs is None else inputs[:, [SCALAR_INPUTS.index(n) for n in head.scalar_inputs]]
     if hidden.shape[-1] != head.hidden_size:
         raise ValueError(
             f"The held-out hidden states have width {hidden.shape[-1]} but the head reads {head.hidden_size}: the "
@@ -75,7 +90,8 @@ def score(
         )
     param = next(head.parameters())
     with torch.inference_mode():
-        logits = head(hidden.to(param.device, param.dtype)).float().cpu()
+        scalars = None if scalars is None else scalars.to(param.device)
+        logits = head(hidden.to(param.device, param.dtype), scalars).float().cpu()
 
     def calibrated(calibration) -> dict[str, float]:
         probs = apply_calibration(calibration, torch.sigmoid(logits)).clamp(1e-6, 1 - 1e-6)
@@ -119,13 +135,13 @@ def label_modes(
         progress: Show progress bars.
     """
     bundles = bundles or ["runs/label-modes/rollout", "runs/label-modes/sample"]
-    hidden, labels, meta = held_out_states(dataset)
+    hidden, labels, inputs, meta = held_out_states(dataset)
     results = {}
     for path in bundles:
         bundle = SpecDecPP.from_pretrained(path)
         data_meta = bundle.provenance.get("data_meta") or {}
         greedy = recorded_temperature(meta) == 0
-        results[path] = {"label_mode": data_meta.get("label_mode"), **score(bundle, hidden, labels, greedy)}
+        results[path] = {"label_mode": data_meta.get("label_mode"), **score(bundle, hidden, labels, greedy, inputs)}
         del bundle
     rows = [
         [path, str(r["label_mode"]), view] + [f"{r[view][k]:.4g}" for k in SHOWN]

@@ -28,7 +28,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..acceptance.inputs import dataset_inputs
 from ..acceptance.labels import (
+    COLUMNS,
     FORMAT,
     FORMAT_VERSION,
     LockstepLabeller,
@@ -36,7 +38,7 @@ from ..acceptance.labels import (
     label_responses,
     label_transform,
 )
-from ..chain.rollout import rollout_features, rollout_labels
+from ..chain.rollout import ROLLOUT_COLUMNS, rollout_features, rollout_labels
 from ..core.prompts import Prompt, PromptStats, chat_prompt_ids, load_prompts
 from ..core.records import code_version
 from ..core.seeds import seeded_generator
@@ -552,6 +554,8 @@ def run_record(cfg: DataGenConfig, totals: dict[str, float], started: float) -> 
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "target": cfg.target.to_dict(),
         "draft": cfg.draft.to_dict(),
+        # what an acceptance head trained on this dataset may read (accept_head/acceptance/inputs.py)
+        "head_inputs": list(dataset_inputs(cfg.rollout, list(ROLLOUT_COLUMNS if cfg.rollout else COLUMNS))),
         "totals": totals,
         "stats": summary_stats(totals),
         "timing": {

@@ -3,7 +3,8 @@
 Layout (``save_pretrained`` / ``from_pretrained`` are exact inverses)::
 
     bundle/
-      config.json        # sorted keys, format_version, target/draft specs, head config, threshold, min/max
+      config.json        # sorted keys, format_version, target/draft specs, head config (depth, width, the inputs
+                         # it reads: the hidden state and optionally the draft's log q, ...), threshold, min/max
                          # candidates, sampling temperature the head was trained for, calibration, cost model,
                          # provenance
       head.safetensors   # the head's weights
@@ -32,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from transformers.generation.utils import GenerationMixin
 
 from ..acceptance.calibration import Calibration
-from ..acceptance.head import HEAD_WEIGHTS, AcceptanceHead
+from ..acceptance.head import HEAD_WEIGHTS, AcceptanceHead, require_hidden_only
 from ..chain.decoding import DecodeStats, speculative_generate
 from ..chain.policies import HeadThreshold, StopPolicy
 from ..core.costs import CostModel
@@ -206,6 +207,7 @@ class SpecDecPP:
         """The tree growth rule of ``generate(..., tree=True)``: this bundle's head (with the mode's calibration)
         pricing every node under its cost model, with the stored :attr:`tree` settings; ``threshold`` overrides
         the stored one (a node needs P(reached and accepted) >= 1 − threshold)."""
+        require_hidden_only(self.head, "tree decoding (HeadTree scores nodes from hidden states; chains: tree=False)")
         if not self.cost_model:
             raise ValueError(
                 "This bundle has no cost model, which tree decoding needs to price nodes and depths: measure one "
@@ -439,8 +441,7 @@ class SpecDecPP:
         weights = folder / HEAD_WEIGHTS
         if not weights.is_file():
             raise FileNotFoundError(f"{weights} is missing: the bundle has no head weights.")
-        head_cfg = config["head"]
-        head = AcceptanceHead(int(head_cfg["hidden_size"]), int(head_cfg["depth"]))
+        head = AcceptanceHead.from_config(config["head"])  # bundles from before head inputs: the hidden-only head
         try:
             state = load_file(str(weights))
         except Exception as err:

@@ -11,7 +11,9 @@ Rollout datasets (``label_mode: rollout`` in ``meta.json``, :mod:`accept_head.ch
 automatically:
 they store the drafter's hidden state of every candidate next to its on-policy label, so an example is one prompt's
 (hidden, label) pairs (:class:`StoredHiddenDataset`) — no draft forward and no token mixing (``mix_ratio`` and
-``max_length`` do not apply). The prompt split is the same.
+``max_length`` do not apply). The prompt split is the same. Their rows also carry every candidate's scalar head
+inputs (:mod:`accept_head.acceptance.inputs`: log q, entropy, top-1, depth, path log q), which heads with
+``inputs`` beyond the hidden state read; token-level datasets hold the hidden state only.
 """
 
 from __future__ import annotations
@@ -28,6 +30,15 @@ from lightning.pytorch import LightningDataModule
 from torch.nn.utils.rnn import pad_sequence
 from torch.utils.data import BatchSampler, DataLoader, Dataset, RandomSampler, Sampler, SequentialSampler
 
+from ..acceptance.inputs import (
+    INPUTS,
+    SCALAR_INPUTS,
+    SOURCES,
+    dataset_inputs,
+    require_inputs,
+    standardisation,
+    stored_inputs,
+)
 from ..acceptance.labels import recorded_temperature
 from ..acceptance.mixing import check_ratio, mix_tokens
 from ..core.sampling import SamplingConfig
@@ -75,6 +86,9 @@ class HiddenRow:
     """(C, d) the drafter's hidden state of each candidate (float16 or float32, as stored)."""
     accept_prob: torch.Tensor
     """(C,) on-policy soft labels min(1, p_k(y_k)/q_k(y_k))."""
+    inputs: torch.Tensor
+    """(C, S) float32 scalar head inputs in :data:`~accept_head.acceptance.inputs.SCALAR_INPUTS` order (NaN in the
+    columns of inputs the dataset lacks)."""
 
     def __len__(self) -> int:
         return len(self.accept_prob)
@@ -313,8 +327,8 @@ class BucketBatchSampler(BatchSampler):
 class StoredHiddenDataset(_RowDataset):
     """Examples for the head from stored hidden states: ``dataset[(row, epoch)]`` is row ``row``'s candidates.
 
-    Items: ``hidden`` (C, d), ``labels`` (C,), ``row`` the row index. The epoch is accepted (and ignored) so the same
-    :class:`BucketBatchSampler` drives both kinds of dataset.
+    Items: ``hidden`` (C, d), ``inputs`` (C, S) the scalar head inputs, ``labels`` (C,), ``row`` the row index. The
+    epoch is accepted (and ignored) so the same :class:`BucketBatchSampler` drives both kinds of dataset.
     """
 
     def __init__(self, rows: Sequence[HiddenRow]) -> None:
@@ -323,14 +337,16 @@ class StoredHiddenDataset(_RowDataset):
     def __getitem__(self, key: tuple[int, int] | int) -> dict[str, torch.Tensor]:
         index = key[0] if isinstance(key, tuple) else key
         row = self.rows[index]
-        return {"hidden": row.hidden, "labels": row.accept_prob, "row": torch.tensor(index)}
+        return {"hidden": row.hidden, "inputs": row.inputs, "labels": row.accept_prob, "row": torch.tensor(index)}
 
 
 def collate_hidden(items: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Zero-pad stored-hidden examples into a batch: hidden (B, C, d), loss_mask / labels (B, C), row (B,)."""
+    """Zero-pad stored-hidden examples into a batch: hidden (B, C, d), inputs (B, C, S), loss_mask / labels (B, C),
+    row (B,)."""
     labels = [item["labels"].float() for item in items]
     return {
         "hidden": pad_sequence([item["hidden"] for item in items], batch_first=True),
+        "inputs": pad_sequence([item["inputs"] for item in items], batch_first=True),
         "loss_mask": pad_sequence([torch.ones_like(y, dtype=torch.bool) for y in labels], batch_first=True),
         "labels": pad_sequence(labels, batch_first=True),
         "row": torch.stack([item["row"] for item in items]),
@@ -390,12 +406,16 @@ class AcceptanceDataModule(LightningDataModule):
     A rollout dataset (``meta.json["label_mode"] == "rollout"``, written by ``python -m data_gen --label_mode
     rollout``) is recognised from its meta.json: the head then trains on the stored (hidden state, label) pairs of
     each prompt's candidates, with the same split, batches of ``batch_size`` prompts and no draft forward
-    (``mix_ratio``, ``mix_seed``'s mixing and ``max_length`` are unused). ``rollout`` tells which kind was loaded.
+    (``mix_ratio``, ``mix_seed``'s mixing and ``max_length`` are unused). ``rollout`` tells which kind was loaded,
+    ``inputs`` what a head may read from every dataset loaded (:meth:`check_head_inputs`).
     """
 
     # What ``setup`` loads: nothing until it runs (``meta``, ``split`` and ``dropped`` are set per instance).
     rollout: bool = False
     """Whether ``path`` holds rollout labels with stored hidden states (set by ``setup``)."""
+    inputs: tuple[str, ...] = INPUTS
+    """The head inputs every dataset loaded so far holds (:func:`~accept_head.acceptance.inputs.dataset_inputs`;
+    narrowed by ``setup``)."""
     train_set: MixedTokenDataset | StoredHiddenDataset | None = None
     val_set: MixedTokenDataset | StoredHiddenDataset | None = None
     test_set: MixedTokenDataset | StoredHiddenDataset | None = None
@@ -545,6 +565,8 @@ class AcceptanceDataModule(LightningDataModule):
             raise FileNotFoundError(f"data.path={path!r} does not exist: {hint}.")
         dataset, meta = load_label_dataset(path)
         check_draft(meta, self.draft, path)
+        held = dataset_inputs(is_rollout(meta), dataset.column_names)
+        self.inputs = tuple(name for name in self.inputs if name in held)
         rows, dropped = (
             self._load_rollout(path, dataset, meta) if is_rollout(meta) else self._load_tokens(path, dataset)
         )
@@ -604,7 +626,8 @@ class AcceptanceDataModule(LightningDataModule):
                 f"{path} stores hidden states of width {width} but data.draft {self.draft.path!r} has hidden size "
                 f"{self.hidden_size}; regenerate the rollout labels for this draft."
             )
-        records = dataset.select_columns(["prompt_id", "prompt_ids", "accept_prob"]).to_list()
+        sources = [column for column in SOURCES if column in dataset.column_names]
+        records = dataset.select_columns(["prompt_id", "prompt_ids", "accept_prob", *sources]).to_list()
         counts = [len(record["accept_prob"]) for record in records]
         hidden = read_hidden(dataset, width, counts)
         rows, dropped = [], {"no_candidates": 0}
@@ -618,9 +641,25 @@ class AcceptanceDataModule(LightningDataModule):
                     prompt_ids=torch.tensor(record["prompt_ids"], dtype=torch.long),
                     hidden=states,
                     accept_prob=torch.tensor(record["accept_prob"], dtype=torch.float32),
+                    inputs=stored_inputs({column: record[column] for column in sources}),
                 )
             )
         return rows, dropped
+
+    def check_head_inputs(self, needed: Sequence[str]) -> None:
+        """ValueError naming the inputs in ``needed`` (a head's) that a loaded dataset lacks, and the fix."""
+        kind = "rollout" if self.rollout else f"token-level ({self.meta.get('label_mode')!r})"
+        paths = [p for p in (self.path, self.test_path, self.greedy_path) if p is not None]
+        require_inputs(needed, self.inputs, f"the {kind} label data {paths}")
+
+    def input_stats(self, names: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Mean and std (S,) of the scalar inputs ``names`` over the training candidates (how the head standardises
+        them)."""
+        self.check_head_inputs(names)
+        if not isinstance(self.train_set, StoredHiddenDataset):
+            raise RuntimeError("The data module is not set up with rollout data: call setup() first.")
+        columns = [SCALAR_INPUTS.index(name) for name in names]
+        return standardisation(torch.cat([row.inputs[:, columns] for row in self.train_set.rows]))
 
     def _record_split(self) -> None:
         trainer = getattr(self, "_trainer", None)

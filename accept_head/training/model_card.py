@@ -87,13 +87,23 @@ def model_card(
     )
 
 
+def _head_reads(bundle: SpecDecPP) -> str:
+    """What the head reads, in words (``inputs`` in its config)."""
+    head = bundle.head
+    reads = (["the draft's final hidden state"] if head.reads_hidden else []) + [
+        f"`{name}`" for name in head.scalar_inputs
+    ]
+    text = reads[0] if len(reads) == 1 else ", ".join(reads[:-1]) + " and " + reads[-1]
+    return text + (" (its logit a learned correction of logit(q))" if head.residual_on == "logq" else "")
+
+
 def _intro(name: str, bundle: SpecDecPP) -> str:
     """The title, what the bundle holds, and how to load it."""
     summary = (
         f"A `SpecDecPP` bundle (accept-head): target {_spec(bundle.target_spec, name)}, "
         f"draft {_spec(bundle.draft_spec, name)}, "
-        f"a depth-{bundle.head.depth} acceptance head (width {bundle.head.hidden_size}) on the draft's final hidden "
-        f"state, stopping threshold **h\\* = {bundle.threshold:g}**{_unscored(bundle)}, "
+        f"a depth-{bundle.head.depth} acceptance head (width {bundle.head.hidden_size}) on {_head_reads(bundle)}, "
+        f"stopping threshold **h\\* = {bundle.threshold:g}**{_unscored(bundle)}, "
         f"{bundle.min_candidates}–{bundle.max_candidates} "
         "candidates per round. Decoding is lossless: the output is distributed exactly as the target's."
     )

@@ -9,6 +9,10 @@ reloaded from its spec, never copied into Lightning checkpoints.
 Batches of a rollout dataset (:class:`~accept_head.training.data.StoredHiddenDataset`) carry the drafter's stored
 hidden states (``hidden``, (B, C, d)) instead of tokens: the head reads them directly and the draft does not run.
 The draft is still loaded, for the hidden-size check and the end-of-fit stages (cost model, sweep, bundle).
+
+A head with ``inputs`` beyond the hidden state (:mod:`accept_head.acceptance.inputs`) reads the scalar inputs rollout
+batches carry (``inputs``, (B, C, S)); before fitting, their mean and standard deviation over the training
+candidates become the head's standardisation, and a dataset that lacks one of them is refused.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from lightning.pytorch import LightningModule
 from torchmetrics.aggregation import CatMetric
 
 from ..acceptance.head import AcceptanceHead
+from ..acceptance.inputs import HIDDEN, SCALAR_INPUTS
 from ..acceptance.loss import check_weights, weighted_bce
 from ..acceptance.metrics import acceptance_metrics
 from ..models.features import decoder_matches_lm_head_input, final_hidden_states
@@ -46,6 +51,8 @@ class AcceptanceHeadModule(LightningModule):
         betas: tuple[float, float] = (0.9, 0.999),
         warmup_fraction: float = 0.03,
         min_lr_ratio: float = 0.0,
+        inputs: list[str] | None = None,
+        residual_on: str | None = None,
     ) -> None:
         """
         Args:
@@ -60,6 +67,11 @@ class AcceptanceHeadModule(LightningModule):
             betas: AdamW betas.
             warmup_fraction: Fraction of the optimizer steps with a linear warm-up (the paper: 3%).
             min_lr_ratio: The cosine schedule decays to ``lr * min_lr_ratio``.
+            inputs: What the head reads (default ``[hidden]``, the paper's head): any of ``hidden``, ``logq``,
+                ``entropy``, ``top1``, ``depth``, ``path_logq`` (see ``accept_head/acceptance/inputs.py``). Inputs
+                other than ``hidden`` need rollout labels (``python -m data_gen --label_mode rollout``).
+            residual_on: ``logq``: the head's logit is logit(q(y)) plus a learned correction that is zero at
+                initialisation (the head starts as the draft's own probability); needs ``logq`` in ``inputs``.
         """
         super().__init__()
         if depth < 0:
@@ -76,7 +88,8 @@ class AcceptanceHeadModule(LightningModule):
         # The draft is recorded once, in the data module's hyperparameters (it is linked from data.draft).
         self.save_hyperparameters(ignore=["draft"])
         self.draft_spec = ModelSpec.coerce(draft)
-        self.head = AcceptanceHead(hidden_size, depth)
+        self.head = AcceptanceHead(hidden_size, depth, inputs or (HIDDEN,), residual_on)
+        self._input_columns = [SCALAR_INPUTS.index(name) for name in self.head.scalar_inputs]
         self.draft: torch.nn.Module | None = None
         self._use_decoder = True
         self.val_logits, self.val_labels = CatMetric(), CatMetric()
@@ -85,6 +98,16 @@ class AcceptanceHeadModule(LightningModule):
 
     def on_fit_start(self) -> None:
         self.fit_report = FitReport()
+
+    def setup(self, stage: str) -> None:
+        """Refuse data without the head's inputs; before fitting, standardise the scalar inputs by the training
+        candidates' statistics (a checkpoint being resumed restores the same ones)."""
+        dm = getattr(self._trainer, "datamodule", None)
+        if not self.head.scalar_inputs or dm is None:
+            return
+        dm.check_head_inputs(self.head.inputs)
+        if stage == "fit":
+            self.head.set_scalar_stats(*dm.input_stats(self.head.scalar_inputs))
 
     # -- the frozen draft
 
@@ -139,9 +162,18 @@ class AcceptanceHeadModule(LightningModule):
             )  # (B, L, H)
         return hidden[batch["loss_mask"]]
 
+    def scalar_inputs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """The head's scalar inputs at every loss position (M, S), None for a head that reads none."""
+        if not self._input_columns:
+            return None
+        if "inputs" not in batch:
+            raise ValueError(f"The head reads {list(self.head.scalar_inputs)}, which only rollout batches carry.")
+        return batch["inputs"][batch["loss_mask"]][:, self._input_columns].float()
+
     def forward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Head logits (M,) and soft labels (M,) at the positions of ``batch`` that hold draft tokens."""
-        logits = self.head(self.hidden_states(batch).float())
+        hidden = self.hidden_states(batch).float() if self.head.reads_hidden else None
+        logits = self.head(hidden, self.scalar_inputs(batch))
         return logits, batch["labels"][batch["loss_mask"]]
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:

@@ -10,9 +10,18 @@ on, extended from a chain's candidates to every node of a tree (:func:`node_labe
 
 **C2T** (Huo et al. 2025) prunes a draft tree with a tiny classifier on three features of a node: the joint draft
 probability of its path, the entropy of the distribution it was taken from, and its depth. :class:`C2TClassifier`
-is such a classifier (3 → 16 → 1, SiLU, 81 parameters) trained with BCE on the same tree labels;
+is such a classifier (4 → 16 → 1, SiLU, 97 parameters) trained with BCE on the same tree labels;
 :class:`C2TTree` grows trees by the cost rule of :class:`~accept_head.trees.growth.HeadTree` with the classifier's
 score in place of the head's, so the two are compared like with like.
+
+Here the classifier also reads the node's *own* log draft probability (:data:`C2T_FEATURES`). The label it is
+trained on, and the score the cost rule multiplies along a path, is P(node accepted | parent accepted), which at T > 0
+is p_parent(token) and is predicted first of all by q_parent(token) — the node's own draft probability. C2T's three
+features hold it only mixed with the parent's path: log joint = log q(node) + log joint(parent), and the parent's
+part is noise for a label that is conditional on the parent. So the three-feature classifier ranked tree nodes
+below the draft probability alone (AUC 0.70 against 0.79, issue 39). The joint is the right feature for an
+unconditional label (is the node accepted at all?); for the conditional one the node's own probability is.
+Classifiers saved before it (three features) load and score as they were trained.
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -32,6 +41,11 @@ from ..core.sampling import SamplingConfig, probabilities
 from .growth import CostTree, DraftTree
 
 C2T_WEIGHTS = "c2t.safetensors"
+C2T_FEATURES = ("log_joint", "entropy", "depth", "log_prob")
+"""What :func:`c2t_features` gives per node, in order: log of the joint draft probability of its path, the entropy of
+the distribution it was taken from, its depth, and the log of its own draft probability."""
+LEGACY_FEATURES = C2T_FEATURES[:3]
+"""The features of classifiers saved before ``log_prob`` (files without a ``features`` entry)."""
 
 
 def node_labels(tree: DraftTree, nodes: list[int], logits: torch.Tensor, sampling: SamplingConfig) -> dict[int, float]:
@@ -48,10 +62,14 @@ def node_labels(tree: DraftTree, nodes: list[int], logits: torch.Tensor, samplin
     return labels
 
 
+def node_features(prob: float, entropy: float, depth: int, joint: float) -> list[float]:
+    """:data:`C2T_FEATURES` of a node from its draft probability, entropy, depth and joint path probability."""
+    return [math.log(max(joint, 1e-30)), entropy, float(depth), math.log(max(prob, 1e-30))]
+
+
 def c2t_features(tree: DraftTree, node: int) -> list[float]:
-    """C2T's three features of a node: log joint draft probability of its path, the entropy of the distribution it
-    was taken from, and its depth."""
-    return [math.log(max(tree.joints[node], 1e-30)), tree.entropies[node], float(tree.depths[node])]
+    """The classifier's features of a node (:data:`C2T_FEATURES`)."""
+    return node_features(tree.probs[node], tree.entropies[node], tree.depths[node], tree.joints[node])
 
 
 @dataclass
@@ -63,7 +81,7 @@ class LabelledRound:
     probs: list[float]
     """The draft's probability of each node (its EAGLE-2 score)."""
     features: list[list[float]]
-    """C2T features of each node (:func:`c2t_features`)."""
+    """C2T features of each node (:func:`c2t_features`; three per node in rounds cached before ``log_prob``)."""
     labels: dict[int, float]
     hidden: dict[int, torch.Tensor]
     """The draft's hidden state at each fed node (the head's input)."""
@@ -103,30 +121,42 @@ class TreeLabelRecorder:
 
 
 class C2TClassifier(nn.Module):
-    """P(node accepted | parent accepted) from C2T's three features (3 → 16 → 1), inputs standardised."""
+    """P(node accepted | parent accepted) from C2T-style features of a node (``features``, a subsequence of
+    :data:`C2T_FEATURES`; all four by default) through 16 SiLU units, inputs standardised."""
 
-    def __init__(self) -> None:
+    def __init__(self, features: tuple[str, ...] = C2T_FEATURES) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(3, 16), nn.SiLU(), nn.Linear(16, 1))
-        self.register_buffer("mean", torch.zeros(3))
-        self.register_buffer("std", torch.ones(3))
+        if not features or any(f not in C2T_FEATURES for f in features) or len(set(features)) != len(features):
+            raise ValueError(f"features={features!r} must be distinct names of {C2T_FEATURES}.")
+        self.features = tuple(f for f in C2T_FEATURES if f in features)
+        self._columns = [C2T_FEATURES.index(f) for f in self.features]
+        width = len(self.features)
+        self.net = nn.Sequential(nn.Linear(width, 16), nn.SiLU(), nn.Linear(16, 1))
+        self.register_buffer("mean", torch.zeros(width))
+        self.register_buffer("std", torch.ones(width))
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
-        """(..., 3) → acceptance logits (...)."""
+        """(..., len(C2T_FEATURES)) — or (..., len(self.features)), its own columns only — → acceptance logits
+        (...)."""
+        if features.shape[-1] == len(C2T_FEATURES) != len(self.features):
+            features = features[..., self._columns]
+        if features.shape[-1] != len(self.features):
+            raise ValueError(f"expected (..., {len(C2T_FEATURES)}) node features, got {tuple(features.shape)}.")
         return self.net((features - self.mean) / self.std).squeeze(-1)
 
     @classmethod
     def fit(cls, features: list[list[float]], labels: list[float], steps: int = 500, seed: int = 0) -> C2TClassifier:
-        """Train on (features, soft labels) with BCE and Adam (full batch). Raises ValueError without labels."""
+        """Train on (features, soft labels) with BCE and Adam (full batch); rows of three features (rounds cached
+        before ``log_prob``) train a :data:`LEGACY_FEATURES` classifier. Raises ValueError without labels."""
         if not labels or len(features) != len(labels):
             raise ValueError(f"C2TClassifier.fit needs as many labels as feature rows, got {len(labels)} labels.")
         x = torch.tensor(features, dtype=torch.float32)
         y = torch.tensor(labels, dtype=torch.float32)
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = cls()
+            model = cls(C2T_FEATURES[: x.shape[-1]])
         model.mean.copy_(x.mean(0))
-        model.std.copy_(x.std(0).clamp_min(1e-3) if len(x) > 1 else torch.ones(3))
+        model.std.copy_(x.std(0).clamp_min(1e-3) if len(x) > 1 else torch.ones(x.shape[-1]))
         optimizer = torch.optim.Adam(model.net.parameters(), lr=0.02)
         for _ in range(steps):
             optimizer.zero_grad()
@@ -136,14 +166,17 @@ class C2TClassifier(nn.Module):
         return model.eval()
 
     def save(self, path: str | Path) -> None:
-        """Weights and standardisation in one safetensors file."""
+        """Weights and standardisation in one safetensors file; its metadata names the features."""
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
-        save_file(state, str(path), metadata={"format": "pt"})
+        save_file(state, str(path), metadata={"format": "pt", "features": ",".join(self.features)})
 
     @classmethod
     def load(cls, path: str | Path) -> C2TClassifier:
-        model = cls()
+        """A classifier saved by :meth:`save`; files without a feature list read :data:`LEGACY_FEATURES`."""
         try:
+            with safe_open(str(path), "pt") as f:
+                named = (f.metadata() or {}).get("features")
+            model = cls(tuple(named.split(",")) if named else LEGACY_FEATURES)
             model.load_state_dict(load_file(str(path)))
         except (OSError, RuntimeError, SafetensorError) as err:
             raise ValueError(f"{path} is not a C2T classifier saved by C2TClassifier.save: {err}") from err
@@ -160,7 +193,7 @@ class C2TTree(CostTree):
 
     def prior(self, prob: float, entropy: float, depth: int, joint: float) -> float:
         with torch.inference_mode():
-            logit = self.classifier(torch.tensor([math.log(max(joint, 1e-30)), entropy, float(depth)]))
+            logit = self.classifier(torch.tensor(node_features(prob, entropy, depth, joint)))
         return float(torch.sigmoid(logit))
 
 
