@@ -17,7 +17,6 @@ from stats_helpers import ALPHA, accept_first_guess, exact_joint, pair_p_values,
 from tiny_models import make_llama, make_tokenizer, small_vocab_llama
 from transformers import DynamicCache, LlamaForCausalLM
 
-import accept_head.trees.verify as tree_verify
 from accept_head import (
     ModelBigram,
     NgramPool,
@@ -29,6 +28,7 @@ from accept_head import (
 from accept_head.core.hf_compat import cache_kwargs, keep_cache_positions
 from accept_head.learning_free.lookahead import JacobiWindow, lookahead_tree
 from accept_head.learning_free.ngrammys import ContextNgrams
+from accept_head.trees.attention import check_masked_attention
 from accept_head.trees.verify import add_rows, commit_nodes, tree_forward, tree_mask
 
 # Prompts repeat themselves so that context n-grams have something to match.
@@ -316,7 +316,7 @@ def test_broken_sample_verification_is_detected(small, method: str, monkeypatch:
     check. (A subtler mutant — one that keeps a rejected sibling's mass in the residual — passes this χ² at these
     sample sizes; ``test_tree_verify.py`` catches it exactly.)"""
     model, joint = small
-    monkeypatch.setattr(f"accept_head.{method}.verify_sampled", accept_first_guess)
+    monkeypatch.setattr(f"accept_head.learning_free.{method}.verify_sampled", accept_first_guess)
     decode = SAMPLERS[method](model, ModelBigram.build(model, top=3))
     tokens, _ = sampled_tokens(decode, CONTROL_SAMPLES, len(SMALL_PROMPT))
     assert max(pair_p_values(tokens, joint)) < 1e-6
@@ -363,4 +363,4 @@ def test_lookahead_bad_parameters(targets, kwargs: dict, match: str) -> None:
 def test_attention_without_custom_masks_is_refused() -> None:
     stub = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
     with pytest.raises(ValueError, match="flash_attention_2.*custom 4D attention mask"):
-        tree_verify.check_masked_attention(stub)
+        check_masked_attention(stub)

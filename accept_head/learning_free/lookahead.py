@@ -34,13 +34,13 @@ import torch
 
 from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos
 from ..core.sampling import SamplingConfig, probabilities
+from ..trees.attention import check_masked_attention
 from ..trees.verify import (
     RowOrigin,
     RowStop,
     TreeDecodeStats,
     add_rows,
     apply_stop,
-    check_masked_attention,
     commit_nodes,
     prefill_root,
     tree_forward,

@@ -32,13 +32,13 @@ from safetensors.torch import load_file, save_file
 from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos
 from ..core.sampling import SamplingConfig, probabilities
 from ..models.feature_draft import model_fingerprint
+from ..trees.attention import check_masked_attention
 from ..trees.verify import (
     RowOrigin,
     RowStop,
     TreeDecodeStats,
     add_rows,
     apply_stop,
-    check_masked_attention,
     commit_nodes,
     prefill_root,
     tree_forward,

@@ -57,10 +57,10 @@ from ..core.hf_compat import crop_cache, keep_cache_positions
 from ..core.sampling import SamplingConfig, probabilities
 from ..models.drafters import Drafter
 from ..models.pairs import check_same_vocab
+from ..trees.attention import check_masked_attention
 from ..trees.verify import (
     TreeDecodeStats,
     add_rows,
-    check_masked_attention,
     commit_nodes,
     prefill_root,
     tree_forward,
@@ -398,7 +398,7 @@ def ouroboros_generate(
         pool = PhrasePool(phrase_length, phrases_per_token, vocab)
     pool.check(phrase_length, phrases_per_token, vocab)
     check_masked_attention(target)
-    check_masked_attention(draft)
+    check_masked_attention(draft, "draft")
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats = OuroborosStats()
     with _timed(stats, "total_time"):

@@ -511,7 +511,10 @@ def run_custom_generate(
     custom 4D attention mask, eager or SDPA attention).
 
     ``streamer`` and ``assistant_model`` that transformers does not forward to the callable are read back from the
-    enclosing ``generate`` call (see :func:`~accept_head.core.hf_compat.enclosing_generate_arguments`). Returns
+    enclosing ``generate`` call (see :func:`~accept_head.core.hf_compat.enclosing_generate_arguments`). A
+    ``max_length`` past the target's ``max_position_embeddings`` warns at the start
+    (:class:`~accept_head.chain.decoding.ContextLimitWarning`) and decoding stops there, where HF's own loop would go
+    on with a "friendly reminder". Returns
     (sequences (1, L + N) or a :class:`SpecDecGenerateOutput` when ``return_dict_in_generate``, stats).
     """
     found = enclosing_generate_arguments()
