@@ -266,10 +266,10 @@ def test_sampled_tree_decoding_keeps_a_sliding_targets_distribution(small) -> No
 
 def test_a_tree_pass_without_the_window_is_detected(small, monkeypatch: pytest.MonkeyPatch) -> None:
     """The old mask (every node sees the whole prefix) must fail the same χ² check."""
-    from accept_head.trees.attention import FULL
+    from accept_head.trees.attention import AttentionLayout
 
     target, draft, joint = small
-    monkeypatch.setattr(tree_verify, "attention_layout", lambda model, role="target": FULL)
+    monkeypatch.setattr(AttentionLayout, "full", property(lambda self: True))  # layer_masks: the tree pattern only
     tokens, _ = sampled_tokens(sample_tree(target, draft), SAMPLES // 4, len(SMALL_PROMPT))
     assert min(pair_p_values(tokens, joint)) < ALPHA
 

@@ -186,7 +186,7 @@ def lookahead_generate(
     if pool is None:
         pool = NgramPool(ngram, guess_set, vocab)
     pool.check(ngram, guess_set, vocab)
-    check_masked_attention(target)
+    layout = check_masked_attention(target)
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats = TreeDecodeStats()
     with _timed(stats, "total_time"):
@@ -213,7 +213,7 @@ def lookahead_generate(
                 nodes = [[row_of[n] for n in row] for row in nodes]
             # 2. One target call: Jacobi step of the window and verification of the guesses.
             with _timed(stats, "target_time"):
-                logits = tree_forward(target, cache, tree, parents, keep)
+                logits = tree_forward(target, cache, tree, parents, keep, layout)
                 argmax = logits.argmax(-1).tolist()
                 if sampling.greedy:
                     row, m, next_token = verify_greedy(argmax, guesses, nodes)

@@ -57,7 +57,7 @@ from ..core.hf_compat import crop_cache, keep_cache_positions
 from ..core.sampling import SamplingConfig, probabilities
 from ..models.drafters import Drafter
 from ..models.pairs import check_same_vocab
-from ..trees.attention import check_masked_attention
+from ..trees.attention import AttentionLayout, attention_layout, check_masked_attention
 from ..trees.verify import (
     TreeDecodeStats,
     add_rows,
@@ -237,8 +237,9 @@ class PhraseDraft:
     text's last token is always fed again, as the root the pool's phrases hang off.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, layout: AttentionLayout | None = None) -> None:
         self.model = model
+        self.layout = layout if layout is not None else attention_layout(model, "draft")
         self.cache = DynamicCache()
         self.calls = 0
         """Draft forward passes (the prompt's prefill is part of the first)."""
@@ -255,7 +256,7 @@ class PhraseDraft:
         root = len(pending) - 1  # the pending text is a causal chain; the phrases hang off its last token
         tokens, parents = list(pending), list(range(-1, root))
         nodes = add_rows(tokens, parents, root, rows)
-        logits = tree_forward(self.model, self.cache, tokens, parents, range(root, len(tokens)))
+        logits = tree_forward(self.model, self.cache, tokens, parents, range(root, len(tokens)), self.layout)
         argmax = logits.argmax(-1).tolist()  # argmax[0]: after the root
         row, m, next_token = verify_greedy(argmax, rows, [[n - root for n in row_nodes] for row_nodes in nodes])
         keep_cache_positions(self.cache, prefix + len(pending), [prefix + n for n in nodes[row][:m]] if m else [])
@@ -397,15 +398,15 @@ def ouroboros_generate(
     if pool is None:
         pool = PhrasePool(phrase_length, phrases_per_token, vocab)
     pool.check(phrase_length, phrases_per_token, vocab)
-    check_masked_attention(target)
-    check_masked_attention(draft, "draft")
+    layout = check_masked_attention(target)
+    draft_layout = check_masked_attention(draft, "draft")
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats = OuroborosStats()
     with _timed(stats, "total_time"):
         tokens = ids[0].tolist()
         if prompt_phrases:
             pool.add_sequence(tokens)
-        drafter = PhraseDraft(draft)
+        drafter = PhraseDraft(draft, draft_layout)
         with _timed(stats, "target_time"):
             cache = prefill_root(target, ids)  # lacks the last token: the next round's root
         while stats.generated < budget:
@@ -420,7 +421,7 @@ def ouroboros_generate(
                 tree, parents, rows, nodes = candidate_tree(tokens[-1], drafted, appended)
             # 2. One target call verifies every candidate.
             with _timed(stats, "target_time"):
-                logits = tree_forward(target, cache, tree, parents)
+                logits = tree_forward(target, cache, tree, parents, layout=layout)
                 argmax = logits.argmax(-1).tolist()
                 if sampling.greedy:
                     row, m, next_token = verify_greedy(argmax, rows, nodes)

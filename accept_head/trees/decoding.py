@@ -28,7 +28,7 @@ from transformers import DynamicCache
 from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos, draft_room, prefill
 from ..core.sampling import SamplingConfig, probabilities
 from ..models.features import capture_lm_head_input
-from .attention import check_masked_attention
+from .attention import attention_layout, check_masked_attention
 from .drafters import TreeDrafter, as_tree_drafter
 from .growth import DraftTree, TreeRule
 from .verify import (
@@ -123,6 +123,7 @@ def tree_generate(
     _check_int("max_new_tokens", max_new_tokens, low=0)
     sampling = SamplingConfig(temperature, top_k, top_p)
     drafter = tree_drafter_for(draft, target, rule)
+    layout = attention_layout(target)  # checked by tree_drafter_for
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats, tokens = TreeDecodeStats(), ids[0].tolist()
     with _timed(stats, "total_time"):
@@ -138,7 +139,7 @@ def tree_generate(
             with _timed(stats, "target_time"):  # 2. Verify the root (the last token) and the nodes in one pass
                 tree_tokens, parents, paths, rows = tree_rows(tree, nodes)
                 with capture_lm_head_input(target) as box:
-                    logits = tree_forward(target, cache, [tokens[-1], *tree_tokens], [-1, *parents])
+                    logits = tree_forward(target, cache, [tokens[-1], *tree_tokens], [-1, *parents], layout=layout)
                 row, m, next_token = verify_tree(logits, tree, paths, rows, sampling, generator)
                 accepted = paths[row][:m] if m else []
                 commit_nodes(cache, len(tokens) - 1, rows[row][:m] if m else [])

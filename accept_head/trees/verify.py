@@ -29,7 +29,7 @@ from transformers import DynamicCache
 from ..chain.decoding import DecodeStats, _forward
 from ..core.hf_compat import cache_kwargs, keep_cache_positions
 from ..core.sampling import generator_device, sample
-from .attention import attention_layout, layer_masks, tree_mask
+from .attention import AttentionLayout, attention_layout, layer_masks, tree_mask
 
 
 @dataclass
@@ -144,6 +144,7 @@ def tree_forward(
     tokens: Sequence[int],
     parents: Sequence[int],
     keep: Sequence[int] | None = None,
+    layout: AttentionLayout | None = None,
 ) -> torch.Tensor:
     """Run a token tree through ``model`` on top of its KV cache (prefix length L) in one forward pass.
 
@@ -151,7 +152,8 @@ def tree_forward(
     (``max_position_embeddings`` − 1; for guesses that would run past the context: they are never committed). Each
     layer gets the mask it needs (:func:`~accept_head.trees.attention.layer_masks`: a sliding layer its window,
     counted in positions); the cache's positions must be the committed text's, 0..L − 1, as :func:`commit_nodes`
-    leaves them.
+    leaves them. ``layout``: ``model``'s :class:`~accept_head.trees.attention.AttentionLayout` as the decoder's
+    up-front :func:`~accept_head.trees.attention.check_masked_attention` returned it (read from the config if None).
     Returns logits (len(keep), V), rows in ``keep`` order (all T rows if ``keep`` is None). The cache grows by T
     positions; the caller keeps what was accepted with :func:`commit_nodes`.
     """
@@ -165,7 +167,7 @@ def tree_forward(
         positions = positions.clamp(max=limit - 1)
     out = model(
         input_ids=torch.tensor([list(tokens)], device=device),
-        attention_mask=layer_masks(attention_layout(model), allowed, positions, prefix, dtype, device),
+        attention_mask=layer_masks(layout or attention_layout(model), allowed, positions, prefix, dtype, device),
         position_ids=positions[None].to(device),
         **cache_kwargs(model, cache),
         logits_to_keep=0 if keep is None else torch.tensor(list(keep), device=device),
