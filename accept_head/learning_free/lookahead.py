@@ -148,7 +148,7 @@ def lookahead_tree(
     window: JacobiWindow, guesses: Sequence[Sequence[int]]
 ) -> tuple[list[int], list[int], list[int], list[list[int]]]:
     """One step's input: the window then each guess as a row off x_t. Returns (tokens, parents, top-level indices,
-    nodes) with ``nodes[r][j]`` the tree index of ``guesses[r][j]``; :func:`~accept_head.trees.verify.tree_mask`
+    nodes) with ``nodes[r][j]`` the tree index of ``guesses[r][j]``; :func:`~accept_head.trees.attention.tree_mask`
     turns ``parents`` into the attention mask."""
     tokens, parents, top = window.layout()
     nodes = add_rows(tokens, parents, 0, guesses)

