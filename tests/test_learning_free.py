@@ -17,7 +17,6 @@ from stats_helpers import ALPHA, accept_first_guess, exact_joint, pair_p_values,
 from tiny_models import make_llama, make_tokenizer, small_vocab_llama
 from transformers import DynamicCache, LlamaForCausalLM
 
-import accept_head.trees.verify as tree_verify
 from accept_head import (
     ModelBigram,
     NgramPool,
@@ -29,6 +28,7 @@ from accept_head import (
 from accept_head.core.hf_compat import cache_kwargs, keep_cache_positions
 from accept_head.learning_free.lookahead import JacobiWindow, lookahead_tree
 from accept_head.learning_free.ngrammys import ContextNgrams
+from accept_head.trees.attention import check_masked_attention
 from accept_head.trees.verify import add_rows, commit_nodes, tree_forward, tree_mask
 
 # Prompts repeat themselves so that context n-grams have something to match.
@@ -363,4 +363,4 @@ def test_lookahead_bad_parameters(targets, kwargs: dict, match: str) -> None:
 def test_attention_without_custom_masks_is_refused() -> None:
     stub = SimpleNamespace(config=SimpleNamespace(_attn_implementation="flash_attention_2"))
     with pytest.raises(ValueError, match="flash_attention_2.*custom 4D attention mask"):
-        tree_verify.check_masked_attention(stub)
+        check_masked_attention(stub)

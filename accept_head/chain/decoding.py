@@ -7,6 +7,7 @@ prefix) and return the sequences and statistics as values. Batch size 1.
 from __future__ import annotations
 
 import sys
+import warnings
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
@@ -145,8 +146,18 @@ def _context_limit(model) -> int | None:
     return getattr(model, "context_limit", None) or getattr(config, "max_position_embeddings", None)
 
 
+class ContextLimitWarning(UserWarning):
+    """A request asks for more tokens than the target's context holds; decoding stops at the context's end."""
+
+
 def _check_lengths(prompt_len: int, max_new_tokens: int, target) -> int:
     """Validate the prompt against the target's context and return the usable number of new tokens.
+
+    Every decoder stops at the target's context (``max_position_embeddings``): a prompt that fills it raises
+    ValueError, and a request that would run past it warns at the start (:class:`ContextLimitWarning`, saying how many
+    tokens it will return) and returns only the tokens that fit. transformers' own ``generate`` instead goes on past
+    ``max_position_embeddings`` with a "friendly reminder" once it is there; positions the model was not trained for
+    are not a text this toolkit vouches for, so it stops, but never without a word.
 
     Only the target bounds the output. A draft with a shorter context is not checked here: it drafts fewer
     candidates as it runs out of room, then none (:func:`draft_room`), and the target goes on alone.
@@ -160,6 +171,14 @@ def _check_lengths(prompt_len: int, max_new_tokens: int, target) -> int:
         raise ValueError(
             f"The prompt has {prompt_len} tokens but {type(target).__name__} has a context of {limit}; "
             "shorten or left-truncate the prompt."
+        )
+    if prompt_len + max_new_tokens > limit:
+        warnings.warn(
+            f"The prompt has {prompt_len} tokens and max_new_tokens={max_new_tokens}, but {type(target).__name__} "
+            f"has a context of {limit} positions (max_position_embeddings): decoding stops at its end, after at most "
+            f"{limit - prompt_len} new tokens. Ask for at most {limit - prompt_len} or shorten the prompt.",
+            ContextLimitWarning,
+            stacklevel=3,
         )
     return min(max_new_tokens, limit - prompt_len)
 
@@ -376,6 +395,9 @@ def speculative_generate(
     round:
     the drafter proposes y_1..y_K (the policy decides K), the target scores them in one pass, :func:`verify`
     accepts a prefix and adds one token of its own, and both sides keep only what was accepted.
+
+    Every decoder of this toolkit stops at the target's context: a request past ``max_position_embeddings`` warns
+    at the start (:class:`ContextLimitWarning`) and returns the tokens that fit (:func:`_check_lengths`).
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
     drafter = as_drafter(draft, target, with_hidden=policy.uses_hidden)

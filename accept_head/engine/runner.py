@@ -37,10 +37,11 @@ from ..learning_free.lookahead import check_lookahead_params, lookahead_generate
 from ..learning_free.ngrammys import ModelBigram, check_ngrammys_params, ngrammys_generate
 from ..learning_free.ouroboros import check_ouroboros_params, ouroboros_generate
 from ..models.pairs import cache_root
+from ..trees.attention import check_masked_attention
 from ..trees.decoding import tree_generate
 from ..trees.growth import ConfidenceTree, CostTree, HeadTree, StaticTree, TreeRule
 from ..trees.labels import C2TTree, TreeModels
-from ..trees.verify import MASKED_ATTENTION, TreeDecodeStats
+from ..trees.verify import TreeDecodeStats
 from .pair_loading import Pair
 
 FAMILIES = {
@@ -413,11 +414,7 @@ class Runner:
                 )
             except ValueError as err:
                 return str(err)
-        if spec.kind in DRAFT_TREES:
-            implementation = getattr(self.pair.target.config, "_attn_implementation", None)
-            if implementation not in MASKED_ATTENTION:
-                return f"tree verification needs the target to apply a 4D attention mask, not {implementation!r}"
-        if spec.kind in TREE_DECODERS:
+        if spec.kind in DRAFT_TREES or spec.kind in TREE_DECODERS:
             models = {"target": self.pair.target}
             if spec.kind == "ouroboros":
                 draft = self.pair.draft_for(spec.params.get("draft"))
@@ -428,12 +425,10 @@ class Runner:
                     )
                 models["draft"] = draft
             for which, model in models.items():
-                implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-                if implementation not in MASKED_ATTENTION:
-                    return (
-                        f"tree verification needs the {which} to apply a 4D attention mask: it uses "
-                        f"attn_implementation={implementation!r}, not one of {MASKED_ATTENTION}"
-                    )
+                try:
+                    check_masked_attention(model, which)  # the check the decoder itself makes first
+                except ValueError as err:
+                    return f"tree verification needs the {which} to take a tree attention mask: {err}"
         return None
 
     def bigram(self, top: int = BIGRAM_TOP) -> ModelBigram:

@@ -34,13 +34,13 @@ import torch
 
 from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos
 from ..core.sampling import SamplingConfig, probabilities
+from ..trees.attention import check_masked_attention
 from ..trees.verify import (
     RowOrigin,
     RowStop,
     TreeDecodeStats,
     add_rows,
     apply_stop,
-    check_masked_attention,
     commit_nodes,
     prefill_root,
     tree_forward,
@@ -148,7 +148,7 @@ def lookahead_tree(
     window: JacobiWindow, guesses: Sequence[Sequence[int]]
 ) -> tuple[list[int], list[int], list[int], list[list[int]]]:
     """One step's input: the window then each guess as a row off x_t. Returns (tokens, parents, top-level indices,
-    nodes) with ``nodes[r][j]`` the tree index of ``guesses[r][j]``; :func:`~accept_head.trees.verify.tree_mask`
+    nodes) with ``nodes[r][j]`` the tree index of ``guesses[r][j]``; :func:`~accept_head.trees.attention.tree_mask`
     turns ``parents`` into the attention mask."""
     tokens, parents, top = window.layout()
     nodes = add_rows(tokens, parents, 0, guesses)
@@ -183,6 +183,7 @@ def lookahead_generate(
     check_lookahead_params(window, ngram, guess_set)
     sampling = SamplingConfig(temperature, top_k, top_p)
     pool = _checked_pool(target, pool, ngram, guess_set)
+    layout = check_masked_attention(target)
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats = TreeDecodeStats()
     with _timed(stats, "total_time"):
@@ -207,7 +208,7 @@ def lookahead_generate(
                 keep, row_of, nodes = _logits_rows(top, nodes)
             # 2. One target call: Jacobi step of the window and verification of the guesses.
             with _timed(stats, "target_time"):
-                logits = tree_forward(target, cache, tree, parents, keep)
+                logits = tree_forward(target, cache, tree, parents, keep, layout)
                 argmax = logits.argmax(-1).tolist()
                 if sampling.greedy:
                     row, m, next_token = verify_greedy(argmax, guesses, nodes)
@@ -231,13 +232,11 @@ def lookahead_generate(
 
 
 def _checked_pool(target: torch.nn.Module, pool: NgramPool | None, ngram: int, guess_set: int) -> NgramPool:
-    """``pool`` checked for N, G and the target's vocabulary (a fresh pool if None), once the target is checked to
-    take 4D masks."""
+    """``pool`` checked for N, G and the target's vocabulary (a fresh pool if None)."""
     vocab = int(target.config.vocab_size)
     if pool is None:
         pool = NgramPool(ngram, guess_set, vocab)
     pool.check(ngram, guess_set, vocab)
-    check_masked_attention(target)
     return pool
 
 

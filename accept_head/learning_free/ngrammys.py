@@ -32,13 +32,13 @@ from safetensors.torch import load_file, save_file
 from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos
 from ..core.sampling import SamplingConfig, probabilities
 from ..models.feature_draft import model_fingerprint
+from ..trees.attention import check_masked_attention
 from ..trees.verify import (
     RowOrigin,
     RowStop,
     TreeDecodeStats,
     add_rows,
     apply_stop,
-    check_masked_attention,
     commit_nodes,
     prefill_root,
     tree_forward,
@@ -251,7 +251,7 @@ def ngrammys_generate(
         bigram.check(target)  # hashes the embeddings once per model object
         if k > bigram.top:
             raise ValueError(f"k={k} rows need a bigram table with top >= {k}; this one has top={bigram.top}.")
-    check_masked_attention(target)
+    layout = check_masked_attention(target)
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats = TreeDecodeStats()
     with _timed(stats, "total_time"):
@@ -272,7 +272,7 @@ def ngrammys_generate(
             with _timed(stats, "target_time"):
                 tree, parents = [tokens[-1]], [-1]
                 nodes = add_rows(tree, parents, 0, rows)
-                logits = tree_forward(target, cache, tree, parents)
+                logits = tree_forward(target, cache, tree, parents, layout=layout)
                 if sampling.greedy:
                     row, m, next_token = verify_greedy(logits.argmax(-1).tolist(), rows, nodes)
                 else:

@@ -57,10 +57,10 @@ from ..core.hf_compat import crop_cache, keep_cache_positions
 from ..core.sampling import SamplingConfig, probabilities
 from ..models.drafters import Drafter
 from ..models.pairs import check_same_vocab
+from ..trees.attention import AttentionLayout, attention_layout, check_masked_attention
 from ..trees.verify import (
     TreeDecodeStats,
     add_rows,
-    check_masked_attention,
     commit_nodes,
     prefill_root,
     tree_forward,
@@ -237,8 +237,9 @@ class PhraseDraft:
     text's last token is always fed again, as the root the pool's phrases hang off.
     """
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, layout: AttentionLayout | None = None) -> None:
         self.model = model
+        self.layout = layout if layout is not None else attention_layout(model, "draft")
         self.cache = DynamicCache()
         self.calls = 0
         """Draft forward passes (the prompt's prefill is part of the first)."""
@@ -255,7 +256,7 @@ class PhraseDraft:
         root = len(pending) - 1  # the pending text is a causal chain; the phrases hang off its last token
         tokens, parents = list(pending), list(range(-1, root))
         nodes = add_rows(tokens, parents, root, rows)
-        logits = tree_forward(self.model, self.cache, tokens, parents, range(root, len(tokens)))
+        logits = tree_forward(self.model, self.cache, tokens, parents, range(root, len(tokens)), self.layout)
         argmax = logits.argmax(-1).tolist()  # argmax[0]: after the root
         row, m, next_token = verify_greedy(argmax, rows, [[n - root for n in row_nodes] for row_nodes in nodes])
         keep_cache_positions(self.cache, prefix + len(pending), [prefix + n for n in nodes[row][:m]] if m else [])
@@ -388,13 +389,15 @@ def ouroboros_generate(
     check_ouroboros_params(gamma, phrase_length, phrases_per_token, candidates)
     sampling = SamplingConfig(temperature, top_k, top_p)
     pool = _checked_pair_and_pool(target, draft, pool, phrase_length, phrases_per_token)
+    layout = check_masked_attention(target)
+    draft_layout = check_masked_attention(draft, "draft")
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats = OuroborosStats()
     with _timed(stats, "total_time"):
         tokens = ids[0].tolist()
         if prompt_phrases:
             pool.add_sequence(tokens)
-        drafter = PhraseDraft(draft)
+        drafter = PhraseDraft(draft, draft_layout)
         with _timed(stats, "target_time"):
             cache = prefill_root(target, ids)  # lacks the last token: the next round's root
         while stats.generated < budget:
@@ -409,7 +412,7 @@ def ouroboros_generate(
                 tree, parents, rows, nodes = candidate_tree(tokens[-1], drafted, appended)
             # 2. One target call verifies every candidate.
             with _timed(stats, "target_time"):
-                logits = tree_forward(target, cache, tree, parents)
+                logits = tree_forward(target, cache, tree, parents, layout=layout)
                 argmax = logits.argmax(-1).tolist()
                 if sampling.greedy:
                     row, m, next_token = verify_greedy(argmax, rows, nodes)
@@ -437,8 +440,8 @@ def ouroboros_generate(
 def _checked_pair_and_pool(
     target: torch.nn.Module, draft, pool: PhrasePool | None, phrase_length: int, phrases_per_token: int
 ) -> PhrasePool:
-    """Check that ``draft`` is a Hugging Face causal LM sharing the target's vocabulary and that both take 4D masks;
-    return ``pool`` checked for β, W and that vocabulary (a fresh pool if None)."""
+    """Check that ``draft`` is a Hugging Face causal LM sharing the target's vocabulary; return ``pool`` checked for
+    β, W and that vocabulary (a fresh pool if None)."""
     if isinstance(draft, Drafter) or not isinstance(draft, torch.nn.Module) or not hasattr(draft, "config"):
         raise TypeError(
             f"Ouroboros drafts with a Hugging Face causal LM (it verifies phrases in the draft's own forward pass); "
@@ -449,6 +452,4 @@ def _checked_pair_and_pool(
     if pool is None:
         pool = PhrasePool(phrase_length, phrases_per_token, vocab)
     pool.check(phrase_length, phrases_per_token, vocab)
-    check_masked_attention(target)
-    check_masked_attention(draft)
     return pool

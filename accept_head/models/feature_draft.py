@@ -97,11 +97,19 @@ class FeatureDraftConfig:
             kept_vocab_size=kept_vocab_size,
             rms_norm_eps=getattr(c, "rms_norm_eps", 1e-5),
             max_position_embeddings=c.max_position_embeddings,
-            rope_parameters=getattr(c, "rope_parameters", None),
+            rope_parameters=_full_attention_rope(getattr(c, "rope_parameters", None)),
             target_fingerprint=model_fingerprint(target),
         )
         values.update(overrides)
         return cls(**values)
+
+
+def _full_attention_rope(rope: dict | None) -> dict | None:
+    """The target's RoPE parameters for the draft's one full-attention layer: Gemma-3 keys them by layer type
+    (``{"full_attention": {...}, "sliding_attention": {...}}``), which a Llama layer does not read."""
+    if isinstance(rope, dict) and rope and all(isinstance(v, dict) for v in rope.values()):
+        return dict(rope.get("full_attention") or next(iter(rope.values())))
+    return rope
 
 
 class FeatureDraft(nn.Module):

@@ -71,6 +71,7 @@ from ..core.hf_compat import (
 from ..core.sampling import SamplingConfig, probabilities
 from ..models.drafters import Drafter, DraftStep, as_drafter
 from ..models.features import capture_lm_head_input
+from ..trees.attention import attention_layout
 from ..trees.decoding import _fed_slots, draft_tree, tree_drafter_for, tree_rows, verify_tree
 from ..trees.drafters import TreeDrafter, TreeStep
 from ..trees.growth import TreeRule
@@ -435,6 +436,7 @@ def speculative_tree_decode(
     buffer[0, :prompt_len] = input_ids[0].to(device)
     process = ProcessedLogits(processors, buffer)
     drafter = ProcessedTreeDrafter(drafter, process)
+    layout = attention_layout(target)  # checked by tree_drafter_for
     stats, kept_scores, kept_logits = TreeDecodeStats(), [], []
     cache = DynamicCache()  # the target's: it lacks the last committed token, each round's root
     with _timed(stats, "total_time"):
@@ -452,7 +454,8 @@ def speculative_tree_decode(
             with _timed(stats, "target_time"):
                 tree_tokens, parents, paths, rows = tree_rows(tree, nodes)
                 with capture_lm_head_input(target) as box:
-                    logits = tree_forward(target, cache, [int(buffer[0, n - 1]), *tree_tokens], [-1, *parents])
+                    root = int(buffer[0, n - 1])
+                    logits = tree_forward(target, cache, [root, *tree_tokens], [-1, *parents], layout=layout)
                 contexts = [[], *([tree.tokens[v] for v in tree.path(node)] for node in nodes)]
                 scores = process.paths(logits, n, contexts)  # (1 + |nodes|, V)
                 row, m, next_token = verify_tree(scores, tree, paths, rows, sampling, generator)
@@ -511,7 +514,10 @@ def run_custom_generate(
     custom 4D attention mask, eager or SDPA attention).
 
     ``streamer`` and ``assistant_model`` that transformers does not forward to the callable are read back from the
-    enclosing ``generate`` call (see :func:`~accept_head.core.hf_compat.enclosing_generate_arguments`). Returns
+    enclosing ``generate`` call (see :func:`~accept_head.core.hf_compat.enclosing_generate_arguments`). A
+    ``max_length`` past the target's ``max_position_embeddings`` warns at the start
+    (:class:`~accept_head.chain.decoding.ContextLimitWarning`) and decoding stops there, where HF's own loop would go
+    on with a "friendly reminder". Returns
     (sequences (1, L + N) or a :class:`SpecDecGenerateOutput` when ``return_dict_in_generate``, stats).
     """
     found = enclosing_generate_arguments()

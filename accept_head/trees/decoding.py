@@ -28,11 +28,11 @@ from transformers import DynamicCache
 from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos, draft_room, prefill
 from ..core.sampling import SamplingConfig, probabilities
 from ..models.features import capture_lm_head_input
+from .attention import attention_layout, check_masked_attention
 from .drafters import TreeDrafter, as_tree_drafter
 from .growth import DraftTree, TreeRule
 from .verify import (
     TreeDecodeStats,
-    check_masked_attention,
     commit_nodes,
     tree_forward,
     verify_greedy,
@@ -115,10 +115,15 @@ def tree_generate(
     ``observe(tree, nodes, logits)``, if given, sees each round after verification: the drafted tree, the verified
     nodes and the target's logits (1 + len(nodes), V) at the root and at each of them (for tree labels,
     :mod:`~accept_head.trees.labels`).
+
+    The target must be one a tree mask serves (:func:`~accept_head.trees.attention.check_masked_attention`: sliding
+    windows get their window per layer type, ALiBi is refused). A request past its context warns
+    (:class:`~accept_head.chain.decoding.ContextLimitWarning`) and returns the tokens that fit.
     """
     _check_int("max_new_tokens", max_new_tokens, low=0)
     sampling = SamplingConfig(temperature, top_k, top_p)
     drafter = tree_drafter_for(draft, target, rule)
+    layout = attention_layout(target)  # checked by tree_drafter_for
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats, tokens = TreeDecodeStats(), ids[0].tolist()
     with _timed(stats, "total_time"):
@@ -134,7 +139,7 @@ def tree_generate(
             with _timed(stats, "target_time"):  # 2. Verify the root (the last token) and the nodes in one pass
                 tree_tokens, parents, paths, rows = tree_rows(tree, nodes)
                 with capture_lm_head_input(target) as box:
-                    logits = tree_forward(target, cache, [tokens[-1], *tree_tokens], [-1, *parents])
+                    logits = tree_forward(target, cache, [tokens[-1], *tree_tokens], [-1, *parents], layout=layout)
                 row, m, next_token = verify_tree(logits, tree, paths, rows, sampling, generator)
                 accepted = paths[row][:m] if m else []
                 commit_nodes(cache, len(tokens) - 1, rows[row][:m] if m else [])

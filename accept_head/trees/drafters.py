@@ -36,7 +36,7 @@ from ..models.drafters import ModelDrafter, check_kept_ids
 from ..models.feature_draft import FeatureDraft, FeatureDrafter
 from ..models.features import capture_lm_head_input
 from ..models.pairs import check_same_vocab
-from .verify import tree_mask
+from .attention import FULL, AttentionLayout, attention_layout, layer_masks, tree_mask
 
 
 @dataclass
@@ -50,19 +50,26 @@ class TreeStep:
 
 
 def slot_attention(
-    slot_parents: Sequence[int], new: int, prefix: int, dtype: torch.dtype, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The additive mask and position ids of the last ``new`` slots of a round.
+    slot_parents: Sequence[int],
+    new: int,
+    prefix: int,
+    dtype: torch.dtype,
+    device: torch.device,
+    layout: AttentionLayout = FULL,
+) -> tuple[torch.Tensor | dict[str, torch.Tensor], torch.Tensor]:
+    """The attention mask and position ids of the last ``new`` slots of a round.
 
     ``slot_parents[s]``: the slot of node s's parent (−1: the node follows the prefix directly); parents precede
     children. Returns ``mask`` (1, 1, new, prefix + S) — 0 where a new slot may attend (every prefix position, its
-    ancestors' slots, itself), the dtype's minimum elsewhere — and ``positions`` (1, new) = prefix + depth − 1.
+    ancestors' slots, itself), the dtype's minimum elsewhere; for a draft with sliding-window layers (``layout``,
+    :func:`~accept_head.trees.attention.attention_layout`) also outside the window, one mask per layer type where
+    they differ — and ``positions`` (1, new) = prefix + depth − 1.
     """
     allowed, depths = tree_mask(slot_parents)
     total = len(slot_parents)
-    mask = torch.zeros(1, 1, new, prefix + total, dtype=dtype, device=device)
-    mask[0, 0, :, prefix:] = torch.where(allowed[total - new :], 0.0, torch.finfo(dtype).min).to(device, dtype)
-    return mask, (prefix + depths[total - new :])[None].to(device)
+    positions = prefix + depths
+    mask = layer_masks(layout, allowed[total - new :], positions, prefix, dtype, device)
+    return mask, positions[total - new :][None].to(device)
 
 
 class TreeDrafter:
@@ -99,6 +106,7 @@ class ModelTreeDrafter(TreeDrafter):
         self.vocab_size = int(model.config.vocab_size)
         self.hidden_size = int(model.config.hidden_size)
         self.context_limit = getattr(model.config, "max_position_embeddings", None)
+        self.layout = attention_layout(model, "draft")
         self.device = next(model.parameters()).device
         self.dtype = getattr(model, "dtype", torch.float32)
         self.kept_ids = None if kept_ids is None else check_kept_ids(kept_ids, self.vocab_size).to(self.device)
@@ -126,7 +134,9 @@ class ModelTreeDrafter(TreeDrafter):
 
     def expand(self, tokens: Sequence[int], parents: Sequence[int]) -> TreeStep:
         self.slot_parents.extend(parents)
-        mask, positions = slot_attention(self.slot_parents, len(tokens), self.prefix, self.dtype, self.device)
+        mask, positions = slot_attention(
+            self.slot_parents, len(tokens), self.prefix, self.dtype, self.device, self.layout
+        )
         return self._run(list(tokens), attention_mask=mask, position_ids=positions)
 
     def commit(self, tokens: Sequence[int], features: torch.Tensor | None, slots: Sequence[int]) -> None:
@@ -150,6 +160,7 @@ class FeatureTreeDrafter(TreeDrafter):
         self.vocab_size = draft.config.vocab_size
         self.hidden_size = draft.config.hidden_size
         self.context_limit = draft.config.max_position_embeddings
+        self.layout = attention_layout(draft.decoder, "draft")  # one Llama layer: full attention
         self.device = draft.kept_ids.device
         self.dtype = draft.fc.weight.dtype
         self.cache = DynamicCache()
@@ -188,7 +199,9 @@ class FeatureTreeDrafter(TreeDrafter):
     def expand(self, tokens: Sequence[int], parents: Sequence[int]) -> TreeStep:
         self.slot_parents.extend(parents)
         features = torch.stack([self.root_predicted if p < 0 else self.predicted[p] for p in parents])
-        mask, positions = slot_attention(self.slot_parents, len(tokens), self.prefix, self.dtype, self.device)
+        mask, positions = slot_attention(
+            self.slot_parents, len(tokens), self.prefix, self.dtype, self.device, self.layout
+        )
         step = self._run(features, tokens, mask, positions)
         self.predicted.extend(step.hidden)
         return step

@@ -7,12 +7,14 @@ attention pattern is a tree: token ``i`` has a parent ``parents[i]`` (−1: it f
 and attends to the whole KV cache of the prefix plus its ancestors and itself; its position id is the prefix length
 plus its depth. Rows that share the root share its keys and values, and the prefix is never copied per row.
 
-transformers API: ``model(input_ids, attention_mask=<(1, 1, T, L + T) additive float mask>, position_ids=(1, T),
-cache=DynamicCache, use_cache=True, logits_to_keep=<1-D index tensor>)`` (``past_key_values=`` before 5.24). In
-transformers 5.x ``masking_utils.create_causal_mask`` returns a 4D mask unchanged ("already prepared 4D mask ...
-returned as-is", checked in 5.23), and the eager, SDPA and this toolkit's grouped eager attention add a float mask
-to the scores, so the tree pattern reaches every layer. After verification
-:func:`~accept_head.core.hf_compat.keep_cache_positions` keeps the prefix, the root and the accepted row's positions.
+transformers API: ``model(input_ids, attention_mask=<(1, 1, T, L + T) additive float mask, or one per layer type>,
+position_ids=(1, T), cache=DynamicCache, use_cache=True, logits_to_keep=<1-D index tensor>)`` (``past_key_values=``
+before 5.24). In transformers 5.x ``masking_utils.create_causal_mask`` returns a 4D mask unchanged ("already prepared
+4D mask ... returned as-is", checked in 5.24), and the eager, SDPA and this toolkit's grouped eager attention add a
+float mask to the scores, so the tree pattern reaches every layer; sliding windows and per-layer-type masks are built
+into it by :mod:`~accept_head.trees.attention`, which also refuses the targets a tree mask cannot serve (ALiBi).
+After verification :func:`~accept_head.core.hf_compat.keep_cache_positions` keeps the prefix, the root and the
+accepted row's positions.
 """
 
 from __future__ import annotations
@@ -25,12 +27,9 @@ import torch
 from transformers import DynamicCache
 
 from ..chain.decoding import DecodeStats, _forward
-from ..core.hf_compat import GQA_EAGER, cache_kwargs, keep_cache_positions
+from ..core.hf_compat import cache_kwargs, keep_cache_positions
 from ..core.sampling import generator_device, sample
-
-MASKED_ATTENTION = ("eager", "sdpa", GQA_EAGER)
-"""Attention implementations that apply an arbitrary additive 4D mask (flash-attention kernels take none; flex
-attention needs a ``BlockMask``)."""
+from .attention import AttentionLayout, attention_layout, layer_masks, tree_mask
 
 
 @dataclass
@@ -113,16 +112,6 @@ def apply_stop(
     return [row for row, _ in kept], [origin for _, origin in kept]
 
 
-def check_masked_attention(model: torch.nn.Module) -> None:
-    """Raise ValueError unless ``model`` applies custom 4D attention masks (see :data:`MASKED_ATTENTION`)."""
-    implementation = getattr(getattr(model, "config", None), "_attn_implementation", None)
-    if implementation not in MASKED_ATTENTION:
-        raise ValueError(
-            f"{type(model).__name__} uses attn_implementation={implementation!r}, which cannot take the custom 4D "
-            f"attention mask of tree verification; load it with attn_implementation in {MASKED_ATTENTION}."
-        )
-
-
 def prefill_root(target: torch.nn.Module, ids: torch.Tensor) -> DynamicCache:
     """The target's KV cache over the prompt ``ids`` (1, L) but its last token, which the first tree feeds as its
     root (tree index 0); the cache keeps lacking the last committed token from then on."""
@@ -149,49 +138,36 @@ def add_rows(tokens: list[int], parents: list[int], root: int, rows: Sequence[Se
     return nodes
 
 
-def tree_mask(parents: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The attention pattern of a token tree: ``mask`` (T, T) bool, True where token i may attend to token j (j is
-    i or an ancestor of i), and ``depths`` (T,) long (0 for tokens whose parent is −1). Parents precede children."""
-    size = len(parents)
-    mask = torch.zeros(size, size, dtype=torch.bool)
-    depths = torch.zeros(size, dtype=torch.long)
-    for i, parent in enumerate(parents):
-        if not -1 <= parent < i:
-            raise ValueError(f"parents[{i}]={parent}: a parent must be -1 or an earlier token.")
-        if parent >= 0:
-            mask[i] = mask[parent]
-            depths[i] = depths[parent] + 1
-        mask[i, i] = True
-    return mask, depths
-
-
 def tree_forward(
     model: torch.nn.Module,
     cache: DynamicCache,
     tokens: Sequence[int],
     parents: Sequence[int],
     keep: Sequence[int] | None = None,
+    layout: AttentionLayout | None = None,
 ) -> torch.Tensor:
     """Run a token tree through ``model`` on top of its KV cache (prefix length L) in one forward pass.
 
     tokens / parents: length T. Position ids are L + depth, clamped to the model's last position
-    (``max_position_embeddings`` − 1; for guesses that would run past the context: they are never committed).
+    (``max_position_embeddings`` − 1; for guesses that would run past the context: they are never committed). Each
+    layer gets the mask it needs (:func:`~accept_head.trees.attention.layer_masks`: a sliding layer its window,
+    counted in positions); the cache's positions must be the committed text's, 0..L − 1, as :func:`commit_nodes`
+    leaves them. ``layout``: ``model``'s :class:`~accept_head.trees.attention.AttentionLayout` as the decoder's
+    up-front :func:`~accept_head.trees.attention.check_masked_attention` returned it (read from the config if None).
     Returns logits (len(keep), V), rows in ``keep`` order (all T rows if ``keep`` is None). The cache grows by T
     positions; the caller keeps what was accepted with :func:`commit_nodes`.
     """
     device = next(model.parameters()).device
     dtype = getattr(model, "dtype", torch.float32)
     prefix = cache.get_seq_length()
-    mask, depths = tree_mask(parents)
-    additive = torch.zeros(1, 1, len(tokens), prefix + len(tokens), dtype=dtype, device=device)
-    additive[0, 0, :, prefix:] = torch.where(mask, 0.0, torch.finfo(dtype).min).to(device, dtype)
+    allowed, depths = tree_mask(parents)
     positions = prefix + depths
     limit = getattr(model.config, "max_position_embeddings", None)
     if limit is not None:
         positions = positions.clamp(max=limit - 1)
     out = model(
         input_ids=torch.tensor([list(tokens)], device=device),
-        attention_mask=additive,
+        attention_mask=layer_masks(layout or attention_layout(model), allowed, positions, prefix, dtype, device),
         position_ids=positions[None].to(device),
         **cache_kwargs(model, cache),
         logits_to_keep=0 if keep is None else torch.tensor(list(keep), device=device),
