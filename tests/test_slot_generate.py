@@ -64,6 +64,16 @@ def test_greedy_rows_equal_generates_through_refills_and_compaction(target, prom
     assert greedy_run(target, prompts, slots) == [reference(target, p, 14) for p in prompts]
 
 
+def test_grouped_eager_attention_gives_the_same_greedy_rows(prompts) -> None:
+    """The recipe's CPU config decodes with ``gqa_eager`` (grouped eager attention over the slots' additive mask)."""
+    from accept_head.core.hf_compat import register_gqa_eager
+
+    model = make_llama(seed=0)
+    model.set_attn_implementation(register_gqa_eager())
+    assert model.config._attn_implementation == register_gqa_eager()
+    assert greedy_run(model, prompts, 4) == [reference(make_llama(seed=0), p, 14) for p in prompts]
+
+
 def test_greedy_rows_mixed_with_sampled_ones_keep_their_argmax(target, prompts) -> None:
     greedy = [i % 2 == 0 for i in range(len(prompts))]
     out = slot_generate(

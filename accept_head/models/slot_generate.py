@@ -103,12 +103,23 @@ def attention_bias(positions: torch.Tensor, span: int, dtype: torch.dtype) -> to
 
 def sample_rows(logits: torch.Tensor, temperature: float, greedy: torch.Tensor, uniform: torch.Tensor) -> torch.Tensor:
     """One token per row of ``logits`` (n, V): the argmax where ``greedy`` (n,) is set, else the inverse CDF of
-    softmax(logits / temperature) (float32) at ``uniform`` (n,) in [0, 1)."""
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    cdf = probs.cumsum_(-1)
-    sampled = torch.searchsorted(cdf, (uniform * cdf[:, -1]).unsqueeze(-1)).squeeze(-1)
-    sampled = sampled.clamp_(max=logits.shape[-1] - 1)  # u * total can round up to the last entry's cdf
-    return torch.where(greedy, logits.argmax(-1), sampled)
+    softmax(logits / temperature) at ``uniform`` (n,) in [0, 1): the first token whose cumulative weight
+    exp((logit − max) / T) (float32, never normalised) exceeds u · total — token i with probability exactly its share
+    of the total. Only the sampled rows are copied to float32, and only the greedy rows are searched for a maximum."""
+    out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    greedy_rows, sampled_rows = greedy.nonzero().squeeze(-1), (~greedy).nonzero().squeeze(-1)
+    if len(greedy_rows):
+        out[greedy_rows] = logits[greedy_rows].argmax(-1)
+    if len(sampled_rows):
+        weights = logits[sampled_rows].float()
+        if temperature != 1.0:
+            weights.div_(temperature)
+        cdf = weights.sub_(weights.amax(-1, keepdim=True)).exp_().cumsum_(-1)
+        total = cdf[:, -1:]
+        # u * total may round up to total; the largest float below it keeps the draw on a token with weight.
+        target = torch.minimum(uniform[sampled_rows, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+        out[sampled_rows] = torch.searchsorted(cdf, target, right=True).squeeze(-1)
+    return out
 
 
 @dataclass
