@@ -141,7 +141,7 @@ def perturbed_copy(model: torch.nn.Module, relative_noise: float = 0.3, seed: in
     """A copy of ``model`` with Gaussian noise of ``relative_noise`` × each weight tensor's std added to it.
 
     As a draft for ``model`` it proposes the target's token often but not always, so decoding exercises both the
-    accept and the reject path.
+    accept and the reject path. The noise is drawn on the CPU, so a model on any device gets the same copy.
     """
     import copy
 
@@ -150,7 +150,8 @@ def perturbed_copy(model: torch.nn.Module, relative_noise: float = 0.3, seed: in
     with torch.no_grad():
         for param in noisy.parameters():
             scale = float(param.std()) if param.numel() > 1 else 0.0
-            param.add_(torch.randn(param.shape, generator=generator) * relative_noise * scale)
+            noise = torch.randn(param.shape, generator=generator) * relative_noise * scale
+            param.add_(noise.to(device=param.device, dtype=param.dtype))
     return noisy
 
 
