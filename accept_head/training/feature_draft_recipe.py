@@ -859,25 +859,30 @@ def learning_curve(cfg: FeatureDraftRecipe) -> list[dict]:
     return [by_step[step] for step in sorted(by_step)]
 
 
-def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None) -> str:
-    """Stage 5: README.md and learning_curve.png for the draft folder, from its config, eval.json and the log."""
+def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None, recipe_config: str | None = None) -> str:
+    """Stage 5: README.md and learning_curve.png for the draft folder, from its config, eval.json, the log and (when
+    ``all`` wrote it) all.json's stage seconds. ``recipe_config``: the YAML the card names as the recipe (default
+    ``configs/distill/<folder name>.yaml``, ``-gpu.yaml`` for a draft trained on a GPU)."""
     folder = Path(draft_dir or cfg.output_dir)
     config = json.loads((folder / "config.json").read_text())
     ev = json.loads((folder / "eval.json").read_text())
     feats = read_json(expand(cfg.work_dir) / "features" / "meta.json", {})
+    runs = read_json(folder / "all.json", {}).get("runs", [])
     curve = learning_curve(cfg)
     if curve:
         _plot_learning_curve(folder / "learning_curve.png", curve)
     text_meta = read_json(expand(cfg.work_dir) / "text" / "meta.json", {})
-    recipe_config = f"configs/distill/{folder.name}.yaml"  # the repository's naming
+    on_gpu = config["extra"].get("recipe", {}).get("accelerator") in ("gpu", "cuda")
+    recipe_config = recipe_config or f"configs/distill/{folder.name}{'-gpu' if on_gpu else ''}.yaml"
     text = card(
         front_matter(license="apache-2.0", tags="[speculative-decoding, eagle, draft-model, smollm2, accept-head]"),
         _intro(folder.name, config),
-        _recipe(config, recipe_config, feats, _text_line(text_meta, cfg.text_chunk)),
+        _recipe(config, recipe_config, feats, _text_line(text_meta, cfg.text_chunk), runs),
+        _stages_section(runs),
         _measured(ev, recipe_config),
         _learning_curve_section(curve),
         _ablation_section(folder),
-        section("Limits", CARD_LIMITS),
+        section("Limits", _limits(config, runs)),
         section("License", "Derived from SmolLM2-135M-Instruct (Apache-2.0) outputs and weights; same license."),
     )
     return write_card(folder, text)
@@ -893,12 +898,60 @@ def _plot_learning_curve(path: Path, curve: list[dict]) -> None:
     plot_curves(path, lines, "optimizer step", "held-out Σ min(p, q), kept vocab")
 
 
-CARD_LIMITS = """\
-Trained on what one 2-core CPU could supply in a session: the target writes responses at ~300 tok/s here and reads
-text for teacher forcing at ~2,000 tok/s. On so little data the draft fits its training text far better than new
-text. More teacher-forced tokens are the first lever (`docs/findings.md` §0 measures how held-out acceptance grew
-with them); the recipe resumes at every stage."""
-"""The model card's limits."""
+def _limits(config: dict, runs: list[dict]) -> str:
+    """What bounds this draft: the data and the steps its run could afford."""
+    recipe, steps = config["extra"].get("recipe", {}), config["extra"].get("steps")
+    stopped = steps is not None and recipe.get("max_steps") is not None and steps < recipe["max_steps"]
+    fit_line = (
+        f"Training stopped at its time budget after {steps} of {recipe['max_steps']} steps, before the cosine schedule "
+        "ended, with held-out acceptance still rising (the learning curve above): more steps on the same data are the "
+        "cheapest lever; `fit` resumes from `last.ckpt`."
+        if stopped
+        else "Held-out acceptance grows with the target's own responses (`docs/findings.md` §0); the recipe resumes "
+        "at every stage, so a longer budget adds data and steps."
+    )
+    return f"""\
+Trained on what one recipe run could afford{" on a lent GPU" if runs and _on_gpu(runs) else ""}: see the stage seconds
+above. {fit_line}"""
+
+
+def _on_gpu(runs: list[dict]) -> bool:
+    """Whether the last ``all`` run generated its responses on a CUDA device."""
+    device = runs[-1].get("stages", {}).get("responses", {}).get("result", {}).get("device", "")
+    return str(device).startswith("cuda")
+
+
+def _stages_section(runs: list[dict]) -> str:
+    """``all``'s seconds per stage for each run (nothing when the draft was built stage by stage)."""
+    if not runs:
+        return ""
+    rows = []
+    for i, run in enumerate(runs):
+        for name, stage in run.get("stages", {}).items():
+            rows.append([str(i + 1), name, f"{stage['seconds']:.1f}", _stage_summary(name, stage.get("result", {}))])
+    budget = ", ".join(str(r.get("time_budget_s")) for r in runs)
+    return section(
+        f"Stage seconds (`python -m train.feature_draft all`, time budget {budget} s)",
+        plain_table(["run", "stage", "seconds", "what it did"], rows),
+    )
+
+
+def _stage_summary(name: str, result: dict) -> str:
+    """One line on what a stage of ``all`` did, from its result record."""
+    if name == "responses":
+        present = result.get("present", {}).get("train", {})
+        return (
+            f"{result.get('tokens', 0):,} response tokens at {result.get('tokens_per_second', 0):,.0f} tok/s on "
+            f"{result.get('device', '?')}; training shards now hold {present.get('positions', 0):,} positions "
+            f"({present.get('prompt', 0):,} prompt + {present.get('response', 0):,} response)"
+        )
+    if name == "features":
+        return f"{result.get('tokens', 0):,} positions at {result.get('tokens_per_second', 0):,.0f} tok/s"
+    if name == "fit":
+        return f"{result.get('steps')} optimizer steps"
+    if name == "evaluate":
+        return "held-out per-step acceptance" + (" (stopped by the budget)" if result.get("stopped_by_budget") else "")
+    return "token frequencies, kept vocabulary" if name == "vocab" else ""
 
 
 def _intro(name: str, config: dict) -> str:
@@ -938,24 +991,38 @@ def _text_line(text_meta: dict, chunk: int) -> str:
     )
 
 
-def _recipe(config: dict, recipe_config: str, feats: dict, text_line: str) -> str:
+def _recipe(config: dict, recipe_config: str, feats: dict, text_line: str, runs: list[dict] | None = None) -> str:
     """The recipe: the data (target responses, features, text), the loss and the optimiser."""
     recipe = config["extra"].get("recipe", {})
+    where = "a lent GPU" if runs and _on_gpu(runs) else "this 2-core CPU"
+    if recipe.get("samples_per_prompt"):
+        greedy = " + 1 greedy" if recipe.get("greedy_responses") else ""
+        data = (
+            f"the target's own responses (bf16, {recipe['samples_per_prompt']} samples at temperature "
+            f"{recipe.get('temperature', 1.0)}{greedy} per prompt, chat template, ≤ {recipe.get('max_new_tokens')} "
+            "new tokens), written by the recipe's `responses` stage,"
+        )
+    else:
+        data = (
+            "the target's own responses (bf16, temperature 1, chat template, ≤ 256 new tokens), written by "
+            "`python -m train.distill_draft generate`,"
+        )
+    autocast = "bf16 autocast" if "bf16" in str(recipe.get("precision", "bf16")) else str(recipe.get("precision"))
     return section(
         f"Recipe (`{recipe_config}`, seed {recipe.get('seed', 0)})",
         f"""\
-- Data: the target's own responses (bf16, temperature 1, chat template, ≤ 256 new tokens) to prompts of the
-  `distill` hash split of the `../shared/data` instruction sets, written by `python -m train.distill_draft
-  generate`; features from one batched teacher-forced target pass over prompt + response
-  ({feats.get("tokens", 0):,} positions, {feats.get("tokens_per_second", 0):.0f} tok/s on this 2-core CPU). Held-out
-  numbers use the `eval` split and HumanEval, never trained on.{text_line}
+- Data: {data} to prompts of the `distill` hash split of the `../shared/data` instruction sets; features from one
+  batched teacher-forced target pass over prompt + response ({feats.get("tokens", 0):,} positions,
+  {feats.get("tokens_per_second", 0):,.0f} tok/s on {where}). Held-out numbers use the `eval` split and HumanEval,
+  never trained on.{text_line}
 - Loss (per drafting step k = 1..{recipe.get("unroll")}, weight {recipe.get("step_decay")}^(k−1)): soft
   cross-entropy to the target's distribution over the kept vocabulary + {recipe.get("feature_weight")} × SmoothL1 on
   the predicted feature; uniform input-feature noise {recipe.get("noise")} × RMS; step k trains in the context
   decoding builds: committed positions read the target's features, the round's earlier candidates the draft's own.
-- Optimiser: AdamW (lr {recipe.get("lr")}, betas 0.9/0.95), {recipe.get("warmup_steps")} warm-up steps, cosine,
-  ~{recipe.get("batch_tokens")} padded tokens per step, {config["extra"].get("steps")} steps, bf16 autocast on CPU,
-  Lightning Trainer (checkpoints resume from `last.ckpt`).""",
+- Optimiser: AdamW (lr {recipe.get("lr")}, betas 0.9/0.95), {recipe.get("warmup_steps")} warm-up steps, cosine over
+  {recipe.get("max_steps")} steps, ~{recipe.get("batch_tokens")} padded tokens per step, {config["extra"].get("steps")}
+  steps run, {autocast} on {recipe.get("accelerator", "cpu")}, Lightning Trainer (checkpoints resume from
+  `last.ckpt`).""",
     )
 
 
