@@ -30,8 +30,9 @@ HELD_OUT = 6
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Sampled and greedy rollout labels of 20 prompts, a bundle whose head reads every input (with a sampling and a
-    greedy calibration map) and the checkpoint of a one-epoch ``train fit`` on the sampled labels."""
+    """Sampled and greedy rollout labels of 20 prompts, a bundle whose head reads the hidden state and three of the
+    five scalars (with a sampling and a greedy calibration map) and the checkpoint of a one-epoch ``train fit`` on the
+    sampled labels."""
     root = tmp_path_factory.mktemp("predictors")
     tokenizer = make_tokenizer()
     target = make_llama(root / "target", tokenizer=tokenizer, seed=0, hidden_size=16)
@@ -45,7 +46,7 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     bundle = root / "bundle"
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
-        head = AcceptanceHead(16, depth=1, inputs=("hidden", *SCALAR_INPUTS), residual_on="logq")
+        head = AcceptanceHead(16, depth=1, inputs=("hidden", "logq", "depth", "path_logq"), residual_on="logq")
         torch.nn.init.normal_(head.out.weight, std=0.3)  # a correction of logit(q) that reads the hidden state
     from accept_head import SpecDecPP
 
@@ -119,7 +120,8 @@ def test_the_command_scores_every_predictor_and_head_on_held_out_candidates(tiny
     inputs = stored_inputs(
         {c: [x for row in data for x in row[c]] for c in ("draft_logp", "draft_entropy", "draft_top1", "step")}
     )
-    probs = module.load_head(str(tiny["bundle"])).head.accept_prob(states, inputs).detach()
+    head = module.load_head(str(tiny["bundle"])).head
+    probs = head.accept_prob(states, inputs[:, [SCALAR_INPUTS.index(n) for n in head.scalar_inputs]]).detach()
     judged = torch.tensor([j for row in data for j in judged_candidates(row)])
     accepted = torch.tensor([a for row in data for a in row["accepted"]])
     expected = roc_auc_score(accepted[judged].numpy(), probs[judged].numpy())
