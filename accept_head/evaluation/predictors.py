@@ -113,14 +113,17 @@ def load_candidates(path: str, with_hidden: bool) -> Candidates:
     missing = [c for c in (*REQUIRED, *(["hidden"] if with_hidden else [])) if c not in data.column_names]
     if missing:
         raise ValueError(f"{path} lacks the columns {missing} the predictors read: {REGENERATE}.")
-    columns = data.select_columns(["prompt_id", *dict.fromkeys(REQUIRED)]).to_dict()
+    columns = data.select_columns(["prompt_id", *REQUIRED]).to_dict()
     counts = [len(labels) for labels in columns["accept_prob"]]
     if not sum(counts):
         raise ValueError(f"{path} holds no labelled candidate.")
     flat = {name: [x for row in columns[name] for x in row] for name in REQUIRED}
     hidden = None
     if with_hidden:
-        hidden = torch.cat(read_hidden(data, int((meta.get("rollout") or {}).get("hidden_size") or 0), counts))
+        width = (meta.get("rollout") or {}).get("hidden_size")
+        if not width:
+            raise ValueError(f"{path}/meta.json records no rollout.hidden_size: {REGENERATE}.")
+        hidden = torch.cat(read_hidden(data, int(width), counts))
     return Candidates(
         path=str(path),
         meta=meta,
@@ -193,9 +196,10 @@ class LoadedHead:
             return None
         if "train" in self.split:
             return set(self.split["train"])
-        if Path(self.split.get("path") or "").resolve() != Path(dataset).resolve():
-            return None
         keys = ("val_fraction", "val_size", "split_seed", "train_fraction")
+        same_dataset = Path(self.split.get("path") or "").resolve() == Path(dataset).resolve()
+        if not same_dataset or any(k not in self.split for k in keys):
+            return None
         return set(prompt_split(sorted(set(prompt_ids)), *(self.split[k] for k in keys))["train"])
 
 
