@@ -10,6 +10,8 @@ Examples::
     python -m eval costs --draft.path checkpoints/smollm2-135m-draft --head_depth 3   # head overhead, no bundle yet
     python -m eval decode_speed --config configs/eval/decode_speed-gpu.yaml   # autoregressive vs generate on a GPU
     python -m eval label_modes --dataset data/labels/label-modes/standalone-heldout
+    python -m eval predictors --dataset data/labels/smollm2-feature-rollout \
+        --heads '[checkpoints/smollm2-135m-specdecpp]' --split checkpoints/smollm2-135m-specdecpp
     python -m eval sweep --bundle B --prompts '[{path: humaneval, limit: 8}]' --temperatures '[0]'
     python -m eval calibration --bundle B --prompts '[{path: humaneval, limit: 8}]'
     python -m eval bench --help
@@ -40,6 +42,7 @@ def commands() -> dict:
     from accept_head.evaluation.decode_speed import decode_speed
     from accept_head.evaluation.free_stop import free_stop
     from accept_head.evaluation.label_modes import label_modes
+    from accept_head.evaluation.predictors import predictors
     from accept_head.evaluation.report import report
     from accept_head.evaluation.sweep import sweep
 
@@ -53,6 +56,7 @@ def commands() -> dict:
         "ablate": ablate,
         "free_stop": free_stop,
         "label_modes": label_modes,
+        "predictors": predictors,
     }
 
 
