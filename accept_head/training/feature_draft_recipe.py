@@ -699,6 +699,7 @@ def evaluate_until(
             starts = max(cfg.eval_starts // len(paths), 1)
             result["per_source"][name] = per_step_acceptance(draft, target, [path], starts, cfg.eval_steps, cfg.seed)
         result["coverage"] = json.loads((expand(cfg.work_dir) / "vocab.json").read_text())["coverage"]
+        result["heldout"] = {"work_dir": str(cfg.work_dir), "device": str(device)}
         result["kept_vocab"] = draft.config.kept_vocab_size
         for row in result["per_step"]:
             print(
@@ -905,7 +906,7 @@ def _limits(config: dict, runs: list[dict]) -> str:
     fit_line = (
         f"Training stopped at its time budget after {steps} of {recipe['max_steps']} steps, before the cosine schedule "
         "ended, with held-out acceptance still rising (the learning curve above): more steps on the same data are the "
-        "cheapest lever; `fit` resumes from `last.ckpt`."
+        "cheapest lever (a rerun where the run's `work_dir` survives continues from its `last.ckpt`)."
         if stopped
         else "Held-out acceptance grows with the target's own responses (`docs/findings.md` §0); the recipe resumes "
         "at every stage, so a longer budget adds data and steps."
@@ -950,7 +951,12 @@ def _stage_summary(name: str, result: dict) -> str:
     if name == "fit":
         return f"{result.get('steps')} optimizer steps"
     if name == "evaluate":
-        return "held-out per-step acceptance" + (" (stopped by the budget)" if result.get("stopped_by_budget") else "")
+        first = (result.get("per_step") or [{}])[0]
+        return (
+            f"held-out step-1 expected acceptance {first.get('expected_accept', float('nan')):.3f} over "
+            f"{first.get('n', 0)} starts of this run's own held-out responses"
+            + (" (stopped by the budget)" if result.get("stopped_by_budget") else "")
+        )
     return "token frequencies, kept vocabulary" if name == "vocab" else ""
 
 
@@ -1035,10 +1041,12 @@ def _measured(ev: dict, recipe_config: str) -> str:
     coverage = [[str(v), f"{c:.4f}"] for v, c in ev["coverage"].items()]
     t, th = ev["timing"], ev["timing_with_head"]
     mean_1_4 = sum(r["expected_accept"] for r in per_step[:4]) / 4
+    where = ev.get("heldout", {})
+    where = f" (`{where['work_dir']}`, on {where['device']})" if where else ""
     return section(
         f"Measured (`python -m train.feature_draft evaluate --config {recipe_config}`)",
         f"""\
-Per drafting step, on {per_step[0]["n"]} seeded start positions inside held-out target responses: the draft
+Per drafting step, on {per_step[0]["n"]} seeded start positions inside held-out target responses{where}: the draft
 reads the true features up to the start, then drafts k steps feeding its own features back while the candidate
 tokens are the target's own; exact target distributions from the stored features. Expected acceptance is
 Σ_x min(p, q) over the whole vocabulary (mass outside the kept tokens counts as lost).""",
