@@ -102,7 +102,7 @@ def _intro(name: str, bundle: SpecDecPP) -> str:
     summary = (
         f"A `SpecDecPP` bundle (accept-head): target {_spec(bundle.target_spec, name)}, "
         f"draft {_spec(bundle.draft_spec, name)}, "
-        f"a depth-{bundle.head.depth} acceptance head (width {bundle.head.hidden_size}) on {_head_reads(bundle)}, "
+        f"a depth-{bundle.head.depth} acceptance head (width {bundle.head.out.in_features}) on {_head_reads(bundle)}, "
         f"stopping threshold **h\\* = {bundle.threshold:g}**{_unscored(bundle)}, "
         f"{bundle.min_candidates}–{bundle.max_candidates} "
         "candidates per round. Decoding is lossless: the output is distributed exactly as the target's."
@@ -158,8 +158,8 @@ def _split(split: dict[str, Any]) -> str:
     mixing = (
         f"- Token mixing ratio r = {split.get('mix_ratio')}, resampled every epoch (mix_seed {split.get('mix_seed')})."
         if not split.get("rollout")
-        else "- On-policy rollout labels: the head read the drafter's stored hidden states of each candidate "
-        "(no token mixing)."
+        else "- On-policy rollout labels: the head read what the drafter stored for each candidate (its hidden state "
+        "and its own numbers; no token mixing)."
     )
     return section("Split", f"{prompts}\n{mixing}")
 

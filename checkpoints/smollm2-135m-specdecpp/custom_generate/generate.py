@@ -8,7 +8,7 @@ so pass ``bundle=<folder>`` to ``generate`` when loading it that way.
 
 from pathlib import Path
 
-from accept_head.bundle import bundle_generate
+from accept_head.specdecpp.bundle import bundle_generate
 
 
 def generate(model, *args, bundle=None, **kwargs):
