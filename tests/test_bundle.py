@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from tiny_models import make_pair
 
 from accept_head import AcceptanceHead, Calibration, HeadThreshold, ModelSpec, SpecDecPP, load_model, load_tokenizer
@@ -272,13 +272,23 @@ def test_a_bundle_saved_before_head_inputs_loads_and_decodes_as_before(bundle: S
         assert (out.stats.proposed, out.stats.accepted) == (reference.stats.proposed, reference.stats.accepted)
 
 
-def test_the_committed_bundles_head_loads_as_the_hidden_only_head() -> None:
-    """checkpoints/smollm2-135m-specdecpp (exported before heads read other inputs): its head config and weights
-    build the hidden-only head, whose decoding path gives the old maths' probabilities bit for bit."""
+def test_the_committed_bundles_head_loads_with_the_inputs_its_config_names() -> None:
+    """checkpoints/smollm2-135m-specdecpp: its head config and weights build the head on the draft's own numbers
+    (strict loading, standardisation buffers included) that starts from logit(q)."""
     folder = Path(__file__).resolve().parents[1] / "checkpoints" / "smollm2-135m-specdecpp"
     config = SpecDecPP.read_config(folder)
     head = AcceptanceHead.from_config(config["head"])
-    head.load_state_dict(load_file(str(folder / HEAD_WEIGHTS)))  # strict: no standardisation buffers expected
+    head.load_state_dict(load_file(str(folder / HEAD_WEIGHTS)))  # strict
+    assert head.inputs == tuple(config["head"]["inputs"]) and head.residual_on == "logq" and not head.reads_hidden
+
+
+def test_a_head_config_from_before_other_inputs_builds_the_hidden_only_head(tmp_path: Path) -> None:
+    """Bundles exported before heads read other inputs store ``{"depth", "hidden_size"}`` and no buffers: that config
+    and its weights build the hidden-only head, whose decoding path gives the old maths' probabilities bit for bit."""
+    saved = AcceptanceHead(576, 3)
+    save_file(saved.state_dict(), str(tmp_path / HEAD_WEIGHTS))
+    head = AcceptanceHead.from_config({"depth": 3, "hidden_size": 576})  # the old bundles' head config
+    head.load_state_dict(load_file(str(tmp_path / HEAD_WEIGHTS)))  # strict: no standardisation buffers expected
     assert head.inputs == ("hidden",) and (head.hidden_size, head.depth) == (576, 3)
     old = OldMathsThreshold(head, 0.5)
     for hidden in torch.randn(4, 576, generator=torch.Generator().manual_seed(0)):

@@ -437,7 +437,7 @@ def test_gpu_recipe_config_parses_through_the_cli(capsys, monkeypatch) -> None:
         assert printed["responses_budget_s"] + printed["reserve_s"] < printed["time_budget_s"] <= 480
 
 
-def test_committed_recipe_teacher_forces_text_beside_the_responses(capsys, monkeypatch) -> None:
+def test_cpu_recipe_teacher_forces_text_beside_the_responses(capsys, monkeypatch) -> None:
     monkeypatch.chdir(REPO)
     with pytest.raises(SystemExit):
         run_cli("text", "--config", "configs/distill/smollm2-135m-feature-draft.yaml", "--print_config")
@@ -445,8 +445,23 @@ def test_committed_recipe_teacher_forces_text_beside_the_responses(capsys, monke
     assert sources[0]["patterns"] == ["{stdlib}/**/*.py"]
     assert len(sources) >= 2 and all(s["tokens"] > 0 for s in sources)
     assert all(s["prompt"] and "{text}" in s["template"] for s in sources)
-    recorded = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft/config.json").read_text())["extra"]["recipe"]
-    assert [s["patterns"] for s in recorded["text_sources"]] == [s["patterns"] for s in sources]
+
+
+def test_the_committed_draft_records_the_gpu_recipe_that_trained_it(capsys, monkeypatch) -> None:
+    """checkpoints/smollm2-135m-feature-draft was trained by the GPU recipe: its config records that recipe's data
+    and optimisation settings (own responses only, no text), and its all.json the run's stages."""
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit):
+        run_cli("all", "--config", "configs/distill/smollm2-135m-feature-draft-gpu.yaml", "--print_config")
+    gpu = yaml.safe_load(capsys.readouterr().out)["cfg"]
+    folder = REPO / "checkpoints/smollm2-135m-feature-draft"
+    recorded = json.loads((folder / "config.json").read_text())["extra"]["recipe"]
+    keys = ("samples_per_prompt", "max_new_tokens", "kept_vocab", "unroll", "lr", "batch_tokens", "max_steps", "seed")
+    assert {k: recorded[k] for k in keys} == {k: gpu[k] for k in keys}
+    assert recorded["accelerator"] == "gpu" and not recorded.get("text_sources")
+    (run,) = json.loads((folder / "all.json").read_text())["runs"]
+    assert run["stages"]["responses"]["result"]["device"].startswith("cuda")
+    assert run["stages"]["fit"]["result"]["steps"] == json.loads((folder / "config.json").read_text())["extra"]["steps"]
 
 
 def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None:

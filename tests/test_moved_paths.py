@@ -15,7 +15,9 @@ import torch
 from accept_head.core.moved import MOVED
 
 REPO = Path(__file__).resolve().parents[1]
-COMMITTED_HUB_FILE = REPO / "checkpoints" / "smollm2-135m-specdecpp" / "custom_generate" / "generate.py"
+# The hub file the committed bundle shipped before the move (git show a01cc40:checkpoints/smollm2-135m-specdecpp/
+# custom_generate/generate.py): bundles exported then and downloaded since still carry it.
+PRE_MOVE_HUB_FILE = Path(__file__).parent / "fixtures" / "hub_generate_before_move.py.txt"
 
 
 def forget(name: str) -> None:
@@ -57,13 +59,13 @@ def test_the_old_engine_module_is_the_engine_package_and_exports_the_runner() ->
 
 
 def test_a_bundle_whose_hub_file_predates_the_move_still_decodes(tmp_path: Path) -> None:
-    """The committed bundle's ``generate.py`` (``from accept_head.bundle import bundle_generate``) run over a tiny
-    bundle saved by today's code gives the target's greedy output."""
+    """A bundle's ``generate.py`` written before the move (``from accept_head.bundle import bundle_generate``) run
+    over a tiny bundle saved by today's code gives the target's greedy output."""
     from tiny_models import make_pair, save_bundle
 
     from accept_head import load_model, load_tokenizer
 
-    old_text = COMMITTED_HUB_FILE.read_text()
+    old_text = PRE_MOVE_HUB_FILE.read_text()
     assert "from accept_head.bundle import bundle_generate" in old_text
     target_dir, draft_dir = make_pair(tmp_path)
     target = load_model({"path": str(target_dir), "dtype": "float32"})

@@ -173,6 +173,8 @@ def test_a_wandb_sweep_point_runs_offline_through_the_cli(setup, tmp_path, monke
         "--data.greedy_data_gen=null",
         "--data.val_size=4",
         "--data.batch_size=8",
+        "--model.inputs=[hidden]",  # the tiny labels are token-level: they hold the hidden state only
+        "--model.residual_on=null",
         "--trainer.max_epochs=1",
         "--trainer.log_every_n_steps=1",
         "--cost_model.ks=[1,2]",
