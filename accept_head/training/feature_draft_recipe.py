@@ -905,19 +905,21 @@ def _limits(config: dict, runs: list[dict]) -> str:
     stopped = steps is not None and recipe.get("max_steps") is not None and steps < recipe["max_steps"]
     fit_line = (
         f"Training stopped at its time budget after {steps} of {recipe['max_steps']} steps, before the cosine schedule "
-        "ended, with held-out acceptance still rising (the learning curve above): more steps on the same data are the "
-        "cheapest lever (a rerun where the run's `work_dir` survives continues from its `last.ckpt`)."
+        "ended (the learning curve above shows where it stood): more steps on the same data are the cheapest lever "
+        "to try (a rerun where the run's `work_dir` survives continues from its `last.ckpt`)."
         if stopped
         else "Held-out acceptance grows with the target's own responses (`docs/findings.md` §0); the recipe resumes "
         "at every stage, so a longer budget adds data and steps."
     )
-    return f"""\
-Trained on what one recipe run could afford{" on a lent GPU" if runs and _on_gpu(runs) else ""}: see the stage seconds
-above. {fit_line}"""
+    where = " on a lent GPU" if _on_gpu(runs) else ""
+    seconds = ": see the stage seconds above" if runs else ""
+    return f"Trained on what one recipe run could afford{where}{seconds}. {fit_line}"
 
 
 def _on_gpu(runs: list[dict]) -> bool:
-    """Whether the last ``all`` run generated its responses on a CUDA device."""
+    """Whether the last ``all`` run generated its responses on a CUDA device (False without a run)."""
+    if not runs:
+        return False
     device = runs[-1].get("stages", {}).get("responses", {}).get("result", {}).get("device", "")
     return str(device).startswith("cuda")
 
@@ -1000,7 +1002,7 @@ def _text_line(text_meta: dict, chunk: int) -> str:
 def _recipe(config: dict, recipe_config: str, feats: dict, text_line: str, runs: list[dict] | None = None) -> str:
     """The recipe: the data (target responses, features, text), the loss and the optimiser."""
     recipe = config["extra"].get("recipe", {})
-    where = "a lent GPU" if runs and _on_gpu(runs) else "this 2-core CPU"
+    where = "a lent GPU" if _on_gpu(runs or []) else "this 2-core CPU"
     if recipe.get("samples_per_prompt"):
         greedy = " + 1 greedy" if recipe.get("greedy_responses") else ""
         data = (
