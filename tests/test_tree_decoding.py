@@ -5,8 +5,8 @@
   feature draft, under every growth rule (head, confidence, static).
 * After a round that accepted a branch other than the first, both KV caches equal a fresh prefill of the accepted
   sequence, and the feature draft has received exactly the target's teacher-forced features.
-* At temperature 1 the output follows the target's exact distribution (χ²); accepting the first branch
-  unconditionally fails the same check.
+* At temperature 1 the output follows the target's exact distribution (χ², EAGLE-2's tree and a scalar-input head
+  tree); accepting the first branch unconditionally fails the same check.
 * Tree node labels equal an independent recomputation from a fresh target pass; a C2T-style classifier trains on
   them and its tree decodes losslessly.
 * :func:`best_subtree` equals a brute-force search over every ancestor-closed subtree of a hand-built tree.
@@ -51,10 +51,13 @@ def rules(hidden_size: int) -> dict:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         head = AcceptanceHead(hidden_size, depth=1).eval()
+        scalar = AcceptanceHead(hidden_size, depth=1, inputs=["logq", "entropy", "top1", "depth", "path_logq"])
     with torch.no_grad():
         head.out.bias.fill_(2.0)  # optimistic: the tree grows several depths
+        scalar.out.bias.fill_(2.0)
     return {
         "head": HeadTree(head, COST, width=3, top_k=3, max_depth=5, max_nodes=24),
+        "scalar head": HeadTree(scalar.eval(), COST, width=3, top_k=3, max_depth=5, max_nodes=24),
         "confidence": ConfidenceTree(width=3, top_k=3, max_depth=4, max_nodes=20),
         "cost": CostTree(COST, width=2, top_k=3, max_depth=5, max_nodes=16),
         "static": StaticTree((3, 2, 1)),
@@ -203,14 +206,24 @@ def small():
     return target, perturbed_copy(target, relative_noise=0.3, seed=1), exact_joint(target, SMALL_PROMPT, 4)
 
 
-def sample_tree(target, draft):
-    rule = ConfidenceTree(width=2, top_k=2, max_depth=2, max_nodes=6)
+def sample_tree(target, draft, rule=None):
+    rule = rule or ConfidenceTree(width=2, top_k=2, max_depth=2, max_nodes=6)
     return lambda g: tree_decoding.tree_generate(target, draft, SMALL_PROMPT, rule, 4, temperature=1.0, generator=g)
 
 
-def test_sampled_tree_decoding_keeps_the_target_distribution(small) -> None:
+def scalar_head_tree(hidden_size: int) -> HeadTree:
+    """A head tree whose head reads only the draft's numbers (scores every node as proposed), optimistic."""
+    head = AcceptanceHead(hidden_size, depth=0, inputs=["logq", "top1", "depth"], residual_on="logq").eval()
+    with torch.no_grad():
+        head.out.bias.fill_(1.0)
+    return HeadTree(head, COST, width=2, top_k=2, max_depth=3, max_nodes=6)
+
+
+@pytest.mark.parametrize("rule", ["confidence", "scalar head"])
+def test_sampled_tree_decoding_keeps_the_target_distribution(small, rule: str) -> None:
     target, draft, joint = small
-    tokens, hit_rate = sampled_tokens(sample_tree(target, draft), SAMPLES, len(SMALL_PROMPT))
+    tree_rule = None if rule == "confidence" else scalar_head_tree(draft.config.hidden_size)
+    tokens, hit_rate = sampled_tokens(sample_tree(target, draft, tree_rule), SAMPLES, len(SMALL_PROMPT))
     assert hit_rate > 0.3, hit_rate  # draft nodes were accepted often: the acceptance rule itself is under test
     p_first, p_second = pair_p_values(tokens, joint)
     assert p_first > ALPHA and p_second > ALPHA, (p_first, p_second)

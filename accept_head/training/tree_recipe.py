@@ -7,11 +7,13 @@ For each decoding mode (greedy, T = 1) of a bundle's pair:
    whose parent the target scored, P(node accepted | parent accepted) under the tree verification rule. The same on
    separate check prompts. Rounds are cached per prompt set (``rounds-<set>.pt``), so a rerun resumes.
 2. **Fit.** A C2T classifier on the training nodes (:class:`~accept_head.trees.labels.C2TClassifier`), and a *tree
-   head*: the bundle's acceptance head fine-tuned with BCE on the fed training nodes' hidden states — the second head
-   of "one head for chains and trees, or one each".
+   head*: the bundle's acceptance head fine-tuned with BCE on the training nodes it scores (:func:`head_nodes`: the
+   fed ones for a head that reads the hidden state, every labelled node for one that reads only the draft's numbers)
+   — the second head of "one head for chains and trees, or one each".
 3. **Check** (prompts that trained nothing): per scorer — the draft's probability (EAGLE-2), the bundle's chain head
    (with its calibration for the mode), the tree head, C2T and the labels themselves (the oracle) — the BCE and AUC on
-   the labelled fed nodes, and the trees each would verify: in every check round, the subtree of the labelled nodes
+   the labelled fed nodes (and on all labelled nodes, heads included when they read only scalars), and the trees
+   each would verify: in every check round, the subtree of the labelled nodes
    with the best expected tokens per second under the cost model when values are the scorer's path products
    (:func:`~accept_head.trees.growth.best_subtree`), scored with the *true* values. The oracle's is the ceiling of
    the tree a perfect head would pick from those drafted nodes.
@@ -95,8 +97,9 @@ def _cached_rounds(path: Path, make) -> list[LabelledRound]:
 def fit_tree_head(
     head: AcceptanceHead, rounds: list[LabelledRound], epochs: int, lr: float, batch_size: int, seed: int
 ) -> AcceptanceHead:
-    """A copy of ``head`` fine-tuned with BCE (soft labels, Adam) on the fed labelled nodes of ``rounds``."""
-    x, y = _fed_rows(rounds)
+    """A copy of ``head`` fine-tuned with BCE (soft labels, Adam) on the labelled nodes of ``rounds`` it scores
+    (:func:`_head_rows`: the fed ones for a head that reads the hidden state, all of them for a scalar-only head)."""
+    hidden, scalars, y = _head_rows(head, rounds)
     if len(y) == 0:
         raise ValueError("no fed, labelled tree node to train a head on: collect more rounds (more prompts/tokens).")
     tuned = copy.deepcopy(head).float().train()
@@ -105,10 +108,31 @@ def fit_tree_head(
     for _ in range(epochs):
         for batch in torch.randperm(len(y), generator=generator).split(batch_size):
             optimizer.zero_grad()
-            loss = torch.nn.functional.binary_cross_entropy_with_logits(tuned(x[batch]), y[batch])
+            logits = tuned(None if hidden is None else hidden[batch], None if scalars is None else scalars[batch])
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(logits, y[batch])
             loss.backward()
             optimizer.step()
     return tuned.eval()
+
+
+def head_nodes(head: AcceptanceHead, r: LabelledRound) -> list[int]:
+    """The labelled nodes of ``r`` that ``head`` scores in a :class:`~accept_head.trees.growth.HeadTree`: the fed
+    ones when it reads the hidden state, every one when it reads only scalar inputs."""
+    return [n for n in r.labelled() if n in r.hidden or not head.reads_hidden]
+
+
+def _head_rows(
+    head: AcceptanceHead, rounds: list[LabelledRound]
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+    """(hidden (N, d) or None, scalar inputs (N, S) or None, labels (N,)) of the nodes ``head`` scores."""
+    nodes = [(r, n) for r in rounds for n in head_nodes(head, r)]
+    hidden = scalars = None
+    if head.reads_hidden:
+        hidden = torch.stack([r.hidden[n].float() for r, n in nodes]) if nodes else torch.zeros(0, head.hidden_size)
+    if head.scalar_inputs:
+        rows = [r.inputs(n, head.scalar_inputs) for r, n in nodes]
+        scalars = torch.tensor(rows, dtype=torch.float32).reshape(len(nodes), len(head.scalar_inputs))
+    return hidden, scalars, torch.tensor([r.labels[n] for r, n in nodes], dtype=torch.float32)
 
 
 def _fed_rows(rounds: list[LabelledRound]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,24 +157,29 @@ def bce(labels: list[float], scores: list[float]) -> float:
     return -sum(terms) / max(len(terms), 1)
 
 
+def head_scorer(head: AcceptanceHead, calibrated=None):
+    """function(round) → {labelled node: score} of ``head`` (through ``calibrated`` when given) on the nodes a
+    :class:`~accept_head.trees.growth.HeadTree` scores with it (:func:`head_nodes`); any other node counts its draft
+    probability, as there."""
+    head = copy.deepcopy(head).float().eval()  # once, not per round; the caller's head is left as it is
+
+    def score(r: LabelledRound) -> dict[int, float]:
+        out = {n: r.probs[n] for n in r.labelled()}
+        hidden, scalars, labels = _head_rows(head, [r])
+        if len(labels):
+            with torch.inference_mode():
+                probs = head.accept_prob(hidden, scalars).tolist()
+            out |= {n: float(calibrated(p)) if calibrated else p for n, p in zip(head_nodes(head, r), probs)}
+        return out
+
+    return score
+
+
 def scorers(bundle: SpecDecPP, models: TreeModels, greedy: bool) -> dict:
-    """Scorer name → function(round) → {labelled node: score}. Head scorers score fed nodes from their hidden state
-    and count an unfed node's draft probability (as :class:`~accept_head.trees.growth.HeadTree` does)."""
+    """Scorer name → function(round) → {labelled node: score}. Head scorers score the nodes a
+    :class:`~accept_head.trees.growth.HeadTree` would (:func:`head_nodes`) and count any other node's draft
+    probability, as it does."""
     calibration = bundle.calibration_for(greedy)
-
-    def head_scorer(head: AcceptanceHead, calibrated):
-        head = copy.deepcopy(head).float().eval()  # once, not per round; the bundle's own head is left as it is
-
-        def score(r: LabelledRound) -> dict[int, float]:
-            out = {n: r.probs[n] for n in r.labelled()}
-            fed = [n for n in r.labelled() if n in r.hidden]
-            if fed:
-                with torch.inference_mode():
-                    probs = head.accept_prob(torch.stack([r.hidden[n].float() for n in fed])).tolist()
-                out |= {n: float(calibrated(p)) if calibrated else p for n, p in zip(fed, probs)}
-            return out
-
-        return score
 
     def c2t(r: LabelledRound) -> dict[int, float]:
         nodes = r.labelled()
@@ -286,7 +315,8 @@ def run(
         models.c2t[mode] = C2TClassifier.fit([f for f, _ in labelled], [y for _, y in labelled], c2t_steps, seed)
         models.heads[mode] = fit_tree_head(specdec.head, train, head_epochs, head_lr, head_batch_size, seed)
         # 3. Check every scorer on the check rounds: its BCE and AUC, and the trees it would verify.
-        checked = _check_results(train, check, scorers(specdec, models, greedy), cost, max_nodes)
+        table = scorers(specdec, models, greedy)
+        checked = _check_results(train, check, table, cost, max_nodes, specdec.head.reads_hidden)
         results[mode] = {"temperature": temperature, **checked, "seconds": time.perf_counter() - start}
         print(_summary(mode, results[mode]), flush=True)
     # 4. Write the models and trees.json.
@@ -320,10 +350,16 @@ def _cost_model(specdec: SpecDecPP, cost_model: str) -> CostModel:
 
 
 def _check_results(
-    train: list[LabelledRound], check: list[LabelledRound], table: dict, cost: CostModel, max_nodes: int
+    train: list[LabelledRound],
+    check: list[LabelledRound],
+    table: dict,
+    cost: CostModel,
+    max_nodes: int,
+    heads_read_hidden: bool = True,
 ) -> dict:
     """The counts of ``train`` and ``check`` rounds and, per scorer of ``table``, its metrics on the check rounds'
-    nodes and the trees it would verify (the ``results`` of trees.json, less temperature and seconds)."""
+    nodes and the trees it would verify (the ``results`` of trees.json, less temperature and seconds). Head scorers
+    join the ``all_nodes`` metrics when ``heads_read_hidden`` is False (a scalar-only head scores every node)."""
     return {
         "rounds": {"train": len(train), "check": len(check)},
         "labelled_nodes": {"train": sum(len(r.labelled()) for r in train), "check": sum(len(r.labels) for r in check)},
@@ -336,7 +372,7 @@ def _check_results(
         "all_nodes": {
             name: node_metrics(check, score, fed_only=False)
             for name, score in table.items()
-            if "head" not in name  # head scorers fall back to the draft probability off the fed nodes
+            if "head" not in name or not heads_read_hidden  # else they fall back to q off the fed nodes
         },
         "priced_trees": {name: price_trees(check, score, cost, max_nodes) for name, score in table.items()},
     }

@@ -59,11 +59,14 @@ def draft_tree(
         q = draft_probs(step.logits, sampling)
         entropies = (-(q * q.clamp_min(1e-30).log()).sum(-1)).tolist()
         top = q.topk(min(rule.children(tree.depth + 1), q.shape[-1]), dim=-1)
+        proposed = []
         for parent, probs, tokens, entropy in zip(parents, top.values.tolist(), top.indices.tolist(), entropies):
-            depth, joint = (1, 1.0) if parent < 0 else (tree.depths[parent] + 1, tree.joints[parent])
             for prob, token in zip(probs, tokens):
                 if prob > 0:  # q = 0 outside a pruned vocabulary
-                    tree.add(token, parent, prob, rule.prior(prob, entropy, depth, joint * prob), entropy)
+                    proposed.append(tree.add(token, parent, prob, prob, entropy, top1=probs[0]))
+        with _timed(stats, "head_time"):
+            for node, score in zip(proposed, rule.prior_scores(tree, proposed)):
+                tree.rescore(node, score)
         if tree.depth >= max_depth or not rule.grow(tree):
             break
         parents = rule.frontier(tree)
@@ -76,7 +79,7 @@ def draft_tree(
             tree.slots[node], tree.hidden[node] = first + i, step.hidden[i]
         if rule.uses_hidden:
             with _timed(stats, "head_time"):
-                for node, score in zip(parents, rule.score(step.hidden)):
+                for node, score in zip(parents, rule.score(step.hidden, tree, parents)):
                     tree.rescore(node, score)
     return tree
 

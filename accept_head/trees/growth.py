@@ -51,6 +51,8 @@ class DraftTree:
     """v(n) = ∏ s along the path."""
     entropies: list[float] = field(default_factory=list)
     """Entropy (nats) of the parent's draft distribution the node was taken from."""
+    top1s: list[float] = field(default_factory=list)
+    """The top-1 probability of that distribution."""
     slots: list[int] = field(default_factory=list)
     """The drafter's cache slot of each fed node (−1: not fed)."""
     hidden: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -58,9 +60,10 @@ class DraftTree:
     forwards: int = 0
     """Draft forwards spent on this round (the root step included)."""
 
-    def add(self, token: int, parent: int, prob: float, score: float, entropy: float = 0.0) -> int:
+    def add(self, token: int, parent: int, prob: float, score: float, entropy: float = 0.0, top1: float = 1.0) -> int:
         self.tokens.append(int(token))
         self.entropies.append(float(entropy))
+        self.top1s.append(float(top1))
         self.parents.append(parent)
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
         self.probs.append(float(prob))
@@ -85,6 +88,14 @@ class DraftTree:
         deepest = [n for n, d in enumerate(self.depths) if d == self.depth]
         return sorted(deepest, key=lambda n: -self.values[n])
 
+    def inputs(self, node: int, names: Sequence[str]) -> list[float]:
+        """The acceptance head's scalar ``names`` (:data:`~accept_head.acceptance.inputs.SCALAR_INPUTS`) of
+        ``node``, as a chain round defines them for its candidates: log q(y), the entropy and top-1 probability of the
+        distribution it was taken from, its depth and the log of its path's joint draft probability (probabilities
+        floored at 1e-30 before the log, as the C2T features are)."""
+        log_prob, log_joint = (math.log(max(p, 1e-30)) for p in (self.probs[node], self.joints[node]))
+        return node_inputs(names, log_prob, self.entropies[node], self.top1s[node], self.depths[node], log_joint)
+
     def path(self, node: int) -> list[int]:
         """The nodes from depth 1 down to ``node``."""
         out = []
@@ -92,6 +103,19 @@ class DraftTree:
             out.append(node)
             node = self.parents[node]
         return out[::-1]
+
+
+def node_inputs(
+    names: Sequence[str], log_prob: float, entropy: float, top1: float, depth: int, log_joint: float
+) -> list[float]:
+    """Scalar head inputs ``names`` of a tree node from the log of its draft probability, the entropy and top-1
+    probability of its parent's distribution, its depth and the log of its path's joint draft probability — the values
+    :func:`~accept_head.acceptance.inputs.draft_stats` gives a chain candidate at that depth."""
+    values = {"logq": log_prob, "entropy": entropy, "top1": top1, "depth": float(depth), "path_logq": log_joint}
+    unknown = [name for name in names if name not in values]
+    if unknown:
+        raise ValueError(f"no tree node input named {unknown}; a node has {list(values)}.")
+    return [values[name] for name in names]
 
 
 def check_tree_settings(**settings: int) -> None:
@@ -159,12 +183,16 @@ class TreeRule:
         ``prob`` (EAGLE-2's confidence)."""
         return prob
 
+    def prior_scores(self, tree: DraftTree, nodes: Sequence[int]) -> list[float]:
+        """The scores of the just-proposed ``nodes`` (childless): :meth:`prior` of each by default."""
+        return [self.prior(tree.probs[n], tree.entropies[n], tree.depths[n], tree.joints[n]) for n in nodes]
+
     def grow(self, tree: DraftTree) -> bool:
         """Whether another draft forward (one more depth) is worth it."""
         return tree.depth < self.max_depth
 
-    def score(self, hidden: torch.Tensor) -> list[float]:
-        """(n, d) hidden states of fed nodes → their scores."""
+    def score(self, hidden: torch.Tensor, tree: DraftTree, nodes: Sequence[int]) -> list[float]:
+        """(n, d) hidden states of the just-fed ``nodes`` of ``tree`` → their scores."""
         raise NotImplementedError(f"{type(self).__name__} does not score hidden states.")
 
     def select(self, tree: DraftTree) -> list[int]:
@@ -288,11 +316,13 @@ class CostTree(TreeRule):
 
 
 class HeadTree(CostTree):
-    """SpecDec++ for trees (see the module docstring): the acceptance head scores every fed node from the draft's
-    hidden state there (through ``calibration`` when given); the tree grows by expected tokens per second under
-    ``cost`` (:class:`CostTree`)."""
+    """SpecDec++ for trees (see the module docstring): the acceptance head scores the nodes (through ``calibration``
+    when given); the tree grows by expected tokens per second under ``cost`` (:class:`CostTree`).
 
-    uses_hidden = True
+    What the head reads decides when a node is scored. A head that reads the draft's hidden state scores a node once
+    it is fed (its scalar inputs, if it reads any, beside it); until then the node counts its draft probability.
+    A head that reads only scalar inputs (log q, entropy, top-1, depth, path log q: :meth:`DraftTree.inputs`) scores
+    every node as it is proposed — no forward is needed for them."""
 
     def __init__(
         self,
@@ -308,8 +338,21 @@ class HeadTree(CostTree):
     ) -> None:
         super().__init__(cost, width, top_k, max_depth, max_nodes, threshold, min_depth)
         self.head, self.calibration = head, calibration
+        self.uses_hidden = head.reads_hidden
 
-    def score(self, hidden: torch.Tensor) -> list[float]:
+    def _scores(self, hidden: torch.Tensor | None, tree: DraftTree, nodes: Sequence[int]) -> list[float]:
+        scalars = None
+        if self.head.scalar_inputs:
+            rows = [tree.inputs(n, self.head.scalar_inputs) for n in nodes]
+            scalars = torch.tensor(rows, dtype=torch.float32, device=self.head.out.weight.device)
         with torch.inference_mode():
-            probs = self.head.accept_prob(hidden).float().tolist()
+            probs = self.head.accept_prob(hidden, scalars).float().tolist()
         return probs if self.calibration is None else [float(self.calibration(p)) for p in probs]
+
+    def prior_scores(self, tree: DraftTree, nodes: Sequence[int]) -> list[float]:
+        if self.head.reads_hidden or not nodes:
+            return super().prior_scores(tree, nodes)
+        return self._scores(None, tree, nodes)
+
+    def score(self, hidden: torch.Tensor, tree: DraftTree, nodes: Sequence[int]) -> list[float]:
+        return self._scores(hidden, tree, nodes)

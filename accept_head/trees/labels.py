@@ -38,7 +38,7 @@ from torch import nn
 from ..acceptance.head import HEAD_WEIGHTS, AcceptanceHead
 from ..core.costs import CostModel
 from ..core.sampling import SamplingConfig, probabilities
-from .growth import CostTree, DraftTree
+from .growth import CostTree, DraftTree, node_inputs
 
 C2T_WEIGHTS = "c2t.safetensors"
 C2T_FEATURES = ("log_joint", "entropy", "depth", "log_prob")
@@ -86,6 +86,21 @@ class LabelledRound:
     hidden: dict[int, torch.Tensor]
     """The draft's hidden state at each fed node (the head's input)."""
     forwards: int
+    top1s: list[float] = field(default_factory=list)
+    """The top-1 probability of the distribution each node was taken from (empty in rounds cached before it)."""
+
+    def inputs(self, node: int, names) -> list[float]:
+        """The acceptance head's scalar ``names`` of ``node``, the values :meth:`DraftTree.inputs
+        <accept_head.trees.growth.DraftTree.inputs>` gave the head at decode time."""
+        if "top1" in names and not self.top1s:
+            raise ValueError(
+                "these tree rounds were cached before node top-1 probabilities were recorded: delete the rounds-*.pt "
+                "files of that output folder and run `python -m train.trees` again."
+            )
+        log_joint, entropy, depth, *rest = self.features[node]
+        log_prob = rest[0] if rest else math.log(max(self.probs[node], 1e-30))
+        top1 = self.top1s[node] if self.top1s else 1.0
+        return node_inputs(names, log_prob, entropy, top1, int(depth), log_joint)
 
     def labelled(self) -> list[int]:
         """The nodes with a label, in creation order: an ancestor-closed subtree (a verified parent's own path was
@@ -111,7 +126,9 @@ class TreeLabelRecorder:
         labels = node_labels(tree, nodes, logits, self.sampling)
         features = [c2t_features(tree, node) for node in range(len(tree.tokens))]
         hidden = {node: state.float().cpu() for node, state in tree.hidden.items()}
-        self.rounds.append(LabelledRound(list(tree.parents), list(tree.probs), features, labels, hidden, tree.forwards))
+        kept = LabelledRound(list(tree.parents), list(tree.probs), features, labels, hidden, tree.forwards)
+        kept.top1s = list(tree.top1s)
+        self.rounds.append(kept)
         for node, label in labels.items():
             self.features.append(features[node])
             self.labels.append(label)
