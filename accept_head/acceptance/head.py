@@ -201,15 +201,6 @@ class AcceptanceHead(nn.Module):
         return head
 
 
-def require_hidden_only(head: AcceptanceHead, use: str) -> None:
-    """ValueError when ``head`` reads scalar inputs that ``use`` (a decoder that feeds hidden states only) lacks."""
-    if head.scalar_inputs:
-        raise ValueError(
-            f"The head reads {list(head.scalar_inputs)} besides the hidden state, which {use} does not feed yet: "
-            "use a hidden-only head there (inputs: [hidden])."
-        )
-
-
 def from_official_state_dict(state: dict[str, torch.Tensor], depth: int) -> AcceptanceHead:
     """Convert a checkpoint of the official SpecDec++ head into an :class:`AcceptanceHead`.
 

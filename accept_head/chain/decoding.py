@@ -21,6 +21,7 @@ from ..core.sampling import SamplingConfig, generator_device, probabilities, sam
 from ..core.timing import device_timer
 from ..models.drafters import Drafter, as_drafter
 from ..models.features import capture_lm_head_input
+from ..models.static_target import StaticTarget, target_cache
 from .policies import RoundState, StopPolicy
 
 
@@ -209,10 +210,21 @@ def _until_eos(tokens: list[int], eos: set[int]) -> list[int]:
     return tokens if ended is None else tokens[: ended + 1]
 
 
-def _forward(model, ids: torch.Tensor, cache: DynamicCache, last_only: bool) -> torch.Tensor:
-    """Run new tokens (1, T) through ``model`` with its cache; return logits (T, V) or (1, V) if ``last_only``."""
+def _forward(model, ids: torch.Tensor, cache: DynamicCache | StaticTarget, last_only: bool) -> torch.Tensor:
+    """Run new tokens (1, T) through ``model`` with its cache (or its :class:`StaticTarget`); return logits (T, V) or
+    (1, V) if ``last_only``."""
+    if isinstance(cache, StaticTarget):
+        return cache.forward(ids, last_only)[0]
     out = model(input_ids=ids, **cache_kwargs(model, cache), logits_to_keep=1 if last_only else 0)
     return out.logits[0]
+
+
+def _crop(cache: DynamicCache | StaticTarget, length: int) -> None:
+    """Keep the first ``length`` positions of the target's cache."""
+    if isinstance(cache, StaticTarget):
+        cache.crop(length)
+    else:
+        crop_cache(cache, length)
 
 
 @torch.inference_mode()
@@ -225,14 +237,17 @@ def autoregressive_generate(
     top_p: float | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    target_runtime: str = "eager",
 ) -> GenerationResult:
-    """Sample from the target alone, one token per forward pass (the reference every speed-up is measured against)."""
+    """Sample from the target alone, one token per forward pass (the reference every speed-up is measured against).
+    ``target_runtime``: ``eager`` (a ``DynamicCache``), ``static`` or ``compiled`` (a preallocated cache, compiled
+    with ``torch.compile``: :mod:`~accept_head.models.static_target`)."""
     sampling = SamplingConfig(temperature, top_k, top_p)
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     device = next(target.parameters()).device
     stats = DecodeStats()
     tokens = ids[0].tolist()
-    cache = DynamicCache()
+    cache = target_cache(target, target_runtime, ids.shape[1] + budget)
     pending = ids.to(device)
     with _timed(stats, "total_time", device):
         while stats.generated < budget:
@@ -295,6 +310,8 @@ def _target_pass(
     (T, d) from the same pass."""
     if not with_features:
         return _forward(target, ids, cache, last_only=False), None
+    if isinstance(cache, StaticTarget):
+        return cache.forward(ids)
     with capture_lm_head_input(target) as box:
         logits = _forward(target, ids, cache, last_only=False)
     return logits, box[0][0]
@@ -387,6 +404,7 @@ def speculative_generate(
     top_p: float | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    target_runtime: str = "eager",
 ) -> GenerationResult:
     """Lossless speculative decoding whose candidate length per round is chosen by ``policy``.
 
@@ -398,6 +416,8 @@ def speculative_generate(
 
     Every decoder of this toolkit stops at the target's context: a request past ``max_position_embeddings`` warns
     at the start (:class:`ContextLimitWarning`) and returns the tokens that fit (:func:`_check_lengths`).
+    ``target_runtime`` runs the target eagerly (``eager``), over a preallocated cache (``static``) or compiled
+    (``compiled``), as in :func:`autoregressive_generate`.
     """
     sampling = SamplingConfig(temperature, top_k, top_p)
     drafter = as_drafter(draft, target, with_hidden=policy.uses_hidden)
@@ -407,7 +427,7 @@ def speculative_generate(
     stats = DecodeStats()
     policy.reset()
     tokens = ids[0].tolist()
-    cache = DynamicCache()  # the target's: it always lacks the last token, which the next pass feeds
+    cache = target_cache(target, target_runtime, ids.shape[1] + budget)  # always lacks the last token
     draft_device = getattr(drafter, "device", None)
     with _timed(stats, "total_time", {device, draft_device or device}):
         with _timed(stats, "target_time", device):
@@ -430,7 +450,7 @@ def speculative_generate(
             # 3. Commit: accepted candidates and the target's token (up to an EOS), then crop both sides to them.
             new = _until_eos(candidates[:m] + [next_token], eos)
             stats.record_round(len(candidates), m, len(new))
-            crop_cache(cache, len(tokens) + m)  # the target holds the old prefix plus [tokens[-1], y_1..y_m]
+            _crop(cache, len(tokens) + m)  # the target holds the old prefix plus [tokens[-1], y_1..y_m]
             with _timed(stats, "draft_time", draft_device):
                 drafter.commit(new, None if hidden is None else hidden[: len(new)])
             tokens.extend(new)

@@ -25,7 +25,7 @@ import torch
 from transformers import PreTrainedModel
 
 from ..acceptance.calibration import Calibration
-from ..acceptance.head import AcceptanceHead, require_hidden_only
+from ..acceptance.head import AcceptanceHead
 from ..chain.baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle
 from ..chain.decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate
 from ..chain.hf_assisted import AssistedSettings, HFAssisted
@@ -37,6 +37,7 @@ from ..learning_free.lookahead import check_lookahead_params, lookahead_generate
 from ..learning_free.ngrammys import ModelBigram, check_ngrammys_params, ngrammys_generate
 from ..learning_free.ouroboros import check_ouroboros_params, ouroboros_generate
 from ..models.pairs import cache_root
+from ..models.static_target import RUNTIMES
 from ..trees.attention import check_masked_attention
 from ..trees.decoding import tree_generate
 from ..trees.growth import ConfidenceTree, CostTree, HeadTree, StaticTree, TreeRule
@@ -73,6 +74,10 @@ EAGLE-2's (:class:`~accept_head.trees.growth.ConfidenceTree`), a fixed shape
 from the runner's ``tree_models``) and the head tree's ablation (:class:`~accept_head.trees.growth.CostTree`: the
 same growth by expected tokens per second, every node scored by its draft probability); params are those classes'
 keyword arguments."""
+
+CHAIN_RUNTIME_KINDS = ("autoregressive", "fixed_k", "specdecpp", "heuristic", "confidence", "entropy")
+"""Methods whose target can run over a preallocated, optionally compiled cache (``target_runtime``, :data:`RUNTIMES
+<accept_head.models.static_target.RUNTIMES>`): the target alone and the chain rules."""
 
 TREE_DECODERS = {"ngrammys": ngrammys_generate, "lookahead": lookahead_generate, "ouroboros": ouroboros_generate}
 """The learning-free decoders that verify many guesses in one target call (:mod:`accept_head.trees.verify`): kind →
@@ -366,7 +371,11 @@ class Runner:
         ignore_eos: bool = False,
         tree_cost: CostModel | None = None,
         tree_models: TreeModels | None = None,
+        target_runtime: str = "eager",
     ) -> None:
+        if target_runtime not in RUNTIMES:
+            raise ValueError(f"target_runtime={target_runtime!r} must be one of {list(RUNTIMES)}.")
+        self.target_runtime = target_runtime
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")
         if temperature < 0:
@@ -490,7 +499,6 @@ class Runner:
                 if which == "tree":
                     return HeadTree(self.tree_models.head(greedy), self._tree_cost(), **settings)
                 calibration = self.head.calibration_for(greedy=greedy)
-                require_hidden_only(self.head.head, "head_tree (HeadTree scores nodes from hidden states)")
                 return HeadTree(self.head.head, self._tree_cost(), calibration=calibration, **settings)
             if spec.kind == "c2t_tree":
                 return C2TTree(self.tree_models.classifier(greedy), self._tree_cost(), **params)
@@ -546,6 +554,13 @@ class Runner:
         common = dict(temperature=self.temperature, eos_token_id=eos, **self.sampling)
         if spec.kind in ("autoregressive", "oracle") and spec.params:
             raise ValueError(f"{spec.kind} takes no parameters, got {spec.params}.")
+        if self.target_runtime != "eager" and spec.kind not in CHAIN_RUNTIME_KINDS:
+            raise ValueError(
+                f"{spec.name} runs its target eagerly only; target_runtime={self.target_runtime!r} serves the "
+                f"autoregressive and chain methods: leave {spec.kind} out of this run or use target_runtime='eager'."
+            )
+        if spec.kind in CHAIN_RUNTIME_KINDS:
+            common["target_runtime"] = self.target_runtime
         if spec.kind == "autoregressive":
             return lambda ids, gen: autoregressive_generate(target, ids, self.max_new_tokens, generator=gen, **common)
         if spec.kind == "hf_assisted":

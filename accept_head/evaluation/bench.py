@@ -217,6 +217,7 @@ class BenchPlan:
     output_dir: str
     progress: bool
     ignore_eos: bool
+    target_runtime: str
     tree_grids: dict[str, list[dict]] = field(init=False)
     """The learning-free tree decoders' grids, each setting completed (:func:`tree_settings`)."""
     draft_tree_grid: list[MethodSpec] = field(init=False)
@@ -325,6 +326,10 @@ BENCH_ARGS = """
         ignore_eos: Decode past EOS, so every method writes exactly ``max_new_tokens`` per prompt and tokens/s
             compares outputs of one length (at T > 0 methods otherwise stop at different lengths), as serving
             benchmarks time it. False stops at EOS; the table shows the tokens each method wrote either way.
+        target_runtime: ``eager`` (the model's own forward over a growing cache), ``static`` (a preallocated cache)
+            or ``compiled`` (that cache under ``torch.compile``; each pass width compiles on first use, in the
+            warm-up): :mod:`~accept_head.models.static_target`. Applies to the autoregressive and chain methods;
+            leave the others out (``--ngrammys '[]'`` ...) with a non-eager runtime.
     """
 """The ``Args:`` section of :func:`bench`'s docstring, its ``--help`` (attached by
 :func:`~accept_head.evaluation.common.with_args_doc`)."""
@@ -362,6 +367,7 @@ def bench(
     output_dir: str = "eval_out/bench",
     progress: bool = True,
     ignore_eos: bool = True,
+    target_runtime: str = "eager",
 ) -> dict:
     """Benchmark SpecDec++ against every simpler way of choosing the candidate length, on the same prompts.
 
@@ -400,7 +406,7 @@ def load_bench(plan: BenchPlan) -> BenchSetup:
     dataset_tau = None
     if plan.confidence_tau is None and plan.confidence_dataset is not None:
         dataset_tau = roc_threshold(*confidence_pairs_from_dataset(plan.confidence_dataset))
-    runner_options = {"tree_cost": cost, "tree_models": tree_models}
+    runner_options = {"tree_cost": cost, "tree_models": tree_models, "target_runtime": plan.target_runtime}
     trees += plan.draft_tree_grid
     return BenchSetup(
         pair, test_set, val_set, cost, cost_source, trees, trees_skipped, runner_options, dataset_tau, folder
@@ -607,6 +613,7 @@ def write_bench(plan: BenchPlan, setup: BenchSetup, results: dict) -> dict:
         "settings": {
             "max_new_tokens": plan.max_new_tokens,
             "ignore_eos": plan.ignore_eos,
+            "target_runtime": plan.target_runtime,
             "repeats": plan.repeats,
             "warmup": plan.warmup,
             "seed": plan.seed,

@@ -33,7 +33,7 @@ from safetensors.torch import load_file, save_file
 from transformers.generation.utils import GenerationMixin
 
 from ..acceptance.calibration import Calibration
-from ..acceptance.head import HEAD_WEIGHTS, AcceptanceHead, require_hidden_only
+from ..acceptance.head import HEAD_WEIGHTS, AcceptanceHead
 from ..chain.decoding import DecodeStats, speculative_generate
 from ..chain.policies import HeadThreshold, StopPolicy
 from ..core.costs import CostModel
@@ -207,7 +207,6 @@ class SpecDecPP:
         """The tree growth rule of ``generate(..., tree=True)``: this bundle's head (with the mode's calibration)
         pricing every node under its cost model, with the stored :attr:`tree` settings; ``threshold`` overrides
         the stored one (a node needs P(reached and accepted) >= 1 − threshold)."""
-        require_hidden_only(self.head, "tree decoding (HeadTree scores nodes from hidden states; chains: tree=False)")
         if not self.cost_model:
             raise ValueError(
                 "This bundle has no cost model, which tree decoding needs to price nodes and depths: measure one "
@@ -255,14 +254,20 @@ class SpecDecPP:
         seed: int | None = None,
         generator: torch.Generator | None = None,
         tree: bool = False,
+        target_runtime: str = "eager",
     ) -> SpecDecOutput:
         """Generate a continuation of ``prompt`` (a string, chat messages, or token ids).
 
         ``temperature`` defaults to the one the head was trained for; ``temperature=0`` is greedy. ``tree=True``
         drafts a token tree each round, grown and pruned by the head under the bundle's cost model
         (:meth:`tree_rule`, :func:`~accept_head.trees.decoding.tree_generate`); ``stats`` then counts the tokens
-        fed to the target per call (``stats.fed``) and the tree's leaves (``stats.rows``).
+        fed to the target per call (``stats.fed``) and the tree's leaves (``stats.rows``). ``target_runtime`` (chain
+        decoding): ``eager``, ``static`` (a preallocated KV cache) or ``compiled`` (that cache under
+        ``torch.compile``, each pass width compiled on its first use: slow first calls;
+        :mod:`~accept_head.models.static_target`).
         """
+        if tree and target_runtime != "eager":
+            raise ValueError(f"target_runtime={target_runtime!r} serves chain decoding; pass tree=False or 'eager'.")
         ids = self.encode(prompt)
         if generator is None:
             generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**63)
@@ -284,6 +289,7 @@ class SpecDecPP:
             top_p=top_p,
             eos_token_id=eos,
             generator=generator,
+            **({} if tree else {"target_runtime": target_runtime}),
         )
         new = result.sequences[0, len(ids) :].tolist()
         text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None

@@ -1,0 +1,151 @@
+"""The target's cached forward over a preallocated KV cache, optionally compiled (``torch.compile``, inductor).
+
+Eager decoding with a ``DynamicCache`` grows every layer's keys and values by concatenation and runs the model's
+Python per layer and per token; on a CPU that overhead, not arithmetic, is most of a small model's forward (issue 37:
+~40 ms a token for 135M parameters whose weights stream in ~10 ms). A :class:`StaticTarget` keeps one
+``transformers.StaticCache`` of fixed length, writes each pass's keys and values in place at their positions, and
+can hand the decoder to ``torch.compile`` — whose graphs need exactly that: fixed shapes.
+
+Shapes. A pass of T tokens is padded to the smallest of :data:`WIDTHS` that holds it (T = 1 for autoregressive
+decoding, K + 1 for a verification pass), so a compiled decoder sees a handful of shapes, each compiled once per
+process; longer passes (the prompt) run eagerly through the same cache. Padding is exact: the pad tokens sit *after*
+the real ones, which never attend to them (causal mask), and their keys and values, written past the kept length,
+are overwritten before any later query can see them — every pass writes from the kept length on.
+
+Rolling back a rejected speculation is :meth:`StaticTarget.crop`: only the kept length moves (``StaticCache`` writes
+each pass at its running length, which ``crop`` moves back). Targets with sliding-window layers are refused (their
+static layers roll a window instead of keeping positions).
+"""
+
+from __future__ import annotations
+
+import bisect
+
+import torch
+from transformers import StaticCache
+
+from ..core.hf_compat import cache_kwargs
+
+WIDTHS = (1, 2, 4, 8, 16)
+"""Pass widths a compiled decoder is specialised for (each compiled on first use)."""
+LENGTH_STEP = 512
+"""Cache lengths are multiples of this, so requests of similar length share compiled graphs."""
+
+
+def _decoder_pass(decoder: torch.nn.Module, cache: dict, ids: torch.Tensor, positions: torch.Tensor):
+    """The decoder's final hidden states (1, T, d) for ``ids`` (1, T) at cache ``positions`` (T,); ``cache``: the
+    keyword arguments that hand it its ``StaticCache`` (:func:`~accept_head.core.hf_compat.cache_kwargs`)."""
+    out = decoder(input_ids=ids, **cache, cache_position=positions, position_ids=positions[None])
+    return out.last_hidden_state
+
+
+_compiled_pass = None
+
+
+def compiled_decoder_pass():
+    """:func:`_decoder_pass` under ``torch.compile`` (inductor, static shapes), built once per process."""
+    global _compiled_pass
+    if _compiled_pass is None:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        _compiled_pass = torch.compile(_decoder_pass, dynamic=False)
+    return _compiled_pass
+
+
+class StaticTarget:
+    """A causal LM's cached forward over a preallocated KV cache of ``max_length`` positions (rounded up to
+    :data:`LENGTH_STEP`, plus room for padding), compiled when ``compile``.
+
+    Use it where a decoder holds a ``DynamicCache`` (the chain decoders take ``target_runtime="static"`` or
+    ``"compiled"``): :meth:`forward` runs new tokens after the kept ones and returns their logits and final hidden
+    states; :meth:`crop` keeps a prefix. The model must expose ``get_decoder()`` whose ``last_hidden_state`` is the
+    LM head's input (Llama, Qwen2, Mistral, Gemma, SmolLM2, ...) and take a ``StaticCache``.
+    """
+
+    def __init__(self, model: torch.nn.Module, max_length: int, compile: bool = False) -> None:
+        decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
+        if decoder is None or decoder is model or model.get_output_embeddings() is None:
+            raise ValueError(
+                f"{type(model).__name__} exposes no separate decoder and LM head (get_decoder(), "
+                "get_output_embeddings()): decode it with target_runtime='eager'."
+            )
+        if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
+            raise ValueError(
+                f"{type(model).__name__} has sliding-window layers, which a StaticTarget does not roll back: decode it "
+                "with target_runtime='eager'."
+            )
+        if max_length < 1:
+            raise ValueError(f"max_length={max_length} must be >= 1 (the prompt plus the new tokens).")
+        self.model, self.decoder, self.head = model, decoder, model.get_output_embeddings()
+        self.compiled = compile
+        self.capacity = -(-max_length // LENGTH_STEP) * LENGTH_STEP
+        parameter = next(model.parameters())
+        self.cache = StaticCache(config=model.config, max_cache_len=self.capacity + WIDTHS[-1])
+        self.cache.early_initialization(
+            batch_size=1,
+            num_heads=model.config.num_key_value_heads,
+            head_dim=getattr(model.config, "head_dim", None)
+            or model.config.hidden_size // model.config.num_attention_heads,
+            dtype=parameter.dtype,
+            device=parameter.device,
+        )
+        self._cache_kwargs = cache_kwargs(decoder, self.cache)
+        self.length = 0
+        self._pass = compiled_decoder_pass() if compile else _decoder_pass
+
+    def reset(self) -> None:
+        """Forget every kept position (the buffers stay allocated; the next pass overwrites them)."""
+        self.crop(0)
+
+    def forward(self, ids: torch.Tensor, last_only: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """Run ``ids`` (1, T) after the kept positions. Returns (logits (T, V), or (1, V) if ``last_only``; the final
+        hidden states (T, d)); the T positions are kept."""
+        width = ids.shape[1]
+        if self.length + width > self.capacity:
+            raise ValueError(
+                f"a pass of {width} tokens after {self.length} kept positions exceeds this StaticTarget's "
+                f"{self.capacity} positions: build it with a larger max_length."
+            )
+        padded = WIDTHS[bisect.bisect_left(WIDTHS, width)] if width <= WIDTHS[-1] else width
+        run = self._pass if padded <= WIDTHS[-1] else _decoder_pass  # the prompt: eager, any length
+        if padded > width:
+            ids = torch.cat([ids, ids[:, -1:].expand(1, padded - width)], dim=1)
+        positions = torch.arange(self.length, self.length + padded, device=ids.device)
+        hidden = run(self.decoder, self._cache_kwargs, ids, positions)[0, :width]
+        if padded > width:
+            self.cache.crop(width - padded)  # the pads' keys and values are overwritten by the next pass
+        self.length += width
+        return self.head(hidden[-1:] if last_only else hidden), hidden
+
+    def crop(self, length: int) -> None:
+        """Keep the first ``length`` positions (what a rejected speculation rolls back to)."""
+        if not 0 <= length <= self.length:
+            raise AssertionError(f"cannot crop a StaticTarget holding {self.length} positions to {length}")
+        if length < self.length:
+            self.cache.crop(length - self.length)
+        self.length = length
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+
+RUNTIMES = ("eager", "static", "compiled")
+"""How a decoder runs its target: ``eager`` (a ``DynamicCache``, the model's own forward), ``static``
+(:class:`StaticTarget`, not compiled) or ``compiled`` (:class:`StaticTarget` under ``torch.compile``)."""
+
+
+def target_cache(model: torch.nn.Module, runtime: str, max_length: int):
+    """What a decoder keeps the target's KV cache in for ``runtime`` (:data:`RUNTIMES`): a fresh ``DynamicCache`` or
+    a :class:`StaticTarget` of ``max_length`` positions (reused across calls for the same model, length bucket and
+    runtime, so a compiled one compiles once)."""
+    from transformers import DynamicCache
+
+    if runtime not in RUNTIMES:
+        raise ValueError(f"target_runtime={runtime!r} must be one of {list(RUNTIMES)}.")
+    if runtime == "eager":
+        return DynamicCache()
+    key = (-(-max_length // LENGTH_STEP) * LENGTH_STEP, runtime)
+    kept: dict = model.__dict__.setdefault("_accept_head_static_targets", {})
+    if key not in kept:
+        kept[key] = StaticTarget(model, max_length, compile=runtime == "compiled")
+    kept[key].reset()
+    return kept[key]

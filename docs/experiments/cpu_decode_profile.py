@@ -1,0 +1,208 @@
+"""Where a decoding round's time goes on this CPU, and what a static or compiled target buys (issue 37).
+
+    python docs/experiments/cpu_decode_profile.py --bundle checkpoints/smollm2-135m-specdecpp \
+        --output docs/experiments/cpu_decode_profile.json
+
+Four measurements, bf16 (the bundle's dtype), each printed and written to ``--output`` with the machine:
+
+1. **Pass widths.** One cached target pass of 1, 2, 4, 8, 16 tokens after a 128-token context: the model's own
+   forward over a ``DynamicCache`` (eager), a :class:`~accept_head.models.static_target.StaticTarget` (static) and the
+   same compiled (``torch.compile``, inductor; the compile time of each width is recorded). Medians of ``--repeats``.
+2. **The LM head** alone (hidden → vocabulary logits) fed 1 and 2 rows.
+3. **Autoregressive decoding** (the toolkit's ``autoregressive_generate``, greedy) with ``target_runtime`` eager,
+   static and compiled, interleaved prompt by prompt, tokens/s.
+4. **Round anatomy**: chain SpecDec++ and the head tree (``bundle.generate(tree=True)``), greedy, with forward hooks
+   timing every target and draft forward: model time vs the rest (sampling, verification, cache and mask
+   bookkeeping, host reads, the acceptance head), per round.
+
+Prompts: the three built-in prompts of ``python -m accept_head chat`` (they choose nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from contextlib import contextmanager
+
+import torch
+from transformers import DynamicCache
+
+from accept_head import autoregressive_generate
+from accept_head.core.hf_compat import cache_kwargs, crop_cache
+from accept_head.core.records import machine_info, write_json
+from accept_head.models.static_target import StaticTarget
+from accept_head.specdecpp.bundle import SpecDecPP
+from accept_head.specdecpp.chat import DEFAULT_PROMPTS
+
+WIDTHS = (1, 2, 4, 8, 16)
+
+
+def median_ms(fn, repeats: int, warmup: int = 2) -> float:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeats):
+        began = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - began)
+    return 1e3 * statistics.median(times)
+
+
+def pass_widths(target, context: int, repeats: int, runtimes: list[str]) -> dict:
+    """ms of one cached pass of each width after ``context`` tokens, per runtime; compile seconds per width."""
+    generator = torch.Generator().manual_seed(0)
+    prefix = torch.randint(100, 20000, (1, context), generator=generator)
+    out: dict = {name: {} for name in runtimes}
+    out["compile_s"] = {}
+    for width in WIDTHS:
+        ids = torch.randint(100, 20000, (1, width), generator=generator)
+        for name in runtimes:
+            if name == "eager":
+                cache = DynamicCache()
+                target(input_ids=prefix, **cache_kwargs(target, cache))
+
+                def run(cache=cache, ids=ids):
+                    target(input_ids=ids, **cache_kwargs(target, cache), logits_to_keep=0)
+                    crop_cache(cache, context)
+
+            else:
+                static = StaticTarget(target, context + 32, compile=name == "compiled")
+                static.forward(prefix)
+
+                def run(static=static, ids=ids):
+                    static.forward(ids)
+                    static.crop(context)
+
+                if name == "compiled":
+                    began = time.perf_counter()
+                    run()
+                    out["compile_s"][width] = time.perf_counter() - began
+            out[name][width] = median_ms(run, repeats)
+        print(f"width {width:2d}: " + "  ".join(f"{n} {out[n][width]:.1f} ms" for n in runtimes), flush=True)
+    return out
+
+
+def lm_head_rows(target, repeats: int) -> dict:
+    head = target.get_output_embeddings()
+    hidden = torch.randn(2, head.in_features, dtype=head.weight.dtype)
+    one = median_ms(lambda: head(hidden[:1]), repeats * 3)
+    two = median_ms(lambda: head(hidden), repeats * 3)
+    print(f"LM head: 1 row {one:.2f} ms, 2 rows {two:.2f} ms", flush=True)
+    return {"rows_1_ms": one, "rows_2_ms": two}
+
+
+def autoregressive(target, prompts: list[list[int]], tokens: int, repeats: int, runtimes: list[str]) -> dict:
+    for name in runtimes:  # warm-up: compiles the compiled runtime's one-token pass
+        autoregressive_generate(target, prompts[0], 4, temperature=0, target_runtime=name)
+    seconds = {name: [] for name in runtimes}
+    texts = {name: [] for name in runtimes}
+    for _ in range(repeats):
+        for ids in prompts:
+            for name in runtimes:
+                began = time.perf_counter()
+                out = autoregressive_generate(target, ids, tokens, temperature=0, target_runtime=name)
+                seconds[name].append(time.perf_counter() - began)
+                texts[name].append(out.sequences[0].tolist())
+    result = {}
+    for name in runtimes:
+        rates = [tokens / s for s in seconds[name]]
+        same = sum(a == b for a, b in zip(texts[name], texts["eager"]))
+        result[name] = {"tokens_per_second": statistics.median(rates), "same_as_eager": f"{same}/{len(rates)}"}
+    base = result["eager"]["tokens_per_second"]
+    for name in runtimes:
+        result[name]["vs_eager"] = result[name]["tokens_per_second"] / base
+        print(f"autoregressive {name}: {result[name]['tokens_per_second']:.1f} tok/s ({result[name]['vs_eager']:.2f}x)")
+    return result
+
+
+@contextmanager
+def forward_clock(modules: dict[str, torch.nn.Module]):
+    """Sum the wall time of every forward of each module (outermost calls only)."""
+    spent = {name: 0.0 for name in modules}
+    handles = []
+    for name, module in modules.items():
+        began: list[float] = []
+
+        def pre(mod, args, began=began):
+            began.append(time.perf_counter())
+
+        def post(mod, args, output, began=began, name=name):
+            start = began.pop()
+            if not began:
+                spent[name] += time.perf_counter() - start
+
+        handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
+    try:
+        yield spent
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int) -> dict:
+    """Per decoding mode (chain, tree): model time vs the rest, per round (greedy)."""
+    draft_module = bundle.draft
+    result = {}
+    for mode in ("chain", "tree"):
+        bundle.generate(prompts[0], max_new_tokens=8, temperature=0, tree=mode == "tree")  # warm-up
+        total = rounds = generated = 0.0
+        with forward_clock({"target": bundle.target, "draft": draft_module}) as spent:
+            for ids in prompts:
+                began = time.perf_counter()
+                out = bundle.generate(ids, max_new_tokens=tokens, temperature=0, tree=mode == "tree")
+                total += time.perf_counter() - began
+                rounds += len(out.stats.accepted)
+                generated += out.stats.generated
+        other = total - spent["target"] - spent["draft"]
+        result[mode] = {
+            "rounds": rounds,
+            "tokens_per_second": generated / total,
+            "ms_per_round": {
+                "total": 1e3 * total / rounds,
+                "target_forwards": 1e3 * spent["target"] / rounds,
+                "draft_forwards": 1e3 * spent["draft"] / rounds,
+                "everything_else": 1e3 * other / rounds,
+            },
+            "everything_else_share": other / total,
+        }
+        ms = result[mode]["ms_per_round"]
+        print(
+            f"{mode}: {rounds:.0f} rounds, {ms['total']:.1f} ms/round = target {ms['target_forwards']:.1f} + draft "
+            f"{ms['draft_forwards']:.1f} + other {ms['everything_else']:.1f} ({100 * other / total:.1f}% other)",
+            flush=True,
+        )
+    return result
+
+
+@torch.inference_mode()
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--bundle", default="checkpoints/smollm2-135m-specdecpp")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--runtimes", default="eager,static,compiled")
+    ap.add_argument("--skip", default="", help="comma-separated parts to skip: widths,head,autoregressive,rounds")
+    ap.add_argument("--output", default="eval_out/cpu_decode_profile.json")
+    args = ap.parse_args()
+    runtimes, skip = args.runtimes.split(","), set(filter(None, args.skip.split(",")))
+    bundle = SpecDecPP.from_pretrained(args.bundle)
+    target = bundle.target
+    prompts = [bundle.encode([{"role": "user", "content": p}]) for p in DEFAULT_PROMPTS]
+    payload = {"machine": machine_info(), "bundle": args.bundle, "dtype": str(next(target.parameters()).dtype)}
+    payload["settings"] = vars(args)
+    if "rounds" not in skip:
+        payload["rounds"] = round_anatomy(bundle, prompts, args.tokens)
+    if "head" not in skip:
+        payload["lm_head"] = lm_head_rows(target, args.repeats * 5)
+    if "widths" not in skip:
+        payload["pass_ms"] = pass_widths(target, args.context, args.repeats * 5, runtimes)
+    if "autoregressive" not in skip:
+        payload["autoregressive"] = autoregressive(target, prompts, args.tokens, args.repeats, runtimes)
+    write_json(args.output, payload)
+    print(f"wrote {args.output}")
+
+
+if __name__ == "__main__":
+    main()

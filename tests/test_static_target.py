@@ -1,0 +1,135 @@
+"""The target over a preallocated KV cache, eager or compiled (:mod:`accept_head.models.static_target`), on tiny
+random models.
+
+* ``target_runtime="static"``: autoregressive and chain speculative decoding (a Hugging Face draft and a feature
+  draft, which reads the target's hidden states from the same pass) return exactly the eager greedy text (float32).
+* After rounds that rejected candidates, the kept keys and values equal a fresh prefill of the text, and a pass after
+  a crop gives the logits a fresh model gives (padding and roll-back leave nothing behind).
+* At T = 1 chain decoding over the static cache follows the target's exact distribution (χ²); accepting every
+  candidate fails the same check.
+* ``target_runtime="compiled"`` (``torch.compile``, inductor) decodes the eager greedy tokens (float32).
+* Bad settings raise errors naming the value and the fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from stats_helpers import ALPHA, accept_every_candidate, exact_joint, pair_p_values, sampled_tokens
+from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, perturbed_copy, small_vocab_llama
+
+import accept_head.chain.decoding as decoding
+from accept_head import FixedK, autoregressive_generate, speculative_generate
+from accept_head.models.static_target import StaticTarget, target_cache
+
+PROMPTS = [[2, 10, 11, 12, 13, 14], [5]]
+NEW = 24
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = make_llama(seed=0, num_layers=2)
+    return target, perturbed_copy(target, relative_noise=0.15, seed=3)
+
+
+def test_static_runtime_decodes_the_eager_greedy_text(pair) -> None:
+    target, draft = pair
+    references = [autoregressive_generate(target, p, NEW, temperature=0).sequences for p in PROMPTS]
+    kept = draft_vocabulary(target.config.vocab_size, [t for r in references for t in r[0].tolist()], leave_out=4)
+    feature_draft = distilled_feature_draft(target, kept, [r[0].tolist() for r in references], steps=60)
+    accepted = 0
+    for prompt, reference in zip(PROMPTS, references):
+        out = autoregressive_generate(target, prompt, NEW, temperature=0, target_runtime="static")
+        assert torch.equal(out.sequences, reference)
+        for chain_draft in (draft, feature_draft):
+            out = speculative_generate(
+                target, chain_draft, prompt, FixedK(4), NEW, temperature=0, target_runtime="static"
+            )
+            assert torch.equal(out.sequences, reference), prompt
+            accepted += sum(out.stats.accepted)
+    assert accepted > 0  # candidates were accepted and rejected: crops of several lengths ran
+
+
+def test_kept_positions_equal_a_fresh_prefill_after_rejections(pair) -> None:
+    target, draft = pair
+    seen = []
+    crop = decoding._crop
+
+    def record(cache, length):
+        crop(cache, length)
+        seen.append((length, [t.clone() for layer in cache.cache.layers for t in (layer.keys, layer.values)]))
+
+    decoding._crop = record
+    try:
+        out = speculative_generate(target, draft, PROMPTS[0], FixedK(4), NEW, temperature=0, target_runtime="static")
+    finally:
+        decoding._crop = crop
+    text = out.sequences[0].tolist()
+    fresh = StaticTarget(target, 64)
+    for length, tensors in seen:
+        fresh.reset()
+        fresh.forward(torch.tensor([text[:length]]))
+        want = [t for layer in fresh.cache.layers for t in (layer.keys, layer.values)]
+        for got, expected in zip(tensors, want, strict=True):
+            torch.testing.assert_close(got[:, :, :length], expected[:, :, :length], atol=1e-5, rtol=1e-4)
+    # A pass after a crop sees only the kept positions: its logits are a fresh model's.
+    static = StaticTarget(target, 64)
+    static.forward(torch.tensor([text[:10]]))
+    static.forward(torch.tensor([text[10:13]]))  # padded to 4, then rolled back
+    static.crop(11)
+    logits, _ = static.forward(torch.tensor([text[11:14]]))
+    want = target(input_ids=torch.tensor([text[:14]])).logits[0, 11:14]
+    torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-4)
+
+
+SMALL_PROMPT, SAMPLES = [0, 3, 5, 0, 3, 5, 0], 1200
+
+
+@pytest.fixture(scope="module")
+def small():
+    target = small_vocab_llama(seed=0)
+    return target, perturbed_copy(target, relative_noise=0.3, seed=1), exact_joint(target, SMALL_PROMPT, 4)
+
+
+def sample_chain(target, draft):
+    def decode(generator):
+        return speculative_generate(
+            target, draft, SMALL_PROMPT, FixedK(2), 4, temperature=1.0, generator=generator, target_runtime="static"
+        )
+
+    return decode
+
+
+def test_static_runtime_keeps_the_target_distribution(small) -> None:
+    target, draft, joint = small
+    tokens, hit_rate = sampled_tokens(sample_chain(target, draft), SAMPLES, len(SMALL_PROMPT))
+    assert hit_rate > 0.3, hit_rate
+    p_first, p_second = pair_p_values(tokens, joint)
+    assert p_first > ALPHA and p_second > ALPHA, (p_first, p_second)
+
+
+def test_a_broken_verifier_over_the_static_cache_is_detected(small, monkeypatch: pytest.MonkeyPatch) -> None:
+    target, draft, joint = small
+    monkeypatch.setattr(decoding, "verify", accept_every_candidate)
+    tokens, _ = sampled_tokens(sample_chain(target, draft), SAMPLES // 4, len(SMALL_PROMPT))
+    assert min(pair_p_values(tokens, joint)) < ALPHA
+
+
+def test_compiled_runtime_decodes_the_eager_greedy_text(pair) -> None:
+    target, _ = pair
+    reference = autoregressive_generate(target, PROMPTS[0], 12, temperature=0).sequences
+    out = autoregressive_generate(target, PROMPTS[0], 12, temperature=0, target_runtime="compiled")
+    assert torch.equal(out.sequences, reference)
+    with torch.inference_mode():  # as decoding: the kept cache was made there
+        assert target_cache(target, "compiled", 20).compiled  # the compiled StaticTarget is kept for the next call
+
+
+def test_bad_runtime_settings_raise_clear_errors(pair) -> None:
+    target, _ = pair
+    with pytest.raises(ValueError, match=r"target_runtime='jit' must be one of \['eager', 'static', 'compiled'\]"):
+        autoregressive_generate(target, PROMPTS[0], 4, temperature=0, target_runtime="jit")
+    static = StaticTarget(target, 8)
+    with pytest.raises(ValueError, match=r"exceeds this StaticTarget's 512 positions: build it with a larger max_len"):
+        static.forward(torch.zeros(1, 600, dtype=torch.long))
+    with pytest.raises(ValueError, match="max_length=0 must be >= 1"):
+        StaticTarget(target, 0)
