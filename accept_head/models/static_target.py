@@ -28,7 +28,7 @@ from ..core.hf_compat import cache_kwargs
 
 WIDTHS = (1, 2, 4, 8, 16)
 """Pass widths a compiled decoder is specialised for (each compiled on first use)."""
-LENGTH_STEP = 512
+LENGTH_STEP = 1024
 """Cache lengths are multiples of this, so requests of similar length share compiled graphs."""
 
 
@@ -39,15 +39,18 @@ def _decoder_pass(decoder: torch.nn.Module, cache: dict, ids: torch.Tensor, posi
     return out.last_hidden_state
 
 
+INDUCTOR_OPTIONS: dict = {}
+"""Inductor options of the compiled pass (``torch.compile(options=...)``), e.g. ``{"freezing": True}``."""
 _compiled_pass = None
 
 
 def compiled_decoder_pass():
-    """:func:`_decoder_pass` under ``torch.compile`` (inductor, static shapes), built once per process."""
+    """:func:`_decoder_pass` under ``torch.compile`` (inductor, static shapes, :data:`INDUCTOR_OPTIONS`), built once
+    per process."""
     global _compiled_pass
     if _compiled_pass is None:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _compiled_pass = torch.compile(_decoder_pass, dynamic=False)
+        _compiled_pass = torch.compile(_decoder_pass, dynamic=False, options=dict(INDUCTOR_OPTIONS) or None)
     return _compiled_pass
 
 

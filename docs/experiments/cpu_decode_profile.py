@@ -21,6 +21,7 @@ Prompts: the three built-in prompts of ``python -m accept_head chat`` (they choo
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import time
 from contextlib import contextmanager
@@ -31,6 +32,7 @@ from transformers import DynamicCache
 from accept_head import autoregressive_generate
 from accept_head.core.hf_compat import cache_kwargs, crop_cache
 from accept_head.core.records import machine_info, write_json
+from accept_head.models import static_target
 from accept_head.models.static_target import StaticTarget
 from accept_head.specdecpp.bundle import SpecDecPP
 from accept_head.specdecpp.chat import DEFAULT_PROMPTS
@@ -185,7 +187,9 @@ def main() -> None:
     ap.add_argument("--runtimes", default="eager,static,compiled")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: widths,head,autoregressive,rounds")
     ap.add_argument("--output", default="eval_out/cpu_decode_profile.json")
+    ap.add_argument("--inductor_options", default="{}", help="JSON, e.g. '{\"freezing\": true}'")
     args = ap.parse_args()
+    static_target.INDUCTOR_OPTIONS.update(json.loads(args.inductor_options))
     runtimes, skip = args.runtimes.split(","), set(filter(None, args.skip.split(",")))
     bundle = SpecDecPP.from_pretrained(args.bundle)
     target = bundle.target
