@@ -129,7 +129,7 @@ def test_bad_runtime_settings_raise_clear_errors(pair) -> None:
     with pytest.raises(ValueError, match=r"target_runtime='jit' must be one of \['eager', 'static', 'compiled'\]"):
         autoregressive_generate(target, PROMPTS[0], 4, temperature=0, target_runtime="jit")
     static = StaticTarget(target, 8)
-    with pytest.raises(ValueError, match=r"exceeds this StaticTarget's 512 positions: build it with a larger max_len"):
-        static.forward(torch.zeros(1, 600, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"exceeds this StaticTarget's 256 positions: build it with a larger max_len"):
+        static.forward(torch.zeros(1, 300, dtype=torch.long))
     with pytest.raises(ValueError, match="max_length=0 must be >= 1"):
         StaticTarget(target, 0)
