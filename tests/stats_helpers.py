@@ -103,3 +103,16 @@ def resample_from_target_on_rejection(p, q, candidates, generator):
     """A subtly broken verifier: right acceptance test, but it redraws from p instead of Norm[(p − q)+]."""
     m, _ = correct_verify(p, q, candidates, generator)
     return m, int(sample(p[m : m + 1], generator)[0])
+
+
+SMALL_PROMPT = [0, 3, 5, 0, 3, 5, 0]
+"""The prompt of the small-vocabulary distribution tests."""
+
+
+def small_vocab_pair() -> tuple[torch.nn.Module, torch.nn.Module, torch.Tensor]:
+    """A vocabulary-8 Llama target, a noisy copy as draft, and the target's exact joint over 4 tokens after
+    :data:`SMALL_PROMPT` (the χ² tests of tree and static-cache decoding)."""
+    from tiny_models import perturbed_copy, small_vocab_llama
+
+    target = small_vocab_llama(seed=0)
+    return target, perturbed_copy(target, relative_noise=0.3, seed=1), exact_joint(target, SMALL_PROMPT, 4)

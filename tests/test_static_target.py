@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from stats_helpers import ALPHA, accept_every_candidate, exact_joint, pair_p_values, sampled_tokens
-from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, perturbed_copy, small_vocab_llama
+from stats_helpers import ALPHA, SMALL_PROMPT, accept_every_candidate, pair_p_values, sampled_tokens, small_vocab_pair
+from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, perturbed_copy
 
 import accept_head.chain.decoding as decoding
 from accept_head import FixedK, autoregressive_generate, speculative_generate
@@ -82,13 +82,12 @@ def test_kept_positions_equal_a_fresh_prefill_after_rejections(pair) -> None:
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-4)
 
 
-SMALL_PROMPT, SAMPLES = [0, 3, 5, 0, 3, 5, 0], 1200
+SAMPLES = 1200
 
 
 @pytest.fixture(scope="module")
 def small():
-    target = small_vocab_llama(seed=0)
-    return target, perturbed_copy(target, relative_noise=0.3, seed=1), exact_joint(target, SMALL_PROMPT, 4)
+    return small_vocab_pair()
 
 
 def sample_chain(target, draft):

@@ -20,8 +20,8 @@ import itertools
 
 import pytest
 import torch
-from stats_helpers import ALPHA, exact_joint, pair_p_values, sampled_tokens
-from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, perturbed_copy, small_vocab_llama
+from stats_helpers import ALPHA, SMALL_PROMPT, pair_p_values, sampled_tokens, small_vocab_pair
+from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, perturbed_copy
 
 import accept_head.trees.decoding as tree_decoding
 from accept_head import AcceptanceHead, autoregressive_generate
@@ -197,13 +197,12 @@ def test_feature_draft_receives_the_teacher_forced_features(pair) -> None:
 
 # --- sampling: the target's exact distribution ----------------------------------------------------------------------
 
-SMALL_PROMPT, SAMPLES = [0, 3, 5, 0, 3, 5, 0], 1500
+SAMPLES = 1500
 
 
 @pytest.fixture(scope="module")
 def small():
-    target = small_vocab_llama(seed=0)
-    return target, perturbed_copy(target, relative_noise=0.3, seed=1), exact_joint(target, SMALL_PROMPT, 4)
+    return small_vocab_pair()
 
 
 def sample_tree(target, draft, rule=None):
