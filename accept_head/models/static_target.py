@@ -8,9 +8,10 @@ can hand the decoder to ``torch.compile`` — whose graphs need exactly that: fi
 
 Shapes. A pass of T tokens is padded to the smallest of :data:`WIDTHS` that holds it (T = 1 for autoregressive
 decoding, K + 1 for a verification pass; a compiled target pads one token to two), so a compiled decoder sees a
-handful of shapes, each compiled once per process; longer passes (the prompt) run eagerly through the same cache. Padding is exact: the pad tokens sit *after*
-the real ones, which never attend to them (causal mask), and their keys and values, written past the kept length,
-are overwritten before any later query can see them — every pass writes from the kept length on.
+handful of shapes, each compiled once per process; longer passes (the prompt) run eagerly through the same cache.
+Padding is exact: the pad tokens sit *after* the real ones, which never attend to them (causal mask), and their keys
+and values, written past the kept length, are overwritten before any later query can see them — every pass writes
+from the kept length on.
 
 Rolling back a rejected speculation is :meth:`StaticTarget.crop`: only the kept length moves (``StaticCache`` writes
 each pass at its running length, which ``crop`` moves back). Targets with sliding-window layers are refused (their
