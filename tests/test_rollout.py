@@ -551,10 +551,9 @@ def test_train_fit_on_rollout_labels_with_scalar_inputs(tiny: TinySetup, tmp_pat
     prompt = cli.datamodule.val_prompts(1)[0][1]
     reference = autoregressive_generate(bundle.target, prompt, 8, temperature=0)
     assert bundle.generate(prompt, max_new_tokens=8, temperature=0).sequences.tolist() == reference.sequences.tolist()
-    with pytest.raises(
-        ValueError, match=r"reads \['logq', 'entropy', 'top1', 'depth', 'path_logq'\] besides the hidden"
-    ):
-        bundle.generate(prompt, max_new_tokens=4, tree=True)
+    # The same head drafts trees (each node's inputs: tests/test_tree_inputs.py), under the bundle's cost model.
+    tree = bundle.generate(prompt, max_new_tokens=8, temperature=0, tree=True)
+    assert tree.sequences.tolist() == reference.sequences.tolist()
 
     hidden, labels, inputs, _ = label_modes.held_out_states(str(tiny.labels))
     scores = label_modes.score(bundle, hidden, labels, inputs=inputs)

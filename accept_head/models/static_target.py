@@ -88,15 +88,11 @@ class StaticTarget:
         self.capacity = -(-max_length // LENGTH_STEP) * LENGTH_STEP
         parameter = next(model.parameters())
         self.cache = StaticCache(config=model.config, max_cache_len=self.capacity + WIDTHS[-1])
-        self.cache.early_initialization(
-            batch_size=1,
-            num_heads=model.config.num_key_value_heads,
-            head_dim=getattr(model.config, "head_dim", None)
-            or model.config.hidden_size // model.config.num_attention_heads,
-            dtype=parameter.dtype,
-            device=parameter.device,
-        )
         self._cache_kwargs = cache_kwargs(decoder, self.cache)
+        with torch.no_grad():  # allocate the buffers at the shapes the model's attention writes (not the config's)
+            one = torch.zeros(1, 1, dtype=torch.long, device=parameter.device)
+            _decoder_pass(decoder, self._cache_kwargs, one, torch.zeros(1, dtype=torch.long, device=parameter.device))
+        self.cache.crop(-1)
         self.length = 0
         self._pass = compiled_decoder_pass() if compile else _decoder_pass
 
