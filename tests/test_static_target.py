@@ -8,6 +8,7 @@ random models.
 * At T = 1 chain decoding over the static cache follows the target's exact distribution (χ²); accepting every
   candidate fails the same check.
 * ``target_runtime="compiled"`` (``torch.compile``, inductor) decodes the eager greedy tokens (float32).
+* ``SpecDecPP.generate(target_runtime="static")`` writes the eager tokens; trees refuse a non-eager runtime.
 * Bad settings raise errors naming the value and the fix.
 """
 
@@ -19,7 +20,7 @@ from stats_helpers import ALPHA, SMALL_PROMPT, accept_every_candidate, pair_p_va
 from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, perturbed_copy
 
 import accept_head.chain.decoding as decoding
-from accept_head import FixedK, autoregressive_generate, speculative_generate
+from accept_head import AcceptanceHead, FixedK, SpecDecPP, autoregressive_generate, speculative_generate
 from accept_head.models.static_target import StaticTarget, target_cache
 
 PROMPTS = [[2, 10, 11, 12, 13, 14], [5]]
@@ -121,6 +122,17 @@ def test_compiled_runtime_decodes_the_eager_greedy_text(pair) -> None:
     assert torch.equal(out.sequences, reference)
     with torch.inference_mode():  # as decoding: the kept cache was made there
         assert target_cache(target, "compiled", 20).compiled  # the compiled StaticTarget is kept for the next call
+
+
+def test_a_bundle_decodes_over_the_static_cache(pair) -> None:
+    target, draft = pair
+    head = AcceptanceHead(draft.config.hidden_size, depth=1)
+    bundle = SpecDecPP(target=target, draft=draft, head=head, threshold=0.7)
+    eager = bundle.generate(PROMPTS[0], max_new_tokens=16, temperature=0)
+    static = bundle.generate(PROMPTS[0], max_new_tokens=16, temperature=0, target_runtime="static")
+    assert static.new_token_ids == eager.new_token_ids
+    with pytest.raises(ValueError, match="target_runtime='static' serves chain decoding; pass tree=False or 'eager'"):
+        bundle.generate(PROMPTS[0], max_new_tokens=4, tree=True, target_runtime="static")
 
 
 def test_bad_runtime_settings_raise_clear_errors(pair) -> None:
