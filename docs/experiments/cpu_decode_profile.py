@@ -187,9 +187,11 @@ def main() -> None:
     ap.add_argument("--runtimes", default="eager,static,compiled")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: widths,head,autoregressive,rounds")
     ap.add_argument("--output", default="eval_out/cpu_decode_profile.json")
-    ap.add_argument("--inductor_options", default="{}", help="JSON, e.g. '{\"freezing\": true}'")
+    ap.add_argument("--inductor_options", default="default", help="JSON replacing the defaults, e.g. '{}'")
     args = ap.parse_args()
-    static_target.INDUCTOR_OPTIONS.update(json.loads(args.inductor_options))
+    if args.inductor_options != "default":
+        static_target.INDUCTOR_OPTIONS.clear()
+        static_target.INDUCTOR_OPTIONS.update(json.loads(args.inductor_options))
     runtimes, skip = args.runtimes.split(","), set(filter(None, args.skip.split(",")))
     bundle = SpecDecPP.from_pretrained(args.bundle)
     target = bundle.target
