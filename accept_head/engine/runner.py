@@ -37,7 +37,7 @@ from ..learning_free.lookahead import check_lookahead_params, lookahead_generate
 from ..learning_free.ngrammys import ModelBigram, check_ngrammys_params, ngrammys_generate
 from ..learning_free.ouroboros import check_ouroboros_params, ouroboros_generate
 from ..models.pairs import cache_root
-from ..models.static_target import RUNTIMES
+from ..models.static_target import check_runtime
 from ..trees.attention import check_masked_attention
 from ..trees.decoding import tree_generate
 from ..trees.growth import ConfidenceTree, CostTree, HeadTree, StaticTree, TreeRule
@@ -373,8 +373,7 @@ class Runner:
         tree_models: TreeModels | None = None,
         target_runtime: str = "eager",
     ) -> None:
-        if target_runtime not in RUNTIMES:
-            raise ValueError(f"target_runtime={target_runtime!r} must be one of {list(RUNTIMES)}.")
+        check_runtime(target_runtime)
         self.target_runtime = target_runtime
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens={max_new_tokens} must be >= 1.")

@@ -23,7 +23,7 @@ from __future__ import annotations
 import bisect
 
 import torch
-from transformers import StaticCache
+from transformers import DynamicCache, StaticCache
 
 from ..core.hf_compat import cache_kwargs
 
@@ -35,6 +35,12 @@ LENGTH_STEP = 256
 """Cache lengths are multiples of this, so requests of similar length share compiled graphs. Every pass attends over
 the whole preallocated cache (masked past the kept length): on the EPYC a one-token pass spent 7 ms of its 32 ms in
 attention over 1,040 positions, so the buckets are kept short."""
+
+
+def capacity(max_length: int) -> int:
+    """The cache length a :class:`StaticTarget` of ``max_length`` positions keeps: the next multiple of
+    :data:`LENGTH_STEP`."""
+    return -(-max_length // LENGTH_STEP) * LENGTH_STEP
 
 
 def _decoder_pass(decoder: torch.nn.Module, cache: dict, ids: torch.Tensor, positions: torch.Tensor):
@@ -88,7 +94,7 @@ class StaticTarget:
             raise ValueError(f"max_length={max_length} must be >= 1 (the prompt plus the new tokens).")
         self.model, self.decoder, self.head = model, decoder, model.get_output_embeddings()
         self.compiled = compile
-        self.capacity = -(-max_length // LENGTH_STEP) * LENGTH_STEP
+        self.capacity = capacity(max_length)
         parameter = next(model.parameters())
         self.cache = StaticCache(config=model.config, max_cache_len=self.capacity + WIDTHS[-1])
         self._cache_kwargs = cache_kwargs(decoder, self.cache)
@@ -132,26 +138,26 @@ class StaticTarget:
             self.cache.crop(length - self.length)
         self.length = length
 
-    def get_seq_length(self) -> int:
-        return self.length
-
 
 RUNTIMES = ("eager", "static", "compiled")
 """How a decoder runs its target: ``eager`` (a ``DynamicCache``, the model's own forward), ``static``
 (:class:`StaticTarget`, not compiled) or ``compiled`` (:class:`StaticTarget` under ``torch.compile``)."""
 
 
+def check_runtime(runtime: str) -> None:
+    """ValueError naming ``runtime`` unless it is one of :data:`RUNTIMES`."""
+    if runtime not in RUNTIMES:
+        raise ValueError(f"target_runtime={runtime!r} must be one of {list(RUNTIMES)}.")
+
+
 def target_cache(model: torch.nn.Module, runtime: str, max_length: int):
     """What a decoder keeps the target's KV cache in for ``runtime`` (:data:`RUNTIMES`): a fresh ``DynamicCache`` or
     a :class:`StaticTarget` of ``max_length`` positions (reused across calls for the same model, length bucket and
     runtime, so a compiled one compiles once)."""
-    from transformers import DynamicCache
-
-    if runtime not in RUNTIMES:
-        raise ValueError(f"target_runtime={runtime!r} must be one of {list(RUNTIMES)}.")
+    check_runtime(runtime)
     if runtime == "eager":
         return DynamicCache()
-    key = (-(-max_length // LENGTH_STEP) * LENGTH_STEP, runtime)
+    key = (capacity(max_length), runtime)
     kept: dict = model.__dict__.setdefault("_accept_head_static_targets", {})
     if key not in kept:
         kept[key] = StaticTarget(model, max_length, compile=runtime == "compiled")

@@ -66,7 +66,7 @@ def draft_tree(
                     proposed.append(tree.add(token, parent, prob, prob, entropy, top1=probs[0]))
         with _timed(stats, "head_time"):
             for node, score in zip(proposed, rule.prior_scores(tree, proposed)):
-                tree.rescore(node, score)
+                tree.rescore(node, score, checked=False)  # just proposed: childless
         if tree.depth >= max_depth or not rule.grow(tree):
             break
         parents = rule.frontier(tree)

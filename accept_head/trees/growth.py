@@ -73,9 +73,10 @@ class DraftTree:
         self.slots.append(-1)
         return len(self.tokens) - 1
 
-    def rescore(self, node: int, score: float) -> None:
-        """Replace a childless node's score (its value follows)."""
-        assert node not in self.parents, "rescore a node before its children are added"
+    def rescore(self, node: int, score: float, checked: bool = True) -> None:
+        """Replace a childless node's score (its value follows); ``checked=False`` skips the O(n) childless check for
+        nodes the caller has just added."""
+        assert not checked or node not in self.parents, "rescore a node before its children are added"
         self.scores[node] = float(score)
         self.values[node] = (1.0 if self.parents[node] < 0 else self.values[self.parents[node]]) * float(score)
 
