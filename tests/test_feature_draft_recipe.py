@@ -205,6 +205,54 @@ def test_text_stage_cuts_files_into_prompted_chunks_that_features_read_but_vocab
     assert all("text" not in p.name for p in stages._shards(recipe_cfg, "train"))
 
 
+def test_text_stage_writes_written_answers_of_training_prompts_only(run, tmp_path) -> None:
+    """``written_responses``: each training prompt (never its ``eval`` hash split, never an ``eval_prompts`` prompt)
+    with a non-empty written answer becomes (chat-templated prompt, answer cut at ``text_chunk`` − 1 tokens + EOS);
+    ``features`` teacher-forces the target over them."""
+    from tiny_models import WORDS
+
+    from accept_head.core.prompts import chat_prompt_ids, split_of
+
+    words = [w for w in WORDS if w.isalpha()]
+    records = [
+        {"question": f"{words[i % len(words)]} {words[(3 * i) % len(words)]}", "answer": " ".join(words[: 5 + i])}
+        for i in range(40)
+    ]
+    records[7]["answer"] = "  "  # an empty answer: skipped
+    (tmp_path / "qa.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    source = {"path": str(tmp_path / "qa.jsonl"), "name": "qa", "field": "question", "response_field": "answer"}
+    held_out = {**source, "limit": 2, "split": "head"}  # two prompts an evaluation holds out: never written
+    cfg = dict(run["cfg"], work_dir=str(tmp_path / "work"), written_responses=[source], text_chunk=12)
+    cfg["eval_prompts"] = [held_out]
+    run_cli("text", "--config", str(write_config(tmp_path / "written.yaml", cfg)))
+
+    tokenizer = make_tokenizer()
+    shards = sorted((tmp_path / "work" / "text").glob("train-written-*.pt"))
+    assert [p.name for p in shards] == ["train-written-000.pt"]
+    shard = torch.load(shards[0], weights_only=True)
+    rows = {int(i.split(":")[1]): (p.tolist(), r.tolist()) for i, p, r in zip(*shard.values())}
+    held = {p.id for p in stages.load_prompts([stages.PromptSource(**held_out)])}
+    expected = {i for i in range(40) if i != 7 and split_of(f"qa:{i}") != "eval" and f"qa:{i}" not in held}
+    assert len(held) == 2 and set(rows) == expected
+    for i, (prompt, answer) in rows.items():
+        assert prompt == chat_prompt_ids(tokenizer, records[i]["question"])
+        ids = tokenizer(records[i]["answer"], add_special_tokens=False)["input_ids"]
+        assert answer == ids[:11] + [tokenizer.eos_token_id]
+    meta = json.loads((tmp_path / "work" / "text" / "meta.json").read_text())
+    assert meta["written"] == [{"source": "qa", "tokens": sum(len(p) + len(r) for p, r in rows.values())}]
+
+    run_cli("features", "--config", str(write_config(tmp_path / "written.yaml", cfg)))
+    stored = feature_sequences(tmp_path / "work" / "features" / "train-written-000.safetensors")
+    assert sorted(s[0].tolist() for s in stored) == sorted(p + r for p, r in rows.values())
+
+
+def test_a_missing_response_field_is_named(tmp_path) -> None:
+    (tmp_path / "qa.jsonl").write_text(json.dumps({"question": "a b"}) + "\n")
+    source = stages.PromptSource(str(tmp_path / "qa.jsonl"), field="question", response_field="answer")
+    with pytest.raises(ValueError, match="response_field 'answer' is missing"):
+        stages.load_prompts([source])
+
+
 # ---- vocab ---------------------------------------------------------------------------------------------------------
 
 
@@ -276,6 +324,33 @@ def test_fit_resumes_from_the_last_checkpoint(run, tmp_path, monkeypatch) -> Non
     # The learning curve (read by model_card) keeps the validations from before each resume.
     after = [r["step"] for r in stages.learning_curve(stages.FeatureDraftRecipe(**cfg))]
     assert after[:2] == before and len(after) == 4 and after == sorted(set(after))
+
+
+def test_fit_continues_an_exported_draft_named_by_init_draft(run, tmp_path) -> None:
+    """``init_draft``: training starts from that folder's weights and kept vocabulary, not the target's (with lr 0
+    the export equals the folder; without it, it does not); a draft of another kept size is refused by name."""
+    work = tmp_path / "work"
+    shutil.copytree(run["root"] / "work", work, ignore=shutil.ignore_patterns("ablate", "checkpoints", "logs"))
+    (work / "vocab.json").unlink()  # the initial draft's kept ids are used, so no vocab stage is needed
+    start = run["root"] / "out"
+    cfg = dict(run["cfg"], work_dir=str(work), output_dir=str(tmp_path / "out"), lr=0.0, init_draft=str(start))
+    run_cli("fit", "--config", str(write_config(tmp_path / "recipe.yaml", cfg)), "--cfg.max_steps", "2")
+    exported, initial = (
+        load_file(str(tmp_path / "out" / "model.safetensors")),
+        load_file(str(start / "model.safetensors")),
+    )
+    assert exported.keys() == initial.keys()
+    for name, value in initial.items():
+        torch.testing.assert_close(exported[name], value, rtol=0, atol=0, msg=name)
+    shutil.rmtree(work / "checkpoints")
+    fresh = dict(cfg, init_draft=None)
+    shutil.copy(run["root"] / "work" / "vocab.json", work / "vocab.json")
+    run_cli("fit", "--config", str(write_config(tmp_path / "fresh.yaml", fresh)), "--cfg.max_steps", "2")
+    weights = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert not torch.equal(weights["fc.weight"], initial["fc.weight"])
+    shutil.rmtree(work / "checkpoints")
+    with pytest.raises(ValueError, match=f"kept_vocab_size={KEPT}.*kept_vocab=8"):
+        run_cli("fit", "--config", str(write_config(tmp_path / "bad.yaml", dict(cfg, kept_vocab=8))))
 
 
 # ---- evaluate and model_card ---------------------------------------------------------------------------------------
@@ -445,6 +520,17 @@ def test_cpu_recipe_teacher_forces_text_beside_the_responses(capsys, monkeypatch
     assert sources[0]["patterns"] == ["{stdlib}/**/*.py"]
     assert len(sources) >= 2 and all(s["tokens"] > 0 for s in sources)
     assert all(s["prompt"] and "{text}" in s["template"] for s in sources)
+
+
+def test_cpu_own_response_recipe_reads_written_answers_of_distill_prompts_only(capsys, monkeypatch) -> None:
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit):
+        run_cli("text", "--config", "configs/distill/smollm2-135m-feature-draft-cpu.yaml", "--print_config")
+    printed = yaml.safe_load(capsys.readouterr().out)["cfg"]
+    written = printed["written_responses"]
+    assert {s["name"] for s in written} == {"gsm8k", "codegen", "toolformer", "roleplay"}
+    assert all(s["split"] == "distill" and s["response_field"] for s in written)
+    assert {s["path"] for s in written} <= {s["path"] for s in printed["prompts"]}
 
 
 def test_the_committed_draft_records_the_gpu_recipe_that_trained_it(capsys, monkeypatch) -> None:

@@ -30,6 +30,8 @@ class Prompt:
     """Stable id: ``<source name>:<row index in the file>``."""
     source: str
     text: str
+    response: str | None = None
+    """A written answer to the prompt (the source's ``response_field``), for teacher-forced training text."""
 
 
 @dataclass
@@ -65,6 +67,9 @@ class PromptSource:
     """Dataset split for ``hf:`` sources."""
     format: str | None = None
     """File format override: json, jsonl, parquet, csv or text; by default taken from the file suffix."""
+    response_field: str | None = None
+    """Column holding a written answer (GPTeacher's ``response``, GSM8K's ``answer``) that a draft's training may
+    teacher-force; None reads none. Never a reference for evaluation."""
 
     def __post_init__(self) -> None:
         if self.split is not None and self.split not in SPLITS:
@@ -183,7 +188,13 @@ def load_prompts(
             if not text.strip():
                 stats.empty += 1
                 continue
-            rows.append(Prompt(prompt_id, name, text))
+            if source.response_field and source.response_field not in record:
+                raise ValueError(
+                    f"{source.path}, row {row}: response_field {source.response_field!r} is missing (fields: "
+                    f"{sorted(record)}). Set it to the column holding the written answer, or to null."
+                )
+            response = record[source.response_field] if source.response_field else None
+            rows.append(Prompt(prompt_id, name, text, str(response) if response is not None else None))
         random.Random(f"{seed}:{name}").shuffle(rows)
         kept = 0
         for prompt in rows[source.offset :]:

@@ -147,6 +147,9 @@ class FeatureDraftRecipe:
     """Uniform input-feature noise, as a fraction of the features' RMS (0 turns it off)."""
     train_lm_head: bool = False
     """Train the LM head rows (else they stay the target's own rows)."""
+    init_draft: str | None = None
+    """A feature-draft folder to start from instead of the target's own weights (continue training an exported
+    draft on more data); its kept vocabulary replaces ``vocab.json``'s, so ``kept_vocab`` must equal its size."""
     loss_from: int | None = None
     """First position that carries loss (None: after the longest token prefix all sequences share, e.g. a system
     prompt the chat template adds)."""
@@ -164,6 +167,10 @@ class FeatureDraftRecipe:
     faster than the target writes it), each source with its own prompt and token budget."""
     text_chunk: int = 384
     """Response tokens per text sequence (shorter tails than 64 tokens are dropped)."""
+    written_responses: list[PromptSource] = field(default_factory=list)
+    """Prompt sources with a ``response_field`` (GPTeacher's ``response``, GSM8K's ``answer``): the ``text`` stage
+    writes each training prompt (never the held-out split or ``eval_prompts``) with its written answer, chat-templated
+    and closed by the end-of-turn token, cut at ``text_chunk`` tokens — conversation text for teacher forcing."""
 
 
 def _generations(cfg: FeatureDraftRecipe) -> Path:
@@ -338,19 +345,22 @@ def _check_responses_config(cfg: FeatureDraftRecipe) -> None:
 
 
 def _text_shards(cfg: FeatureDraftRecipe) -> list[Path]:
-    """The ``text`` stage's shards (training only)."""
-    return sorted((expand(cfg.work_dir) / "text").glob("train-text-*.pt"))
+    """The ``text`` stage's shards (training only): cut files (``train-text-*``), then written answers
+    (``train-written-*``)."""
+    folder = expand(cfg.work_dir) / "text"
+    return sorted(folder.glob("train-text-*.pt")) + sorted(folder.glob("train-written-*.pt"))
 
 
 def text(cfg: FeatureDraftRecipe) -> dict:
     """Stage 0 (optional): cut the files of each of ``text_sources`` into generation-format shards
     (``train-text-*.pt`` in ``<work_dir>/text``): each chunk of ``text_chunk`` tokens is the response to the source's
-    ``prompt``. Each source takes its files in a seeded order until its ``tokens`` are written; ``features`` then
-    teacher-forces the target over them beside its own responses (``vocab`` still counts only those). Returns what
-    was written."""
+    ``prompt``. Each source takes its files in a seeded order until its ``tokens`` are written. Then
+    ``written_responses``: every training prompt with its written answer (``train-written-*.pt``). ``features``
+    teacher-forces the target over all of them beside its own responses (``vocab`` still counts only those). Returns
+    what was written."""
     out = expand(cfg.work_dir) / "text"
     done = out / "meta.json"
-    if done.exists() or not cfg.text_sources:
+    if done.exists() or not (cfg.text_sources or cfg.written_responses):
         return json.loads(done.read_text()) if done.exists() else {"shards": 0, "tokens": 0}
     for partial in _text_shards(cfg):  # a killed run's shards: written again, in the same order
         partial.unlink()
@@ -398,10 +408,44 @@ def text(cfg: FeatureDraftRecipe) -> dict:
                 break
         flush(prompt)
         per_source.append({"patterns": source.patterns, "tokens": written, "candidate_files": len(files)})
+    answers = _written_answers(cfg, tokenizer, out) if cfg.written_responses else []
     meta = {"shards": shards, "tokens": sum(s["tokens"] for s in per_source), "sources": per_source}
+    if answers:
+        meta |= {"written_shards": len(_text_shards(cfg)) - shards, "written": answers}
+        meta["tokens"] += sum(s["tokens"] for s in answers)
     done.write_text(json.dumps(meta, indent=2) + "\n")
-    print(f"[text] {shards} shards, {meta['tokens']} tokens from {len(per_source)} sources", flush=True)
+    print(
+        f"[text] {len(_text_shards(cfg))} shards, {meta['tokens']} tokens from {len(per_source)} file sources and "
+        f"{len(answers)} written-answer sources",
+        flush=True,
+    )
     return meta
+
+
+def _written_answers(cfg: FeatureDraftRecipe, tokenizer, out: Path) -> list[dict]:
+    """Write ``train-written-*.pt`` shards of (chat-templated prompt, written answer + end of turn) for every training
+    prompt of ``written_responses`` with a non-empty answer; returns the tokens written per source."""
+    held_out = load_prompts(cfg.eval_prompts, seed=cfg.seed, split_seed=cfg.split_seed)
+    pool = training_prompts(cfg.written_responses, held_out, seed=cfg.seed, split_seed=cfg.split_seed)
+    if tokenizer.eos_token_id is None:
+        raise ValueError("written_responses need the tokenizer's EOS token to close each answer; it defines none.")
+    tokens: Counter = Counter()
+    rows: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    for prompt in pool:
+        if not (prompt.response or "").strip():
+            continue
+        answer = tokenizer(prompt.response, add_special_tokens=False)["input_ids"][: cfg.text_chunk - 1]
+        answer.append(int(tokenizer.eos_token_id))  # the end of turn the target's own responses close with
+        ids = chat_prompt_ids(tokenizer, prompt.text)
+        if len(ids) > cfg.max_prompt_tokens:  # skipped, as the responses stage skips them
+            continue
+        rows.append((prompt.id, torch.tensor(ids, dtype=torch.int32), torch.tensor(answer, dtype=torch.int32)))
+        tokens[prompt.source] += len(ids) + len(answer)
+    for index, start in enumerate(range(0, len(rows), 256)):
+        chunk = rows[start : start + 256]
+        shard = {"prompt_id": [r[0] for r in chunk], "prompt_ids": [r[1] for r in chunk]}
+        save_atomic(shard | {"response_ids": [r[2] for r in chunk]}, out / f"train-written-{index:03d}.pt")
+    return [{"source": name, "tokens": count} for name, count in tokens.items()]
 
 
 def _feature_paths(cfg: FeatureDraftRecipe, kind: str) -> list[Path]:
@@ -537,6 +581,20 @@ def _common_prefix(paths: list[Path]) -> int:
     return length
 
 
+def _initial_draft(cfg: FeatureDraftRecipe, target: torch.nn.Module) -> FeatureDraft | None:
+    """The draft ``init_draft`` names, bound to ``target`` (None without one); refuses one of another shape."""
+    if cfg.init_draft is None:
+        return None
+    draft = FeatureDraft.from_pretrained(expand(cfg.init_draft)).bind(target)
+    if draft.config.kept_vocab_size != cfg.kept_vocab or draft.config.train_lm_head != cfg.train_lm_head:
+        raise ValueError(
+            f"init_draft={cfg.init_draft!r} has kept_vocab_size={draft.config.kept_vocab_size} and train_lm_head="
+            f"{draft.config.train_lm_head}, but the recipe says kept_vocab={cfg.kept_vocab} and train_lm_head="
+            f"{cfg.train_lm_head}; set them to the draft's values."
+        )
+    return draft
+
+
 def fit(cfg: FeatureDraftRecipe) -> Path:
     """Stage 3: train the draft and export it (see :func:`fit_until`)."""
     return fit_until(cfg, None)
@@ -553,7 +611,8 @@ def fit_until(cfg: FeatureDraftRecipe, deadline: float | None) -> Path:
     work = expand(cfg.work_dir)
     device = "cpu" if cfg.accelerator == "cpu" else "cuda"
     target = load_model(dataclasses.replace(cfg.target, device=device))  # the draft reads its input embedding
-    kept = _kept_ids(cfg)
+    start = _initial_draft(cfg, target)
+    kept = _kept_ids(cfg) if start is None else start.kept_ids
     train_paths, val_paths = _feature_paths(cfg, "train"), _feature_paths(cfg, "eval")
     if not train_paths:
         raise FileNotFoundError(f"No feature shards under {work / 'features'}: run the `features` stage first.")
@@ -572,6 +631,8 @@ def fit_until(cfg: FeatureDraftRecipe, deadline: float | None) -> Path:
         seed=cfg.seed,
     )
     module.init_from_target(target, kept)
+    if start is not None:  # then the exported draft's own weights (a checkpoint in work_dir still wins: resuming)
+        module.draft.load_state_dict(start.state_dict())
     data = FeatureDataModule(train_paths, val_paths[:1], cfg.batch_tokens, cfg.seed, loss_from)
     limit = {}
     if deadline is not None:
