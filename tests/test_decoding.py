@@ -16,6 +16,7 @@ from accept_head import (
     autoregressive_generate,
     speculative_generate,
 )
+from accept_head.models.drafters import Drafter, DraftStep
 
 EOS, PAD = SPECIAL_TOKENS.index("<eos>"), SPECIAL_TOKENS.index("<pad>")
 PROMPTS = [[1, 7], [1, 12, 40, 41, 9], [1, 30, 31, 32, 33, 34, 35, 36, 37], [1, 50, 8, 8, 8, 20, 21]]
@@ -384,3 +385,49 @@ def test_decode_stats_add_up_into_the_pooled_counts_of_several_runs() -> None:
 
     with pytest.raises(TypeError, match="TreeDecodeStats and OtherStats"):
         t + OtherStats()
+
+
+class _Scripted(Drafter):
+    """Proposes fixed steps, each either over the whole vocabulary or over its support only."""
+
+    def __init__(self, steps: list[DraftStep]) -> None:
+        self.vocab_size, self.steps = steps[0].vocab_size, iter(steps)
+
+    def propose(self, token):
+        return next(self.steps, None)
+
+
+class _AllStats(FixedK):
+    uses_draft_stats = uses_confidence = True
+
+
+@pytest.mark.parametrize("settings", [(0.0, None, None), (1.0, None, None), (0.7, 5, None), (1.3, None, 0.8)])
+def test_a_drafter_support_draws_what_the_whole_vocabulary_draws(settings) -> None:
+    """A step given over its support (ascending ids, −inf elsewhere) draws the same candidates from the same seed,
+    gives verification the same q rows and the head the same inputs as the step over the whole vocabulary; greedy
+    ties go to the smallest id, as a full-vocabulary argmax breaks them."""
+    from accept_head.chain.decoding import DecodeStats, draft_round
+    from accept_head.core.sampling import SamplingConfig
+
+    vocab, gen = 60, torch.Generator().manual_seed(3)
+    support = torch.randperm(vocab, generator=gen)[:25].sort().values
+    rows = (torch.randn(4, 25, generator=gen) * 2).round()  # coarse values: many ties
+    rows[0, [3, 17]] = rows[0].max() + 1  # a tie for the maximum
+    full = torch.full((4, vocab), float("-inf")).index_copy(1, support, rows)
+    sparse = [DraftStep(None, None, support=support, support_logits=r, vocab_size=vocab) for r in rows]
+    dense = [DraftStep(f, None) for f in full]
+    assert torch.equal(sparse[1].logits, full[1])
+    sampling = SamplingConfig(*settings)
+    results = []
+    for steps in (dense, sparse):
+        state, q_rows = draft_round(
+            _Scripted(steps), _AllStats(4), sampling, 4, 0, torch.Generator().manual_seed(11), DecodeStats()
+        )
+        results.append((state, torch.stack(q_rows)))
+    (a, qa), (b, qb) = results
+    assert a.candidates == b.candidates and len(a.candidates) == 4
+    if sampling.greedy:
+        assert a.candidates[0] == int(support[3])
+    torch.testing.assert_close(qa, qb, rtol=1e-6, atol=1e-7)
+    for name in ("token_probs", "entropies", "draft_logps", "top1s"):
+        torch.testing.assert_close(torch.tensor(getattr(a, name)), torch.tensor(getattr(b, name)), rtol=1e-5, atol=1e-5)

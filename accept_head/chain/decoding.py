@@ -342,6 +342,18 @@ def _check_pair(drafter: Drafter, policy: StopPolicy, sampling: SamplingConfig) 
         )
 
 
+def draw(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Generator | None) -> tuple[int, torch.Tensor]:
+    """One candidate from ``logits`` (S,) under ``sampling``: its index and the transformed distribution (S,) it was
+    drawn from (greedy: the argmax — the first maximum, as ``argmax`` breaks ties — and its one-hot)."""
+    if sampling.greedy:
+        index = int(logits.argmax())
+        q = torch.zeros(logits.shape[-1], device=logits.device)
+        q[index] = 1.0
+        return index, q
+    q = probabilities(logits, sampling)
+    return int(sample(q[None, :], generator)[0]), q
+
+
 def draft_round(
     drafter: Drafter,
     policy: StopPolicy,
@@ -367,17 +379,20 @@ def draft_round(
     step = drafter.propose(None)
     while step is not None:
         stats.draft_calls += 1
-        q = probabilities(step.logits, sampling)
-        y = int(sample(q[None, :], generator)[0])
+        # Over the drafter's support when it gives one (a pruned vocabulary): the same draw and numbers as over
+        # the whole vocabulary, whose other entries have q = 0, at a third of the cost for the embedded pair.
+        logits = step.logits if step.support is None else step.support_logits
+        index, q = draw(logits, sampling, generator)
+        y = index if step.support is None else int(step.support[index])
         state.candidates.append(y)
-        q_rows.append(q)
+        q_rows.append(q if step.support is None else q.new_zeros(step.vocab_size).index_copy_(0, step.support, q))
         state.n += 1
         state.position += 1
-        confidence = step.logits.float().softmax(-1) if untempered else q
-        state.token_probs.append(float(confidence[y]))
+        confidence = logits.float().softmax(-1) if untempered else q
+        state.token_probs.append(float(confidence[index]))
         if policy.uses_draft_stats:  # the head's scalar inputs, computed as the labels' draft_* columns are
             with _timed(stats, "head_time", getattr(drafter, "device", None)):
-                logq, entropy, top1 = draft_step_stats(step.logits, q, y, sampling.greedy)
+                logq, entropy, top1 = draft_step_stats(logits, q, index, sampling.greedy)
             state.draft_logps.append(logq)
             state.entropies.append(entropy)
             state.top1s.append(top1)

@@ -54,7 +54,8 @@ def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
         kth = torch.topk(logits, k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if config.top_p is not None and config.top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        # Stable: tied tokens keep ascending ids, so which of them the nucleus keeps does not depend on the sort.
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True, stable=True)
         sorted_probs = sorted_logits.softmax(-1)
         # Drop a token when the mass strictly before it already reaches top_p (the first token is always kept).
         drop_sorted = (sorted_probs.cumsum(-1) - sorted_probs) >= config.top_p

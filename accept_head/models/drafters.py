@@ -22,7 +22,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
@@ -32,15 +31,44 @@ from .features import capture_lm_head_input
 from .pairs import check_same_vocab
 
 
-@dataclass
 class DraftStep:
-    """One drafting step."""
+    """One drafting step: the next candidate's logits and the drafter's hidden state.
 
-    logits: torch.Tensor
-    """(V,) next-token logits over the target's whole vocabulary; −inf outside a pruned draft vocabulary (q = 0)."""
-    hidden: torch.Tensor | None
-    """(d,) the drafter's final hidden state at the position whose input is the latest token fed — the input of an
-    acceptance head (None for drafters that have none)."""
+    A drafter with a pruned vocabulary may give its logits on that vocabulary only (``support``, ascending token
+    ids, and ``support_logits``): the decoder then samples and computes the head's inputs over those few thousand
+    entries, and :attr:`logits` over the whole vocabulary is built only when something reads it.
+    """
+
+    __slots__ = ("_logits", "hidden", "support", "support_logits", "vocab_size")
+
+    def __init__(
+        self,
+        logits: torch.Tensor | None,
+        hidden: torch.Tensor | None,
+        *,
+        support: torch.Tensor | None = None,
+        support_logits: torch.Tensor | None = None,
+        vocab_size: int | None = None,
+    ) -> None:
+        if logits is None and (support is None or support_logits is None or vocab_size is None):
+            raise ValueError("DraftStep needs logits, or support, support_logits and vocab_size.")
+        self._logits = logits
+        self.hidden = hidden
+        """(d,) the drafter's final hidden state at the position whose input is the latest token fed — the input of
+        an acceptance head (None for drafters that have none)."""
+        self.support = support
+        """(S,) ascending token ids outside which the logits are −inf, or None (every token may be drawn)."""
+        self.support_logits = support_logits
+        """(S,) the logits of ``support``'s tokens (finite), or None."""
+        self.vocab_size = vocab_size if logits is None else logits.shape[-1]
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """(V,) next-token logits over the target's whole vocabulary; −inf outside a pruned vocabulary (q = 0)."""
+        if self._logits is None:
+            full = self.support_logits.new_full((self.vocab_size,), float("-inf"))
+            self._logits = full.index_copy_(0, self.support, self.support_logits)
+        return self._logits
 
 
 class Drafter:

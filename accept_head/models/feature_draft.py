@@ -232,6 +232,25 @@ class FeatureDraft(nn.Module):
         """(…, d) predicted features → (…, kept_vocab_size) logits over ``kept_ids``."""
         return self.lm_head(predicted)
 
+    def support_head(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``kept_ids`` in ascending order and the LM head's rows in that order (a copy, made again when the head's
+        weight changes): logits over them keep a full-vocabulary argmax's tie-break (the smallest id) and a
+        cumulative sum's order, so sampling there draws what sampling over the whole vocabulary draws."""
+        weight = self.lm_head.weight
+        version = None if weight.is_inference() else weight._version  # inference tensors keep no version counter
+        key = (weight.data_ptr(), version, weight.dtype, weight.device, self.kept_ids.data_ptr())
+        cached = self.__dict__.get("_support_head")
+        if cached is None or cached[0] != key:
+            order = self.kept_ids.argsort()
+            cached = (key, self.kept_ids[order], weight.detach()[order].contiguous())
+            self.__dict__["_support_head"] = cached
+        return cached[1], cached[2]
+
+    def support_logits(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(…, d) predicted features → ``kept_ids`` in ascending order (S,) and the logits over them (…, S)."""
+        support, weight = self.support_head()
+        return support, torch.nn.functional.linear(predicted, weight)
+
     def full_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """(d,) → (V,) logits over the whole vocabulary, −inf outside ``kept_ids``."""
         kept = self.kept_logits(predicted)
@@ -368,7 +387,8 @@ class FeatureDrafter(Drafter):
         ids = torch.tensor([tokens], device=self.device)
         predicted = self.model(features[None].to(self.device), ids, self.cache, position_ids=positions, use_cache=True)
         self.last_predicted = predicted[0, -1]
-        return DraftStep(self.model.full_logits(self.last_predicted), self.last_predicted)
+        support, logits = self.model.support_logits(self.last_predicted)
+        return DraftStep(None, self.last_predicted, support=support, support_logits=logits, vocab_size=self.vocab_size)
 
     def propose(self, token: int | None) -> DraftStep | None:
         if token is None:
