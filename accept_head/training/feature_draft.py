@@ -21,6 +21,7 @@ and the greedy agreement 1[argmax q = argmax p] on held-out sequences.
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -261,6 +262,7 @@ class FeatureDraftModule(LightningModule):
         self.draft = FeatureDraft(config)
         self.register_buffer("target_rows", torch.zeros(config.kept_vocab_size, config.hidden_size), persistent=False)
         self.generator = torch.Generator().manual_seed(seed)
+        self._step_clock: tuple[float, int] | None = None
 
     def init_from_target(self, target: torch.nn.Module, kept_ids: torch.Tensor) -> None:
         """Start from ``target``'s own weights (:meth:`FeatureDraft.from_target`) and keep its kept-vocabulary rows."""
@@ -309,6 +311,18 @@ class FeatureDraftModule(LightningModule):
                     values |= {"accept": (accept * m).sum() / n, "agree": (agree.float() * m).sum() / n}
             per_step.append(values)
         return total, per_step
+
+    def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+        """Log ``train/positions_per_s``: the previous step's loss positions over the wall time from its start to
+        this one's (data, forward, backward, optimizer; the step after a validation is not timed)."""
+        now = time.perf_counter()
+        if self._step_clock is not None:
+            began, positions = self._step_clock
+            self.log("train/positions_per_s", positions / max(now - began, 1e-9), batch_size=1)
+        self._step_clock = (now, int(batch["loss_mask"].sum()))
+
+    def on_validation_start(self) -> None:
+        self._step_clock = None
 
     def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> torch.Tensor:
         loss, per_step = self._losses(batch, train=True)
