@@ -759,7 +759,8 @@ def evaluate_until(
             name = f"{path.stem} ({', '.join(sorted({i.split(':')[0] for i in ids}))})"
             starts = max(cfg.eval_starts // len(paths), 1)
             result["per_source"][name] = per_step_acceptance(draft, target, [path], starts, cfg.eval_steps, cfg.seed)
-        result["coverage"] = json.loads((expand(cfg.work_dir) / "vocab.json").read_text())["coverage"]
+        vocab_json = expand(cfg.work_dir) / "vocab.json"  # absent when fit continued an init_draft
+        result["coverage"] = json.loads(vocab_json.read_text())["coverage"] if vocab_json.exists() else None
         result["heldout"] = {"work_dir": str(cfg.work_dir), "device": str(device)}
         result["kept_vocab"] = draft.config.kept_vocab_size
         for row in result["per_step"]:
@@ -1101,7 +1102,7 @@ def _measured(ev: dict, recipe_config: str) -> str:
     steps = [
         [str(r["step"]), f"{r['expected_accept']:.3f}", f"{r['greedy_agreement']:.3f}", str(r["n"])] for r in per_step
     ]
-    coverage = [[str(v), f"{c:.4f}"] for v, c in ev["coverage"].items()]
+    coverage = [[str(v), f"{c:.4f}"] for v, c in (ev["coverage"] or {}).items()]
     t, th = ev["timing"], ev["timing_with_head"]
     mean_1_4 = sum(r["expected_accept"] for r in per_step[:4]) / 4
     where = ev.get("heldout", {})
@@ -1118,8 +1119,10 @@ tokens are the target's own; exact target distributions from the stored features
         *_per_source(ev),
         f"""\
 Held-out coverage of the target's probability mass by the top-V tokens (V chosen = {ev["kept_vocab"]:,}; this bounds
-the acceptance at that V):""",
-        plain_table(["V", "coverage"], coverage),
+the acceptance at that V):"""
+        if coverage
+        else f"Kept vocabulary: the {ev['kept_vocab']:,} tokens of the draft training continued from (`init_draft`).",
+        *([plain_table(["V", "coverage"], coverage)] if coverage else []),
         f"""\
 Speed (context 128, bf16, interleaved, medians of {t["samples_each"]}): one drafting step {t["draft_ms"]:.2f} ms
 (with a depth-3 acceptance head {th["draft_ms"]:.2f} ms) against a single-token target forward
