@@ -8,10 +8,12 @@ the config's ``time_budget_s``::
     python -m train.feature_draft bench_responses --config ...  # its generators' tok/s beside model.generate
     python -m train.feature_draft progress --config ...  # shards, rows and positions written so far
     python -m train.distill_draft generate --config <distill yaml>  # or: responses written by the standalone recipe
-    python -m train.feature_draft text     --config ...   # optional: more text (e.g. Python's stdlib) as sequences
+    python -m train.feature_draft text     --config ...   # optional: files (e.g. Python's stdlib) and written
+                                                          # answers (written_responses) as teacher-forced text
     python -m train.feature_draft features --config configs/distill/smollm2-135m-feature-draft.yaml
     python -m train.feature_draft vocab    --config ...   # token frequencies; the target's mass covered per V
     python -m train.feature_draft fit      --config ...   # Lightning Trainer; resumes from checkpoints/last.ckpt
+        [--cfg.init_draft <draft folder>]                 # or continues an exported draft on new data
     python -m train.feature_draft evaluate --config ...   # per-step acceptance 1..8, cost ratio -> eval.json
     python -m train.feature_draft ablate   --config ...   # short runs with one loss term changed -> ablations.json
     python -m train.feature_draft model_card --config ... # README.md and learning_curve.png of the draft folder
