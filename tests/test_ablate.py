@@ -121,3 +121,24 @@ def test_shipped_ablation_config_parses(capsys) -> None:
     assert exit_info.value.code == 0
     printed = yaml.safe_load(capsys.readouterr().out)
     assert printed["variants"][0]["name"] == "recipe" and len(printed["variants"]) >= 10
+
+
+def test_shipped_input_ablation_config_removes_one_input_at_a_time(capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["ablate", "--config", str(REPO / "configs" / "eval" / "ablate-inputs.yaml"), "--print_config"])
+    assert exit_info.value.code == 0
+    variants = {v["name"]: v["args"] for v in yaml.safe_load(capsys.readouterr().out)["variants"]}
+    for name in ("logq", "entropy", "top1", "depth", "path_logq"):
+        inputs = next(a for a in variants[f"no-{name}"] if a.startswith("--model.inputs="))
+        assert name not in inputs.split("=", 1)[1].strip("[]").split(",")
+
+
+def test_ablate_counts_labelled_positions_of_token_and_rollout_rows() -> None:
+    """Token-level rows count their response, rollout rows their candidates (a rollout run once failed here)."""
+    import torch
+
+    from accept_head.training.data import HiddenRow, LabelRow
+
+    token = LabelRow("a", torch.arange(3), torch.arange(5), torch.arange(5), torch.ones(5))
+    rollout = HiddenRow("b", torch.arange(3), torch.zeros(4, 2), torch.ones(4), torch.zeros(4, 5))
+    assert [ablate_module._labelled(token), ablate_module._labelled(rollout)] == [5, 4]

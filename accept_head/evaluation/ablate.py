@@ -105,6 +105,11 @@ def _row_dict(row) -> dict[str, Any]:
     return {key: full[key] for key in _ROW_KEYS}
 
 
+def _labelled(row) -> int:
+    """Labelled positions of a training row: a token-level row's response, a rollout row's candidates."""
+    return len(row.response_ids) if hasattr(row, "response_ids") else len(row)
+
+
 def run_variant(args: list[str]) -> dict[str, Any]:
     """Fit one variant in this process and read its :class:`~accept_head.training.report.FitReport`."""
     import torch
@@ -120,7 +125,7 @@ def run_variant(args: list[str]) -> dict[str, Any]:
     choice = report.calibration_choice
     out = {
         "train_prompts": len(dm.split["train"]),
-        "train_positions": int(sum(len(row.response_ids) for row in dm.train_set.rows)),
+        "train_positions": int(sum(_labelled(row) for row in dm.train_set.rows)),
         "val_prompts": len(dm.split["val"]),
         "val": dict(report.val_metrics),
         "calibration": (
