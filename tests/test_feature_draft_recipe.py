@@ -326,6 +326,31 @@ def test_fit_resumes_from_the_last_checkpoint(run, tmp_path, monkeypatch) -> Non
     assert after[:2] == before and len(after) == 4 and after == sorted(set(after))
 
 
+def test_fit_sources_choose_which_training_shards_fit_reads(tmp_path) -> None:
+    """``fit_sources`` picks training feature shards by the stage that wrote them (own responses, cut text, written
+    answers); held-out shards are never among them; an unknown source or one without shards is refused by name."""
+    features = tmp_path / "work" / "features"
+    features.mkdir(parents=True)
+    names = ["eval-00000", "train-00000", "train-00001", "train-text-000", "train-written-000", "train-written-001"]
+    for name in names:
+        (features / f"{name}.safetensors").write_bytes(b"")
+    target = ModelSpec(path="unused")
+
+    def chosen(sources: list[str]) -> list[str]:
+        cfg = stages.FeatureDraftRecipe(target=target, work_dir=str(tmp_path / "work"), fit_sources=sources)
+        return [p.stem for p in stages._fit_paths(cfg)]
+
+    assert chosen(list(stages.FIT_SOURCES)) == names[1:]
+    assert stages.FeatureDraftRecipe(target=target).fit_sources == list(stages.FIT_SOURCES)
+    assert chosen(["own"]) == ["train-00000", "train-00001"]
+    assert chosen(["written", "own"]) == ["train-00000", "train-00001", "train-written-000", "train-written-001"]
+    with pytest.raises(ValueError, match=r"fit_sources=\['shared'\]: choose one or more of"):
+        chosen(["shared"])
+    (features / "train-text-000.safetensors").unlink()
+    with pytest.raises(FileNotFoundError, match=r"fit_sources=\['text'\] match none.*\['own', 'written'\]"):
+        chosen(["text"])
+
+
 def test_fit_continues_an_exported_draft_named_by_init_draft(run, tmp_path) -> None:
     """``init_draft``: training starts from that folder's weights and kept vocabulary, not the target's (with lr 0
     the export equals the folder; without it, it does not); a draft of another kept size is refused by name."""

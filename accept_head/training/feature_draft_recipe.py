@@ -53,6 +53,10 @@ from .model_card import blocks, card, front_matter, plain_table, read_json, sect
 from .own_responses import GENERATORS, bench_generators, response_rows, shard_positions, write_response_shards
 
 
+FIT_SOURCES = ("own", "text", "written")
+"""The kinds of training feature shards, by the name their stage gives them."""
+
+
 @dataclass
 class TextSource:
     """One kind of text for the recipe's ``text`` stage: the files ``patterns`` match, written as responses."""
@@ -150,6 +154,10 @@ class FeatureDraftRecipe:
     init_draft: str | None = None
     """A feature-draft folder to start from instead of the target's own weights (continue training an exported
     draft on more data); its kept vocabulary replaces ``vocab.json``'s, so ``kept_vocab`` must equal its size."""
+    fit_sources: list[str] = field(default_factory=lambda: list(FIT_SOURCES))
+    """Which training feature shards ``fit`` reads: ``own`` (the target's own responses, ``train-NNNNN``), ``text``
+    (cut text files, ``train-text-*``), ``written`` (written answers, ``train-written-*``). Validation always reads
+    the held-out own responses."""
     loss_from: int | None = None
     """First position that carries loss (None: after the longest token prefix all sequences share, e.g. a system
     prompt the chat template adds)."""
@@ -171,6 +179,34 @@ class FeatureDraftRecipe:
     """Prompt sources with a ``response_field`` (GPTeacher's ``response``, GSM8K's ``answer``): the ``text`` stage
     writes each training prompt (never the held-out split or ``eval_prompts``) with its written answer, chat-templated
     and closed by the end-of-turn token, cut at ``text_chunk`` tokens — conversation text for teacher forcing."""
+
+
+def _source_of(path: Path) -> str:
+    """``own``, ``text`` or ``written``: which stage wrote the training feature shard ``path``."""
+    for kind in ("text", "written"):
+        if path.name.startswith(f"train-{kind}-"):
+            return kind
+    return "own"
+
+
+def _fit_paths(cfg: FeatureDraftRecipe) -> list[Path]:
+    """The training feature shards of ``fit_sources``; refuses an unknown source or none left."""
+    unknown = sorted(set(cfg.fit_sources) - set(FIT_SOURCES))
+    if unknown or not cfg.fit_sources:
+        raise ValueError(f"fit_sources={cfg.fit_sources!r}: choose one or more of {list(FIT_SOURCES)}.")
+    every = _feature_paths(cfg, "train")
+    if not every:
+        raise FileNotFoundError(
+            f"No feature shards under {expand(cfg.work_dir) / 'features'}: run the `features` stage first."
+        )
+    chosen = [p for p in every if _source_of(p) in cfg.fit_sources]
+    if not chosen:
+        found = sorted({_source_of(p) for p in every})
+        raise FileNotFoundError(
+            f"fit_sources={cfg.fit_sources!r} match none of the feature shards under "
+            f"{expand(cfg.work_dir) / 'features'} (they hold {found}); run their stage or choose from those."
+        )
+    return chosen
 
 
 def _generations(cfg: FeatureDraftRecipe) -> Path:
@@ -613,9 +649,7 @@ def fit_until(cfg: FeatureDraftRecipe, deadline: float | None) -> Path:
     target = load_model(dataclasses.replace(cfg.target, device=device))  # the draft reads its input embedding
     start = _initial_draft(cfg, target)
     kept = _kept_ids(cfg) if start is None else start.kept_ids
-    train_paths, val_paths = _feature_paths(cfg, "train"), _feature_paths(cfg, "eval")
-    if not train_paths:
-        raise FileNotFoundError(f"No feature shards under {work / 'features'}: run the `features` stage first.")
+    train_paths, val_paths = _fit_paths(cfg), _feature_paths(cfg, "eval")
     loss_from = cfg.loss_from if cfg.loss_from is not None else _common_prefix(train_paths[:4])
     config = FeatureDraftConfig.for_target(
         target, len(kept), target_name=cfg.target.path, train_lm_head=cfg.train_lm_head, extra={}
@@ -859,6 +893,8 @@ ABLATIONS: dict[str, dict] = {
     "no input noise": {"noise": 0.0},
     "no unroll (step 1 only)": {"unroll": 1},
     "trained LM head": {"train_lm_head": True},
+    "own responses only": {"fit_sources": ["own"]},
+    "written answers only": {"fit_sources": ["written"]},
 }
 """Variants of the recipe that :func:`ablate` trains side by side (one factor changed each)."""
 
