@@ -690,6 +690,8 @@ def fit_until(cfg: FeatureDraftRecipe, deadline: float | None) -> Path:
         "loss_from": loss_from,
         "steps": int(trainer.global_step),
     }
+    if start is not None:  # the lineage: what the initial draft's own config recorded, and where it came from
+        draft.config.extra["init"] = {"path": str(cfg.init_draft), **start.config.extra}
     out = draft.to(torch.bfloat16).save_pretrained(cfg.output_dir)
     print(f"[fit] exported {out} after {trainer.global_step} steps", flush=True)
     return out
@@ -979,12 +981,59 @@ def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None, recipe_con
         _recipe(config, recipe_config, feats, _text_line(text_meta, cfg.text_chunk), runs),
         _stages_section(runs),
         _measured(ev, recipe_config),
+        _lineage_section(config),
         _learning_curve_section(curve),
         _ablation_section(folder),
         section("Limits", _limits(config, runs)),
         section("License", "Derived from SmolLM2-135M-Instruct (Apache-2.0) outputs and weights; same license."),
     )
     return write_card(folder, text)
+
+
+def lineage(config: dict) -> list[dict]:
+    """The training runs behind a draft, first to last: each run's accelerator, the data sources it trained on (of
+    those its recipe had), steps, batch tokens,
+    learning rate and the folder it started from (``init_draft`` chains, as ``fit`` records them under
+    ``extra["init"]``)."""
+    runs, extra = [], config.get("extra", {})
+    while extra:
+        recipe = extra.get("recipe", {})
+        steps, batch = extra.get("steps"), recipe.get("batch_tokens")
+        written = {"own": True, "text": bool(recipe.get("text_sources")), "written": bool(recipe.get("written_responses"))}
+        runs.append(
+            {
+                "accelerator": recipe.get("accelerator"),
+                "fit_sources": [s for s in recipe.get("fit_sources", FIT_SOURCES) if written[s]],
+                "steps": steps,
+                "batch_tokens": batch,
+                "positions": steps * batch if steps is not None and batch is not None else None,
+                "lr": recipe.get("lr"),
+                "init_draft": recipe.get("init_draft"),
+            }
+        )
+        extra = extra.get("init", {})
+    return runs[::-1]
+
+
+def _lineage_section(config: dict) -> str:
+    """A table of the runs that trained the draft, when it continued another draft (``init_draft``)."""
+    runs = lineage(config)
+    if len(runs) < 2:
+        return ""
+    rows = [
+        [str(i), str(r["accelerator"]), ", ".join(r["fit_sources"]), str(r["steps"]), str(r["batch_tokens"]),
+         f"{r['positions']:,}" if r["positions"] is not None else "?", str(r["lr"]), r["init_draft"] or "the target's weights"]
+        for i, r in enumerate(runs, 1)
+    ]
+    return section(
+        "Lineage",
+        "The draft was trained in runs, each starting from the previous run's export (`init_draft`). Positions: "
+        "steps × batch tokens (a token seen twice counts twice).",
+        plain_table(
+            ["run", "accelerator", "training sources", "steps", "batch tokens", "positions", "lr", "started from"],
+            rows,
+        ),
+    )
 
 
 def _plot_learning_curve(path: Path, curve: list[dict]) -> None:
