@@ -566,6 +566,23 @@ def test_cpu_own_response_recipe_reads_written_answers_of_distill_prompts_only(c
     assert {s["path"] for s in written} <= {s["path"] for s in printed["prompts"]}
 
 
+def test_cpu_continue_config_keeps_the_pools_data_and_trains_on_own_responses(capsys, monkeypatch) -> None:
+    """The continuation config read after the CPU recipe changes only how ``fit`` trains: same prompts, held-out
+    prompts and written answers; own-response shards only, from an exported draft, its own work folder."""
+    monkeypatch.chdir(REPO)
+    printed = []
+    for configs in (["cpu"], ["cpu", "cpu-continue"]):
+        args = [a for c in configs for a in ("--config", f"configs/distill/smollm2-135m-feature-draft-{c}.yaml")]
+        with pytest.raises(SystemExit):
+            run_cli("fit", *args, "--print_config")
+        printed.append(yaml.safe_load(capsys.readouterr().out)["cfg"])
+    base, cont = printed
+    for key in ("prompts", "eval_prompts", "written_responses", "kept_vocab", "split_seed", "target"):
+        assert cont[key] == base[key], key
+    assert cont["fit_sources"] == ["own"] and cont["init_draft"] == "checkpoints/smollm2-135m-feature-draft"
+    assert cont["work_dir"] != base["work_dir"] and cont["lr"] < base["lr"]
+
+
 def test_the_committed_draft_records_the_gpu_recipe_that_trained_it(capsys, monkeypatch) -> None:
     """checkpoints/smollm2-135m-feature-draft was trained by the GPU recipe: its config records that recipe's data
     and optimisation settings (own responses only, no text), and its all.json the run's stages."""
