@@ -52,7 +52,6 @@ from .feature_draft import FeatureDataModule, FeatureDraftModule, FeatureSequenc
 from .model_card import blocks, card, front_matter, plain_table, read_json, section
 from .own_responses import GENERATORS, bench_generators, response_rows, shard_positions, write_response_shards
 
-
 FIT_SOURCES = ("own", "text", "written")
 """The kinds of training feature shards, by the name their stage gives them."""
 
@@ -999,11 +998,12 @@ def lineage(config: dict) -> list[dict]:
     while extra:
         recipe = extra.get("recipe", {})
         steps, batch = extra.get("steps"), recipe.get("batch_tokens")
-        written = {"own": True, "text": bool(recipe.get("text_sources")), "written": bool(recipe.get("written_responses"))}
+        present = {"own": True, "text": bool(recipe.get("text_sources"))}
+        present["written"] = bool(recipe.get("written_responses"))
         runs.append(
             {
                 "accelerator": recipe.get("accelerator"),
-                "fit_sources": [s for s in recipe.get("fit_sources", FIT_SOURCES) if written[s]],
+                "fit_sources": [s for s in recipe.get("fit_sources", FIT_SOURCES) if present[s]],
                 "steps": steps,
                 "batch_tokens": batch,
                 "positions": steps * batch if steps is not None and batch is not None else None,
@@ -1021,8 +1021,16 @@ def _lineage_section(config: dict) -> str:
     if len(runs) < 2:
         return ""
     rows = [
-        [str(i), str(r["accelerator"]), ", ".join(r["fit_sources"]), str(r["steps"]), str(r["batch_tokens"]),
-         f"{r['positions']:,}" if r["positions"] is not None else "?", str(r["lr"]), r["init_draft"] or "the target's weights"]
+        [
+            str(i),
+            str(r["accelerator"]),
+            ", ".join(r["fit_sources"]),
+            str(r["steps"]),
+            str(r["batch_tokens"]),
+            f"{r['positions']:,}" if r["positions"] is not None else "?",
+            str(r["lr"]),
+            r["init_draft"] or "the target's weights",
+        ]
         for i, r in enumerate(runs, 1)
     ]
     return section(
