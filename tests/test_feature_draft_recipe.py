@@ -372,7 +372,7 @@ def test_fit_continues_an_exported_draft_named_by_init_draft(run, tmp_path) -> N
     assert config["extra"]["init"] == {"path": str(start), **first}  # the lineage, as the initial draft recorded it
     runs = stages.lineage(config)
     assert [r["init_draft"] for r in runs] == [None, str(start)] and [r["steps"] for r in runs] == [first["steps"], 2]
-    assert runs[1]["positions"] == 2 * cfg["batch_tokens"] and runs[1]["fit_sources"] == ["own"]
+    assert runs[1]["token_budget"] == 2 * cfg["batch_tokens"] and runs[1]["fit_sources"] == ["own"]
     table = stages._lineage_section(config)
     assert "## Lineage" in table and "| 2 | cpu | own | 2 | 256 | 512 |" in table and str(start) in table
     shutil.rmtree(work / "checkpoints")
@@ -411,6 +411,9 @@ def test_eval_json_and_model_card(run) -> None:
     first = ev["per_step"][0]
     assert f"| 1 | {first['expected_accept']:.3f} | {first['greedy_agreement']:.3f} | {first['n']} |" in card
     assert (out / "learning_curve.png").stat().st_size > 0
+    training = sum(len(tokens) for tokens, _ in generation_sequences(run["root"], "train"))
+    assert f"({training:,} training positions, teacher-forced at " in card
+    assert "## Lineage" not in card  # one run from the target's weights
 
 
 # ---- per_step_acceptance against a direct computation --------------------------------------------------------------

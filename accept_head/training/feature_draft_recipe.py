@@ -25,6 +25,7 @@ from time import monotonic
 
 import torch
 from lightning.pytorch import seed_everything
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from transformers import DynamicCache
 
@@ -967,6 +968,9 @@ def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None, recipe_con
     config = json.loads((folder / "config.json").read_text())
     ev = json.loads((folder / "eval.json").read_text())
     feats = read_json(expand(cfg.work_dir) / "features" / "meta.json", {})
+    positions = _training_positions(cfg)
+    if positions is not None:
+        feats["positions"] = positions
     runs = read_json(folder / "all.json", {}).get("runs", [])
     curve = learning_curve(cfg)
     if curve:
@@ -1006,7 +1010,7 @@ def lineage(config: dict) -> list[dict]:
                 "fit_sources": [s for s in recipe.get("fit_sources", FIT_SOURCES) if present[s]],
                 "steps": steps,
                 "batch_tokens": batch,
-                "positions": steps * batch if steps is not None and batch is not None else None,
+                "token_budget": steps * batch if steps is not None and batch is not None else None,
                 "lr": recipe.get("lr"),
                 "init_draft": recipe.get("init_draft"),
             }
@@ -1027,7 +1031,7 @@ def _lineage_section(config: dict) -> str:
             ", ".join(r["fit_sources"]),
             str(r["steps"]),
             str(r["batch_tokens"]),
-            f"{r['positions']:,}" if r["positions"] is not None else "?",
+            f"{r['token_budget']:,}" if r["token_budget"] is not None else "?",
             str(r["lr"]),
             r["init_draft"] or "the target's weights",
         ]
@@ -1035,10 +1039,10 @@ def _lineage_section(config: dict) -> str:
     ]
     return section(
         "Lineage",
-        "The draft was trained in runs, each starting from the previous run's export (`init_draft`). Positions: "
-        "steps × batch tokens (a token seen twice counts twice).",
+        "The draft was trained in runs, each starting from the previous run's export (`init_draft`). Token budget: "
+        "steps × padded batch tokens, an upper bound on the positions drawn (a position drawn twice counts twice).",
         plain_table(
-            ["run", "accelerator", "training sources", "steps", "batch tokens", "positions", "lr", "started from"],
+            ["run", "accelerator", "training sources", "steps", "batch tokens", "token budget", "lr", "started from"],
             rows,
         ),
     )
@@ -1175,9 +1179,8 @@ def _recipe(config: dict, recipe_config: str, feats: dict, text_line: str, runs:
         f"Recipe (`{recipe_config}`, seed {recipe.get('seed', 0)})",
         f"""\
 - Data: {data} to prompts of the `distill` hash split of the `../shared/data` instruction sets; features from one
-  batched teacher-forced target pass over prompt + response ({feats.get("tokens", 0):,} positions,
-  {feats.get("tokens_per_second", 0):,.0f} tok/s on {where}). Held-out numbers use the `eval` split and HumanEval,
-  never trained on.{text_line}
+  batched teacher-forced target pass over prompt + response ({_features_line(feats, where)}). Held-out
+  numbers use the `eval` split and HumanEval, never trained on.{text_line}
 - Loss (per drafting step k = 1..{recipe.get("unroll")}, weight {recipe.get("step_decay")}^(k−1)): soft
   cross-entropy to the target's distribution over the kept vocabulary + {recipe.get("feature_weight")} × SmoothL1 on
   the predicted feature; uniform input-feature noise {recipe.get("noise")} × RMS; step k trains in the context
@@ -1187,6 +1190,27 @@ def _recipe(config: dict, recipe_config: str, feats: dict, text_line: str, runs:
   steps run, {autocast} on {recipe.get("accelerator", "cpu")}, Lightning Trainer (checkpoints resume from
   `last.ckpt`).""",
     )
+
+
+def _features_line(feats: dict, where: str) -> str:
+    """How many training positions the features hold and, when the stage's meter recorded it, how fast."""
+    line = f"{feats.get('positions', feats.get('tokens', 0)):,} training positions"
+    if feats.get("tokens_per_second"):
+        line += f", teacher-forced at {feats['tokens_per_second']:,.0f} tok/s on {where}"
+    return line
+
+
+def _training_positions(cfg: FeatureDraftRecipe) -> int | None:
+    """Positions (prompt + response tokens) in the training feature shards ``fit`` reads (None: none written)."""
+    try:
+        paths = _fit_paths(cfg)
+    except (FileNotFoundError, ValueError):
+        return None
+    total = 0
+    for path in paths:
+        with safe_open(str(path), "pt") as f:
+            total += f.get_slice("tokens").get_shape()[0]
+    return total
 
 
 def _measured(ev: dict, recipe_config: str) -> str:
