@@ -586,21 +586,31 @@ def test_cpu_continue_config_keeps_the_pools_data_and_trains_on_own_responses(ca
     assert cont["work_dir"] != base["work_dir"] and cont["lr"] < base["lr"]
 
 
-def test_the_committed_draft_records_the_gpu_recipe_that_trained_it(capsys, monkeypatch) -> None:
-    """checkpoints/smollm2-135m-feature-draft was trained by the GPU recipe: its config records that recipe's data
-    and optimisation settings (own responses only, no text), and its all.json the run's stages."""
+def test_the_committed_draft_records_its_lineage(capsys, monkeypatch) -> None:
+    """checkpoints/smollm2-135m-feature-draft: a first run of the GPU recipe (its config's data and optimisation
+    settings, own responses only, no text), then CPU runs that continued the previous export on own responses; the
+    last run's settings are the continuation config's."""
     monkeypatch.chdir(REPO)
-    with pytest.raises(SystemExit):
-        run_cli("all", "--config", "configs/distill/smollm2-135m-feature-draft-gpu.yaml", "--print_config")
-    gpu = yaml.safe_load(capsys.readouterr().out)["cfg"]
-    folder = REPO / "checkpoints/smollm2-135m-feature-draft"
-    recorded = json.loads((folder / "config.json").read_text())["extra"]["recipe"]
+    printed = {}
+    for name, configs in {"gpu": ["gpu"], "continue": ["cpu", "cpu-continue"]}.items():
+        args = [a for c in configs for a in ("--config", f"configs/distill/smollm2-135m-feature-draft-{c}.yaml")]
+        with pytest.raises(SystemExit):
+            run_cli("fit", *args, "--print_config")
+        printed[name] = yaml.safe_load(capsys.readouterr().out)["cfg"]
+    config = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft/config.json").read_text())
+    extras = [config["extra"]]
+    while "init" in extras[-1]:
+        extras.append(extras[-1]["init"])
+    first, last = extras[-1]["recipe"], config["extra"]["recipe"]
     keys = ("samples_per_prompt", "max_new_tokens", "kept_vocab", "unroll", "lr", "batch_tokens", "max_steps", "seed")
-    assert {k: recorded[k] for k in keys} == {k: gpu[k] for k in keys}
-    assert recorded["accelerator"] == "gpu" and not recorded.get("text_sources")
-    (run,) = json.loads((folder / "all.json").read_text())["runs"]
-    assert run["stages"]["responses"]["result"]["device"].startswith("cuda")
-    assert run["stages"]["fit"]["result"]["steps"] == json.loads((folder / "config.json").read_text())["extra"]["steps"]
+    assert {k: first[k] for k in keys} == {k: printed["gpu"][k] for k in keys}
+    assert first["accelerator"] == "gpu" and not first.get("text_sources")
+    runs = stages.lineage(config)
+    assert len(runs) >= 2 and runs[0]["init_draft"] is None and runs[0]["fit_sources"] == ["own"]
+    assert all(r["accelerator"] == "cpu" and r["fit_sources"] == ["own"] and r["init_draft"] for r in runs[1:])
+    keys = ("lr", "batch_tokens", "max_steps", "warmup_steps", "fit_sources", "kept_vocab", "unroll")
+    assert {k: last[k] for k in keys} == {k: printed["continue"][k] for k in keys}
+    assert config["extra"]["steps"] == last["max_steps"] == runs[-1]["steps"]
 
 
 def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None:
