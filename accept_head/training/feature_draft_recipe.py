@@ -995,15 +995,13 @@ def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None, recipe_con
 
 def lineage(config: dict) -> list[dict]:
     """The training runs behind a draft, first to last: each run's accelerator, the data sources it trained on (of
-    those its recipe had), steps, batch tokens,
-    learning rate and the folder it started from (``init_draft`` chains, as ``fit`` records them under
-    ``extra["init"]``)."""
+    those its recipe had), steps, batch tokens, learning rate and the folder it started from (``init_draft`` chains,
+    as ``fit`` records them under ``extra["init"]``)."""
     runs, extra = [], config.get("extra", {})
     while extra:
         recipe = extra.get("recipe", {})
         steps, batch = extra.get("steps"), recipe.get("batch_tokens")
-        present = {"own": True, "text": bool(recipe.get("text_sources"))}
-        present["written"] = bool(recipe.get("written_responses"))
+        present = {"own": True, "text": recipe.get("text_sources"), "written": recipe.get("written_responses")}
         runs.append(
             {
                 "accelerator": recipe.get("accelerator"),
