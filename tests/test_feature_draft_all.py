@@ -7,7 +7,7 @@ command, on a tiny target on the CPU.
 * A time budget stops ``all`` cleanly between shards; a second ``all`` resumes and ends with response shards
   identical to those of an uninterrupted run with the same seed and split.
 * ``responses`` writes T=1 samples and a greedy response per prompt, sorted by prompt length inside a batch; the
-  greedy ones are the target's own greedy continuations.
+  greedy ones are the target's own greedy continuations. A batch the device has no memory for is written in halves.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import itertools
 import json
 import sys
 from pathlib import Path
+from time import monotonic
 from unittest import mock
 
 import pytest
@@ -26,6 +27,7 @@ from train_helpers import write_prompts
 
 from accept_head import FixedK, autoregressive_generate, load_model, speculative_generate
 from accept_head.core.prompts import split_of
+from accept_head.training import feature_draft as feature_draft_module
 from accept_head.training import feature_draft_recipe as stages
 from accept_head.training import own_responses
 from train import feature_draft as recipe
@@ -167,7 +169,15 @@ def test_all_stops_at_its_time_budget_and_resumes_to_the_same_shards(straight, m
     assert 0 < written < len(shards(root / "straight", "train"))
     assert not (work / "features").exists()
 
-    run_cli("all", "--config", str(tiny_recipe(root, "resumed", time_budget_s=3600)))  # fit under max_time
+    deadlines = []  # time_schedule: fit's cosine runs to its deadline (what adamw_cosine is given)
+    real_cosine = feature_draft_module.adamw_cosine
+    monkeypatch.setattr(
+        feature_draft_module, "adamw_cosine", lambda *a, **k: deadlines.append(k["deadline"]) or real_cosine(*a, **k)
+    )
+    resumed = tiny_recipe(root, "resumed", time_budget_s=3600, time_schedule=True)
+    began = monotonic()
+    run_cli("all", "--config", str(resumed))  # fit under max_time
+    assert len(deadlines) == 1 and began + 3000 < deadlines[0] < began + 3600
     runs = json.loads((work / "all.json").read_text())["runs"]
     assert len(runs) == 2 and runs[1]["finished"]
     for kind in ("eval", "train"):
@@ -222,3 +232,35 @@ def test_static_cache_generation_gives_the_dynamic_caches_greedy_responses() -> 
         own_responses.generate_responses(
             target, prompts, greedy, generator=torch.Generator(), static_cache=True, cache_length=16, **settings
         )
+
+
+def test_a_shard_the_device_cannot_hold_at_once_is_written_in_halves(tmp_path, monkeypatch) -> None:
+    """Out of device memory at more than two rows: the shard still holds every row, each the target's own greedy
+    response (what one batch writes), in the shard's row order; one row that does not fit is an error."""
+    from accept_head.core.prompts import EncodedPrompt
+
+    target = make_llama(seed=0)
+    ids = [[1, 5, 6, 7, 8, 9], [1, 10, 11], [1, 12, 13, 14], [1, 20], [1, 21, 22, 23, 24]]
+    rows = [own_responses.ResponseRow(EncodedPrompt(f"p{i}", "s", p), own_responses.GREEDY) for i, p in enumerate(ids)]
+    settings = {"max_new_tokens": 6, "temperature": 1.0, "eos_token_ids": [3], "pad_token_id": 0}
+    whole = own_responses.generate_responses(target, ids, torch.ones(5, dtype=torch.bool), generator=torch.Generator(),
+                                             **settings)  # fmt: skip
+    real, sizes = own_responses.generate_responses, []
+
+    def small_device(model, prompts, greedy, **kwargs):
+        sizes.append(len(prompts))
+        if len(prompts) > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(model, prompts, greedy, **kwargs)
+
+    monkeypatch.setattr(own_responses, "generate_responses", small_device)
+    done = own_responses.write_response_shards(target, [rows], tmp_path, "train", seed=0, split_seed=0, **settings)
+    shard = torch.load(tmp_path / "train-00000.pt", weights_only=True)
+    assert done["written"] == 1 and sizes == [5, 2, 3, 1, 2]
+    assert [r.tolist() for r in shard["response_ids"]] == whole and shard["prompt_id"] == [r.prompt.id for r in rows]
+
+    monkeypatch.setattr(own_responses, "generate_responses", mock.Mock(side_effect=torch.OutOfMemoryError("one row")))
+    with pytest.raises(torch.OutOfMemoryError):
+        own_responses.write_response_shards(target, [rows[:1]], tmp_path / "one", "train", seed=0, split_seed=0,
+                                            **settings)  # fmt: skip
+    assert not (tmp_path / "one" / "train-00000.pt").exists()

@@ -317,3 +317,42 @@ def test_choose_calibration_keeps_a_map_when_it_helps_and_none_when_it_does_not(
     calibrated_logits = torch.log(labels / (1 - labels))  # already calibrated: raw should win or tie closely
     choice = choose_calibration(calibrated_logits, labels, groups, methods=["temperature"])
     assert choice.scores["temperature"]["ece"] >= choice.scores["raw"]["ece"] - 1e-3
+
+
+def test_cosine_schedule_follows_the_steps_or_a_deadline_whichever_is_further() -> None:
+    """Without a deadline the schedule is Hugging Face's cosine with warm-up and a floor; with one, a fit whose steps
+    lag behind its time decays on the clock and reaches the floor at the deadline."""
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    from accept_head.training.module import adamw_cosine
+
+    def factors(schedule, steps, clock=None, ticks=()):
+        """The learning-rate factor of steps 0..steps-1; step i's computed when the clock reads ticks[i]."""
+        scheduler = schedule["lr_scheduler"]["scheduler"]
+        out = [scheduler.optimizer.param_groups[0]["lr"] / 0.1]
+        for step in range(1, steps):
+            if ticks:
+                clock[0] = ticks[step]
+            scheduler.optimizer.step()
+            scheduler.step()
+            out.append(scheduler.optimizer.param_groups[0]["lr"] / 0.1)
+        return out
+
+    params = [torch.nn.Parameter(torch.zeros(2))]
+    ours = factors(adamw_cosine(params, 0.1, 3, 20, 0.1), 21)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
+    reference = get_cosine_with_min_lr_schedule_with_warmup(optimizer, 3, 20, min_lr_rate=0.1)
+    theirs = []
+    for _ in range(21):
+        theirs.append(optimizer.param_groups[0]["lr"] / 0.1)
+        optimizer.step()
+        reference.step()
+    assert ours == pytest.approx(theirs, abs=1e-12) and ours[-1] == pytest.approx(0.1)
+
+    clock = [0.0]  # 1,000 planned steps, a deadline at t = 100 s, one step every 10 s: time is further along
+    timed = adamw_cosine(params, 0.1, 2, 1000, 0.0, deadline=100.0, clock=lambda: clock[0])
+    got = factors(timed, 12, clock, ticks=[10.0 * i for i in range(12)])
+    assert got[1] == pytest.approx(0.5)  # warm-up by steps
+    assert got[5] == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))  # t = 50 s of 100
+    assert got[10] == pytest.approx(0.0, abs=1e-12) and got[11] == pytest.approx(0.0, abs=1e-12)
+    assert all(a >= b for a, b in zip(got[2:], got[3:]))

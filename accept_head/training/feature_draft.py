@@ -263,6 +263,8 @@ class FeatureDraftModule(LightningModule):
         self.register_buffer("target_rows", torch.zeros(config.kept_vocab_size, config.hidden_size), persistent=False)
         self.generator = torch.Generator().manual_seed(seed)
         self._step_clock: tuple[float, int] | None = None
+        self.schedule_deadline: float | None = None
+        """A ``time.monotonic()`` value: the learning-rate cosine ends there if that comes before ``max_steps``."""
 
     def init_from_target(self, target: torch.nn.Module, kept_ids: torch.Tensor) -> None:
         """Start from ``target``'s own weights (:meth:`FeatureDraft.from_target`) and keep its kept-vocabulary rows."""
@@ -343,4 +345,7 @@ class FeatureDraftModule(LightningModule):
         total = self.trainer.estimated_stepping_batches
         total = total if math.isfinite(total) else 10_000
         h = self.hparams
-        return adamw_cosine(params, h.lr, h.warmup_steps, int(total), betas=(0.9, 0.95), weight_decay=h.weight_decay)
+        return adamw_cosine(
+            params, h.lr, h.warmup_steps, int(total), deadline=self.schedule_deadline, betas=(0.9, 0.95),
+            weight_decay=h.weight_decay,
+        )  # fmt: skip

@@ -126,6 +126,10 @@ class FeatureDraftRecipe:
     """Seconds of the budget ``responses`` may spend; the later stages use the shards written by then."""
     reserve_s: float = 60.0
     """Seconds of ``time_budget_s`` that ``fit`` leaves for export and ``evaluate``."""
+    time_schedule: bool = False
+    """Under a time budget, run the learning-rate cosine on the clock too: it ends at ``fit``'s deadline or at
+    ``max_steps``, whichever comes first, so a fit the budget stops ends decayed (where the steps a device manages
+    in the time are not known beforehand)."""
     work_dir: str = "~/.cache/accept_head/feature_draft/smollm2-135m"
     """Feature shards, vocabulary statistics, Lightning checkpoints and logs (outside the repository: ~1 GB)."""
     output_dir: str = "checkpoints/smollm2-135m-feature-draft"
@@ -665,6 +669,8 @@ def fit_until(cfg: FeatureDraftRecipe, deadline: float | None) -> Path:
         seed=cfg.seed,
     )
     module.init_from_target(target, kept)
+    if cfg.time_schedule:
+        module.schedule_deadline = deadline
     if start is not None:  # then the exported draft's own weights (a checkpoint in work_dir still wins: resuming)
         module.draft.load_state_dict(start.state_dict())
     data = FeatureDataModule(train_paths, val_paths[:1], cfg.batch_tokens, cfg.seed, loss_from)

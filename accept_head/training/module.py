@@ -18,6 +18,7 @@ candidates become the head's standardisation, and a dataset that lacks one of th
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 import torch
@@ -242,13 +243,36 @@ class AcceptanceHeadModule(LightningModule):
         return adamw_cosine(self.head.parameters(), hp.lr, warmup, total, hp.min_lr_ratio, **adamw)
 
 
-def adamw_cosine(params, lr: float, warmup_steps: int, total_steps: int, min_lr_rate: float = 0.0, **adamw) -> dict:
+def adamw_cosine(
+    params,
+    lr: float,
+    warmup_steps: int,
+    total_steps: int,
+    min_lr_rate: float = 0.0,
+    deadline: float | None = None,
+    clock=time.monotonic,
+    **adamw,
+) -> dict:
     """``configure_optimizers``' answer for AdamW (``adamw``: its other arguments) with a linear warm-up over
-    ``warmup_steps``, then a cosine decay to ``lr * min_lr_rate`` at ``total_steps``, stepped per optimizer step."""
-    from transformers import get_cosine_with_min_lr_schedule_with_warmup as cosine
+    ``warmup_steps``, then a cosine decay to ``lr * min_lr_rate`` at ``total_steps``, stepped per optimizer step.
 
+    With a ``deadline`` (a ``clock()`` value: the end of a time-limited fit) the cosine also runs on the clock, from
+    now to the deadline, and the schedule follows whichever of steps and time is further along: a fit stopped by its
+    time budget ends with a decayed learning rate instead of one cut off mid-schedule."""
     optimizer = torch.optim.AdamW(params, lr=lr, **adamw)
-    scheduler = cosine(optimizer, warmup_steps, total_steps, min_lr_rate=min_lr_rate)
+    began = clock()
+    span = None if deadline is None else max(deadline - began, 1e-9)
+
+    def factor(step: int) -> float:
+        if step < warmup_steps:
+            return step / max(1, warmup_steps)
+        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
+        if span is not None:
+            progress = max(progress, (clock() - began) / span)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return min_lr_rate + (1.0 - min_lr_rate) * cosine
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 

@@ -170,6 +170,22 @@ def _static_cache(model: torch.nn.Module, mask: torch.Tensor, length: int, max_n
     return cache, torch.cat([mask, mask.new_zeros(mask.shape[0], length - prompt_length)], dim=1)
 
 
+def _generate_in_halves(model: torch.nn.Module, prompts: list, greedy: torch.Tensor, settings: dict) -> list:
+    """:func:`generate_responses` of ``prompts``; a batch the device has no memory for is generated as two halves,
+    one after the other with the same generator (so such a shard's draws differ from one generated whole)."""
+    try:
+        return generate_responses(model, prompts, greedy, **settings)
+    except torch.OutOfMemoryError:
+        if len(prompts) < 2:
+            raise
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    half = len(prompts) // 2
+    print(f"[responses] out of device memory at {len(prompts)} rows: generating two batches of ~{half}", flush=True)
+    first = _generate_in_halves(model, prompts[:half], greedy[:half], settings)
+    return first + _generate_in_halves(model, prompts[half:], greedy[half:], settings)
+
+
 def write_response_shards(
     model: torch.nn.Module,
     batches: list[list[ResponseRow]],
@@ -213,15 +229,8 @@ def write_response_shards(
         if slots:
             responses = slot_generate(model, prompts, greedy.tolist(), slots=slots, **settings)
         else:
-            responses = generate_responses(
-                model,
-                prompts,
-                greedy,
-                static_cache=static_cache,
-                cache_length=cache_length,
-                step_fn=step_fn,
-                **settings,
-            )
+            batch_settings = dict(static_cache=static_cache, cache_length=cache_length, step_fn=step_fn, **settings)
+            responses = _generate_in_halves(model, prompts, greedy, batch_settings)
         elapsed = time.perf_counter() - start
         shard = {
             "prompt_id": [row.prompt.id for row in batch],
