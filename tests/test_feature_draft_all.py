@@ -169,15 +169,18 @@ def test_all_stops_at_its_time_budget_and_resumes_to_the_same_shards(straight, m
     assert 0 < written < len(shards(root / "straight", "train"))
     assert not (work / "features").exists()
 
-    deadlines = []  # time_schedule: fit's cosine runs to its deadline (what adamw_cosine is given)
+    schedules = []  # time_schedule and min_lr_ratio reach fit's cosine (what adamw_cosine is given)
     real_cosine = feature_draft_module.adamw_cosine
     monkeypatch.setattr(
-        feature_draft_module, "adamw_cosine", lambda *a, **k: deadlines.append(k["deadline"]) or real_cosine(*a, **k)
+        feature_draft_module,
+        "adamw_cosine",
+        lambda *a, **k: schedules.append((a[4], k["deadline"])) or real_cosine(*a, **k),
     )
-    resumed = tiny_recipe(root, "resumed", time_budget_s=3600, time_schedule=True)
+    resumed = tiny_recipe(root, "resumed", time_budget_s=3600, time_schedule=True, min_lr_ratio=0.25)
     began = monotonic()
     run_cli("all", "--config", str(resumed))  # fit under max_time
-    assert len(deadlines) == 1 and began + 3000 < deadlines[0] < began + 3600
+    ((floor, deadline),) = schedules
+    assert floor == 0.25 and began + 3000 < deadline < began + 3600
     runs = json.loads((work / "all.json").read_text())["runs"]
     assert len(runs) == 2 and runs[1]["finished"]
     for kind in ("eval", "train"):

@@ -255,6 +255,7 @@ class FeatureDraftModule(LightningModule):
         feature_weight: float = 0.1,
         noise: float = 0.1,
         seed: int = 0,
+        min_lr_ratio: float = 0.0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters(ignore=["config"])
@@ -346,6 +347,6 @@ class FeatureDraftModule(LightningModule):
         total = total if math.isfinite(total) else 10_000
         h = self.hparams
         return adamw_cosine(
-            params, h.lr, h.warmup_steps, int(total), deadline=self.schedule_deadline, betas=(0.9, 0.95),
-            weight_decay=h.weight_decay,
+            params, h.lr, h.warmup_steps, int(total), h.min_lr_ratio, deadline=self.schedule_deadline,
+            betas=(0.9, 0.95), weight_decay=h.weight_decay,
         )  # fmt: skip

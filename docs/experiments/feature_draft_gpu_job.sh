@@ -4,6 +4,10 @@
 # the prompt data to $KEEP/data; this call carries .device/b (the second half) and .device/whl. Everything it keeps
 # goes under $OUT: the draft folder, the log, and the response shards (token ids, for a CPU pool) packed in one file.
 #   carry [.device/b, .device/whl]; command: bash docs/experiments/feature_draft_gpu_job.sh
+# To grow an earlier run's pool instead of writing the same first shards again, put the responses.tgz.part* files an
+# earlier call returned into .device/pool and carry it too: the `responses` stage then resumes after the shards they
+# hold (same plan: same seed, split and batch size), and `features` and `fit` read them all. Extra arguments go to
+# `all` (e.g. --cfg.init_draft checkpoints/smollm2-135m-feature-draft, with checkpoints/ carried back for it).
 # A dry run on a CPU with tiny settings (the same code path):
 #   KEEP=/tmp/keep OUT=/tmp/out SITE=/tmp/site-dry WHEELS= bash docs/experiments/feature_draft_gpu_job.sh \
 #     --cfg.target.device cpu --cfg.accelerator cpu --cfg.max_prompts 8 --cfg.generate_batch_size 16 ...
@@ -17,6 +21,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --upgrade --target "
   || exit 1  # WHEELS= (empty) on a machine that has the project's dependencies
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1 WANDB_MODE=disabled HF_HUB_OFFLINE=1
 [ -e ../shared/data ] || { mkdir -p ../shared && ln -sfn "$KEEP/data" ../shared/data; }
+if ls .device/pool/responses.tgz.part* >/dev/null 2>&1; then
+  mkdir -p "$KEEP/fd" && cat .device/pool/responses.tgz.part* | tar xzf - -C "$KEEP/fd" || exit 1
+fi
 {
   nvidia-smi --query-gpu=name,memory.total --format=csv 2>/dev/null
   python3 -c "import torch, transformers, lightning; print(torch.__version__, transformers.__version__, lightning.__version__)"
