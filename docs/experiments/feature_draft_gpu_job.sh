@@ -6,8 +6,12 @@
 #   carry [.device/b, .device/whl]; command: bash docs/experiments/feature_draft_gpu_job.sh
 # To grow an earlier run's pool instead of writing the same first shards again, put the responses.tgz.part* files an
 # earlier call returned into .device/pool and carry it too: the `responses` stage then resumes after the shards they
-# hold (same plan: same seed, split and batch size), and `features` and `fit` read them all. Extra arguments go to
-# `all` (e.g. --cfg.init_draft checkpoints/smollm2-135m-feature-draft, with checkpoints/ carried back for it).
+# hold (same plan: same seed, split and batch size) with new prompts, and `features` and `fit` read them all. Extra
+# arguments go to `all`. To continue the committed draft on that pool, keep checkpoints/smollm2-135m-feature-draft in
+# the tree (only that folder of checkpoints/: the 64 MiB cap), install .device/whl in call 1 and carry
+# [.device/b, .device/pool] here:
+#   WHEELS= bash docs/experiments/feature_draft_gpu_job.sh --cfg.init_draft checkpoints/smollm2-135m-feature-draft \
+#     --cfg.lr 3e-4
 # A dry run on a CPU with tiny settings (the same code path):
 #   KEEP=/tmp/keep OUT=/tmp/out SITE=/tmp/site-dry WHEELS= bash docs/experiments/feature_draft_gpu_job.sh \
 #     --cfg.target.device cpu --cfg.accelerator cpu --cfg.max_prompts 8 --cfg.generate_batch_size 16 ...
