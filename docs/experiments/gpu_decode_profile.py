@@ -1,5 +1,6 @@
 """Where a batch-1 autoregressive token's time goes on a GPU: the toolkit's loop, a bare cached-forward loop,
-``model.generate`` with a dynamic and with a static (compiled, CUDA-graph) cache, and a profiler table.
+``model.generate`` with a dynamic and with a static (compiled, CUDA-graph) cache, the toolkit's loop over its compiled
+static target (``target_runtime="compiled"``), and a profiler table.
 
     python docs/experiments/gpu_decode_profile.py --device cuda --tokens 64 --budget_s 150
 
@@ -90,6 +91,8 @@ def main() -> None:
     ]
     if args.device.startswith("cuda") or args.compile_on_cpu:
         methods.append(("model.generate (static cache, compiled)", lambda: generate(cache_implementation="static")))
+        compiled = lambda: autoregressive_generate(model, prompt, n, temperature=0.0, target_runtime="compiled")  # noqa: E731
+        methods.append(("toolkit autoregressive_generate, target_runtime='compiled'", compiled))
     for name, fn in methods:
         if time.monotonic() - began > args.budget_s:
             print(f"[budget] skipped: {name}", flush=True)
