@@ -163,6 +163,28 @@ def test_a_predictor_equal_to_the_outcome_has_auc_1_and_a_constant_one_auc_one_h
     assert reversed_["all"]["auc_accepted"] == 0.0
 
 
+def test_the_bootstrap_interval_compares_with_q_on_the_same_resampled_prompts(tiny, tmp_path) -> None:
+    """q against itself: a zero gap on every resample; the outcome itself against q: the gap sklearn gives, and an
+    interval above zero; through the command, a column beside each predictor but q."""
+    candidates = module.load_candidates(str(tiny["labels"]), with_hidden=False)
+    held = ~candidates.among(set(candidates.prompt_ids[:40]))
+    q = candidates.column("logq").exp()
+    same = module.auc_gap(q, q, candidates, held, resamples=40, seed=0)
+    assert same["delta"] == 0.0 and same["ci95"] == [0.0, 0.0] and same["resamples"] == 40
+    perfect = module.auc_gap(candidates.accepted.double(), q, candidates, held, resamples=40, seed=0)
+    judged = held & candidates.judged
+    expected = 1.0 - roc_auc_score(candidates.accepted[judged].numpy(), q[judged].numpy())
+    assert perfect["delta"] == pytest.approx(expected) and 0 < perfect["ci95"][0] <= perfect["ci95"][1]
+    assert perfect["prompts"] == len({candidates.prompt_ids[i] for i in judged.nonzero().squeeze(-1).tolist()})
+
+    scores = run(tiny, tmp_path, "--baselines", "[q, adaedl]", "--isotonic", "false", "--bootstrap", "30")
+    predictors = scores["results"]["dataset"]["predictors"]
+    assert "auc_vs_q" not in predictors["q"] and predictors["adaedl"]["auc_vs_q"]["resamples"] > 0
+    gap = predictors["adaedl"]["auc_vs_q"]["delta"]
+    assert gap == pytest.approx(predictors["adaedl"]["all"]["auc_accepted"] - predictors["q"]["all"]["auc_accepted"])
+    assert "AUC − q [95% CI]" in (tmp_path / "out" / "predictors.md").read_text()
+
+
 def test_the_c2t_classifier_is_fitted_on_the_training_prompts_only(tiny, tmp_path, monkeypatch) -> None:
     seen = {}
 

@@ -348,6 +348,42 @@ def views(probs: torch.Tensor, candidates: Candidates, held: torch.Tensor) -> di
     return out
 
 
+def auc_gap(
+    probs: torch.Tensor,
+    reference: torch.Tensor,
+    candidates: Candidates,
+    held: torch.Tensor,
+    resamples: int,
+    seed: int,
+) -> dict:
+    """AUC against ``accepted`` of (C,) ``probs`` minus that of (C,) ``reference`` on the held-out judged candidates,
+    with a 95% interval from resampling the held-out *prompts* with replacement (both predictors on the same resample:
+    a paired prompt bootstrap, since a prompt's candidates are not independent). Resamples with one outcome only are
+    skipped and counted out."""
+    import numpy as np
+    from sklearn.metrics import roc_auc_score
+
+    rows = (held & candidates.judged).nonzero().squeeze(-1).tolist()
+    by_prompt: dict[str, list[int]] = {}
+    for position, row in enumerate(rows):
+        by_prompt.setdefault(candidates.prompt_ids[row], []).append(position)
+    groups = [np.asarray(by_prompt[key]) for key in sorted(by_prompt)]
+    a, b = probs[rows].double().numpy(), reference[rows].double().numpy()
+    truth = candidates.accepted[rows].numpy()
+    if truth.all() or not truth.any():
+        return {"delta": math.nan, "ci95": [math.nan, math.nan], "resamples": 0, "prompts": len(groups)}
+    gaps = []
+    rng = np.random.default_rng(seed)
+    for _ in range(resamples):
+        picked = np.concatenate([groups[i] for i in rng.integers(len(groups), size=len(groups))])
+        if truth[picked].all() or not truth[picked].any():
+            continue
+        gaps.append(roc_auc_score(truth[picked], a[picked]) - roc_auc_score(truth[picked], b[picked]))
+    low, high = (float(x) for x in np.percentile(gaps, [2.5, 97.5])) if gaps else (math.nan, math.nan)
+    delta = float(roc_auc_score(truth, a) - roc_auc_score(truth, b))
+    return {"delta": delta, "ci95": [low, high], "resamples": len(gaps), "prompts": len(groups)}
+
+
 def raw_predictions(
     candidates: Candidates,
     train: torch.Tensor,
@@ -380,6 +416,7 @@ def score_dataset(
     isotonic: bool,
     gamma: float,
     seed: int,
+    bootstrap: int = 0,
 ) -> dict:
     """Every predictor on one dataset's held-out candidates: ``{"path", "label_mode", "temperature", "prompts",
     "candidates", "held_out_prompts", "heads", "skipped", "predictors": {name: {"description", "all", "first"}}}``,
@@ -395,10 +432,11 @@ def score_dataset(
     checks = check_held_out(heads, candidates, held_ids)
     mode = "greedy" if candidates.greedy else "sampling"
     results: dict[str, dict] = {}
-    for name, (description, probs, calibration) in raw_predictions(
-        candidates, train, heads, baselines, gamma, seed
-    ).items():
+    raw = raw_predictions(candidates, train, heads, baselines, gamma, seed)
+    for name, (description, probs, calibration) in raw.items():
         results[name] = {"description": description, **views(probs, candidates, held)}
+        if bootstrap and "q" in raw and name != "q":
+            results[name]["auc_vs_q"] = auc_gap(probs, raw["q"][1], candidates, held, bootstrap, seed)
         if calibration is not None:
             mapped = apply_calibration(calibration, probs)
             description_map = f"the bundle's {calibration.kind} map for {mode}"
@@ -426,15 +464,19 @@ HEADER = ["predictor", "n", "judged", "AUC accepted", "AUC soft", "ECE", "Brier"
 
 
 def markdown(result: dict, view: str) -> str:
-    """One Markdown table of a dataset's predictors in ``view`` (``all`` or ``first``)."""
+    """One Markdown table of a dataset's predictors in ``view`` (``all`` or ``first``); on ``all``, with
+    ``--bootstrap``, each predictor's AUC minus q's and its 95% prompt-bootstrap interval."""
+    gaps = view == "all" and any("auc_vs_q" in scores for scores in result["predictors"].values())
     rows = []
     for name, scores in result["predictors"].items():
         m = scores[view]
-        rows.append(
-            [name, str(m["n"]), str(m["judged"])]
-            + [fmt(m[k], 4) for k in ("auc_accepted", "auc_soft", "ece", "brier", "mean_pred", "mean_label")]
-        )
-    return markdown_table(HEADER, rows)
+        row = [name, str(m["n"]), str(m["judged"])]
+        row += [fmt(m[k], 4) for k in ("auc_accepted", "auc_soft", "ece", "brier", "mean_pred", "mean_label")]
+        if gaps:
+            gap = scores.get("auc_vs_q")
+            row.append("" if gap is None else f"{gap['delta']:+.4f} [{gap['ci95'][0]:+.4f}, {gap['ci95'][1]:+.4f}]")
+        rows.append(row)
+    return markdown_table(HEADER + (["AUC − q [95% CI]"] if gaps else []), rows)
 
 
 def report(results: dict[str, dict]) -> str:
@@ -469,6 +511,7 @@ def predictors(
     isotonic: bool = True,
     entropy_gamma: float = 0.2,
     seed: int = 0,
+    bootstrap: int = 0,
     output_dir: str = "eval_out/predictors",
 ) -> dict:
     """Every acceptance predictor — the heads given, the draft's q(y), EAGLE-2's path confidence, AdaEDL's entropy
@@ -491,7 +534,9 @@ def predictors(
         baselines: Which of ``q``, ``eagle2``, ``adaedl``, ``c2t`` to score (default: all).
         isotonic: Also score every uncalibrated predictor after an isotonic map fitted on the training prompts.
         entropy_gamma: AdaEDL's γ in 1 − sqrt(γ·H) (EntropyStop's default).
-        seed: Seed of the C2T classifier's initialisation.
+        seed: Seed of the C2T classifier's initialisation (and of the bootstrap's resamples).
+        bootstrap: Resamples of the held-out prompts for each predictor's AUC minus q's, with its 95% interval (a
+            paired prompt bootstrap on every held-out candidate); 0: none.
         output_dir: Folder for predictors.json and predictors.md.
     """
     baselines = check_baselines(baselines)
@@ -502,7 +547,9 @@ def predictors(
     with_hidden = any(h.head.reads_hidden for h in loaded)
     candidates = load_candidates(dataset, with_hidden)
     train_ids, source = split_train_ids(split, candidates.prompt_ids, split_seed, val_fraction, val_size)
-    settings = (baselines, isotonic, entropy_gamma, seed)
+    if bootstrap < 0:
+        raise ValueError(f"--bootstrap={bootstrap} must be >= 0 (resamples of the held-out prompts; 0: none).")
+    settings = (baselines, isotonic, entropy_gamma, seed, bootstrap)
     results = {"dataset": score_dataset(candidates, train_ids, loaded, *settings)}
     if greedy_dataset is not None:
         greedy = load_candidates(greedy_dataset, with_hidden)
