@@ -602,7 +602,8 @@ def test_the_committed_draft_records_its_lineage(capsys, monkeypatch) -> None:
     while "init" in extras[-1]:
         extras.append(extras[-1]["init"])
     first, last = extras[-1]["recipe"], config["extra"]["recipe"]
-    keys = ("samples_per_prompt", "max_new_tokens", "kept_vocab", "unroll", "lr", "batch_tokens", "max_steps", "seed")
+    # max_steps is sized to each loan's measured rate (1,500 on the H200 run, 900 since the H100 run): not compared
+    keys = ("samples_per_prompt", "max_new_tokens", "kept_vocab", "unroll", "lr", "batch_tokens", "seed")
     assert {k: first[k] for k in keys} == {k: printed["gpu"][k] for k in keys}
     assert first["accelerator"] == "gpu" and not first.get("text_sources")
     runs = stages.lineage(config)

@@ -245,6 +245,8 @@ def test_bad_input_names_the_value_and_the_fix(tiny, tmp_path, capsys) -> None:
         module.predictors(str(tiny["labels"]), heads=["nowhere"], output_dir=str(tmp_path / "o"))
     with pytest.raises(FileNotFoundError, match=r"--split='nowhere': there is no split.json"):
         module.predictors(str(tiny["labels"]), split="nowhere", output_dir=str(tmp_path / "o"))
+    with pytest.raises(ValueError, match=r"--bootstrap=-1 must be >= 0"):
+        module.predictors(str(tiny["labels"]), bootstrap=-1, output_dir=str(tmp_path / "o"))
 
 
 def test_a_head_is_refused_when_it_trained_on_a_held_out_prompt(tiny, tmp_path) -> None:

@@ -298,6 +298,14 @@ def check_baselines(names: list[str] | None) -> list[str]:
     return [name for name in BASELINES if name in names]
 
 
+def check_settings(entropy_gamma: float, bootstrap: int) -> None:
+    """ValueError naming a setting of the command that is out of range, and what it must be."""
+    if not entropy_gamma > 0:
+        raise ValueError(f"--entropy_gamma={entropy_gamma} must be > 0 (AdaEDL's entropy scale; EntropyStop's 0.2).")
+    if bootstrap < 0:
+        raise ValueError(f"--bootstrap={bootstrap} must be >= 0 (resamples of the held-out prompts; 0: none).")
+
+
 def c2t_inputs(candidates: Candidates) -> torch.Tensor:
     """(C, 4) C2T features of chain candidates: log joint (the path's log q), entropy, depth, log q — what
     :func:`~accept_head.trees.labels.node_features` gives a tree node, logs clipped the same way."""
@@ -540,15 +548,12 @@ def predictors(
         output_dir: Folder for predictors.json and predictors.md.
     """
     baselines = check_baselines(baselines)
-    if not entropy_gamma > 0:
-        raise ValueError(f"--entropy_gamma={entropy_gamma} must be > 0 (AdaEDL's entropy scale; EntropyStop's 0.2).")
+    check_settings(entropy_gamma, bootstrap)
     folder = output_folder(output_dir)
     loaded = [load_head(path) for path in heads or []]
     with_hidden = any(h.head.reads_hidden for h in loaded)
     candidates = load_candidates(dataset, with_hidden)
     train_ids, source = split_train_ids(split, candidates.prompt_ids, split_seed, val_fraction, val_size)
-    if bootstrap < 0:
-        raise ValueError(f"--bootstrap={bootstrap} must be >= 0 (resamples of the held-out prompts; 0: none).")
     settings = (baselines, isotonic, entropy_gamma, seed, bootstrap)
     results = {"dataset": score_dataset(candidates, train_ids, loaded, *settings)}
     if greedy_dataset is not None:
@@ -573,6 +578,7 @@ def predictors(
             "entropy_gamma": entropy_gamma,
             "ece_bins": ECE_BINS,
             "seed": seed,
+            "bootstrap": bootstrap,
         },
         "results": results,
     }
