@@ -128,8 +128,9 @@ class FeatureDraftRecipe:
     """Seconds of ``time_budget_s`` that ``fit`` leaves for export and ``evaluate``."""
     time_schedule: bool = False
     """Under a time budget, run the learning-rate cosine on the clock too: it ends at ``fit``'s deadline or at
-    ``max_steps``, whichever comes first, so a fit the budget stops ends decayed (where the steps a device manages
-    in the time are not known beforehand)."""
+    ``max_steps``, whichever comes first, so a fit the budget stops ends decayed. It counts time outside the steps
+    (reading shards, validating) as progress; its one GPU run gave a worse draft than a step-based cosine
+    (docs/gpu.md), so the recipes size ``max_steps`` to the measured rate instead."""
     work_dir: str = "~/.cache/accept_head/feature_draft/smollm2-135m"
     """Feature shards, vocabulary statistics, Lightning checkpoints and logs (outside the repository: ~1 GB)."""
     output_dir: str = "checkpoints/smollm2-135m-feature-draft"
