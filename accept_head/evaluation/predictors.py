@@ -369,26 +369,24 @@ def auc_gap(
     a paired prompt bootstrap, since a prompt's candidates are not independent). Resamples with one outcome only are
     skipped and counted out."""
     import numpy as np
-    from sklearn.metrics import roc_auc_score
 
-    rows = (held & candidates.judged).nonzero().squeeze(-1).tolist()
+    rows = (held & candidates.judged).nonzero().squeeze(-1)
     by_prompt: dict[str, list[int]] = {}
-    for position, row in enumerate(rows):
+    for position, row in enumerate(rows.tolist()):
         by_prompt.setdefault(candidates.prompt_ids[row], []).append(position)
-    groups = [np.asarray(by_prompt[key]) for key in sorted(by_prompt)]
-    a, b = probs[rows].double().numpy(), reference[rows].double().numpy()
-    truth = candidates.accepted[rows].numpy()
-    if truth.all() or not truth.any():
+    groups = [torch.tensor(by_prompt[key]) for key in sorted(by_prompt)]
+    a, b, truth = probs[rows].double(), reference[rows].double(), candidates.accepted[rows].double()
+    delta = binary_auc(a, truth) - binary_auc(b, truth)  # nan when one outcome only
+    if math.isnan(delta):
         return {"delta": math.nan, "ci95": [math.nan, math.nan], "resamples": 0, "prompts": len(groups)}
     gaps = []
     rng = np.random.default_rng(seed)
     for _ in range(resamples):
-        picked = np.concatenate([groups[i] for i in rng.integers(len(groups), size=len(groups))])
-        if truth[picked].all() or not truth[picked].any():
-            continue
-        gaps.append(roc_auc_score(truth[picked], a[picked]) - roc_auc_score(truth[picked], b[picked]))
+        picked = torch.cat([groups[i] for i in rng.integers(len(groups), size=len(groups))])
+        gap = binary_auc(a[picked], truth[picked]) - binary_auc(b[picked], truth[picked])
+        if not math.isnan(gap):
+            gaps.append(gap)
     low, high = (float(x) for x in np.percentile(gaps, [2.5, 97.5])) if gaps else (math.nan, math.nan)
-    delta = float(roc_auc_score(truth, a) - roc_auc_score(truth, b))
     return {"delta": delta, "ci95": [low, high], "resamples": len(gaps), "prompts": len(groups)}
 
 
