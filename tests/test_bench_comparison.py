@@ -59,7 +59,7 @@ def tiny(tmp_path_factory) -> dict:
     return {"root": root, "target": target, "feature_draft": feature_draft}
 
 
-def run_bench(tiny: dict, bundle: str, tmp_path: Path) -> dict:
+def run_bench(tiny: dict, bundle: str, tmp_path: Path, **overrides) -> dict:
     root = tiny["root"]
     config = {
         "bundle": str(root / f"bundle_{bundle}"),
@@ -77,7 +77,7 @@ def run_bench(tiny: dict, bundle: str, tmp_path: Path) -> dict:
         "cost_model": str(root / "costs.json"),
         "output_dir": str(tmp_path / "bench"),
         "progress": False,
-    }
+    } | overrides
     path = tmp_path / "bench.yaml"
     path.write_text(yaml.safe_dump(config))
     main(["bench", "--config", str(path)])
@@ -118,6 +118,23 @@ def test_bench_adds_comparison_rows_and_ratios_use_the_pairs_own_fixed_k(tiny, t
     identity = greedy["greedy_identity"]
     assert sorted(identity) == sorted(m["name"] for m in greedy["methods"] if m["kind"] != "autoregressive")
     assert all(v["identical"] == v["decodes"] > 0 and v["first_divergence"] == [] for v in identity.values())
+
+
+def test_specdec_thresholds_choose_h_on_validation_and_the_test_prompts_decode_at_it(tiny, tmp_path, capsys) -> None:
+    """With ``specdec_thresholds`` SpecDec++ runs every h on validation and the test prompts at the winner (what a
+    compiled target, whose costs the bundle's cost model does not describe, needs)."""
+    greedy = run_bench(tiny, "feature", tmp_path, specdec_thresholds=[0.2, 0.8], select_by="measured")
+    validated = [m for m in greedy["validation"]["methods"] if m["kind"] == "specdecpp"]
+    assert sorted(m["params"]["threshold"] for m in validated) == [0.2, 0.8]
+    best = max(validated, key=lambda m: m["selection_tokens_per_second"])
+    assert greedy["validation"]["best_specdec_threshold"] == best["params"]["threshold"]
+    (row,) = [m for m in greedy["methods"] if m["kind"] == "specdecpp"]
+    assert row["params"]["threshold"] == best["params"]["threshold"] and "(validation)" in row["name"]
+    identity = greedy["greedy_identity"][row["name"]]
+    assert identity["identical"] == identity["decodes"] > 0
+    with pytest.raises(SystemExit):
+        run_bench(tiny, "feature", tmp_path, specdec_thresholds=[1.5])
+    assert "specdec_thresholds=[1.5] must hold values in (0, 1)" in capsys.readouterr().err
 
 
 def test_greedy_identity_counts_differing_decodes_and_where_they_part() -> None:

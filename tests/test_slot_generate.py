@@ -74,6 +74,25 @@ def test_grouped_eager_attention_gives_the_same_greedy_rows(prompts) -> None:
     assert greedy_run(model, prompts, 4) == [reference(make_llama(seed=0), p, 14) for p in prompts]
 
 
+def test_compiled_decode_steps_give_the_same_greedy_rows(target, prompts, monkeypatch) -> None:
+    """``compile=True`` runs the steps over the whole buffer through ``torch.compile`` (inductor) — and some do."""
+    calls = []
+    compiled = slots_module.compiled_forward(target)
+
+    def counted(model):
+        assert model is target
+        return lambda **kwargs: calls.append(1) or compiled(**kwargs)
+
+    monkeypatch.setattr(slots_module, "compiled_forward", counted)
+    monkeypatch.setattr(slots_module, "LENGTH_STEP", 8)  # a short cache, so that steps reach its whole length
+    out = slot_generate(
+        target, prompts, [True] * len(prompts), max_new_tokens=14, temperature=1.0, eos_token_ids=[EOS],
+        pad_token_id=0, generator=torch.Generator().manual_seed(0), slots=4, compile=True,
+    )  # fmt: skip
+    assert out == [reference(target, p, 14) for p in prompts]
+    assert len(calls) >= 10
+
+
 def test_greedy_rows_mixed_with_sampled_ones_keep_their_argmax(target, prompts) -> None:
     greedy = [i % 2 == 0 for i in range(len(prompts))]
     out = slot_generate(

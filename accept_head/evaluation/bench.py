@@ -218,6 +218,7 @@ class BenchPlan:
     progress: bool
     ignore_eos: bool
     target_runtime: str
+    specdec_thresholds: list[float] | None
     tree_grids: dict[str, list[dict]] = field(init=False)
     """The learning-free tree decoders' grids, each setting completed (:func:`tree_settings`)."""
     draft_tree_grid: list[MethodSpec] = field(init=False)
@@ -240,6 +241,13 @@ class BenchPlan:
             raise ValueError(f"select_by={self.select_by!r} must be 'modeled' or 'measured'.")
         if not self.fixed_k or not self.entropy_thresholds:
             raise ValueError("fixed_k and entropy_thresholds must each hold at least one value.")
+        if self.specdec_thresholds is not None:
+            self.specdec_thresholds = [float(h) for h in self.specdec_thresholds]
+            if not self.specdec_thresholds or not all(0 < h < 1 for h in self.specdec_thresholds):
+                raise ValueError(
+                    f"specdec_thresholds={self.specdec_thresholds} must hold values in (0, 1), or be null (the "
+                    "bundle's own h*)."
+                )
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {self.repeats}, {self.warmup}).")
         self.tree_grids = tree_settings(
@@ -330,6 +338,9 @@ BENCH_ARGS = """
             or ``compiled`` (that cache under ``torch.compile``; each pass width compiles on first use, in the
             warm-up): :mod:`~accept_head.models.static_target`. Applies to the autoregressive and chain methods;
             leave the others out (``--ngrammys '[]'`` ...) with a non-eager runtime.
+        specdec_thresholds: An h grid for SpecDec++ searched on validation (with the bundle's ``unscored`` rule for
+            the mode) instead of the bundle's own h*, e.g. when ``target_runtime`` or the machine makes the bundle's
+            cost model the wrong price; pair it with ``select_by: measured``. None: the bundle's h*.
     """
 """The ``Args:`` section of :func:`bench`'s docstring, its ``--help`` (attached by
 :func:`~accept_head.evaluation.common.with_args_doc`)."""
@@ -368,6 +379,7 @@ def bench(
     progress: bool = True,
     ignore_eos: bool = True,
     target_runtime: str = "eager",
+    specdec_thresholds: list[float] | None = None,
 ) -> dict:
     """Benchmark SpecDec++ against every simpler way of choosing the candidate length, on the same prompts.
 
@@ -425,6 +437,7 @@ def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float)
     specs = [MethodSpec("fixed_k", {"k": k}) for k in plan.fixed_k]
     specs += [MethodSpec("fixed_k", {"k": k, "draft": name}) for name in pair.comparison_drafts for k in plan.fixed_k]
     specs += [MethodSpec("entropy", {"threshold": lam, "gamma": plan.entropy_gamma}) for lam in entropy_thresholds]
+    specs += specdec_grid(plan, setup, temperature)
     # run_sweep leaves out, with the reason, what this pair cannot run (only tree decoders can be refused).
     summaries, skipped = run_sweep(
         pair,
@@ -451,6 +464,9 @@ def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float)
         "best_k": int(best_k.spec.params["k"]),
         "best_k_by_draft": by_draft,
         "best_entropy_threshold": None if best_entropy is None else float(best_entropy.spec.params["threshold"]),
+        "best_specdec_threshold": (
+            float(best_of(own, select_by, "specdecpp").spec.params["threshold"]) if plan.specdec_thresholds else None
+        ),
         "tree_decoders": best_tree_settings(summaries, setup.trees, select_by),
         "skipped": setup.trees_skipped + skipped,
         "methods": [
@@ -465,6 +481,24 @@ def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float)
     if plan.stop_rules:
         validation["confidence"] = choose_tau(plan, setup, temperature)
     return validation
+
+
+def specdec_grid(plan: BenchPlan, setup: BenchSetup, temperature: float) -> list[MethodSpec]:
+    """SpecDec++ at every h of ``specdec_thresholds`` with the bundle's ``unscored`` rule for the mode ([] when the
+    grid is not set: the bundle's own h* decodes)."""
+    _, unscored = setup.pair.bundle.h_star(greedy=temperature == 0)
+    return [MethodSpec("specdecpp", {"threshold": h, "unscored": unscored}) for h in plan.specdec_thresholds or []]
+
+
+def specdec_method(setup: BenchSetup, temperature: float, validation: dict) -> MethodSpec:
+    """SpecDec++ as the test prompts decode it: at the h chosen on validation when a grid was searched, else at
+    the bundle's own h*."""
+    chosen = validation.get("best_specdec_threshold")
+    if chosen is None:
+        return h_star_spec(setup.pair.bundle, greedy=temperature == 0)
+    _, unscored = setup.pair.bundle.h_star(greedy=temperature == 0)
+    label = f"SpecDec++ h={chosen:g} (validation)" + (f" unscored={unscored}" if unscored else "")
+    return MethodSpec("specdecpp", {"threshold": chosen, "unscored": unscored}, label=label, role="h_star")
 
 
 def best_tree_settings(summaries: Sequence[MethodSummary], trees: Sequence[MethodSpec], select_by: str) -> dict:
@@ -498,7 +532,7 @@ def bench_methods(plan: BenchPlan, setup: BenchSetup, temperature: float, valida
         MethodSpec("autoregressive"),
         MethodSpec("fixed_k", {"k": best_k}),
         *[MethodSpec("fixed_k", {"k": k, "draft": name}) for name, k in validation["best_k_by_draft"].items()],
-        h_star_spec(setup.pair.bundle, greedy=temperature == 0),
+        specdec_method(setup, temperature, validation),
     ]
     if plan.stop_rules:
         specs += [
@@ -620,6 +654,7 @@ def write_bench(plan: BenchPlan, setup: BenchSetup, results: dict) -> dict:
             "select_by": plan.select_by,
             "fixed_k": plan.fixed_k,
             "entropy_thresholds": plan.entropy_thresholds,
+            "specdec_thresholds": plan.specdec_thresholds,
             "entropy_gamma": plan.entropy_gamma,
             "hf_settings": [s.__dict__ for s in plan.hf_settings],
             "tree_decoders": plan.tree_grids,
@@ -683,6 +718,8 @@ def _title(key: str, test_set: PromptSet, repeats: int, validation: dict) -> str
     )
     if validation["best_entropy_threshold"] is not None:
         title += f", EntropyStop λ={validation['best_entropy_threshold']:g}"
+    if validation.get("best_specdec_threshold") is not None:
+        title += f", SpecDec++ h={validation['best_specdec_threshold']:g}"
     if "confidence" in validation:
         title += f", ConfidenceThreshold τ={validation['confidence']['tau']:.3g}"
     return title

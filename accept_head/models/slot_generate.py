@@ -8,6 +8,12 @@ decode step keeps its batch full until the prompts run out (then the cache is co
 The model runs through its own ``forward`` (any Hugging Face causal LM whose attention takes a 4D mask and
 ``position_ids``, such as Llama, Qwen2, SmolLM2) with ``logits_to_keep=1``.
 
+Once the longest live row passes half the cache, a decode step attends over the whole buffer (masked past each row's
+position) instead of the first ``span`` positions: a slice of the buffer is not contiguous, and every attention matmul
+copied it (on the EPYC of docs/measurements.md a 128-slot step grew from 180 to 271 ms between 60 and 235 positions
+with the slice, and stays at ~197 ms over the whole buffer). Those steps have one shape, so they can run compiled
+(:func:`compiled_forward`), the rest eagerly.
+
 Sampling is exact: row i's token at temperature T is the inverse CDF of softmax(logits_i / T) (float32) at one
 uniform u_i drawn per row and step from the caller's generator — the same distribution as ``torch.multinomial``,
 with one random number per row instead of one per vocabulary entry; greedy rows take the argmax. Given the same
@@ -92,6 +98,22 @@ class SlotCache(Cache):
         self.slots = len(slots)
 
 
+LENGTH_STEP = 64
+"""With a compiled forward the cache length is rounded up to a multiple of this, so that calls (shards) with similar
+prompt lengths share the compiled graph."""
+
+
+def compiled_forward(model: torch.nn.Module):
+    """``torch.compile(model.forward)`` (inductor, static shapes), built once per model: what :func:`slot_generate`
+    runs its full-width decode steps through when asked to (``compile=True``). Each (slots, cache length) compiles on
+    first use (~45 s for SmolLM2-135M on the EPYC)."""
+    kept = model.__dict__
+    if "_accept_head_slot_forward" not in kept:
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        kept["_accept_head_slot_forward"] = torch.compile(model.forward, dynamic=False)
+    return kept["_accept_head_slot_forward"]
+
+
 def attention_bias(positions: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:
     """(n, 1, T, span) additive mask: the token at cache position ``positions[i, t]`` sees positions 0..that one of
     its own slot; a padding token (at the scratch position, past ``span``) sees them all (its output is never read)."""
@@ -144,6 +166,7 @@ def slot_generate(
     generator: torch.Generator,
     slots: int = 128,
     refill_fraction: float = 0.125,
+    compile: bool = False,
 ) -> list[list[int]]:
     """Responses of ``model`` to ``prompts`` (token id lists), in their order, decoded ``slots`` rows at a time.
 
@@ -164,7 +187,10 @@ def slot_generate(
     device = next(model.parameters()).device
     eos = set(int(t) for t in eos_token_ids)
     length = max((len(p) for p in prompts), default=0) + max_new_tokens
+    if compile:
+        length = -(-(length + 1) // LENGTH_STEP) * LENGTH_STEP - 1  # the buffer (length + 1) a multiple of the step
     cache = SlotCache(model.config.num_hidden_layers, min(slots, len(prompts)), length)
+    fast = compiled_forward(model) if compile else None
     live: list[_Slot | None] = [None] * cache.slots
     greedy_rows = torch.tensor(list(greedy), dtype=torch.bool)
     out: list[list[int]] = [[] for _ in prompts]
@@ -183,7 +209,8 @@ def slot_generate(
             keep = torch.tensor(alive)
             cache.keep(keep.to(device))
             live, last = [live[i] for i in alive], last[keep]
-        _decode_step(model, cache, live, greedy_rows, last, temperature, generator, pad_token_id, device)
+            fast = None  # another shape: the tail decodes eagerly
+        _decode_step(model, cache, live, greedy_rows, last, temperature, generator, pad_token_id, device, fast)
         _retire(live, out, eos, max_new_tokens)
 
 
@@ -215,12 +242,16 @@ def _refill(model, cache, live, free, waiting, prompts, greedy_rows, last, tempe
         last[slot] = token
 
 
-def _decode_step(model, cache, live, greedy_rows, last, temperature, generator, pad_token_id, device) -> None:
-    """Feed every slot its last token (free slots feed padding to the scratch position) and sample the next."""
+def _decode_step(model, cache, live, greedy_rows, last, temperature, generator, pad_token_id, device, fast=None):
+    """Feed every slot its last token (free slots feed padding to the scratch position) and sample the next; ``fast``
+    (a compiled ``model.forward``) runs the steps over the whole buffer."""
     positions = torch.tensor([[s.position if s is not None else cache.length] for s in live])
     span = int(max(s.position for s in live if s is not None)) + 1
+    if 2 * span > cache.length:  # attend over the whole buffer: each attention matmul would copy a slice of it
+        span = cache.length + 1
     cache.feed(torch.arange(cache.slots, device=device), positions.to(device), span)
-    logits = model(
+    forward = fast if fast is not None and span == cache.length + 1 else model
+    logits = forward(
         input_ids=last[:, None].to(device),
         position_ids=positions.clamp(max=span - 1).to(device),
         attention_mask=attention_bias(positions.to(device), span, model.dtype),

@@ -51,7 +51,7 @@ from .draft_recipe import (
 )
 from .feature_draft import FeatureDataModule, FeatureDraftModule, FeatureSequence, read_feature_shards
 from .model_card import blocks, card, front_matter, plain_table, read_json, section
-from .own_responses import GENERATORS, bench_generators, response_rows, shard_positions, write_response_shards
+from .own_responses import bench_generators, response_rows, shard_positions, write_response_shards
 
 FIT_SOURCES = ("own", "text", "written")
 """The kinds of training feature shards, by the name their stage gives them."""
@@ -109,8 +109,9 @@ class FeatureDraftRecipe:
     static_cache: bool = False
     """Generate with a fixed-shape StaticCache (no batch compaction), what ``compile`` needs."""
     compile: bool = False
-    """``torch.compile(mode="reduce-overhead")`` the single-token generation step (CUDA graphs; with
-    ``static_cache``, on CUDA)."""
+    """Compile the generation step: with ``static_cache`` (on CUDA), ``torch.compile(mode="reduce-overhead")`` of the
+    single-token step (CUDA graphs); with ``slots`` (on a CPU), inductor's graph of the decode steps over the whole
+    slot cache (:func:`~accept_head.models.slot_generate.compiled_forward`; ~45 s to compile per cache length)."""
     slots: int | None = None
     """Decode each shard by continuous batching over this many KV-cache slots
     (:func:`~accept_head.models.slot_generate.slot_generate`: finished rows are replaced by the shard's next prompts;
@@ -277,7 +278,7 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     eos = eos_token_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     step_fn = None
-    if cfg.compile:
+    if cfg.compile and not cfg.slots:
         step_fn = torch.compile(model.forward, mode="reduce-overhead", fullgraph=False)
     meta_path = folder / "meta.json"
     meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"tokens": 0, "seconds": 0.0}
@@ -300,6 +301,7 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
             cache_length=cfg.max_prompt_tokens + cfg.max_new_tokens if cfg.static_cache else None,
             step_fn=step_fn,
             slots=cfg.slots,
+            compile_slots=cfg.compile,
         )
         meta["tokens"] += done["tokens"]
         meta["seconds"] += done["seconds"]
@@ -332,13 +334,18 @@ def progress(cfg: FeatureDraftRecipe) -> dict:
 
 
 def bench_responses(
-    cfg: FeatureDraftRecipe, rows: int | None = None, repeats: int = 1, max_new_tokens: int | None = None
+    cfg: FeatureDraftRecipe,
+    rows: int | None = None,
+    repeats: int = 1,
+    max_new_tokens: int | None = None,
+    compile: bool = False,
 ) -> dict:
     """Response tokens/s of the ``responses`` stage's generators side by side on this machine: Hugging Face's
     ``model.generate``, one left-padded batch at a time (``batch``) and continuous batching (``slots``), each writing
     T=``temperature`` samples for the same first ``rows`` training rows (default: four batches of
     ``generate_batch_size``) in batches of ``generate_batch_size``, ``max_new_tokens`` each (default: the config's),
-    interleaved ``repeats`` times. Prints the table; writes ``<work_dir>/bench_responses.json``."""
+    interleaved ``repeats`` times; ``compile``: continuous batching with its decode steps compiled as well
+    (``slots_compiled``, compiled before timing). Prints the table; writes ``<work_dir>/bench_responses.json``."""
     set_threads(cfg.threads)
     tokenizer, model = load_tokenizer(cfg.target), load_model(cfg.target)
     held_out = load_prompts(cfg.eval_prompts, seed=cfg.seed, split_seed=cfg.split_seed)
@@ -352,7 +359,7 @@ def bench_responses(
     passes = bench_generators(
         model, prompts, batch_size=cfg.generate_batch_size, max_new_tokens=new_tokens, temperature=cfg.temperature,
         eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0],
-        repeats=repeats, seed=cfg.seed,
+        repeats=repeats, seed=cfg.seed, compile=compile,
     )  # fmt: skip
     speed = {name: statistics.median(t / s for t, s in zip(p["tokens"], p["seconds"])) for name, p in passes.items()}
     result = {
@@ -362,10 +369,10 @@ def bench_responses(
         "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
         "passes": passes,
         "tokens_per_second": speed,
-        "ratio_to_generate": {name: speed[name] / speed["generate"] for name in GENERATORS},
+        "ratio_to_generate": {name: speed[name] / speed["generate"] for name in passes},
     }
-    for name in GENERATORS:
-        print(f"{name:>9}: {speed[name]:7.0f} response tok/s  ({result['ratio_to_generate'][name]:.2f}x generate)")
+    for name in passes:
+        print(f"{name:>14}: {speed[name]:7.0f} response tok/s  ({result['ratio_to_generate'][name]:.2f}x generate)")
     folder = expand(cfg.work_dir)
     folder.mkdir(parents=True, exist_ok=True)
     write_json(folder / "bench_responses.json", result)
@@ -381,8 +388,8 @@ def _check_responses_config(cfg: FeatureDraftRecipe) -> None:
         )
     if not cfg.prompts or not cfg.eval_prompts:
         raise ValueError("The `responses` stage needs `prompts` (training) and `eval_prompts` (held out) sources.")
-    if cfg.compile and not cfg.static_cache:
-        raise ValueError("compile=true needs static_cache=true (a dynamic cache changes shape at every step).")
+    if cfg.compile and not (cfg.static_cache or cfg.slots):
+        raise ValueError("compile=true needs static_cache=true or slots (a dynamic cache changes shape at every step).")
     if cfg.slots is not None and (cfg.slots < 1 or cfg.static_cache):
         raise ValueError(f"slots={cfg.slots} must be >= 1 and cannot be combined with static_cache (set one).")
 

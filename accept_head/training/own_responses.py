@@ -203,13 +203,14 @@ def write_response_shards(
     cache_length: int | None = None,
     step_fn=None,
     slots: int | None = None,
+    compile_slots: bool = False,
 ) -> dict:
     """Write the shards ``<folder>/<kind>-NNNNN.pt`` of ``batches`` that are missing, in order, until ``deadline``
     (a ``time.monotonic()`` value; None: no limit). Each holds ``prompt_id``, ``prompt_ids``, ``response_ids`` and
     ``sample`` (the sample index, :data:`GREEDY` for greedy rows). Returns the shard counts, the tokens written
     and the seconds spent in this call; prints the tokens/s meter after every shard. ``slots``: decode each shard by
     continuous batching over that many cache slots (:func:`~accept_head.models.slot_generate.slot_generate`) instead
-    of as one left-padded batch."""
+    of as one left-padded batch; ``compile_slots``: its full-width decode steps compiled."""
     folder.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
     tokens, seconds, written, stopped = 0, 0.0, 0, False
@@ -227,7 +228,7 @@ def write_response_shards(
         settings |= dict(pad_token_id=pad_token_id, generator=generator)
         prompts = [row.prompt.ids for row in batch]
         if slots:
-            responses = slot_generate(model, prompts, greedy.tolist(), slots=slots, **settings)
+            responses = slot_generate(model, prompts, greedy.tolist(), slots=slots, compile=compile_slots, **settings)
         else:
             batch_settings = dict(static_cache=static_cache, cache_length=cache_length, step_fn=step_fn, **settings)
             responses = _generate_in_halves(model, prompts, greedy, batch_settings)
@@ -274,11 +275,14 @@ def bench_generators(
     pad_token_id: int,
     repeats: int = 1,
     seed: int = 0,
+    compile: bool = False,
 ) -> dict[str, dict]:
     """Response tokens/s of each of :data:`GENERATORS` writing T=``temperature`` samples for every prompt, the same
     rows through batches of ``batch_size`` (``model.generate`` and ``batch``: one batch after another; ``slots``:
     ``batch_size`` slots refilled from all of them), interleaved ``repeats`` times. A response counts through its
-    first EOS. Returns, per generator, the tokens and seconds of every pass."""
+    first EOS. ``compile``: also ``slots_compiled`` (:func:`~accept_head.models.slot_generate.slot_generate` with
+    ``compile=True``), after one untimed pass that compiles its graph (its seconds under ``compile_seconds``).
+    Returns, per generator, the tokens and seconds of every pass."""
     device = next(model.parameters()).device
     chunks = [list(prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
     eos = torch.as_tensor(list(eos_token_ids))
@@ -305,16 +309,23 @@ def bench_generators(
             for r in generate_responses(model, c, g, generator=generator, **settings)
         )
 
-    def slots(generator: torch.Generator) -> int:
+    def slots(generator: torch.Generator, compiled: bool = False) -> int:
         responses = slot_generate(
-            model, list(prompts), [False] * len(prompts), slots=batch_size, generator=generator, **settings
-        )
+            model, list(prompts), [False] * len(prompts), slots=batch_size, generator=generator, compile=compiled,
+            **settings,
+        )  # fmt: skip
         return sum(len(r) for r in responses)
 
     runs = {"generate": hf_generate, "batch": batch, "slots": slots}
-    passes: dict[str, dict] = {name: {"tokens": [], "seconds": []} for name in GENERATORS}
+    if compile:
+        runs["slots_compiled"] = lambda generator: slots(generator, compiled=True)
+    passes: dict[str, dict] = {name: {"tokens": [], "seconds": []} for name in runs}
+    if compile:
+        start = time.perf_counter()
+        slots(torch.Generator(device).manual_seed(seed), compiled=True)
+        passes["slots_compiled"]["compile_seconds"] = time.perf_counter() - start
     for repeat in range(repeats):
-        for name in GENERATORS:
+        for name in runs:
             generator = torch.Generator(device).manual_seed(derive_seed(seed, "bench", name, repeat))
             torch.manual_seed(derive_seed(seed, "bench-global", name, repeat))  # model.generate's own draws
             start = time.perf_counter()
