@@ -243,3 +243,29 @@ def test_bench_responses_times_the_three_generators_on_the_same_rows(tmp_path, m
     for passes in result["passes"].values():
         assert 9 <= passes["tokens"][0] <= 9 * 8 and passes["seconds"][0] > 0
     assert result["ratio_to_generate"]["generate"] == 1.0 and result["machine"]["cpu_capability"]
+
+
+def test_bench_responses_compile_adds_the_compiled_generator_timed_after_compiling(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(slots_module, "LENGTH_STEP", 8)  # steps reach the whole (short) cache: the compiled ones run
+    config = responses_config(tmp_path, "bench")
+    run_cli("bench_responses", "--config", str(config), "--rows", "9", "--compile", "true")
+    result = json.loads((tmp_path / "bench" / "bench_responses.json").read_text())
+    assert set(result["tokens_per_second"]) == {"generate", "batch", "slots", "slots_compiled"}
+    compiled = result["passes"]["slots_compiled"]
+    assert compiled["compile_seconds"] > 0 and 9 <= compiled["tokens"][0] <= 9 * 8
+
+
+def test_the_responses_stage_hands_compile_to_the_slot_generator(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    seen = []
+
+    def recording(*args, compile=False, **kwargs):
+        seen.append(compile)
+        return slot_generate(*args, **kwargs)
+
+    monkeypatch.setattr(own_responses, "slot_generate", recording)
+    run_cli("responses", "--config", str(responses_config(tmp_path, "compiled", compile=True, max_prompts=4)))
+    assert seen and all(seen)
+    with pytest.raises(ValueError, match="compile=true needs static_cache=true or slots"):
+        run_cli("responses", "--config", str(responses_config(tmp_path, "batch", compile=True, slots=None)))
