@@ -107,7 +107,7 @@ class FeatureDraftRecipe:
     sort_window: int = 16
     """Batches whose rows are sorted by prompt length together (a window of the mixed prompt order)."""
     static_cache: bool = False
-    """Generate with a fixed-shape StaticCache (no batch compaction), what ``compile`` needs."""
+    """Generate with a fixed-shape StaticCache (no batch compaction), what ``compile`` needs without ``slots``."""
     compile: bool = False
     """Compile the generation step: with ``static_cache`` (on CUDA), ``torch.compile(mode="reduce-overhead")`` of the
     single-token step (CUDA graphs); with ``slots`` (on a CPU), inductor's graph of the decode steps over the whole

@@ -316,7 +316,7 @@ def bench_generators(
         )  # fmt: skip
         return sum(len(r) for r in responses)
 
-    runs = {"generate": hf_generate, "batch": batch, "slots": slots}
+    runs = dict(zip(GENERATORS, (hf_generate, batch, slots)))
     if compile:
         runs["slots_compiled"] = lambda generator: slots(generator, compiled=True)
     passes: dict[str, dict] = {name: {"tokens": [], "seconds": []} for name in runs}
