@@ -22,14 +22,21 @@ import pytest
 import torch
 from safetensors.torch import load_file
 from stats_helpers import ALPHA, accept_every_candidate, exact_joint, pair_p_values
-from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, perturbed_copy
+from tiny_models import (
+    distilled_feature_draft,
+    draft_vocabulary,
+    make_llama,
+    make_tokenizer,
+    perturbed_copy,
+    save_bundle,
+)
 
 import accept_head.chain.decoding as decoding
 from accept_head import AcceptanceHead, FixedK, HeadThreshold, autoregressive_generate, load_model, speculative_generate
 from accept_head.chain.decoding import verify as correct_verify
 from accept_head.core.sampling import sample
 from accept_head.models.drafters import ModelDrafter
-from accept_head.models.feature_draft import FeatureDraft, FeatureDrafter, model_fingerprint
+from accept_head.models.feature_draft import FeatureDraft, FeatureDrafter, Int8Linear, model_fingerprint
 from accept_head.models.features import lm_head_input
 
 # --- tiny models ----------------------------------------------------------------------------------------------------
@@ -227,8 +234,9 @@ def chi2_setup() -> tuple:
 
 
 def chi2_drafter(name: str, target, kept: torch.Tensor):
-    if name == "feature":
-        return FeatureDraft.from_target(target, kept)
+    if name.startswith("feature"):  # feature-int8: the same draft decoding with int8 weights
+        draft = FeatureDraft.from_target(target, kept)
+        return draft.quantize_("int8") if name == "feature-int8" else draft
     return ModelDrafter(perturbed_copy(target, 0.5, seed=1), kept_ids=kept)
 
 
@@ -255,7 +263,7 @@ def outside_z_scores(tokens: torch.Tensor, joint: torch.Tensor, kept: torch.Tens
     return scores
 
 
-@pytest.mark.parametrize("drafter", ["feature", "model-pruned"])
+@pytest.mark.parametrize("drafter", ["feature", "feature-int8", "model-pruned"])
 def test_sampling_matches_exact_target_distribution_with_pruned_vocabulary(chi2_setup, monkeypatch, drafter) -> None:
     target, joint, kept = chi2_setup
     rounds: list[tuple[list[int], int]] = []
@@ -266,7 +274,8 @@ def test_sampling_matches_exact_target_distribution_with_pruned_vocabulary(chi2_
         return m, token
 
     monkeypatch.setattr(decoding, "verify", recording_verify)
-    tokens = sample_outputs(target, chi2_drafter(drafter, target, kept), SAMPLES)
+    # The int8 draft only moves q, which the verifier reads as it reads any draft's: a quarter of the samples.
+    tokens = sample_outputs(target, chi2_drafter(drafter, target, kept), SAMPLES // 4 if "int8" in drafter else SAMPLES)
     p_values = pair_p_values(tokens, joint)
     assert min(p_values) > ALPHA, p_values
     z = outside_z_scores(tokens, joint, kept)
@@ -604,3 +613,74 @@ def test_unrolled_step_k_equals_the_drafters_kth_candidate(padded: bool) -> None
                 torch.testing.assert_close(steps[k - 1][b, t + k - 1], candidate, atol=1e-5, rtol=1e-5)
                 checked += 1
     assert checked == 3 * sum(len(r) - 4 for r in rows)
+
+
+# --- 6. int8 weights for decoding -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width", [40, 64])  # bf16: 40 columns take the dequantized path, 64 the int8 kernel
+def test_int8_linear_is_the_product_with_its_dequantized_weight(dtype, width) -> None:
+    generator = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(24, width, generator=generator), torch.randn(24, generator=generator)
+    layer = Int8Linear(weight.to(dtype), bias.to(dtype))
+    dequantized = layer.qweight.float() * layer.scale.float()[:, None]
+    # Round to nearest with one scale per row: each weight within half a step (in bf16 the scale itself is rounded
+    # to 8 bits, another half step at most), the row's largest at ±127 exactly.
+    steps = 0.5 if dtype == torch.float32 else 1.0
+    assert (dequantized - weight.to(dtype).float()).abs().le(steps * layer.scale.float()[:, None] + 1e-6).all()
+    assert layer.qweight.abs().amax(dim=1).eq(127).all()
+    x = torch.randn(3, 5, width, generator=generator)
+    expected = x @ dequantized.T + bias
+    tolerance = 1e-4 if dtype == torch.float32 else 0.3
+    assert layer(x.to(dtype)).shape == (3, 5, 24)
+    assert torch.allclose(layer(x.to(dtype)).float(), expected, atol=tolerance, rtol=0.02)
+
+
+def test_an_int8_feature_draft_decodes_greedy_output_exactly(greedy_settings) -> None:
+    """The int8 draft proposes from a q close to, but not equal to, the trained draft's; greedy decoding with it still
+    returns the target's own continuation, with most candidates accepted (the accept path runs)."""
+    target, make_draft, _ = greedy_settings["feature"]
+    draft = make_draft()
+    quantized = copy.deepcopy(draft).quantize_("int8")
+    assert isinstance(quantized.fc, Int8Linear) and isinstance(quantized.decoder.layers[0].mlp.up_proj, Int8Linear)
+    features = torch.randn(1, 6, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    tokens = torch.tensor([[2, 12, 40, 9, 5, 30]])
+    with torch.no_grad():
+        exact = draft.support_logits(draft(features, tokens))[1]
+        moved = quantized.support_logits(quantized(features, tokens))[1]
+    assert 0 < (exact - moved).abs().max() < 0.05 * exact.abs().max()
+    accepted, proposed = 0, 0
+    for prompt in GREEDY_PROMPTS:
+        expected = autoregressive_generate(target, prompt, GREEDY_NEW, temperature=0).sequences
+        result = speculative_generate(target, quantized, prompt, FixedK(3), GREEDY_NEW, temperature=0)
+        assert torch.equal(result.sequences, expected)
+        accepted, proposed = accepted + sum(result.stats.accepted), proposed + sum(result.stats.proposed)
+    assert accepted >= MIN_ACCEPTED_SHARE["feature"] * proposed
+
+
+def test_int8_is_a_loading_option_of_feature_drafts_only(tmp_path, llama, kept) -> None:
+    """``quantize: int8`` in a model spec or a bundle's ``draft_quantize`` loads the draft with int8 weights; a bad
+    mode, a quantized target, and saving a quantized draft are refused with the value and the fix."""
+    tokenizer = make_tokenizer()
+    target = make_llama(tmp_path / "target", tokenizer=tokenizer)
+    folder = perturbed_draft(target, kept).save_pretrained(tmp_path / "draft")
+    spec = {"path": str(folder), "dtype": "float32"}
+    draft = load_model({**spec, "quantize": "int8"})
+    assert draft.quantized == "int8" and isinstance(draft.decoder.layers[0].self_attn.q_proj, Int8Linear)
+    assert load_model(spec).quantized is None
+    with pytest.raises(ValueError, match=r"quantize='int4' is not a weight format .* use one of \['int8'\]"):
+        load_model({**spec, "quantize": "int4"})
+    with pytest.raises(ValueError, match=r"quantize='int8' applies to feature drafts only"):
+        load_model({"path": str(tmp_path / "target"), "dtype": "float32", "quantize": "int8"})
+    with pytest.raises(ValueError, match="save the draft as trained"):
+        draft.save_pretrained(tmp_path / "again")
+    save_bundle(tmp_path / "bundle", target, load_model(spec), tokenizer, tmp_path / "target", folder)
+    from accept_head import SpecDecPP
+
+    bundle = SpecDecPP.from_pretrained(tmp_path / "bundle", tokenizer=tokenizer, draft_quantize="int8")
+    assert bundle.draft.quantized == "int8"
+    prompt = [2, 12, 40, 9]
+    result = bundle.generate(prompt, max_new_tokens=8, temperature=0).sequences  # stops at the tokenizer's EOS
+    expected = autoregressive_generate(target, prompt, 8, temperature=0).sequences
+    assert result.shape[1] > len(prompt) and torch.equal(result, expected[:, : result.shape[1]])

@@ -112,6 +112,45 @@ def _full_attention_rope(rope: dict | None) -> dict | None:
     return rope
 
 
+QUANTIZE_MODES = ("int8",)
+"""Weight formats a feature draft can decode with (:meth:`FeatureDraft.quantize_`; ``ModelSpec.quantize``)."""
+
+
+class Int8Linear(nn.Module):
+    """A decoding-only ``nn.Linear`` with weight-only int8: one scale per output row (symmetric, round to nearest),
+    the product by ``torch._weight_int8pack_mm`` in the input's dtype. Half the bytes of bf16 weights — on a CPU, where
+    a drafting step streams its weights from memory after every target pass evicted them, half its matmul time."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        w = weight.detach().float()
+        scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
+        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scale", scale.to(weight.dtype))
+        self.register_buffer("bias", None if bias is None else bias.detach().clone())
+        self.out_features, self.in_features = weight.shape
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        scale = self.scale.to(x.dtype)
+        if x.dtype != torch.float32 and self.in_features % 32:  # the CPU kernel's reduced-precision path reads
+            y = nn.functional.linear(x, self.qweight.to(x.dtype) * scale[:, None])  # 32 columns at a time
+        else:
+            flat = x.reshape(-1, self.in_features).contiguous()
+            y = torch._weight_int8pack_mm(flat, self.qweight, scale).reshape(*x.shape[:-1], -1)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+
+class _Rows(nn.Module):
+    """x ↦ x Wᵀ for a weight held outside the module tree (a sorted copy of the LM head's rows)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight)
+
+
 class FeatureDraft(nn.Module):
     """fc([f; emb(x)]) → one Llama decoder layer → norm → LM head over ``kept_ids``.
 
@@ -147,6 +186,8 @@ class FeatureDraft(nn.Module):
         self.lm_head.weight.requires_grad_(config.train_lm_head)
         self._bound: tuple[nn.Embedding, ...] = ()  # a tuple, so the target's embedding is not registered here
         self.target_fingerprint: str | None = None
+        self.quantized: str | None = None
+        """None (the weights as trained) or a :data:`QUANTIZE_MODES` entry (:meth:`quantize_`)."""
 
     # --- building and binding -------------------------------------------------------------------------------------
     @classmethod
@@ -219,7 +260,8 @@ class FeatureDraft(nn.Module):
         Returns the predicted features f̂_{t+1}, (B, T, d) — feed them to :meth:`kept_logits`."""
         with torch.no_grad():
             emb = self.embed(next_tokens)
-        x = self.fc(torch.cat([features.to(self.fc.weight.dtype), emb.to(self.fc.weight.dtype)], dim=-1))
+        dtype = self.decoder.norm.weight.dtype  # the draft's dtype (its linear layers may hold int8 weights)
+        x = self.fc(torch.cat([features.to(dtype), emb.to(dtype)], dim=-1))
         out = self.decoder(
             inputs_embeds=x,
             attention_mask=attention_mask,
@@ -230,26 +272,51 @@ class FeatureDraft(nn.Module):
 
     def kept_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """(…, d) predicted features → (…, kept_vocab_size) logits over ``kept_ids``."""
-        return self.lm_head(predicted)
-
-    def support_head(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``kept_ids`` in ascending order and the LM head's rows in that order (a copy, made again when the head's
-        weight changes): logits over them keep a full-vocabulary argmax's tie-break (the smallest id) and a
-        cumulative sum's order, so sampling there draws what sampling over the whole vocabulary draws."""
-        weight = self.lm_head.weight
-        version = None if weight.is_inference() else weight._version  # inference tensors keep no version counter
-        key = (weight.data_ptr(), version, weight.dtype, weight.device, self.kept_ids.data_ptr())
-        cached = self.__dict__.get("_support_head")
-        if cached is None or cached[0] != key:
-            order = self.kept_ids.argsort()
-            cached = (key, self.kept_ids[order], weight.detach()[order].contiguous())
-            self.__dict__["_support_head"] = cached
-        return cached[1], cached[2]
+        if self.quantized is None:
+            return self.lm_head(predicted)
+        return self._head_rows(sort=False)[1](predicted)
 
     def support_logits(self, predicted: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(…, d) predicted features → ``kept_ids`` in ascending order (S,) and the logits over them (…, S)."""
-        support, weight = self.support_head()
-        return support, torch.nn.functional.linear(predicted, weight)
+        """(…, d) predicted features → ``kept_ids`` in ascending order (S,) and the logits over them (…, S): rows in
+        that order keep a full-vocabulary argmax's tie-break (the smallest id) and a cumulative sum's order, so
+        sampling there draws what sampling over the whole vocabulary draws."""
+        support, rows = self._head_rows(sort=True)
+        return support, rows(predicted)
+
+    def _head_rows(self, sort: bool) -> tuple[torch.Tensor, nn.Module]:
+        """The kept ids (ascending if ``sort``) and a linear map to their logits: the LM head's rows, in int8 when the
+        draft is quantized. Cached; built again when the head's weight changes (training, :meth:`bind`)."""
+        weight = self.lm_head.weight
+        version = None if weight.is_inference() else weight._version  # inference tensors keep no version counter
+        key = (sort, weight.data_ptr(), version, weight.dtype, weight.device, self.kept_ids.data_ptr(), self.quantized)
+        cached = self.__dict__.setdefault("_head_rows_cache", {}).get(sort)
+        if cached is None or cached[0] != key:
+            order = self.kept_ids.argsort() if sort else torch.arange(len(self.kept_ids), device=weight.device)
+            rows = weight.detach()[order].contiguous()
+            linear = Int8Linear(rows) if self.quantized else _Rows(rows)
+            cached = (key, self.kept_ids[order], linear)
+            self.__dict__["_head_rows_cache"][sort] = cached
+        return cached[1], cached[2]
+
+    def quantize_(self, mode: str) -> FeatureDraft:
+        """Decode with ``mode`` weights (:data:`QUANTIZE_MODES`; ``int8``: :class:`Int8Linear` for the input projection,
+        the decoder layer's linear layers and the LM head), in place. Decoding stays lossless — verification uses the
+        q this draft computes — only q moves a little (docs/measurements.md); for decoding only: train and save the
+        draft as trained."""
+        if mode not in QUANTIZE_MODES:
+            raise ValueError(
+                f"quantize={mode!r} is not a weight format a feature draft decodes with; use one of "
+                f"{list(QUANTIZE_MODES)} (or none)."
+            )
+        if self.quantized is not None:
+            raise ValueError(f"This feature draft is already quantized ({self.quantized}).")
+        for parent in [self, *self.decoder.modules()]:
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear) and child is not self.lm_head:
+                    setattr(parent, name, Int8Linear(child.weight, child.bias))
+        self.quantized = mode
+        self.__dict__.pop("_head_rows_cache", None)
+        return self
 
     def full_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """(d,) → (V,) logits over the whole vocabulary, −inf outside ``kept_ids``."""
@@ -265,6 +332,11 @@ class FeatureDraft(nn.Module):
         ``slim`` (default: whenever the LM head was not trained and the target's fingerprint is known) leaves the LM
         head out: it is the target's own rows of ``kept_ids``, gathered again by :meth:`bind` — the folder keeps
         only the draft's own weights, the kept-token ids and its config."""
+        if self.quantized is not None:
+            raise ValueError(
+                f"This feature draft decodes with {self.quantized} weights; save the draft as trained (load it again "
+                "without quantize) — quantization is a loading option."
+            )
         if slim is None:
             slim = not self.config.train_lm_head and self.config.target_fingerprint is not None
         if slim and (self.config.train_lm_head or self.config.target_fingerprint is None):
@@ -285,9 +357,14 @@ class FeatureDraft(nn.Module):
 
     @classmethod
     def from_pretrained(
-        cls, folder: str | Path, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+        cls,
+        folder: str | Path,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+        quantize: str | None = None,
     ) -> FeatureDraft:
-        """Load a folder written by :meth:`save_pretrained` (bind it to its target before use)."""
+        """Load a folder written by :meth:`save_pretrained` (bind it to its target before use); ``quantize``: decode
+        with int8 weights (:meth:`quantize_`)."""
         folder = Path(folder)
         config = read_config(folder)
         weights = folder / WEIGHTS_NAME
@@ -311,7 +388,8 @@ class FeatureDraft(nn.Module):
                 f"{weights} does not match its config: missing {missing[:4]}, unexpected {unexpected[:4]}."
             )
         check_kept_ids(draft.kept_ids, config.vocab_size)
-        return draft.to(device=device, dtype=dtype).eval()
+        draft = draft.to(device=device, dtype=dtype).eval()
+        return draft if quantize is None else draft.quantize_(quantize)
 
 
 def is_feature_draft_folder(folder: str | Path) -> bool:

@@ -80,7 +80,14 @@ def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
     spec = ModelSpec.coerce(spec)
     kind = model_kind(spec)
     if kind == "feature_draft":  # a draft that reads the target: bind it with draft.bind(target)
-        return FeatureDraft.from_pretrained(spec.path, dtype=spec.torch_dtype, device=spec.device)
+        return FeatureDraft.from_pretrained(
+            spec.path, dtype=spec.torch_dtype, device=spec.device, quantize=spec.quantize
+        )
+    if spec.quantize is not None:
+        raise ValueError(
+            f"quantize={spec.quantize!r} applies to feature drafts only, and {spec.path} holds a {kind} model: load it "
+            "without quantize (a quantized target would no longer be the target decoding must reproduce)."
+        )
     if kind == "bundle":
         raise ValueError(
             f"{spec.path} is a SpecDecPP bundle (a target, a draft and a head), not one model: load it with "

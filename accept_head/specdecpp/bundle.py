@@ -103,6 +103,20 @@ def _spec_to_config(spec: ModelSpec | None, folder: Path) -> dict | None:
     return None if spec is None else portable_spec(spec, folder).to_dict()
 
 
+def _load_head(folder: Path, config: dict) -> AcceptanceHead:
+    """The bundle's acceptance head (bundles from before head inputs: the hidden-only head) with its weights."""
+    weights = folder / HEAD_WEIGHTS
+    if not weights.is_file():
+        raise FileNotFoundError(f"{weights} is missing: the bundle has no head weights.")
+    head = AcceptanceHead.from_config(config["head"])
+    try:
+        state = load_file(str(weights))
+    except Exception as err:
+        raise ValueError(f"{weights} is not a readable safetensors file ({err}); re-export the bundle.") from err
+    head.load_state_dict(state)
+    return head
+
+
 def _spec_from_config(raw: dict | None, folder: Path) -> ModelSpec | None:
     if raw is None:
         return None
@@ -432,29 +446,28 @@ class SpecDecPP:
         device: str | torch.device | int | None = None,
         dtype: str | torch.dtype | None = None,
         device_map: str | dict | None = None,
+        draft_quantize: str | None = None,
     ) -> SpecDecPP:
         """Load a bundle. Models are loaded from the stored specs unless passed in.
 
         ``dtype`` (a ``torch.dtype``, its name, or ``"auto"`` for the dtype stored with each model), ``device`` (a
         string, ``torch.device`` or accelerator index) and ``device_map`` (accelerate's placement, e.g. ``"auto"``; not
-        together with ``device``) override the specs, as in transformers' ``from_pretrained``."""
+        together with ``device``) override the specs, as in transformers' ``from_pretrained``. ``draft_quantize``
+        (``"int8"``): the feature draft decodes with int8 weights (``ModelSpec.quantize``; lossless, a cheaper
+        drafting step on a CPU — the bundle's cost model and h* still price the draft as trained)."""
         if device is not None and device_map is not None:
             raise ValueError("Pass device or device_map, not both (device_map places the weights itself).")
+        if draft_quantize is not None and draft is not None:
+            raise ValueError("draft_quantize applies to the bundle's own draft; a draft passed in is used as loaded.")
         device = None if device is None else normalize_device(device)
         dtype = None if dtype is None else normalize_dtype(dtype)
         folder = Path(folder)
         config = cls.read_config(folder)
-        weights = folder / HEAD_WEIGHTS
-        if not weights.is_file():
-            raise FileNotFoundError(f"{weights} is missing: the bundle has no head weights.")
-        head = AcceptanceHead.from_config(config["head"])  # bundles from before head inputs: the hidden-only head
-        try:
-            state = load_file(str(weights))
-        except Exception as err:
-            raise ValueError(f"{weights} is not a readable safetensors file ({err}); re-export the bundle.") from err
-        head.load_state_dict(state)
+        head = _load_head(folder, config)
         target_spec = _spec_from_config(config.get("target"), folder)
         draft_spec = _spec_from_config(config.get("draft"), folder)
+        if draft_spec is not None and draft_quantize is not None:
+            draft_spec.quantize = draft_quantize
         for spec in (target_spec, draft_spec):
             if spec is not None:
                 spec.device = device or spec.device
