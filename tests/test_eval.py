@@ -626,3 +626,22 @@ def test_a_command_that_needs_a_bundle_names_the_flag_in_one_line(command: str, 
     assert exit_info.value.code == 2
     err = capsys.readouterr().err.strip()
     assert err.count("\n") == 0 and err.startswith("python -m eval: error: ") and "--bundle" in err
+
+
+def test_the_cost_model_prices_a_scalar_head_as_decoding_calls_it(monkeypatch) -> None:
+    """measure_costs times the head of a bundle that reads the draft's numbers the way a drafting step pays for them:
+    one candidate's inputs computed from the step's q, in the head's own order, then one score."""
+    from accept_head import AcceptanceHead
+    from accept_head.engine.measure import measure_costs
+
+    target = make_llama(seed=0, num_layers=1)
+    draft = perturbed_copy(target, relative_noise=0.2, seed=1)
+    head = AcceptanceHead(target.config.hidden_size, 1, ["depth", "logq", "entropy"], residual_on="logq").eval()
+    seen = []
+    score = head.accept_prob_one
+    monkeypatch.setattr(head, "accept_prob_one", lambda hidden, scalars: seen.append(scalars) or score(hidden, scalars))
+    costs = measure_costs(target, draft, head, ks=[1], context=8, repeats=2, warmup=1)
+    assert costs.measured["head"]["n"] == 2 and costs.measured["head"]["median"] > 0 and len(seen) == 3
+    logq, entropy, depth = seen[0]  # the head's canonical order, whatever order it was configured in
+    assert head.scalar_inputs == ("logq", "entropy", "depth") and depth == 1.0
+    assert math.isfinite(logq) and logq <= 0 and entropy >= 0

@@ -615,6 +615,29 @@ def test_unrolled_step_k_equals_the_drafters_kth_candidate(padded: bool) -> None
     assert checked == 3 * sum(len(r) - 4 for r in rows)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_drafting_step_is_the_forward_pass_of_one_position(dtype) -> None:
+    """FeatureDraft.step (the drafter's one-token path, its layer called without the model's mask building) gives
+    the same f̂ as :meth:`FeatureDraft.forward` on that position, bit for bit, and leaves the same cache behind."""
+    from transformers import DynamicCache
+
+    target = small_llama(seed=5).to(dtype)
+    draft = lively_feature_draft(target).to(dtype).eval()
+    generator = torch.Generator().manual_seed(2)
+    tokens = torch.randint(0, VOCAB, (1, 7), generator=generator)
+    features = torch.randn(1, 7, target.config.hidden_size, generator=generator).to(dtype)
+    caches = [DynamicCache(), DynamicCache()]
+    with torch.no_grad():
+        for cache in caches:  # a prefix of 6 positions
+            draft(features[:, :6], tokens[:, :6], cache, position_ids=torch.arange(6)[None], use_cache=True)
+        whole = draft(features[:, 6:], tokens[:, 6:], caches[0], position_ids=torch.tensor([[6]]), use_cache=True)
+        one = draft.step(features[0, 6], int(tokens[0, 6]), caches[1], 6)
+    assert torch.equal(one, whole[0, -1])
+    assert caches[1].get_seq_length() == 7
+    for a, b in zip(caches[0].layers, caches[1].layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
 # --- 6. int8 weights for decoding -----------------------------------------------------------------------------------
 
 

@@ -250,6 +250,34 @@ def test_the_residual_head_starts_as_the_drafts_own_probability(inputs: list[str
     assert sum(p.abs().sum() for p in head.out.parameters()) == 0 and head.blocks[0].linear.weight.abs().sum() > 0
 
 
+@pytest.mark.parametrize("residual_on", [None, "logq"])
+def test_a_scalar_head_scores_one_candidate_in_floats_as_its_batch_path_does(residual_on) -> None:
+    """A head reading scalars only scores one candidate in Python floats (the decoder's per-token path): it equals
+    the tensor path, and follows the weights when training or loading changes them (no stale copy)."""
+    head = head_with_inputs(["logq", "entropy", "top1", "depth", "path_logq"], residual_on=residual_on)
+    with torch.no_grad():
+        for param in head.parameters():
+            param.normal_(0.0, 0.5)  # the residual head's zero last layer made non-trivial
+    scalars = scalar_rows(12)
+
+    def agrees() -> None:
+        with torch.inference_mode():
+            expected = head.accept_prob(None, scalars)
+            for row, prob in zip(scalars, expected):
+                assert head.accept_prob_one(None, row.tolist()) == pytest.approx(float(prob), abs=1e-6)
+
+    agrees()
+    optimizer = torch.optim.SGD(head.parameters(), lr=0.5)  # an in-place update of every weight
+    head.accept_prob(None, scalars).sum().backward()
+    optimizer.step()
+    agrees()
+    other = head_with_inputs(["logq", "entropy", "top1", "depth", "path_logq"], residual_on=residual_on, seed=3)
+    head.load_state_dict(other.state_dict())
+    agrees()
+    head.out.weight = nn.Parameter(head.out.weight.detach() + 1.0)  # a new parameter object
+    agrees()
+
+
 def test_the_residual_logit_is_finite_where_q_rounds_to_one() -> None:
     head = head_with_inputs(["hidden", "logq"], residual_on="logq")
     probs = head.accept_prob(torch.randn(2, 8), torch.tensor([[0.0], [-1e-9]]))

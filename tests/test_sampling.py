@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from accept_head.core.sampling import SamplingConfig, probabilities, sample
+from accept_head.core.sampling import SamplingConfig, probabilities, sample, sample_one
 
 
 def hf_probabilities(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -64,3 +64,20 @@ def test_sample_uses_only_the_given_generator() -> None:
 def test_invalid_sampling_settings_are_refused(fields: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         SamplingConfig(**fields)
+
+
+def test_one_row_draws_what_the_batched_sampler_draws() -> None:
+    """sample_one(row) is sample(row[None])[0] from the same generator state, draw for draw — over rows with zeros
+    (a pruned or filtered vocabulary), a near one-hot and an unnormalised residual (p − q)+ — and leaves the
+    generator where the batched call leaves it."""
+    gen = torch.Generator().manual_seed(0)
+    rows = [torch.rand(50, generator=gen).pow(4) for _ in range(4)]
+    rows[1][10:] = 0.0
+    rows[2] = torch.full((50,), 1e-9).index_fill_(0, torch.tensor([7]), 1.0)
+    rows[3] = (rows[3] - 0.3).clamp_min(0.0)  # a residual: not normalised
+    for row in rows:
+        one, batched = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
+        draws = [sample_one(row, one) for _ in range(300)]
+        assert draws == [int(sample(row[None], batched)[0]) for _ in range(300)]
+        assert torch.equal(one.get_state(), batched.get_state())
+        assert all(row[d] > 0 for d in draws) and len(set(draws)) > (1 if row is not rows[2] else 0)

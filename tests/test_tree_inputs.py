@@ -152,3 +152,23 @@ def test_a_scalar_head_fine_tuned_on_tree_labels_moves_and_scores_every_node(pai
     before = tree_recipe.node_metrics(rounds, tree_recipe.head_scorer(head), fed_only=False)
     after = tree_recipe.node_metrics(rounds, tree_recipe.head_scorer(tuned), fed_only=False)
     assert after["nodes"] == labelled and after["bce"] < before["bce"], (before, after)
+
+
+@pytest.mark.parametrize("settings", [(0.0, None, None), (1.0, None, None), (0.8, 7, None)])
+def test_the_chains_one_step_numbers_are_the_batched_ones(settings) -> None:
+    """The chain decoder's per-step :func:`draft_step_stats` (one host read) gives each row's numbers exactly as the
+    batched :func:`draft_stats` the rollout labels store — a candidate's log q, entropy and top-1, by row — including
+    rows of a pruned draft (−inf outside its support)."""
+    from accept_head.acceptance.inputs import draft_step_stats
+
+    sampling = SamplingConfig(*settings)
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(6, 40, generator=gen) * 3
+    logits[:, 30:] = float("-inf")
+    q = probabilities(logits, sampling)
+    tokens = torch.tensor([q[i].multinomial(1, generator=gen).item() for i in range(6)])
+    batched = torch.stack(draft_stats(logits, q, tokens, sampling.greedy), -1)
+    for row in range(6):
+        one = draft_step_stats(logits[row], q[row], int(tokens[row]), sampling.greedy)
+        torch.testing.assert_close(torch.tensor(one), batched[row], rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(batched[0], batched[1])  # rows differ: a mix-up of rows would be seen

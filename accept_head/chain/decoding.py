@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from ..acceptance.inputs import draft_step_stats
 from ..core.hf_compat import cache_kwargs, crop_cache
-from ..core.sampling import SamplingConfig, generator_device, probabilities, sample
+from ..core.sampling import SamplingConfig, generator_device, probabilities, sample, sample_one
 from ..core.timing import device_timer
 from ..models.drafters import Drafter, as_drafter
 from ..models.features import capture_lm_head_input
@@ -287,8 +287,8 @@ def verify(
         total = residual.sum()
         # Rounding can leave no positive mass when p ≈ q; p itself is then the exact residual direction.
         residual = residual / total if total > 0 else p[m]
-        return m, int(sample(residual[None, :], generator)[0])
-    return k, int(sample(p[k : k + 1], generator)[0])
+        return m, sample_one(residual, generator)
+    return k, sample_one(p[k], generator)
 
 
 @contextmanager
@@ -351,7 +351,7 @@ def draw(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Genera
         q[index] = 1.0
         return index, q
     q = probabilities(logits, sampling)
-    return int(sample(q[None, :], generator)[0]), q
+    return sample_one(q, generator), q
 
 
 def draft_round(

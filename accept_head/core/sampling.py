@@ -48,7 +48,8 @@ def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     logits = logits.float()
     if config.greedy:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / config.temperature
+    if config.temperature != 1.0:  # x / 1.0 is x: the division is skipped, not changed
+        logits = logits / config.temperature
     if config.top_k:
         k = min(config.top_k, logits.shape[-1])
         kth = torch.topk(logits, k, dim=-1).values[..., -1:]
@@ -68,6 +69,16 @@ def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tens
     """Draw one token per row from ``probs`` (B, V) → (B,) LongTensor, using only the given generator."""
     uniforms = torch.rand(probs.shape[0], generator=generator, dtype=torch.float64, device=generator_device(generator))
     return inverse_cdf_sample(probs, uniforms.to(probs.device))
+
+
+def sample_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """``int(sample(probs[None], generator)[0])`` for one row (V,): the same draw from the same generator state (the
+    maths of :func:`inverse_cdf_sample` on one row), in fewer tensor calls — decoders draw a token at a time."""
+    uniform = torch.rand(1, generator=generator, dtype=torch.float64, device=generator_device(generator))
+    cdf = probs.float().cumsum(-1)
+    total = cdf[-1:]
+    target = torch.minimum(uniform.to(cdf) * total, torch.nextafter(total, torch.zeros_like(total)))
+    return min(int(torch.searchsorted(cdf, target, right=True)), probs.shape[-1] - 1)
 
 
 def generator_device(generator: torch.Generator | None) -> torch.device:

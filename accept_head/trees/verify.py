@@ -28,7 +28,7 @@ from transformers import DynamicCache
 
 from ..chain.decoding import DecodeStats, _forward
 from ..core.hf_compat import cache_kwargs, keep_cache_positions
-from ..core.sampling import generator_device, sample
+from ..core.sampling import generator_device, sample_one
 from .attention import AttentionLayout, attention_layout, layer_masks, tree_mask
 
 
@@ -217,7 +217,7 @@ def verify_sampled(
     while True:
         live = [r for r in alive if len(rows[r]) > m]
         if not live:  # every surviving row is exhausted: the bonus token
-            return (alive[0] if alive else -1), m, int(sample(probs[node][None], generator)[0])
+            return (alive[0] if alive else -1), m, sample_one(probs[node], generator)
         residual, tried, accepted = probs[node].double().clone(), set(), None
         for r in live:
             token = rows[r][m]
@@ -232,6 +232,6 @@ def verify_sampled(
         if accepted is None:
             if float(residual.sum()) <= 0:  # rounding only: the removed tokens held all the mass
                 residual = probs[node].double()
-            return live[0], m, int(sample(residual[None], generator)[0])
+            return live[0], m, sample_one(residual, generator)
         alive = [r for r in live if rows[r][m] == accepted]
         node, m = nodes[alive[0]][m], m + 1

@@ -8,8 +8,11 @@ bf16 weights, evicted from the caches by every target pass). ``quantize: int8`` 
 int8 with one scale per row, half the bytes. Three measurements, the bundle's draft as trained (bf16) against the same
 draft in int8, 2 threads:
 
-1. **Cost**: one drafting step (the acceptance head not included) against a one-token target forward, alternated as
-   decoding alternates them, medians of ``--repeats``, the two drafts interleaved twice.
+1. **Cost**: one drafting step against a one-token target forward, alternated as decoding alternates them, medians
+   of ``--repeats``, the two drafts interleaved twice: the draft's forward alone (``draft_ms``, ``c``) and the whole
+   step as chain SpecDec++ spends it at T = 1 (``step_ms``, ``c_step``): the forward, the draw over the kept
+   vocabulary, q scattered to the whole vocabulary for verification, the head's inputs and the bundle's head with
+   its calibration.
 2. **Acceptance**: step-1 Σ_x min(p, q) over the response positions of the target's greedy continuations of the
    chat's built-in prompts (they choose nothing), the draft reading the target's true features; and the total
    variation between the two drafts' q.
@@ -30,15 +33,34 @@ import torch
 from transformers import DynamicCache
 
 from accept_head import SpecDecPP, autoregressive_generate
+from accept_head.acceptance.inputs import draft_step_stats
+from accept_head.chain.decoding import draw
+from accept_head.chain.policies import RoundState
 from accept_head.core.hf_compat import cache_kwargs, crop_cache
 from accept_head.core.prompts import chat_prompt_ids
 from accept_head.core.records import machine_info, write_json
+from accept_head.core.sampling import SamplingConfig
 from accept_head.models.loading import load_model
 from accept_head.specdecpp.chat import DEFAULT_PROMPTS
 
+SAMPLING = SamplingConfig(1.0, None, None)
 
-def step_cost(target, draft, ids: torch.Tensor, features: torch.Tensor, repeats: int) -> dict:
-    """ms of a drafting step and of a one-token target pass, alternated; their ratio c."""
+
+def decoding_step(drafter, policy, generator: torch.Generator) -> None:
+    """One drafting step as chain SpecDec++ takes it at T = 1 (:func:`accept_head.chain.decoding.draft_round`)."""
+    step = drafter.propose(321)
+    index, q = draw(step.support_logits, SAMPLING, generator)
+    q.new_zeros(step.vocab_size).index_copy_(0, step.support, q)  # the row verification reads
+    logq, entropy, top1 = draft_step_stats(step.support_logits, q, index, greedy=False)
+    state = RoundState(n=1, candidates=[int(step.support[index])], draft_logps=[logq], entropies=[entropy])
+    state.top1s.append(top1)
+    policy.should_stop(state)
+    policy.score(step.hidden, state)
+
+
+def step_cost(target, draft, ids: torch.Tensor, features: torch.Tensor, repeats: int, policy) -> dict:
+    """ms of a drafting step (the forward alone, and the whole step with the head) and of a one-token target pass,
+    alternated as decoding alternates them; their ratios."""
     cache = DynamicCache()
     target(input_ids=ids, **cache_kwargs(target, cache))
     context, token = cache.get_seq_length(), torch.tensor([[123]])
@@ -46,18 +68,20 @@ def step_cost(target, draft, ids: torch.Tensor, features: torch.Tensor, repeats:
     drafter.start(ids[0].tolist(), features[:-1])
     drafter.propose(None)
     base = drafter.cache.get_seq_length()
-    draft_s, target_s = [], []
+    generator = torch.Generator().manual_seed(0)
+    times: dict[str, list[float]] = {"draft": [], "step": [], "target": []}
     for _ in range(repeats + 5):
-        began = time.perf_counter()
-        target(input_ids=token, **cache_kwargs(target, cache), logits_to_keep=1)
-        crop_cache(cache, context)
-        target_s.append(time.perf_counter() - began)
-        began = time.perf_counter()
-        drafter.propose(321)
-        crop_cache(drafter.cache, base)
-        draft_s.append(time.perf_counter() - began)
-    d, t = 1e3 * statistics.median(draft_s[5:]), 1e3 * statistics.median(target_s[5:])
-    return {"draft_ms": d, "target_ms": t, "c": d / t}
+        for name in ("draft", "step"):  # each after a target pass, as in decoding
+            began = time.perf_counter()
+            target(input_ids=token, **cache_kwargs(target, cache), logits_to_keep=1)
+            crop_cache(cache, context)
+            times["target"].append(time.perf_counter() - began)
+            began = time.perf_counter()
+            drafter.propose(321) if name == "draft" else decoding_step(drafter, policy, generator)
+            crop_cache(drafter.cache, base)
+            times[name].append(time.perf_counter() - began)
+    d, s, t = (1e3 * statistics.median(times[name][10 if name == "target" else 5 :]) for name in times)
+    return {"draft_ms": d, "step_ms": s, "target_ms": t, "c": d / t, "c_step": s / t}
 
 
 def step1_q(draft, features: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -123,7 +147,8 @@ def main() -> None:
         for _ in range(2):
             for name, draft in drafts.items():
                 ids, features, _, _ = sequences[0]
-                result["cost"][name].append(step_cost(target, draft, ids[None], features, args.repeats))
+                policy = bundles[name].policy()
+                result["cost"][name].append(step_cost(target, draft, ids[None], features, args.repeats, policy))
         qs = {name: [] for name in drafts}
         accept = {name: [] for name in drafts}
         for ids, features, p, start in sequences:
@@ -135,13 +160,19 @@ def main() -> None:
         result["positions"] = sum(len(a) for a in accept["bf16"])
         tv = [0.5 * (a - b).abs().sum(-1) for a, b in zip(qs["int8"], qs["bf16"])]
         result["tv_int8_vs_bf16"] = torch.cat(tv).mean().item()
-    result["decode_tok_s"] = decode_speed(bundles, prompts, args.decode_tokens, args.decode_repeats)
+    if args.decode_repeats:
+        result["decode_tok_s"] = decode_speed(bundles, prompts, args.decode_tokens, args.decode_repeats)
     for name in drafts:
-        steps = " / ".join(f"{c['draft_ms']:.2f}" for c in result["cost"][name])
-        ratios = " / ".join(f"{c['c']:.4f}" for c in result["cost"][name])
-        print(f"{name}: draft step {steps} ms, c = {ratios}; step-1 acceptance {result['acceptance'][name]:.4f}")
+        costs = result["cost"][name]
+        steps = " / ".join(f"{c['draft_ms']:.2f}" for c in costs)
+        ratios = " / ".join(f"{c['c']:.4f}" for c in costs)
+        with_head = " / ".join(f"{c['step_ms']:.2f} ms, c = {c['c_step']:.4f}" for c in costs)
+        print(
+            f"{name}: draft forward {steps} ms, c = {ratios}; whole step with the head {with_head}; "
+            f"step-1 acceptance {result['acceptance'][name]:.4f}"
+        )
     print(f"TV(q_int8, q_bf16) {result['tv_int8_vs_bf16']:.4f} over {result['positions']} positions")
-    for mode, speeds in result["decode_tok_s"].items():
+    for mode, speeds in result.get("decode_tok_s", {}).items():
         print(mode, {name: round(v, 1) for name, v in speeds.items()})
     if args.output:
         write_json(args.output, result)
