@@ -351,6 +351,35 @@ def test_fit_sources_choose_which_training_shards_fit_reads(tmp_path) -> None:
         chosen(["text"])
 
 
+def test_more_features_adds_another_plans_training_shards(tmp_path) -> None:
+    """``more_features``: fit reads the training shards of other work folders too (their held-out shards never), by
+    the same ``fit_sources``; a folder without training shards is refused by name with the command that makes them."""
+    for folder, names in {
+        "work": ["eval-00000", "train-00000"],
+        "gpu": ["eval-00000", "train-00000", "train-00001"],
+    }.items():
+        (tmp_path / folder / "features").mkdir(parents=True)
+        for name in names:
+            (tmp_path / folder / "features" / f"{name}.safetensors").write_bytes(b"")
+    target = ModelSpec(path="unused")
+    cfg = stages.FeatureDraftRecipe(
+        target=target, work_dir=str(tmp_path / "work"), more_features=[str(tmp_path / "gpu")]
+    )
+    paths = stages._fit_paths(cfg)
+    assert [(p.parent.parent.name, p.stem) for p in paths] == [
+        ("work", "train-00000"),
+        ("gpu", "train-00000"),
+        ("gpu", "train-00001"),
+    ]
+    assert [p.parent.parent.name for p in stages._feature_paths(cfg, "eval")] == ["work"]
+    (tmp_path / "empty").mkdir()
+    cfg = stages.FeatureDraftRecipe(
+        target=target, work_dir=str(tmp_path / "work"), more_features=[str(tmp_path / "empty")]
+    )
+    with pytest.raises(FileNotFoundError, match=r"more_features names .*empty.*--cfg.work_dir .*empty"):
+        stages._fit_paths(cfg)
+
+
 def test_fit_continues_an_exported_draft_named_by_init_draft(run, tmp_path) -> None:
     """``init_draft``: training starts from that folder's weights and kept vocabulary, not the target's (with lr 0
     the export equals the folder; without it, it does not); a draft of another kept size is refused by name."""

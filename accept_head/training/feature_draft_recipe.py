@@ -166,6 +166,10 @@ class FeatureDraftRecipe:
     """Which training feature shards ``fit`` reads: ``own`` (the target's own responses, ``train-NNNNN``), ``text``
     (cut text files, ``train-text-*``), ``written`` (written answers, ``train-written-*``). Validation always reads
     the held-out own responses."""
+    more_features: list[str] = field(default_factory=list)
+    """Other recipes' work folders whose training feature shards ``fit`` reads too (``<folder>/features/train-*``,
+    teacher-forced by their own ``features`` stage), e.g. the GPU recipe's response pool teacher-forced on the CPU:
+    one training pool from several generation plans. Validation still reads this recipe's own held-out shards."""
     loss_from: int | None = None
     """First position that carries loss (None: after the longest token prefix all sequences share, e.g. a system
     prompt the chat template adds)."""
@@ -207,6 +211,14 @@ def _fit_paths(cfg: FeatureDraftRecipe) -> list[Path]:
         raise FileNotFoundError(
             f"No feature shards under {expand(cfg.work_dir) / 'features'}: run the `features` stage first."
         )
+    for folder in cfg.more_features:
+        more = sorted((expand(folder) / "features").glob("train-*.safetensors"))
+        if not more:
+            raise FileNotFoundError(
+                f"more_features names {folder!r}, which holds no training feature shards under features/: run the "
+                f"`features` stage with --cfg.work_dir {folder} first, or drop it from more_features."
+            )
+        every += more
     chosen = [p for p in every if _source_of(p) in cfg.fit_sources]
     if not chosen:
         found = sorted({_source_of(p) for p in every})
