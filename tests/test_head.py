@@ -4,6 +4,7 @@ that read scalar inputs besides the hidden state (standardised, optionally as a 
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import torch
@@ -323,3 +324,33 @@ def test_a_head_called_without_the_inputs_it_reads_names_them() -> None:
         head(torch.randn(3, 8))
     with pytest.raises(ValueError, match="reads the draft's hidden state"):
         head(None, torch.zeros(3, 2))
+
+
+def test_a_projected_hidden_state_enters_the_resnet_narrowed(tmp_path) -> None:
+    """hidden_dim: x_0 = [P e; standardised scalars], P a learned (hidden_dim × hidden_size) projection; the
+    single-vector path agrees, the folder round-trips it, and a projection without a hidden state is refused."""
+    torch.manual_seed(0)
+    head = AcceptanceHead(8, 2, INPUTS, "logq", hidden_dim=3).eval()
+    head.set_scalar_stats(torch.linspace(-2.0, 1.0, 5), torch.linspace(0.5, 3.0, 5))
+    with torch.no_grad():
+        head.out.weight.normal_()
+    assert head.blocks[0].linear.in_features == 3 + 5 and head.config["hidden_dim"] == 3
+    hidden, scalars = torch.randn(6, 8), scalar_rows(6)
+    x = torch.cat(
+        [hidden @ head.hidden_proj.weight.T + head.hidden_proj.bias, (scalars - head.scalar_mean) / head.scalar_std], -1
+    )
+    for block in head.blocks:
+        x = x + nn.functional.silu(x @ block.linear.weight.T + block.linear.bias)
+    logq = scalars[:, 0].clamp(max=math.log1p(-1e-6))
+    expected = (x @ head.out.weight.T + head.out.bias).squeeze(-1) + logq - torch.log(-torch.expm1(logq))
+    torch.testing.assert_close(head(hidden, scalars), expected)
+    with torch.inference_mode():
+        assert head.accept_prob_one(hidden[2], scalars[2].tolist()) == pytest.approx(
+            float(torch.sigmoid(expected[2])), abs=1e-6
+        )
+    head.save_pretrained(tmp_path)
+    loaded = AcceptanceHead.from_pretrained(tmp_path)
+    assert loaded.hidden_dim == 3 and torch.equal(loaded(hidden, scalars), head(hidden, scalars))
+    assert "hidden_dim" not in AcceptanceHead(8, 1).config  # older configs stay as they were
+    with pytest.raises(ValueError, match=r"hidden_dim=4 projects the hidden state.*inputs \['logq'\]"):
+        AcceptanceHead(8, 1, ["logq"], hidden_dim=4)

@@ -9,6 +9,8 @@ top-1 probability of q, the depth in the round, the path's log q — to the ResN
 scalars standardised by a mean and standard deviation fitted on the training data and stored with the weights (the
 ``scalar_mean`` / ``scalar_std`` buffers). ``residual_on="logq"`` makes the logit logit(q(y_i)) + f_θ(x_0) with the
 last layer zero at initialisation: the new head starts as the draft's own probability and learns a correction.
+``hidden_dim`` feeds the hidden state through a learned projection to that many dimensions first (x_0 = [P e_i; z_i]):
+a narrower ResNet, fewer weights to fit from the labelled rounds there are.
 """
 
 from __future__ import annotations
@@ -55,7 +57,12 @@ class AcceptanceHead(nn.Module):
     (..., S) — to one acceptance logit (...)."""
 
     def __init__(
-        self, hidden_size: int, depth: int = 3, inputs: Sequence[str] = (HIDDEN,), residual_on: str | None = None
+        self,
+        hidden_size: int,
+        depth: int = 3,
+        inputs: Sequence[str] = (HIDDEN,),
+        residual_on: str | None = None,
+        hidden_dim: int | None = None,
     ) -> None:
         super().__init__()
         if hidden_size < 1:
@@ -66,6 +73,11 @@ class AcceptanceHead(nn.Module):
         self.scalar_inputs = tuple(name for name in self.inputs if name != HIDDEN)
         """The scalar inputs, in the order of the last axis of ``scalars``."""
         self.reads_hidden = HIDDEN in self.inputs
+        if hidden_dim is not None and (hidden_dim < 1 or not self.reads_hidden):
+            raise ValueError(
+                f"hidden_dim={hidden_dim} projects the hidden state: it must be >= 1 and the head must read "
+                f"'hidden' (inputs {list(self.inputs)}); or leave it None (the hidden state read whole)."
+            )
         if residual_on not in RESIDUAL_ON:
             raise ValueError(f"residual_on={residual_on!r} must be one of {RESIDUAL_ON}.")
         if residual_on is not None and residual_on not in self.scalar_inputs:
@@ -73,7 +85,11 @@ class AcceptanceHead(nn.Module):
         self.hidden_size = hidden_size
         self.depth = depth
         self.residual_on = residual_on
-        width = (hidden_size if self.reads_hidden else 0) + len(self.scalar_inputs)
+        self.hidden_dim = hidden_dim
+        # hidden_dim: the hidden state enters through a learned projection to that many dimensions (fewer weights
+        # to fit from a few thousand labelled rounds); None keeps the paper's head, which reads it whole.
+        self.hidden_proj = None if hidden_dim is None else nn.Linear(hidden_size, hidden_dim)
+        width = (hidden_size if hidden_dim is None else hidden_dim) * self.reads_hidden + len(self.scalar_inputs)
         # Each block owns its weights (the official code repeated one block object, sharing a single weight set).
         self.blocks = nn.ModuleList(ResidualBlock(width) for _ in range(depth))
         self.out = nn.Linear(width, 1)
@@ -112,6 +128,8 @@ class AcceptanceHead(nn.Module):
         self._check_inputs(hidden, scalars)
         dtype = self.out.weight.dtype
         parts = [hidden.to(dtype)] if self.reads_hidden else []
+        if self.hidden_proj is not None:
+            parts = [self.hidden_proj(parts[0])]
         if self.scalar_inputs:
             parts.append((scalars.to(dtype) - self.scalar_mean.to(dtype)) / self.scalar_std.to(dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
@@ -160,6 +178,7 @@ class AcceptanceHead(nn.Module):
             "depth": self.depth,
             "inputs": list(self.inputs),
             "residual_on": self.residual_on,
+            **({} if self.hidden_dim is None else {"hidden_dim": self.hidden_dim}),
         }
 
     @classmethod
@@ -167,7 +186,13 @@ class AcceptanceHead(nn.Module):
         """The (untrained) head a :attr:`config` describes; configs written before ``inputs`` existed describe the
         paper's hidden-only head."""
         inputs = config.get("inputs") or (HIDDEN,)
-        return cls(int(config["hidden_size"]), int(config["depth"]), inputs, config.get("residual_on"))
+        return cls(
+            int(config["hidden_size"]),
+            int(config["depth"]),
+            inputs,
+            config.get("residual_on"),
+            config.get("hidden_dim"),
+        )
 
     def save_pretrained(self, folder: str | Path) -> None:
         folder = Path(folder)

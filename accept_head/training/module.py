@@ -54,6 +54,7 @@ class AcceptanceHeadModule(LightningModule):
         min_lr_ratio: float = 0.0,
         inputs: list[str] | None = None,
         residual_on: str | None = None,
+        hidden_dim: int | None = None,
     ) -> None:
         """
         Args:
@@ -73,6 +74,8 @@ class AcceptanceHeadModule(LightningModule):
                 other than ``hidden`` need rollout labels (``python -m data_gen --label_mode rollout``).
             residual_on: ``logq``: the head's logit is logit(q(y)) plus a learned correction that is zero at
                 initialisation (the head starts as the draft's own probability); needs ``logq`` in ``inputs``.
+            hidden_dim: Project the hidden state to this many dimensions before the ResNet (a narrower head, for
+                few labels); None reads it whole, as the paper's head does. Needs ``hidden`` in ``inputs``.
         """
         super().__init__()
         if depth < 0:
@@ -89,7 +92,7 @@ class AcceptanceHeadModule(LightningModule):
         # The draft is recorded once, in the data module's hyperparameters (it is linked from data.draft).
         self.save_hyperparameters(ignore=["draft"])
         self.draft_spec = ModelSpec.coerce(draft)
-        self.head = AcceptanceHead(hidden_size, depth, inputs or (HIDDEN,), residual_on)
+        self.head = AcceptanceHead(hidden_size, depth, inputs or (HIDDEN,), residual_on, hidden_dim)
         self._input_columns = [SCALAR_INPUTS.index(name) for name in self.head.scalar_inputs]
         self.draft: torch.nn.Module | None = None
         self._use_decoder = True
