@@ -72,6 +72,9 @@ class _Script:
         first = int((weights > 0).nonzero()[0])
         return torch.tensor([int(self._next("token", weights, first))])
 
+    def sample_one(self, probs: torch.Tensor, generator=None) -> int:
+        return int(self.sample(probs[None], generator)[0])
+
 
 class _ScriptedTorch:
     """``torch`` as the verifier's module sees it during a scripted run: ``rand`` comes from the script."""
@@ -94,7 +97,7 @@ def run_scripted(
     script = _Script(choices, complete)
     with monkeypatch.context() as patch:
         patch.setattr(tree_verify, "torch", _ScriptedTorch(script))
-        patch.setattr(tree_verify, "sample", script.sample)
+        patch.setattr(tree_verify, "sample_one", script.sample_one)
         try:
             output = verifier(probs, rows, nodes, None)
         except _NeedsChoice as need:
