@@ -83,11 +83,8 @@ def draft_stats(
 def draft_step_stats(logits: torch.Tensor, q: torch.Tensor, token: int, greedy: bool) -> tuple[float, float, float]:
     """:func:`draft_stats` of one draft step: its logits (V,), the transformed distribution q (V,) and the candidate
     drawn from it → (log q(y), entropy, top-1 probability) as floats."""
-    if greedy:  # the maths of draft_stats on one row, read back to the host in one transfer
-        log_q = logits.float().log_softmax(-1)
-        numbers = torch.stack([log_q[token], torch.special.entr(log_q.exp()).sum(), log_q.max().exp()])
-    else:
-        numbers = torch.stack([q[token].log(), torch.special.entr(q).sum(), q.max()])
+    tokens = torch.tensor([token], device=q.device)
+    numbers = torch.stack(draft_stats(logits[None], q[None], tokens, greedy), -1)[0]  # one read back to the host
     logq, entropy, top1 = numbers.tolist()
     return logq, entropy, top1
 

@@ -13,6 +13,7 @@ from transformers import DynamicCache
 
 from ..acceptance.inputs import draft_step_stats
 from ..chain.decoding import prefill
+from ..chain.policies import RoundState, round_inputs
 from ..core.costs import CostModel, TreeCost, fit_linear
 from ..core.hf_compat import cache_kwargs, crop_cache
 from ..core.timing import device_timer
@@ -72,8 +73,8 @@ def measure_costs(
             logits = step.logits if step.support is None else step.support_logits
             q = logits.float().softmax(-1)
             logq, entropy, top1 = draft_step_stats(logits, q, int(q.argmax()), greedy=False)
-            values = {"logq": logq, "entropy": entropy, "top1": top1, "depth": 1.0, "path_logq": logq}
-            head.accept_prob_one(step.hidden, [values[name] for name in head.scalar_inputs])
+            state = RoundState(n=1, draft_logps=[logq], entropies=[entropy], top1s=[top1])
+            head.accept_prob_one(step.hidden, round_inputs(state, head.scalar_inputs))
         else:
             head.accept_prob_one(step.hidden)
 
