@@ -234,6 +234,22 @@ def test_the_responses_stage_with_slots_resumes_to_the_same_shards(tmp_path, mon
         run_cli("responses", "--config", str(responses_config(tmp_path, "resumed", slots=None)))
 
 
+def test_first_train_shard_writes_the_later_shards_with_the_same_rows_and_draws(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run_cli("responses", "--config", str(responses_config(tmp_path, "all", max_prompts=6)))
+    run_cli("responses", "--config", str(responses_config(tmp_path, "later", max_prompts=6, first_train_shard=2)))
+    every = {p.name: p for p in sorted((tmp_path / "all" / "responses" / "shards").glob("*.pt"))}
+    later = {p.name: p for p in sorted((tmp_path / "later" / "responses" / "shards").glob("*.pt"))}
+    assert sorted(later) == sorted(n for n in every if n.startswith("eval-") or n >= "train-00002.pt")
+    assert any(n.startswith("train-") for n in later) and "train-00001.pt" in every
+    for name, path in later.items():
+        a, b = torch.load(path, weights_only=True), torch.load(every[name], weights_only=True)
+        assert a["prompt_id"] == b["prompt_id"] and torch.equal(a["sample"], b["sample"])
+        assert all(torch.equal(x, y) for x, y in zip(a["response_ids"], b["response_ids"]))
+    with pytest.raises(ValueError, match="first_train_shard=-1"):
+        run_cli("responses", "--config", str(responses_config(tmp_path, "bad", first_train_shard=-1)))
+
+
 def test_bench_responses_times_the_three_generators_on_the_same_rows(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     run_cli("bench_responses", "--config", str(responses_config(tmp_path, "bench")), "--rows", "9")

@@ -125,6 +125,9 @@ class FeatureDraftRecipe:
     """Wall-clock budget of ``all``: every stage stops cleanly at it (None: no limit); a later ``all`` resumes."""
     responses_budget_s: float | None = None
     """Seconds of the budget ``responses`` may spend; the later stages use the shards written by then."""
+    first_train_shard: int = 0
+    """Training response shards before this index are left unwritten (held-out shards are always written): start a
+    pool where another machine's copy ended, so a draft trained on that copy's shards meets only new rows."""
     reserve_s: float = 60.0
     """Seconds of ``time_budget_s`` that ``fit`` leaves for export and ``evaluate``."""
     time_schedule: bool = False
@@ -304,6 +307,7 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
             kind,
             seed=cfg.seed,
             split_seed=cfg.split_seed,
+            first=cfg.first_train_shard if kind == "train" else 0,
             max_new_tokens=cfg.max_new_tokens,
             temperature=cfg.temperature,
             eos_token_ids=eos,
@@ -402,6 +406,8 @@ def _check_responses_config(cfg: FeatureDraftRecipe) -> None:
         raise ValueError("The `responses` stage needs `prompts` (training) and `eval_prompts` (held out) sources.")
     if cfg.compile and not (cfg.static_cache or cfg.slots):
         raise ValueError("compile=true needs static_cache=true or slots (a dynamic cache changes shape at every step).")
+    if cfg.first_train_shard < 0:
+        raise ValueError(f"first_train_shard={cfg.first_train_shard} must be >= 0 (0 writes every training shard).")
     if cfg.slots is not None and (cfg.slots < 1 or cfg.static_cache):
         raise ValueError(f"slots={cfg.slots} must be >= 1 and cannot be combined with static_cache (set one).")
 

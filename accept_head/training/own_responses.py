@@ -198,6 +198,7 @@ def write_response_shards(
     temperature: float,
     eos_token_ids: Sequence[int],
     pad_token_id: int,
+    first: int = 0,
     deadline: float | None = None,
     static_cache: bool = False,
     cache_length: int | None = None,
@@ -206,7 +207,8 @@ def write_response_shards(
     compile_slots: bool = False,
 ) -> dict:
     """Write the shards ``<folder>/<kind>-NNNNN.pt`` of ``batches`` that are missing, in order, until ``deadline``
-    (a ``time.monotonic()`` value; None: no limit). Each holds ``prompt_id``, ``prompt_ids``, ``response_ids`` and
+    (a ``time.monotonic()`` value; None: no limit), from index ``first`` on (the same rows and draws as a run that wrote
+the earlier shards too). Each holds ``prompt_id``, ``prompt_ids``, ``response_ids`` and
     ``sample`` (the sample index, :data:`GREEDY` for greedy rows). Returns the shard counts, the tokens written
     and the seconds spent in this call; prints the tokens/s meter after every shard. ``slots``: decode each shard by
     continuous batching over that many cache slots (:func:`~accept_head.models.slot_generate.slot_generate`) instead
@@ -216,7 +218,7 @@ def write_response_shards(
     tokens, seconds, written, stopped = 0, 0.0, 0, False
     for index, batch in enumerate(batches):
         path = folder / f"{kind}-{index:05d}.pt"
-        if path.exists():
+        if index < first or path.exists():
             continue
         if deadline is not None and monotonic() > deadline:
             stopped = True
