@@ -206,9 +206,9 @@ def write_response_shards(
     slots: int | None = None,
     compile_slots: bool = False,
 ) -> dict:
-    """Write the shards ``<folder>/<kind>-NNNNN.pt`` of ``batches`` that are missing, in order, until ``deadline``
-    (a ``time.monotonic()`` value; None: no limit), from index ``first`` on (the same rows and draws as a run that wrote
-the earlier shards too). Each holds ``prompt_id``, ``prompt_ids``, ``response_ids`` and
+    """Write the shards ``<folder>/<kind>-NNNNN.pt`` of ``batches`` that are missing, in order, from index ``first``
+    on (the same rows and draws as a run that wrote the earlier shards too), until ``deadline`` (a
+    ``time.monotonic()`` value; None: no limit). Each holds ``prompt_id``, ``prompt_ids``, ``response_ids`` and
     ``sample`` (the sample index, :data:`GREEDY` for greedy rows). Returns the shard counts, the tokens written
     and the seconds spent in this call; prints the tokens/s meter after every shard. ``slots``: decode each shard by
     continuous batching over that many cache slots (:func:`~accept_head.models.slot_generate.slot_generate`) instead
