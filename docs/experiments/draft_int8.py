@@ -46,28 +46,43 @@ from accept_head.specdecpp.chat import DEFAULT_PROMPTS
 SAMPLING = SamplingConfig(1.0, None, None)
 
 
-def decoding_step(drafter, policy, generator: torch.Generator) -> None:
-    """One drafting step as chain SpecDec++ takes it at T = 1 (:func:`accept_head.chain.decoding.draft_round`)."""
+def decoding_step(drafter, policy, generator: torch.Generator, marks: list[float] | None = None) -> None:
+    """One drafting step as chain SpecDec++ takes it at T = 1 (:func:`accept_head.chain.decoding.draft_round`);
+    ``marks`` (if given) gets ``time.perf_counter()`` after each of its parts: the forward, the draw, q scattered, the
+    head's inputs, the stop rule, the head."""
+    mark = marks.append if marks is not None else lambda _: None
     step = drafter.propose(321)
+    mark(time.perf_counter())
     index, q = draw(step.support_logits, SAMPLING, generator)
+    mark(time.perf_counter())
     q.new_zeros(step.vocab_size).index_copy_(0, step.support, q)  # the row verification reads
+    mark(time.perf_counter())
     logq, entropy, top1 = draft_step_stats(step.support_logits, q, index, greedy=False)
+    mark(time.perf_counter())
     state = RoundState(n=1, candidates=[int(step.support[index])], draft_logps=[logq], entropies=[entropy])
     state.top1s.append(top1)
     policy.should_stop(state)
+    mark(time.perf_counter())
     policy.score(step.hidden, state)
+    mark(time.perf_counter())
+
+
+def drafting_context(target, draft, ids: torch.Tensor, features: torch.Tensor):
+    """The target's cache after ``ids`` (1, n) and a drafter started on them: (cache, its length, drafter, the
+    drafter's cache length), each cache to be cropped back to its length after every timed pass."""
+    cache = DynamicCache()
+    target(input_ids=ids, **cache_kwargs(target, cache))
+    drafter = draft.make_drafter(target)
+    drafter.start(ids[0].tolist(), features[:-1])
+    drafter.propose(None)
+    return cache, cache.get_seq_length(), drafter, drafter.cache.get_seq_length()
 
 
 def step_cost(target, draft, ids: torch.Tensor, features: torch.Tensor, repeats: int, policy) -> dict:
     """ms of a drafting step (the forward alone, and the whole step with the head) and of a one-token target pass,
     alternated as decoding alternates them; their ratios."""
-    cache = DynamicCache()
-    target(input_ids=ids, **cache_kwargs(target, cache))
-    context, token = cache.get_seq_length(), torch.tensor([[123]])
-    drafter = draft.make_drafter(target)
-    drafter.start(ids[0].tolist(), features[:-1])
-    drafter.propose(None)
-    base = drafter.cache.get_seq_length()
+    cache, context, drafter, base = drafting_context(target, draft, ids, features)
+    token = torch.tensor([[123]])
     generator = torch.Generator().manual_seed(0)
     times: dict[str, list[float]] = {"draft": [], "step": [], "target": []}
     for _ in range(repeats + 5):
