@@ -11,6 +11,8 @@ Examples::
     torchrun --nproc_per_node 4 -m data_gen --config big.yaml --target.device cuda --draft.device cuda
                                                          # the same: one shard per GPU, merged by rank 0
     python -m data_gen --config configs/data_gen/humaneval.yaml --print_config
+    python -m data_gen join --datasets '[data/labels/a, data/labels/b]' --output_dir data/labels/ab
+                                                         # one dataset from two runs on disjoint prompts
 """
 
 from __future__ import annotations
@@ -21,9 +23,28 @@ from collections.abc import Sequence
 from accept_head.labelgen.run import build_parser, parse_arguments, run
 
 
+def join_parser(prog: str):
+    """The parser of ``join``: the arguments of :func:`accept_head.labelgen.join.join`."""
+    from jsonargparse import ArgumentParser
+
+    from accept_head.labelgen.join import join
+
+    parser = ArgumentParser(prog=prog, description=join.__doc__.splitlines()[0])
+    parser.add_function_arguments(join, as_group=False)
+    return parser
+
+
 def main(argv: Sequence[str] | None = None, prog: str = "python -m data_gen") -> dict:
-    """Parse, run (generate or merge) and return the dataset's meta dict; user errors exit with a one-line message."""
+    """Parse, run (generate, merge or join) and return the dataset's meta dict; user errors exit with a one-line
+    message."""
+    argv = list(sys.argv[1:] if argv is None else argv)
     try:
+        if argv[:1] == ["join"]:
+            from accept_head.labelgen.join import join
+
+            parser = join_parser(f"{prog} join")
+            args = parser.parse_args(argv[1:])
+            return join(args.datasets, args.output_dir, args.overwrite)
         return run(parse_arguments(build_parser(prog), argv)[1])
     except (ValueError, FileNotFoundError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)

@@ -25,6 +25,7 @@ from accept_head.acceptance.labels import (
 )
 from accept_head.core.sampling import SamplingConfig, probabilities
 from accept_head.labelgen import generate as generate_module
+from accept_head.labelgen.join import join
 from accept_head.labelgen.run import build_parser, parse_config, run
 from data_gen.cli import main
 
@@ -360,6 +361,44 @@ def test_merge_refuses_missing_unfinished_or_foreign_shards(pair, tmp_path: Path
     main(args(pair, prompts, out, "--shard", "1/2", "--max_new_tokens", "5"))
     with pytest.raises(ValueError, match=r"different config: max_new_tokens \(5 → 12\)"):
         run(parse_config(args(pair, prompts, out, "--merge", "true")))
+
+
+def test_join_concatenates_runs_on_disjoint_prompts_and_refuses_what_would_mix_labels(pair, tmp_path: Path) -> None:
+    prompts = write_prompts(tmp_path / "p.jsonl", 9)
+    first = [{"path": str(prompts), "field": "instruction", "limit": 4}]
+    later = [{"path": str(prompts), "field": "instruction", "offset": 4, "limit": 5}]
+    main(args(pair, first, tmp_path / "a"))
+    main(args(pair, later, tmp_path / "b"))
+    joined = tmp_path / "ab"
+    meta = main(
+        ["join", "--datasets", json.dumps([str(tmp_path / "a"), str(tmp_path / "b")]), "--output_dir", str(joined)]
+    )
+    assert_same_rows(rows(tmp_path / "a") + rows(tmp_path / "b"), rows(joined))
+    assert len({row["prompt_id"] for row in rows(joined)}) == 9
+    assert meta["totals"]["rows"] == 9 and meta["stats"]["rows"] == 9
+    assert [m["rows"] for m in meta["joined_from"]] == [4, 5]
+    assert [s["dataset"] for s in meta["sources"]] == [str(tmp_path / "a"), str(tmp_path / "b")]
+    _, reread = load_label_dataset(joined)
+    assert reread["draft"] == json.loads((tmp_path / "a" / "meta.json").read_text())["draft"]
+    again = main(
+        ["join", "--datasets", json.dumps([str(tmp_path / "a"), str(tmp_path / "b")]), "--output_dir", str(joined)]
+    )
+    assert again["created"] == meta["created"]  # a finished join of the same datasets is left as is
+
+    # The same prompts twice, labels of another temperature, an unfinished dataset: refused, nothing written.
+    main(args(pair, [{"path": str(prompts), "field": "instruction", "offset": 3, "limit": 2}], tmp_path / "c"))
+    main(args(pair, later, tmp_path / "hot", "--temperature", "0.5"))
+    cases = [
+        ([tmp_path / "a", tmp_path / "c"], ValueError, r"is labelled in both"),
+        ([tmp_path / "a", tmp_path / "hot"], ValueError, r"their 'sampling' differ"),
+        ([tmp_path / "a", tmp_path / "missing"], FileNotFoundError, r"no finished label dataset"),
+        ([tmp_path / "a"], ValueError, r"at least two"),
+    ]
+    for parts, error, message in cases:
+        out = tmp_path / "refused"
+        with pytest.raises(error, match=message):
+            join([str(p) for p in parts], str(out))
+        assert not out.exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------
