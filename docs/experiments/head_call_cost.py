@@ -4,11 +4,10 @@ every call, the same T = 1 prompts decoded with each head in turn, ``--passes`` 
 
     R=eval_out/ablate-inputs-more/runs
     python docs/experiments/head_call_cost.py --heads \
-        "[$R/scalars/version_0/checkpoints/last.ckpt, $R/plus-hidden-64/version_0/checkpoints/last.ckpt]"
+        $R/scalars/version_0/checkpoints/last.ckpt $R/plus-hidden-64/version_0/checkpoints/last.ckpt
 """
 
 import argparse
-import json
 import statistics
 import time
 
@@ -27,14 +26,14 @@ PROMPTS = (
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--heads", required=True, help="JSON list of head checkpoints or bundle folders")
+    parser.add_argument("--heads", nargs="+", required=True, help="head checkpoints or bundle folders")
     parser.add_argument("--bundle", default="checkpoints/smollm2-135m-specdecpp")
     parser.add_argument("--passes", type=int, default=2)
     parser.add_argument("--max_new_tokens", type=int, default=48)
     args = parser.parse_args()
     torch.set_num_threads(2)
     bundle = SpecDecPP.from_pretrained(args.bundle)
-    heads = {path: load_head(path).head.eval() for path in json.loads(args.heads)}
+    heads = {path: load_head(path).head.eval() for path in args.heads}
     calls: list[float] = []
     score = policies.HeadThreshold.score
 
