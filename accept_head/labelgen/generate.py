@@ -556,6 +556,16 @@ def run_record(cfg: DataGenConfig, totals: dict[str, float], started: float) -> 
         "draft": cfg.draft.to_dict(),
         # what an acceptance head trained on this dataset may read (accept_head/acceptance/inputs.py)
         "head_inputs": list(dataset_inputs(cfg.rollout, list(ROLLOUT_COLUMNS if cfg.rollout else COLUMNS))),
+        **totals_record(totals, started),
+        "config": cfg.to_dict(),
+        "fingerprint": cfg.fingerprint(),
+    }
+
+
+def totals_record(totals: dict[str, float], started: float) -> dict[str, Any]:
+    """The ``meta.json`` keys of summed totals (a run's, a merge's or a join's): the totals, their stats, times and
+    the code version."""
+    return {
         "totals": totals,
         "stats": summary_stats(totals),
         "timing": {
@@ -564,8 +574,6 @@ def run_record(cfg: DataGenConfig, totals: dict[str, float], started: float) -> 
             "scoring_s": totals["scoring_s"],
         },
         "code": code_version(),
-        "config": cfg.to_dict(),
-        "fingerprint": cfg.fingerprint(),
     }
 
 

@@ -17,8 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..acceptance.labels import load_label_dataset
-from ..core.records import code_version
-from .generate import summary_stats, total_keys
+from .generate import total_keys, totals_record
 from .output import (
     META,
     clear_output,
@@ -84,14 +83,7 @@ def joined_meta(paths: list[str], metas: list[dict[str, Any]], started: float) -
         "prompts_digest": digest,
         "max_new_tokens": max(m.get("max_new_tokens", 0) for m in metas),
         "shard": None,
-        "totals": totals,
-        "stats": summary_stats(totals),
-        "timing": {
-            "wall_s_last_run": time.perf_counter() - started,
-            "generation_s": totals["generation_s"],
-            "scoring_s": totals["scoring_s"],
-        },
-        "code": code_version(),
+        **totals_record(totals, started),
         "config": {"join": list(paths)},
         "joined_from": [
             {
