@@ -34,7 +34,8 @@ def build_parser(prog: str = "python -m data_gen"):
         prog=prog,
         description=(
             "Run a target/draft pair on prompt sets and write token-level acceptance labels (SpecDec++ §3.3) as a "
-            "Hugging Face dataset with a meta.json. Every key can come from --config YAML files or the command line."
+            "Hugging Face dataset with a meta.json. Every key can come from --config YAML files or the command line. "
+            "`python -m data_gen join --help`: one dataset from several finished runs on disjoint prompts."
         ),
         default_config_files=None,
     )
