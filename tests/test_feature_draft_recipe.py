@@ -666,17 +666,24 @@ def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None
 # ---- the training loss against its textbook form -------------------------------------------------------------------
 
 
+@pytest.mark.parametrize("train", [False, True])
 @pytest.mark.parametrize("train_lm_head", [False, True])
-def test_soft_cross_entropy_equals_the_direct_form_with_its_gradients(train_lm_head: bool) -> None:
-    """The module computes −Σ p log q as P·logsumexp(z) − f̂·(pᵀW) (:class:`WeightedLogSumExp`); in fp32 loss and
-    gradients equal the direct −Σ_v p(v) log_softmax(z)(v) over the kept vocabulary, frozen or trained LM head."""
+def test_soft_cross_entropy_equals_the_direct_form_with_its_gradients(
+    train_lm_head: bool, train: bool, monkeypatch
+) -> None:
+    """The module computes −Σ p log q as P·logsumexp(z) − f̂·(pᵀW) (:class:`WeightedLogSumExp`, and in training
+    :func:`target_mass_and_rows` without the whole p), both over row chunks (here of 5 rows, the last one shorter);
+    in fp32 loss and gradients equal the direct −Σ_v p(v) log_softmax(z)(v) over the kept vocabulary, frozen or
+    trained LM head."""
     from accept_head.models.feature_draft import FeatureDraftConfig
+    from accept_head.training import feature_draft
     from accept_head.training.feature_draft import FeatureDraftModule, step_loss_mask, unrolled_predictions
 
     torch.manual_seed(0)
     target = make_llama()
     vocab = target.config.vocab_size
     kept = torch.arange(0, vocab, 2)
+    monkeypatch.setattr(feature_draft, "CHUNK_ELEMENTS", 5 * len(kept))  # 24 rows: chunks 5, 5, 5, 5, 4
     config = FeatureDraftConfig.for_target(target, len(kept), target_name="tiny", train_lm_head=train_lm_head)
     module = FeatureDraftModule(config, unroll=2, noise=0.0, feature_weight=0.0)
     module.init_from_target(target, kept)
@@ -689,7 +696,7 @@ def test_soft_cross_entropy_equals_the_direct_form_with_its_gradients(train_lm_h
     params = [p for p in module.draft.parameters() if p.requires_grad]
     assert any(p is module.draft.lm_head.weight for p in params) == train_lm_head
 
-    loss, per_step = module._losses(batch, train=False)
+    loss, per_step = module._losses(batch, train=train)
     fused = torch.autograd.grad(loss, params, allow_unused=True)
 
     p = ((features[:, 1:] @ module.target_rows.T) - lse[:, 1:, None]).exp()

@@ -220,25 +220,73 @@ def step_loss_mask(loss_mask: torch.Tensor, step: int) -> torch.Tensor:
     return out
 
 
+CHUNK_ELEMENTS = 1 << 19
+"""Elements per row chunk of the loss's full-vocabulary passes (2 MB in fp32): a chunk stays in the CPU's caches
+across its passes, where whole-batch tensors (B·T × V, hundreds of MB) stream through memory once per pass."""
+
+
+def _row_chunks(rows: int, width: int) -> range:
+    """Start indices of row chunks of about :data:`CHUNK_ELEMENTS` elements each."""
+    return range(0, rows, max(1, CHUNK_ELEMENTS // max(width, 1)))
+
+
 class WeightedLogSumExp(torch.autograd.Function):
     """``weight · logsumexp(z)`` per row of logits z (N…, V), any float dtype, fp32 result.
 
-    Its gradient ``weight · softmax(z)`` is written into one fp32 buffer and returned in z's dtype: three in-place
-    passes over the logits instead of the separate casts and temporaries of ``z.float().logsumexp(-1)`` and its
-    backward, which dominate a feature draft's training step on a CPU.
+    Its gradient is ``weight · softmax(z)``. The forward pass computes each row's maximum, exponentials, sum and
+    softmax in fp32 over chunks of rows that stay in the CPU's caches and keeps the softmax in z's dtype; the backward
+    pass scales it in one fused pass. Whole-batch fp32 temporaries (``z.float().logsumexp(-1)`` and its backward) made
+    this the larger part of a feature draft's training step on a CPU.
     """
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        lse = torch.logsumexp(logits.float(), dim=-1)
-        ctx.save_for_backward(logits, weight, lse)
-        return weight * lse
+        flat = logits.reshape(-1, logits.shape[-1])
+        lse = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        softmax = torch.empty_like(flat)
+        step = _row_chunks(flat.shape[0], flat.shape[1]).step
+        for a in range(0, flat.shape[0], step):
+            z = flat[a : a + step].to(torch.float32, copy=True)
+            peak = z.amax(-1, keepdim=True)
+            total = z.sub_(peak).exp_().sum(-1, keepdim=True)
+            lse[a : a + step] = (peak + total.log()).squeeze(-1)
+            softmax[a : a + step] = z.div_(total)
+        ctx.save_for_backward(softmax, weight)
+        ctx.shape = logits.shape
+        return weight * lse.view(logits.shape[:-1])
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        logits, weight, lse = ctx.saved_tensors
-        g = logits.to(torch.float32, copy=True).sub_(lse[..., None]).exp_().mul_((grad * weight)[..., None])
-        return g.to(logits.dtype), None
+        softmax, weight = ctx.saved_tensors
+        scale = (grad * weight).reshape(-1, 1).float()
+        out = torch.empty_like(softmax)
+        step = _row_chunks(softmax.shape[0], softmax.shape[1]).step
+        for a in range(0, softmax.shape[0], step):  # fp32 products, one rounding into the logits' dtype
+            out[a : a + step] = softmax[a : a + step].float().mul_(scale[a : a + step])
+        return out.view(ctx.shape), None
+
+
+@torch.no_grad()
+def target_mass_and_rows(
+    features: torch.Tensor, target_rows: torch.Tensor, lse: torch.Tensor, weight: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The target's probability mass on the kept vocabulary, P = Σ_v p(v) (N…,), and pᵀW (N…, d), for features
+    (N…, d), its kept rows (V, d), its full-vocabulary log-normalisers (N…,) and the draft's LM head rows W (V, d),
+    without the whole (N…, V) probabilities: row chunks that stay in the caches, products as autocast makes them
+    (bf16 in training) and exponentials and sums in fp32."""
+    device = features.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else features.dtype
+    flat, norm = features.reshape(-1, features.shape[-1]).to(dtype), lse.reshape(-1, 1).float()
+    rows_t, head = target_rows.to(dtype).T, weight.to(dtype)  # cast once: autocast would cast them every chunk
+    mass = torch.empty(flat.shape[0], dtype=torch.float32, device=features.device)
+    rows = torch.empty(flat.shape[0], weight.shape[1], dtype=torch.float32, device=features.device)
+    step = _row_chunks(flat.shape[0], target_rows.shape[0]).step
+    with torch.autocast(device, enabled=False):
+        for a in range(0, flat.shape[0], step):
+            p = (flat[a : a + step] @ rows_t).float().sub_(norm[a : a + step]).exp_()
+            mass[a : a + step] = p.sum(-1)
+            rows[a : a + step] = p.to(dtype) @ head
+    return mass.view(lse.shape), rows.view(*lse.shape, weight.shape[1])
 
 
 class FeatureDraftModule(LightningModule):
@@ -287,14 +335,16 @@ class FeatureDraftModule(LightningModule):
         target = batch["features"][:, 1:].float()
         weight = self.draft.lm_head.weight
         # Training reads the target's probabilities through bf16 autocast (cheap, slightly noisy); validation keeps
-        # them exact in fp32.
+        # them exact in fp32. −Σ_v p(v) log q(v) = P·logsumexp(z) − f̂·(pᵀW) with z = W f̂ the kept logits and
+        # P = Σ_v p(v): one logsumexp over z instead of a log-softmax and a (B, T, V) product, forward and backward.
+        p = None
         with torch.autocast(target.device.type, enabled=train and torch.is_autocast_enabled(target.device.type)):
-            log_p = (target @ self.target_rows.T).float() - batch["lse"][:, 1:, None]  # (B, T-1, V_kept), ≤ 0
-            p = log_p.exp()
-            # −Σ_v p(v) log q(v) = P·logsumexp(z) − f̂·(pᵀW) with z = W f̂ the kept logits and P = Σ_v p(v): one
-            # logsumexp over z instead of a log-softmax and a (B, T, V) product, forward and backward.
-            p_rows = None if weight.requires_grad else (p @ weight).float()
-        mass = p.sum(-1)
+            if train and not weight.requires_grad:  # only P and pᵀW are needed: never the whole (B, T, V) p
+                mass, p_rows = target_mass_and_rows(target, self.target_rows, batch["lse"][:, 1:], weight)
+            else:  # validation scores acceptance with p; a trained LM head needs p for its own gradient
+                p = ((target @ self.target_rows.T).float() - batch["lse"][:, 1:, None]).exp()  # (B, T-1, V_kept)
+                mass = p.sum(-1)
+                p_rows = None if weight.requires_grad else (p @ weight).float()
         total = torch.zeros((), device=target.device)
         per_step = []
         for k, predicted in enumerate(steps):
