@@ -44,7 +44,6 @@ from .draft_recipe import (
     fit_resumable,
     jsonable,
     plot_curves,
-    reuse_freed_memory,
     save_atomic,
     set_threads,
     time_draft_step,
@@ -676,8 +675,6 @@ def fit_until(cfg: FeatureDraftRecipe, deadline: float | None) -> Path:
     if cfg.accelerator not in ("cpu", "gpu", "cuda"):
         raise ValueError(f"accelerator={cfg.accelerator!r}: use cpu or gpu.")
     set_threads(cfg.threads)
-    if cfg.accelerator == "cpu":
-        reuse_freed_memory()  # a step's (B, T, V) tensors reuse pages instead of faulting them in anew
     seed_everything(cfg.seed, workers=True)
     work = expand(cfg.work_dir)
     device = "cpu" if cfg.accelerator == "cpu" else "cuda"

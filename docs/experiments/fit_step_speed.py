@@ -3,7 +3,7 @@ loss, backward, AdamW) on real batches of one feature shard, as ``python -m trai
 (bf16 autocast, ``batch_tokens`` padded tokens a step), from the target's weights.
 
     python docs/experiments/fit_step_speed.py --shard <work_dir>/features/train-00040.safetensors
-    python docs/experiments/fit_step_speed.py --shard ... --reuse_freed_memory  # glibc keeps freed pages, as fit does
+    python docs/experiments/fit_step_speed.py --shard ... --keep_freed_memory  # glibc keeps freed pages, as fit does
 
 Prints the median and each timed step's positions/s and writes ``--output`` (JSON) with the machine's description.
 """
@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import resource
 import statistics
 import time
 from pathlib import Path
@@ -39,15 +41,16 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--reuse_freed_memory", action="store_true")
+    ap.add_argument("--keep_freed_memory", action="store_true", help="as fit does: glibc keeps freed pages")
+    ap.add_argument("--trim_every", type=int, default=10, help="with --keep_freed_memory: malloc_trim every N steps")
     ap.add_argument("--output", default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     applied = False
-    if args.reuse_freed_memory:
-        from accept_head.training.draft_recipe import reuse_freed_memory
+    if args.keep_freed_memory:
+        from accept_head.training.draft_recipe import keep_freed_memory, trim_freed_memory
 
-        applied = reuse_freed_memory()
+        applied = keep_freed_memory()
     torch.manual_seed(0)
     sequences = read_feature_shards([Path(args.shard).expanduser()])
     target = load_model({"path": args.target, "dtype": "bfloat16"})
@@ -67,16 +70,24 @@ def main() -> None:
         torch.nn.utils.clip_grad_norm_(module.draft.parameters(), 1.0)
         optimizer.step()
         optimizer.zero_grad()
+        if applied and args.trim_every and (i + 1) % args.trim_every == 0:
+            trim_freed_memory()  # what fit's FreedMemory callback does
         if i >= args.warmup:
             rates.append(int(batch["loss_mask"].sum()) / (time.perf_counter() - began))
+    resident = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     result = {
         "machine": machine_info(),
-        "settings": vars(args) | {"reuse_freed_memory_applied": applied, "kept_vocab": len(kept)},
+        "settings": vars(args)
+        | {"keep_freed_memory_applied": applied, "kept_vocab": len(kept)}
+        | {"THP_MEM_ALLOC_ENABLE": os.environ.get("THP_MEM_ALLOC_ENABLE")},
         "positions_per_s": rates,
         "median_positions_per_s": statistics.median(rates),
+        "resident_gb_at_end": resident / 2**30,
+        "peak_resident_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
     }
     print(f"{result['median_positions_per_s']:.0f} positions/s (median of {len(rates)} steps; "
-          f"each: {', '.join(f'{r:.0f}' for r in rates)})")  # fmt: skip
+          f"each: {', '.join(f'{r:.0f}' for r in rates)}); resident {result['resident_gb_at_end']:.1f} GB at the "
+          f"end, peak {result['peak_resident_gb']:.1f} GB")  # fmt: skip
     if args.output:
         Path(args.output).write_text(json.dumps(result, indent=1) + "\n")
 
