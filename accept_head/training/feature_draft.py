@@ -235,7 +235,7 @@ class WeightedLogSumExp(torch.autograd.Function):
 
     Its gradient is ``weight · softmax(z)``. The forward pass computes each row's maximum, exponentials, sum and
     softmax in fp32 over chunks of rows that stay in the CPU's caches and keeps the softmax in z's dtype; the backward
-    pass scales it in one fused pass. Whole-batch fp32 temporaries (``z.float().logsumexp(-1)`` and its backward) made
+    pass scales it, chunk by chunk. Whole-batch fp32 temporaries (``z.float().logsumexp(-1)`` and its backward) made
     this the larger part of a feature draft's training step on a CPU.
     """
 
