@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import functools
 import json
 import os
 import statistics
@@ -34,6 +35,7 @@ _M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4  # glibc's malloc.h
 _GLIBC_MMAP_MAX, _GLIBC_TRIM_THRESHOLD = 65536, 128 * 1024  # glibc's defaults
 
 
+@functools.cache
 def _libc():
     """The C library when it is glibc (has ``mallopt`` and ``malloc_trim``), else None."""
     try:

@@ -225,9 +225,9 @@ CHUNK_ELEMENTS = 1 << 19
 across its passes, where whole-batch tensors (B·T × V, hundreds of MB) stream through memory once per pass."""
 
 
-def _row_chunks(rows: int, width: int) -> range:
-    """Start indices of row chunks of about :data:`CHUNK_ELEMENTS` elements each."""
-    return range(0, rows, max(1, CHUNK_ELEMENTS // max(width, 1)))
+def _chunk_rows(width: int) -> int:
+    """Rows per chunk of about :data:`CHUNK_ELEMENTS` elements, for rows ``width`` wide."""
+    return max(1, CHUNK_ELEMENTS // max(width, 1))
 
 
 class WeightedLogSumExp(torch.autograd.Function):
@@ -244,7 +244,7 @@ class WeightedLogSumExp(torch.autograd.Function):
         flat = logits.reshape(-1, logits.shape[-1])
         lse = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
         softmax = torch.empty_like(flat)
-        step = _row_chunks(flat.shape[0], flat.shape[1]).step
+        step = _chunk_rows(flat.shape[1])
         for a in range(0, flat.shape[0], step):
             z = flat[a : a + step].to(torch.float32, copy=True)
             peak = z.amax(-1, keepdim=True)
@@ -260,7 +260,7 @@ class WeightedLogSumExp(torch.autograd.Function):
         softmax, weight = ctx.saved_tensors
         scale = (grad * weight).reshape(-1, 1).float()
         out = torch.empty_like(softmax)
-        step = _row_chunks(softmax.shape[0], softmax.shape[1]).step
+        step = _chunk_rows(softmax.shape[1])
         for a in range(0, softmax.shape[0], step):  # fp32 products, one rounding into the logits' dtype
             out[a : a + step] = softmax[a : a + step].float().mul_(scale[a : a + step])
         return out.view(ctx.shape), None
@@ -280,7 +280,7 @@ def target_mass_and_rows(
     rows_t, head = target_rows.to(dtype).T, weight.to(dtype)  # cast once: autocast would cast them every chunk
     mass = torch.empty(flat.shape[0], dtype=torch.float32, device=features.device)
     rows = torch.empty(flat.shape[0], weight.shape[1], dtype=torch.float32, device=features.device)
-    step = _row_chunks(flat.shape[0], target_rows.shape[0]).step
+    step = _chunk_rows(target_rows.shape[0])
     with torch.autocast(device, enabled=False):
         for a in range(0, flat.shape[0], step):
             p = (flat[a : a + step] @ rows_t).float().sub_(norm[a : a + step]).exp_()
