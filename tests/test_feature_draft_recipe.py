@@ -326,6 +326,46 @@ def test_fit_resumes_from_the_last_checkpoint(run, tmp_path, monkeypatch) -> Non
     assert after[:2] == before and len(after) == 4 and after == sorted(set(after))
 
 
+def test_a_resumed_fit_trains_on_the_batches_an_uninterrupted_fit_would(run, tmp_path, monkeypatch) -> None:
+    """Killed inside its second pass over the data and resumed, ``fit`` sees batch for batch what one uninterrupted
+    fit sees: the resumed stream skips what the checkpoint's steps consumed and keeps each pass's own order (it
+    fails if a resume replays the first pass, or reshuffles the current one with another seed)."""
+    from accept_head.training.feature_draft import FeatureDraftModule, read_feature_shards, token_batches
+
+    train = read_feature_shards(sorted((run["root"] / "work" / "features").glob("train-*.safetensors")))
+    batch_tokens = 64  # a few sequences per batch: passes of several batches
+    per_pass = len(token_batches([len(s.tokens) for s in train], batch_tokens, None))
+    assert per_pass >= 4
+    stop, total = per_pass + 1, 2 * per_pass + 2  # killed inside pass 2, finished inside pass 3
+    seen: list[tuple[int, tuple[int, ...], int]] = []
+    original = FeatureDraftModule.training_step
+
+    def recording(self, batch, batch_idx):
+        seen.append((self.global_step, tuple(batch["tokens"].shape), int(batch["tokens"].sum())))
+        return original(self, batch, batch_idx)
+
+    monkeypatch.setattr(FeatureDraftModule, "training_step", recording)
+    streams = {}
+    for name, steps in (("straight", [total]), ("resumed", [stop, total])):
+        work = tmp_path / name
+        shutil.copytree(run["root"] / "work", work, ignore=shutil.ignore_patterns("ablate", "checkpoints", "logs"))
+        cfg = dict(run["cfg"], work_dir=str(work), output_dir=str(tmp_path / f"out-{name}"))
+        cfg |= {"batch_tokens": batch_tokens, "val_every_steps": 1}
+        config = str(write_config(tmp_path / f"{name}.yaml", cfg))
+        seen.clear()
+        for max_steps in steps:
+            run_cli("fit", "--config", config, "--cfg.max_steps", str(max_steps))
+        streams[name] = list(seen)
+    assert [step for step, *_ in streams["resumed"]] == list(range(total))  # no step twice, none missing
+    assert streams["resumed"] == streams["straight"]
+    passes = [batch for _, *batch in streams["straight"]]
+    assert passes[:per_pass] != passes[per_pass : 2 * per_pass]  # each pass is shuffled anew
+
+    (tmp_path / "resumed" / "features" / "train-00001.safetensors").unlink()  # the pool changes under the schedule
+    with pytest.warns(UserWarning, match=r"training pool changed since the checkpoint \(\d+ sequences in 2 shards"):
+        run_cli("fit", "--config", str(tmp_path / "resumed.yaml"), "--cfg.max_steps", str(total + 1))
+
+
 def test_fit_sources_choose_which_training_shards_fit_reads(tmp_path) -> None:
     """``fit_sources`` picks training feature shards by the stage that wrote them (own responses, cut text, written
     answers); held-out shards are never among them; an unknown source or one without shards is refused by name."""

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import pairwise
+from itertools import count, pairwise
 from pathlib import Path
 
 import torch
@@ -104,19 +105,39 @@ def collate_sequences(items: Sequence[FeatureSequence], loss_from: int) -> dict[
 
 
 class _Batches(torch.utils.data.IterableDataset):
-    def __init__(self, sequences: list[FeatureSequence], batch_tokens: int, seed: int | None, loss_from: int) -> None:
+    """Padded batches of ``sequences``. With a ``seed``: an endless stream of passes, pass e in the order of
+    ``seeded_generator(seed, e)``, that begins ``start()`` batches in — a resumed fit (``start`` reads the trainer's
+    restored step) continues the stream where its checkpoint left it, instead of replaying the first pass. Without a
+    seed: one pass in a fixed order (validation)."""
+
+    def __init__(
+        self,
+        sequences: list[FeatureSequence],
+        batch_tokens: int,
+        seed: int | None,
+        loss_from: int,
+        start: Callable[[], int] | None = None,
+    ) -> None:
         self.sequences, self.batch_tokens, self.seed, self.loss_from = sequences, batch_tokens, seed, loss_from
-        self.epoch = 0
+        self.start = start
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
-        generator = None if self.seed is None else seeded_generator(self.seed, self.epoch)
-        self.epoch += 1
-        for batch in token_batches([len(s.tokens) for s in self.sequences], self.batch_tokens, generator):
-            yield collate_sequences([self.sequences[i] for i in batch], self.loss_from)
+        lengths = [len(s.tokens) for s in self.sequences]
+        if self.seed is None:
+            for batch in token_batches(lengths, self.batch_tokens, None):
+                yield collate_sequences([self.sequences[i] for i in batch], self.loss_from)
+            return
+        skip = self.start() if self.start is not None else 0
+        for epoch in count():
+            batches = token_batches(lengths, self.batch_tokens, seeded_generator(self.seed, epoch))
+            for batch in batches[skip:]:
+                yield collate_sequences([self.sequences[i] for i in batch], self.loss_from)
+            skip = max(skip - len(batches), 0)
 
 
 class FeatureDataModule(LightningDataModule):
-    """Feature shards → padded batches of about ``batch_tokens`` tokens (train shuffled per epoch, val fixed)."""
+    """Feature shards → padded batches of about ``batch_tokens`` tokens (train: shuffled passes in one endless stream
+    that a resumed fit continues; val: one fixed pass)."""
 
     def __init__(
         self, train_paths: list[Path], val_paths: list[Path], batch_tokens: int, seed: int, loss_from: int
@@ -132,8 +153,30 @@ class FeatureDataModule(LightningDataModule):
             self.train = read_feature_shards(self.train_paths)
             self.val = read_feature_shards(self.val_paths)
 
+    def state_dict(self) -> dict:
+        """What a checkpoint records of the training pool: its shards and sequences (a resume compares them)."""
+        return {"train_shards": [p.name for p in self.train_paths], "train_sequences": len(self.train)}
+
+    def load_state_dict(self, state: dict) -> None:
+        now = self.state_dict()
+        if state and state != now:
+            warnings.warn(
+                f"The training pool changed since the checkpoint ({state.get('train_sequences')} sequences in "
+                f"{len(state.get('train_shards', []))} shards then, {now['train_sequences']} in "
+                f"{len(now['train_shards'])} now): the resumed fit reads another stream of batches than an "
+                "uninterrupted run would. Keep the pool fixed while a schedule runs, or move checkpoints/last.ckpt "
+                "away to start over.",
+                stacklevel=2,
+            )
+
+    def _batches_done(self) -> int:
+        """Training batches the attached trainer has consumed (restored from a checkpoint on resume)."""
+        trainer = self.trainer
+        return 0 if trainer is None else trainer.global_step * trainer.accumulate_grad_batches
+
     def train_dataloader(self) -> DataLoader:
-        return DataLoader(_Batches(self.train, self.batch_tokens, self.seed, self.loss_from), batch_size=None)
+        stream = _Batches(self.train, self.batch_tokens, self.seed, self.loss_from, start=self._batches_done)
+        return DataLoader(stream, batch_size=None)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(_Batches(self.val, self.batch_tokens, None, self.loss_from), batch_size=None)
