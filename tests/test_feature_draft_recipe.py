@@ -733,13 +733,15 @@ def test_soft_cross_entropy_equals_the_direct_form_with_its_gradients(
     batch = {"tokens": torch.randint(0, vocab, (3, 9)), "features": features, "lse": lse, "mask": mask}
     batch["loss_mask"] = mask[:, 1:].bool()
     batch["loss_mask"][0, 5:] = False  # padding carries no loss
+    batch["loss_mask"][1, :2] = False  # nor does a prompt prefix
+    lse[0, 6:] = float("nan")  # a padded row's values never reach the loss (0 · NaN would be NaN)
     params = [p for p in module.draft.parameters() if p.requires_grad]
     assert any(p is module.draft.lm_head.weight for p in params) == train_lm_head
 
     loss, per_step = module._losses(batch, train=train)
     fused = torch.autograd.grad(loss, params, allow_unused=True)
 
-    p = ((features[:, 1:] @ module.target_rows.T) - lse[:, 1:, None]).exp()
+    p = ((features[:, 1:] @ module.target_rows.T) - lse[:, 1:, None]).exp().nan_to_num()
     steps = unrolled_predictions(module.draft, batch, 2)
     masks = [step_loss_mask(batch["loss_mask"], k) for k in (1, 2)]  # step 2 has no round at pair 0
     direct = [

@@ -370,41 +370,47 @@ class FeatureDraftModule(LightningModule):
         self, batch: dict[str, torch.Tensor], train: bool
     ) -> tuple[torch.Tensor, list[dict[str, torch.Tensor]]]:
         """The weighted loss over the unrolled steps, and per step its terms (validation adds the acceptance and the
-        greedy agreement, which training skips: they are (B, T, V) passes of their own)."""
+        greedy agreement, which training skips: they are (n, V) passes of their own)."""
         h = self.hparams
         # Validation always scores steps 1-3, so variants trained with fewer unrolled steps stay comparable.
         depth = h.unroll if train else max(h.unroll, 3)
         steps = unrolled_predictions(self.draft, batch, depth, h.noise if train else 0.0, self.generator)
-        target = batch["features"][:, 1:].float()
+        # Only the pairs that carry loss go through the LM head and the loss (padding and a shared prompt prefix are
+        # a quarter of a batch's rows); step k's pairs are those at columns >= k - 1 (step_loss_mask).
+        carries = batch["loss_mask"]
+        column = carries.nonzero()[:, 1]
+        target = batch["features"][:, 1:][carries].float()  # (n, d)
+        lse = batch["lse"][:, 1:][carries]
         weight = self.draft.lm_head.weight
         # Training reads the target's probabilities through bf16 autocast (cheap, slightly noisy); validation keeps
         # them exact in fp32. −Σ_v p(v) log q(v) = P·logsumexp(z) − f̂·(pᵀW) with z = W f̂ the kept logits and
-        # P = Σ_v p(v): one logsumexp over z instead of a log-softmax and a (B, T, V) product, forward and backward.
+        # P = Σ_v p(v): one logsumexp over z instead of a log-softmax and an (n, V) product, forward and backward.
         p = None
         with torch.autocast(target.device.type, enabled=train and torch.is_autocast_enabled(target.device.type)):
-            if train and not weight.requires_grad:  # only P and pᵀW are needed: never the whole (B, T, V) p
-                mass, p_rows = target_mass_and_rows(target, self.target_rows, batch["lse"][:, 1:], weight)
+            if train and not weight.requires_grad:  # only P and pᵀW are needed: never the whole (n, V) p
+                mass, p_rows = target_mass_and_rows(target, self.target_rows, lse, weight)
             else:  # validation scores acceptance with p; a trained LM head needs p for its own gradient
-                p = ((target @ self.target_rows.T).float() - batch["lse"][:, 1:, None]).exp()  # (B, T-1, V_kept)
+                p = ((target @ self.target_rows.T).float() - lse[:, None]).exp()  # (n, V_kept)
                 mass = p.sum(-1)
                 p_rows = None if weight.requires_grad else (p @ weight).float()
         total = torch.zeros((), device=target.device)
         per_step = []
         for k, predicted in enumerate(steps):
-            m = step_loss_mask(batch["loss_mask"], k + 1)
-            n = m.sum().clamp(min=1)
+            keep = column >= k
+            n = keep.sum().clamp(min=1)
+            predicted = predicted[carries][keep]
             logits = self.draft.kept_logits(predicted)
-            rows = p_rows if p_rows is not None else (p @ weight.float())
-            ce = WeightedLogSumExp.apply(logits, mass) - (predicted.float() * rows).sum(-1)
-            feat = torch.nn.functional.smooth_l1_loss(predicted.float(), target, reduction="none").mean(-1)
-            loss_k = ((ce + h.feature_weight * feat) * m).sum() / n
+            rows = p_rows[keep] if p_rows is not None else p[keep] @ weight.float()
+            ce = WeightedLogSumExp.apply(logits, mass[keep]) - (predicted.float() * rows).sum(-1)
+            feat = torch.nn.functional.smooth_l1_loss(predicted.float(), target[keep], reduction="none").mean(-1)
+            loss_k = (ce + h.feature_weight * feat).sum() / n
             if k < h.unroll:
                 total = total + h.step_decay**k * loss_k
-            values = {"ce": (ce * m).sum() / n, "feature": (feat * m).sum() / n}
+            values = {"ce": ce.sum() / n, "feature": feat.sum() / n}
             if not train:
                 with torch.no_grad():
-                    accept, agree = draft_acceptance(p, logits.float().softmax(-1))
-                    values |= {"accept": (accept * m).sum() / n, "agree": (agree.float() * m).sum() / n}
+                    accept, agree = draft_acceptance(p[keep], logits.float().softmax(-1))
+                    values |= {"accept": accept.sum() / n, "agree": agree.float().sum() / n}
             per_step.append(values)
         return total, per_step
 

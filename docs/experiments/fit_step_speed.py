@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--loss_from", type=int, default=1, help="first position with loss (fit: after the chat prefix)")
     ap.add_argument("--keep_freed_memory", action="store_true", help="as fit does: glibc keeps freed pages")
     ap.add_argument("--trim_every", type=int, default=10, help="with --keep_freed_memory: malloc_trim every N steps")
     ap.add_argument("--output", default=None)
@@ -60,7 +61,7 @@ def main() -> None:
     module.init_from_target(target, kept)
     optimizer = torch.optim.AdamW([p for p in module.draft.parameters() if p.requires_grad], lr=1e-4)
     order = token_batches([len(s.tokens) for s in sequences], args.batch_tokens, torch.Generator().manual_seed(0))
-    batches = [collate_sequences([sequences[i] for i in b], 1) for b in order[: args.warmup + args.steps]]
+    batches = [collate_sequences([sequences[i] for i in b], args.loss_from) for b in order[: args.warmup + args.steps]]
     rates = []
     for i, batch in enumerate(batches):
         began = time.perf_counter()
