@@ -329,7 +329,8 @@ def test_fit_resumes_from_the_last_checkpoint(run, tmp_path, monkeypatch) -> Non
 def test_a_resumed_fit_trains_on_the_batches_an_uninterrupted_fit_would(run, tmp_path, monkeypatch) -> None:
     """Killed inside its second pass over the data and resumed, ``fit`` sees batch for batch what one uninterrupted
     fit sees: the resumed stream skips what the checkpoint's steps consumed and keeps each pass's own order (it
-    fails if a resume replays the first pass, or reshuffles the current one with another seed)."""
+    fails if a resume replays the first pass, or reshuffles the current one with another seed); the draft goes to an
+    ``output_dir`` written with ``~``."""
     from accept_head.training.feature_draft import FeatureDraftModule, read_feature_shards, token_batches
 
     train = read_feature_shards(sorted((run["root"] / "work" / "features").glob("train-*.safetensors")))
@@ -345,17 +346,19 @@ def test_a_resumed_fit_trains_on_the_batches_an_uninterrupted_fit_would(run, tmp
         return original(self, batch, batch_idx)
 
     monkeypatch.setattr(FeatureDraftModule, "training_step", recording)
+    monkeypatch.setenv("HOME", str(tmp_path))
     streams = {}
     for name, steps in (("straight", [total]), ("resumed", [stop, total])):
         work = tmp_path / name
         shutil.copytree(run["root"] / "work", work, ignore=shutil.ignore_patterns("ablate", "checkpoints", "logs"))
-        cfg = dict(run["cfg"], work_dir=str(work), output_dir=str(tmp_path / f"out-{name}"))
+        cfg = dict(run["cfg"], work_dir=str(work), output_dir=f"~/out-{name}")  # ~ expands
         cfg |= {"batch_tokens": batch_tokens, "val_every_steps": 1}
         config = str(write_config(tmp_path / f"{name}.yaml", cfg))
         seen.clear()
         for max_steps in steps:
             run_cli("fit", "--config", config, "--cfg.max_steps", str(max_steps))
         streams[name] = list(seen)
+        assert json.loads((tmp_path / f"out-{name}" / "config.json").read_text())["extra"]["steps"] == total
     assert [step for step, *_ in streams["resumed"]] == list(range(total))  # no step twice, none missing
     assert streams["resumed"] == streams["straight"]
     passes = [batch for _, *batch in streams["straight"]]
@@ -638,21 +641,26 @@ def test_cpu_own_response_recipe_reads_written_answers_of_distill_prompts_only(c
     assert {s["path"] for s in written} <= {s["path"] for s in printed["prompts"]}
 
 
-def test_cpu_continue_config_keeps_the_pools_data_and_trains_on_own_responses(capsys, monkeypatch) -> None:
-    """The continuation config read after the CPU recipe changes only how ``fit`` trains: same prompts, held-out
-    prompts and written answers; own-response shards only, from an exported draft, its own work folder."""
+def test_cpu_fit_configs_keep_the_pools_data_and_train_on_own_responses(capsys, monkeypatch) -> None:
+    """The continuation and the long-schedule configs, read after the CPU recipe, change only how ``fit`` trains:
+    same prompts, held-out prompts, written answers and kept vocabulary; own-response shards only, each in its own
+    work folder. The continuation starts from an exported draft at a lower rate; the long schedule from the target's
+    weights, its draft written outside the repository."""
     monkeypatch.chdir(REPO)
     printed = []
-    for configs in (["cpu"], ["cpu", "cpu-continue"]):
+    for configs in (["cpu"], ["cpu", "cpu-continue"], ["cpu", "cpu-long"]):
         args = [a for c in configs for a in ("--config", f"configs/distill/smollm2-135m-feature-draft-{c}.yaml")]
         with pytest.raises(SystemExit):
             run_cli("fit", *args, "--print_config")
         printed.append(yaml.safe_load(capsys.readouterr().out)["cfg"])
-    base, cont = printed
-    for key in ("prompts", "eval_prompts", "written_responses", "kept_vocab", "split_seed", "target"):
-        assert cont[key] == base[key], key
-    assert cont["fit_sources"] == ["own"] and cont["init_draft"] == "checkpoints/smollm2-135m-feature-draft"
-    assert cont["work_dir"] != base["work_dir"] and cont["lr"] < base["lr"]
+    base, cont, long = printed
+    for other in (cont, long):
+        for key in ("prompts", "eval_prompts", "written_responses", "kept_vocab", "split_seed", "target"):
+            assert other[key] == base[key], key
+        assert other["fit_sources"] == ["own"] and other["work_dir"] != base["work_dir"]
+    assert cont["init_draft"] == "checkpoints/smollm2-135m-feature-draft" and cont["lr"] < base["lr"]
+    assert long["init_draft"] is None and long["work_dir"] != cont["work_dir"]
+    assert long["output_dir"].startswith("~/") and long["max_steps"] > base["max_steps"]
 
 
 def test_the_committed_draft_records_its_lineage(capsys, monkeypatch) -> None:

@@ -138,7 +138,7 @@ class FeatureDraftRecipe:
     work_dir: str = "~/.cache/accept_head/feature_draft/smollm2-135m"
     """Feature shards, vocabulary statistics, Lightning checkpoints and logs (outside the repository: ~1 GB)."""
     output_dir: str = "checkpoints/smollm2-135m-feature-draft"
-    """The exported draft folder (config.json + model.safetensors + eval.json + README.md)."""
+    """The exported draft folder (config.json + model.safetensors + eval.json + README.md; `~` expands)."""
     kept_vocab: int = 8192
     """Rows of the draft's LM head: the most frequent tokens of the target's training responses."""
     vocab_sizes: list[int] = field(default_factory=lambda: [2048, 4096, 8192, 12288, 16384, 24576, 32768])
@@ -727,7 +727,7 @@ def fit_until(cfg: FeatureDraftRecipe, deadline: float | None) -> Path:
     }
     if start is not None:  # the lineage: what the initial draft's own config recorded, and where it came from
         draft.config.extra["init"] = {"path": str(cfg.init_draft), **start.config.extra}
-    out = draft.to(torch.bfloat16).save_pretrained(cfg.output_dir)
+    out = draft.to(torch.bfloat16).save_pretrained(expand(cfg.output_dir))
     print(f"[fit] exported {out} after {trainer.global_step} steps", flush=True)
     return out
 
@@ -810,7 +810,7 @@ def evaluate_until(
     per-shard rows are skipped once it has passed). With a deadline the draft-step timing, which cannot stop
     mid-way, is left to ``evaluate --timing_only``."""
     set_threads(cfg.threads)
-    folder = Path(draft_dir or cfg.output_dir)
+    folder = expand(draft_dir or cfg.output_dir)
     target = load_model(cfg.target)
     device = next(target.parameters()).device
     draft = FeatureDraft.from_pretrained(folder, dtype=cfg.target.torch_dtype, device=device).bind(target)
@@ -872,7 +872,7 @@ def run_all(cfg: FeatureDraftRecipe) -> dict:
     record."""
     start = monotonic()
     deadline = None if cfg.time_budget_s is None else start + cfg.time_budget_s
-    work, out = expand(cfg.work_dir), Path(cfg.output_dir)
+    work, out = expand(cfg.work_dir), expand(cfg.output_dir)
     work.mkdir(parents=True, exist_ok=True)
     record = json.loads((work / "all.json").read_text()) if (work / "all.json").exists() else {"runs": []}
     run: dict = {"time_budget_s": cfg.time_budget_s, "stages": {}, "finished": False}
@@ -973,8 +973,8 @@ def ablate(
         results[name] = {"changes": ABLATIONS[name], "last_validation": curve[-1] if curve else None}
         print(f"[ablate] {name}: {results[name]['last_validation']}", flush=True)
     out = {"steps": steps, "batch_tokens": batch_tokens, "variants": results}
-    Path(cfg.output_dir).mkdir(parents=True, exist_ok=True)
-    (Path(cfg.output_dir) / "ablations.json").write_text(json.dumps(out, indent=2) + "\n")
+    expand(cfg.output_dir).mkdir(parents=True, exist_ok=True)
+    (expand(cfg.output_dir) / "ablations.json").write_text(json.dumps(out, indent=2) + "\n")
     return out
 
 
@@ -1002,7 +1002,7 @@ def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None, recipe_con
     """Stage 5: README.md and learning_curve.png for the draft folder, from its config, eval.json, the log and (when
     ``all`` wrote it) all.json's stage seconds. ``recipe_config``: the YAML the card names as the recipe (default
     ``configs/distill/<folder name>.yaml``, ``-gpu.yaml`` for a draft trained on a GPU)."""
-    folder = Path(draft_dir or cfg.output_dir)
+    folder = expand(draft_dir or cfg.output_dir)
     config = json.loads((folder / "config.json").read_text())
     ev = json.loads((folder / "eval.json").read_text())
     feats = read_json(expand(cfg.work_dir) / "features" / "meta.json", {})
