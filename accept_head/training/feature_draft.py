@@ -375,8 +375,8 @@ class FeatureDraftModule(LightningModule):
         # Validation always scores steps 1-3, so variants trained with fewer unrolled steps stay comparable.
         depth = h.unroll if train else max(h.unroll, 3)
         steps = unrolled_predictions(self.draft, batch, depth, h.noise if train else 0.0, self.generator)
-        # Only the pairs that carry loss go through the LM head and the loss (padding and a shared prompt prefix are
-        # a quarter of a batch's rows); step k's pairs are those at columns >= k - 1 (step_loss_mask).
+        # Only the pairs that carry loss go through the LM head and the loss (padding and the chat template's prefix
+        # are a fifth of the rows of the CPU pool's batches); step k's are those at columns >= k - 1 (step_loss_mask).
         carries = batch["loss_mask"]
         column = carries.nonzero()[:, 1]
         target = batch["features"][:, 1:][carries].float()  # (n, d)
