@@ -190,3 +190,35 @@ def test_generate_mixes_every_source_and_never_distills_on_held_out_prompts(tmp_
     assert not set(trained) & set(held_out)
     split = json.loads((tmp_path / "work" / "split.json").read_text())
     assert split["train"] == trained and split["eval"] == held_out
+
+
+def test_a_resumed_stream_of_shard_batches_continues_where_the_uninterrupted_one_was(tmp_path) -> None:
+    """ShardBatches is an endless stream of seeded passes: started ``k`` batches in (a resumed fit's trainer step), it
+    yields exactly the uninterrupted stream from batch ``k`` on, across pass boundaries, and each pass has another
+    order; a stream that restarted its pass (the old behaviour) fails this."""
+    from itertools import islice
+
+    from accept_head.training.distill_draft import ShardBatches
+
+    (tmp_path / "shards").mkdir()
+    gen = torch.Generator().manual_seed(0)
+    for s in range(2):
+        n = 5
+        lengths = torch.randint(1, 5, (n,), generator=gen).tolist()
+        shard = {
+            "prompt_ids": [torch.tensor([1, 2])] * n,
+            "response_ids": [torch.full((m,), 10 * s + i) for i, m in enumerate(lengths)],
+            "topk_ids": [torch.zeros(m, 2, dtype=torch.long) for m in lengths],
+            "topk_logprobs": [torch.zeros(m, 2) for m in lengths],
+        }
+        torch.save(shard, tmp_path / "shards" / f"train-{s:05d}.pt")
+
+    def stream(start: int, n: int) -> list[list[int]]:
+        batches = ShardBatches(tmp_path, batch_tokens=5, seed=3, start=lambda: start)
+        return [[int(e[1][0]) for e in batch] for batch in islice(iter(batches), n)]
+
+    whole = stream(0, 30)
+    one_pass = next(i for i in range(1, 30) if sorted(sum(whole[:i], [])) == list(range(5)) + list(range(10, 15)))
+    assert whole[:one_pass] != whole[one_pass : 2 * one_pass]  # another order each pass
+    for k in (3, one_pass, one_pass + 2):
+        assert stream(k, 30 - k) == whole[k:]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import count
 from pathlib import Path
 
 import torch
@@ -180,20 +181,26 @@ def held_out_acceptance(draft, target_probs: list[torch.Tensor], examples: Seque
 
 
 class ShardBatches(torch.utils.data.IterableDataset):
-    """Token-packed batches of the training shards under ``work``, re-listed at every pass (``epoch``, set by the
-    module at the start of each training epoch, seeds the order, so a resumed run draws the same order)."""
+    """Token-packed batches of the training shards under ``work``: an endless stream of passes, the shards re-listed
+    at the start of each and pass e drawn in the order of ``seeded_generator(seed, "distill", e)``. The stream
+    begins ``start()`` batches in (the module sets ``start`` to the batches its trainer has consumed), so a resumed
+    fit continues where its checkpoint left it instead of replaying the first pass."""
 
-    def __init__(self, work: Path, batch_tokens: int, seed: int) -> None:
-        self.work, self.batch_tokens, self.seed = work, batch_tokens, seed
-        self.epoch = 0
+    def __init__(self, work: Path, batch_tokens: int, seed: int, start: Callable[[], int] | None = None) -> None:
+        self.work, self.batch_tokens, self.seed, self.start = work, batch_tokens, seed, start
         self.distinct_tokens = 0
 
     def __iter__(self) -> Iterator[list[Example]]:
-        examples = shard_examples(load_shards(self.work, "train"))
-        if not examples:
-            raise FileNotFoundError(f"No training shards under {self.work / 'shards'}: run the generate stage first.")
-        self.distinct_tokens = sum(len(e[1]) for e in examples)
-        yield from token_packed(examples, self.batch_tokens, seeded_generator(self.seed, "distill", self.epoch))
+        skip = self.start() if self.start is not None else 0
+        for epoch in count():
+            examples = shard_examples(load_shards(self.work, "train"))
+            if not examples:
+                shards = self.work / "shards"
+                raise FileNotFoundError(f"No training shards under {shards}: run the generate stage first.")
+            self.distinct_tokens = sum(len(e[1]) for e in examples)
+            batches = list(token_packed(examples, self.batch_tokens, seeded_generator(self.seed, "distill", epoch)))
+            yield from batches[skip:]
+            skip = max(skip - len(batches), 0)
 
 
 class DistillDraftModule(LightningModule):
@@ -215,20 +222,23 @@ class DistillDraftModule(LightningModule):
     ) -> None:
         super().__init__()
         self.draft, self.pad_token_id, self.data = draft, pad_token_id, data
+        data.start = self._batches_done
         self.eval_examples, self.target_probs = list(eval_examples), target_probs
         self.lr, self.warmup_steps, self.total_steps = lr, warmup_steps, total_steps
         self.on_validation = on_validation
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
         self._scores: list[tuple[float, int, int]] = []
 
+    def _batches_done(self) -> int:
+        """Training batches the attached trainer has consumed (restored from a checkpoint on resume)."""
+        trainer = self._trainer
+        return 0 if trainer is None else trainer.global_step * trainer.accumulate_grad_batches
+
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(self.data, batch_size=None, collate_fn=lambda batch: batch)
 
     def val_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(range(len(self.eval_examples)), batch_size=None)  # example indices
-
-    def on_train_epoch_start(self) -> None:
-        self.data.epoch = self.current_epoch
 
     def training_step(self, batch: list[Example], batch_idx: int) -> torch.Tensor:
         loss, n = distill_loss(self.draft, batch, self.pad_token_id)
