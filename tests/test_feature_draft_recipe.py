@@ -660,7 +660,7 @@ def test_cpu_fit_configs_keep_the_pools_data_and_train_on_own_responses(capsys, 
         assert other["fit_sources"] == ["own"] and other["work_dir"] != base["work_dir"]
     assert cont["init_draft"] == "checkpoints/smollm2-135m-feature-draft" and cont["lr"] < base["lr"]
     assert long["init_draft"] is None and long["work_dir"] != cont["work_dir"]
-    assert long["output_dir"].startswith("~/") and long["max_steps"] > base["max_steps"]
+    assert long["output_dir"].startswith("~/") and long["val_every_steps"] < long["max_steps"]
 
 
 def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypatch) -> None:
