@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from lightning.pytorch.loggers import WandbLogger
 from train_helpers import REPO, TinySetup, other_draft, train_config, write_config
 
 from accept_head import SpecDecPP
-from accept_head.training.cli import cli_main
+from accept_head.training.cli import check_wandb_credentials, cli_main
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -154,17 +155,9 @@ def agent_command(sweep_file: Path, point: dict) -> list[str]:
     return command
 
 
-def test_a_wandb_sweep_point_runs_offline_through_the_cli(setup, tmp_path, monkeypatch):
-    import wandb
-
-    command = agent_command(
-        REPO / "configs/sweeps/smollm2-135m-specdecpp.yaml",
-        {"model.w_rej": 12, "model.depth": 0, "sweep.thresholds": [0.7]},
-    )
-    assert command[:5] == ["/usr/bin/env", "python", "-m", "train", "fit"] and "--model.w_rej=12" in command
-    args = command[4:]
-    args[args.index("--config") + 1] = str(REPO / args[args.index("--config") + 1])
-    tiny = [  # the shipped config (CSV + W&B loggers) with the tiny pair and a tiny budget
+def tiny_overrides(setup: TinySetup) -> list[str]:
+    """Command-line overrides that run a shipped config (CSV + W&B loggers) with the tiny pair and a tiny budget."""
+    return [
         f"--data.path={setup.labels}",
         f"--data.draft.path={setup.draft}",
         "--data.draft.dtype=float32",
@@ -184,6 +177,43 @@ def test_a_wandb_sweep_point_runs_offline_through_the_cli(setup, tmp_path, monke
         "--sweep.eval_prompts=0",
         "--sweep.max_new_tokens=6",
     ]
+
+
+def test_a_wandb_logger_without_credentials_is_refused_before_any_data_is_written(setup, tmp_path, monkeypatch):
+    import wandb
+
+    for name in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED", "WANDB_IDENTITY_TOKEN_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    for name in ("HOME", "WANDB_CONFIG_DIR", "WANDB_DIR"):  # no netrc, no settings file with a key
+        monkeypatch.setenv(name, str(tmp_path))
+    monkeypatch.setenv("NETRC", str(tmp_path / "netrc"))
+    monkeypatch.chdir(tmp_path)
+    try:
+        args = ["fit", "--config", str(REPO / "configs/smollm2-135m-specdecpp.yaml"), *tiny_overrides(setup)]
+        with pytest.raises(RuntimeError, match=r"no W&B credentials.*WANDB_MODE=offline") as refused:
+            cli_main(args)
+        assert "`wandb login`" in str(refused.value)
+        assert not (tmp_path / "runs").exists()  # refused before the trainer logged or wrote anything
+        # Not refused: an offline logger, or W&B switched off (test_a_wandb_sweep_point_runs_offline_through_the_cli
+        # runs the shipped config to the end with WANDB_MODE=offline).
+        check_wandb_credentials([WandbLogger(project="p", offline=True, save_dir=str(tmp_path))])
+        monkeypatch.setenv("WANDB_MODE", "disabled")
+        check_wandb_credentials([WandbLogger(project="p", save_dir=str(tmp_path))])
+    finally:
+        wandb.teardown()  # W&B keeps its settings per process: the next test must read its own environment
+
+
+def test_a_wandb_sweep_point_runs_offline_through_the_cli(setup, tmp_path, monkeypatch):
+    import wandb
+
+    command = agent_command(
+        REPO / "configs/sweeps/smollm2-135m-specdecpp.yaml",
+        {"model.w_rej": 12, "model.depth": 0, "sweep.thresholds": [0.7]},
+    )
+    assert command[:5] == ["/usr/bin/env", "python", "-m", "train", "fit"] and "--model.w_rej=12" in command
+    args = command[4:]
+    args[args.index("--config") + 1] = str(REPO / args[args.index("--config") + 1])
+    tiny = tiny_overrides(setup)
     monkeypatch.chdir(tmp_path)
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))

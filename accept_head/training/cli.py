@@ -9,6 +9,7 @@ end-of-fit stages ``calibration:``, ``cost_model:``, ``sweep:`` and ``export:`` 
 
 from __future__ import annotations
 
+import os
 import shlex
 import sys
 
@@ -41,8 +42,11 @@ class AcceptHeadCLI(LightningCLI):
         super().parse_arguments(parser, args)
 
     def before_fit(self) -> None:
-        """Hand the parsed configuration and the command line to the export stage (bundle provenance)."""
+        """Refuse a W&B logger that cannot log before any data is written, and hand the parsed configuration and the
+        command line to the export stage (bundle provenance)."""
         import yaml
+
+        check_wandb_credentials(self.trainer.loggers)
 
         config = self.config[self.subcommand]
         dumped = yaml.safe_load(self._parser(self.subcommand).dump(config, skip_none=False, skip_check=True))
@@ -56,6 +60,34 @@ class AcceptHeadCLI(LightningCLI):
         table = closing_table(self.model.fit_report)
         if table and self.trainer.is_global_zero:
             print("\n" + table, flush=True)
+
+
+def check_wandb_credentials(loggers: list) -> None:
+    """Raise if a ``WandbLogger`` would log online without W&B credentials. W&B itself fails only when the logger
+    first starts its run — after ``prepare_data`` has written the label datasets, minutes into a fit — so say it
+    before anything runs, with both ways out."""
+    from lightning.pytorch.loggers import WandbLogger
+
+    online = [
+        logger
+        for logger in loggers
+        if isinstance(logger, WandbLogger)
+        and not getattr(logger, "_offline", False)
+        and logger._wandb_init.get("mode") not in ("offline", "disabled")
+    ]
+    if not online or os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun"):
+        return
+    if os.environ.get("WANDB_DISABLED", "").lower() in ("true", "1", "yes"):
+        return
+    import wandb
+
+    if not wandb.login(prompt=False, verify=False):
+        raise RuntimeError(
+            f"The config logs to W&B (WandbLogger, project {online[0]._wandb_init.get('project')!r}) but this machine "
+            "has no W&B credentials (no WANDB_API_KEY, no `wandb login`). Log in with `wandb login`, or run with "
+            "WANDB_MODE=offline (the run is written under the logger's save_dir; `wandb sync` uploads it later), or "
+            "drop the WandbLogger from trainer.logger."
+        )
 
 
 def cli_main(args: ArgsType = None, run: bool = True) -> AcceptHeadCLI:
