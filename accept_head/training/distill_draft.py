@@ -14,7 +14,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import count
 from pathlib import Path
 
 import torch
@@ -23,7 +22,7 @@ from torch.nn.utils.rnn import pad_sequence
 
 from ..acceptance.labels import draft_acceptance
 from ..core.seeds import seeded_generator
-from .module import adamw_cosine
+from .module import adamw_cosine, batches_consumed, passes_from
 
 Example = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 """(prompt_ids, response_ids, topk_ids, topk_logprobs) of one target response."""
@@ -191,16 +190,14 @@ class ShardBatches(torch.utils.data.IterableDataset):
         self.distinct_tokens = 0
 
     def __iter__(self) -> Iterator[list[Example]]:
-        skip = self.start() if self.start is not None else 0
-        for epoch in count():
-            examples = shard_examples(load_shards(self.work, "train"))
-            if not examples:
-                shards = self.work / "shards"
-                raise FileNotFoundError(f"No training shards under {shards}: run the generate stage first.")
-            self.distinct_tokens = sum(len(e[1]) for e in examples)
-            batches = list(token_packed(examples, self.batch_tokens, seeded_generator(self.seed, "distill", epoch)))
-            yield from batches[skip:]
-            skip = max(skip - len(batches), 0)
+        yield from passes_from(self._pass, self.start() if self.start is not None else 0)
+
+    def _pass(self, epoch: int) -> list[list[Example]]:
+        examples = shard_examples(load_shards(self.work, "train"))
+        if not examples:
+            raise FileNotFoundError(f"No training shards under {self.work / 'shards'}: run the generate stage first.")
+        self.distinct_tokens = sum(len(e[1]) for e in examples)
+        return list(token_packed(examples, self.batch_tokens, seeded_generator(self.seed, "distill", epoch)))
 
 
 class DistillDraftModule(LightningModule):
@@ -222,17 +219,12 @@ class DistillDraftModule(LightningModule):
     ) -> None:
         super().__init__()
         self.draft, self.pad_token_id, self.data = draft, pad_token_id, data
-        data.start = self._batches_done
+        data.start = lambda: batches_consumed(self._trainer)
         self.eval_examples, self.target_probs = list(eval_examples), target_probs
         self.lr, self.warmup_steps, self.total_steps = lr, warmup_steps, total_steps
         self.on_validation = on_validation
         self.register_buffer("tokens_seen", torch.zeros((), dtype=torch.long))
         self._scores: list[tuple[float, int, int]] = []
-
-    def _batches_done(self) -> int:
-        """Training batches the attached trainer has consumed (restored from a checkpoint on resume)."""
-        trainer = self._trainer
-        return 0 if trainer is None else trainer.global_step * trainer.accumulate_grad_batches
 
     def train_dataloader(self) -> torch.utils.data.DataLoader:
         return torch.utils.data.DataLoader(self.data, batch_size=None, collate_fn=lambda batch: batch)

@@ -25,7 +25,7 @@ import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import count, pairwise
+from itertools import pairwise
 from pathlib import Path
 
 import torch
@@ -38,7 +38,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb, repea
 from ..acceptance.labels import draft_acceptance
 from ..core.seeds import seeded_generator
 from ..models.feature_draft import FeatureDraft, FeatureDraftConfig
-from .module import adamw_cosine
+from .module import adamw_cosine, batches_consumed, passes_from
 
 
 @dataclass
@@ -128,11 +128,9 @@ class _Batches(torch.utils.data.IterableDataset):
                 yield collate_sequences([self.sequences[i] for i in batch], self.loss_from)
             return
         skip = self.start() if self.start is not None else 0
-        for epoch in count():
-            batches = token_batches(lengths, self.batch_tokens, seeded_generator(self.seed, epoch))
-            for batch in batches[skip:]:
-                yield collate_sequences([self.sequences[i] for i in batch], self.loss_from)
-            skip = max(skip - len(batches), 0)
+        passes = passes_from(lambda e: token_batches(lengths, self.batch_tokens, seeded_generator(self.seed, e)), skip)
+        for batch in passes:
+            yield collate_sequences([self.sequences[i] for i in batch], self.loss_from)
 
 
 class FeatureDataModule(LightningDataModule):
@@ -169,13 +167,10 @@ class FeatureDataModule(LightningDataModule):
                 stacklevel=2,
             )
 
-    def _batches_done(self) -> int:
-        """Training batches the attached trainer has consumed (restored from a checkpoint on resume)."""
-        trainer = self.trainer
-        return 0 if trainer is None else trainer.global_step * trainer.accumulate_grad_batches
-
     def train_dataloader(self) -> DataLoader:
-        stream = _Batches(self.train, self.batch_tokens, self.seed, self.loss_from, start=self._batches_done)
+        stream = _Batches(
+            self.train, self.batch_tokens, self.seed, self.loss_from, start=lambda: batches_consumed(self.trainer)
+        )
         return DataLoader(stream, batch_size=None)
 
     def val_dataloader(self) -> DataLoader:

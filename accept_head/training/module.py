@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from itertools import count
+from typing import Any, TypeVar
 
 import torch
 from lightning.pytorch import LightningModule
@@ -33,6 +35,8 @@ from ..models.features import decoder_matches_lm_head_input, final_hidden_states
 from ..models.loading import load_model
 from ..models.pairs import ModelSpec
 from .report import FitReport
+
+T = TypeVar("T")
 
 DRAFT_PREFIX = "draft."
 
@@ -284,3 +288,19 @@ def _as_1d(value: torch.Tensor | list) -> torch.Tensor:
     if isinstance(value, list):
         return torch.cat([v.reshape(-1) for v in value]) if value else torch.zeros(0)
     return value.reshape(-1)
+
+
+def batches_consumed(trainer) -> int:
+    """Training batches ``trainer`` has consumed — restored with its step from a checkpoint on resume (0 without a
+    trainer): where a resumed fit's stream of batches must begin."""
+    return 0 if trainer is None else trainer.global_step * trainer.accumulate_grad_batches
+
+
+def passes_from(passes: Callable[[int], Sequence[T]], skip: int) -> Iterator[T]:
+    """An endless stream of passes, pass e being ``passes(e)`` (e.g. its batches in a seeded order), that begins
+    ``skip`` items in — so a resumed fit continues the stream an uninterrupted one would have read, across passes,
+    instead of replaying the first."""
+    for epoch in count():
+        items = passes(epoch)
+        yield from items[skip:]
+        skip = max(skip - len(items), 0)
