@@ -486,6 +486,11 @@ def test_eval_json_and_model_card(run) -> None:
     training = sum(len(tokens) for tokens, _ in generation_sequences(run["root"], "train"))
     assert f"({training:,} training positions, teacher-forced at " in card
     assert "## Lineage" not in card  # one run from the target's weights
+    # A recipe read from two configs (a base and a longer schedule): the card names both, in the order read.
+    run_cli("model_card", "--config", str(run["config"]), "--recipe_config", '["base.yaml", "long.yaml"]')
+    card = (out / "README.md").read_text()
+    assert "## Recipe (`base.yaml` + `long.yaml`, seed 0)" in card
+    assert "## Measured (`python -m train.feature_draft evaluate --config base.yaml --config long.yaml`)" in card
 
 
 # ---- per_step_acceptance against a direct computation --------------------------------------------------------------

@@ -998,9 +998,12 @@ def learning_curve(cfg: FeatureDraftRecipe) -> list[dict]:
     return [by_step[step] for step in sorted(by_step)]
 
 
-def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None, recipe_config: str | None = None) -> str:
+def model_card(
+    cfg: FeatureDraftRecipe, draft_dir: str | None = None, recipe_config: str | list[str] | None = None
+) -> str:
     """Stage 5: README.md and learning_curve.png for the draft folder, from its config, eval.json, the log and (when
-    ``all`` wrote it) all.json's stage seconds. ``recipe_config``: the YAML the card names as the recipe (default
+    ``all`` wrote it) all.json's stage seconds. ``recipe_config``: the YAML the card names as the recipe, or the YAMLs
+    in the order the commands read them (``--recipe_config '[base.yaml, long.yaml]'``; default
     ``configs/distill/<folder name>.yaml``, ``-gpu.yaml`` for a draft trained on a GPU)."""
     folder = expand(draft_dir or cfg.output_dir)
     config = json.loads((folder / "config.json").read_text())
@@ -1016,12 +1019,13 @@ def model_card(cfg: FeatureDraftRecipe, draft_dir: str | None = None, recipe_con
     text_meta = read_json(expand(cfg.work_dir) / "text" / "meta.json", {})
     on_gpu = config["extra"].get("recipe", {}).get("accelerator") in ("gpu", "cuda")
     recipe_config = recipe_config or f"configs/distill/{folder.name}{'-gpu' if on_gpu else ''}.yaml"
+    configs = [recipe_config] if isinstance(recipe_config, str) else list(recipe_config)
     text = card(
         front_matter(license="apache-2.0", tags="[speculative-decoding, eagle, draft-model, smollm2, accept-head]"),
         _intro(folder.name, config),
-        _recipe(config, recipe_config, feats, _text_line(text_meta, cfg.text_chunk), runs),
+        _recipe(config, configs, feats, _text_line(text_meta, cfg.text_chunk), runs),
         _stages_section(runs),
-        _measured(ev, recipe_config),
+        _measured(ev, configs),
         _lineage_section(config),
         _learning_curve_section(curve),
         _ablation_section(folder),
@@ -1194,7 +1198,7 @@ def _text_line(text_meta: dict, chunk: int) -> str:
     )
 
 
-def _recipe(config: dict, recipe_config: str, feats: dict, text_line: str, runs: list[dict] | None = None) -> str:
+def _recipe(config: dict, configs: list[str], feats: dict, text_line: str, runs: list[dict] | None = None) -> str:
     """The recipe: the data (target responses, features, text), the loss and the optimiser."""
     recipe = config["extra"].get("recipe", {})
     where = "a lent GPU" if _on_gpu(runs or []) else "this 2-core CPU"
@@ -1212,7 +1216,7 @@ def _recipe(config: dict, recipe_config: str, feats: dict, text_line: str, runs:
         )
     autocast = "bf16 autocast" if "bf16" in str(recipe.get("precision", "bf16")) else str(recipe.get("precision"))
     return section(
-        f"Recipe (`{recipe_config}`, seed {recipe.get('seed', 0)})",
+        f"Recipe ({' + '.join(f'`{c}`' for c in configs)}, seed {recipe.get('seed', 0)})",
         f"""\
 - Data: {data} to prompts of the `distill` hash split of the `../shared/data` instruction sets; features from one
   batched teacher-forced target pass over prompt + response ({_features_line(feats, where)}). Held-out
@@ -1249,7 +1253,7 @@ def _training_positions(cfg: FeatureDraftRecipe) -> int | None:
     return total
 
 
-def _measured(ev: dict, recipe_config: str) -> str:
+def _measured(ev: dict, configs: list[str]) -> str:
     """``evaluate``'s numbers: acceptance per drafting step (and per held-out shard), coverage and speed."""
     per_step = ev["per_step"]
     steps = [
@@ -1261,7 +1265,7 @@ def _measured(ev: dict, recipe_config: str) -> str:
     where = ev.get("heldout", {})
     where = f" (`{where['work_dir']}`, on {where['device']})" if where else ""
     return section(
-        f"Measured (`python -m train.feature_draft evaluate --config {recipe_config}`)",
+        f"Measured (`python -m train.feature_draft evaluate {' '.join(f'--config {c}' for c in configs)}`)",
         f"""\
 Per drafting step, on {per_step[0]["n"]} seeded start positions inside held-out target responses{where}: the draft
 reads the true features up to the start, then drafts k steps feeding its own features back while the candidate
