@@ -647,44 +647,55 @@ def test_cpu_own_response_recipe_reads_written_answers_of_distill_prompts_only(c
 
 
 def test_cpu_fit_configs_keep_the_pools_data_and_train_on_own_responses(capsys, monkeypatch) -> None:
-    """The continuation and the long-schedule configs, read after the CPU recipe, change only how ``fit`` trains:
-    same prompts, held-out prompts, written answers and kept vocabulary; own-response shards only, each in its own
-    work folder. The continuation starts from an exported draft at a lower rate; the long schedule from the target's
-    weights, its draft written outside the repository."""
+    """The continuation, long-schedule and long-continuation configs, read after the CPU recipe, change only how
+    ``fit`` trains: same prompts, held-out prompts, written answers and kept vocabulary; own-response shards only, each
+    in its own work folder. The continuations start from an exported draft at a lower rate; the long schedule from the
+    target's weights; the long ones write their draft outside the repository."""
     monkeypatch.chdir(REPO)
     printed = []
-    for configs in (["cpu"], ["cpu", "cpu-continue"], ["cpu", "cpu-long"]):
+    for configs in (["cpu"], ["cpu", "cpu-continue"], ["cpu", "cpu-long"], ["cpu", "cpu-long-continue"]):
         args = [a for c in configs for a in ("--config", f"configs/distill/smollm2-135m-feature-draft-{c}.yaml")]
         with pytest.raises(SystemExit):
             run_cli("fit", *args, "--print_config")
         printed.append(yaml.safe_load(capsys.readouterr().out)["cfg"])
-    base, cont, long = printed
-    for other in (cont, long):
+    base, cont, long, long_cont = printed
+    for other in (cont, long, long_cont):
         for key in ("prompts", "eval_prompts", "written_responses", "kept_vocab", "split_seed", "target"):
             assert other[key] == base[key], key
         assert other["fit_sources"] == ["own"] and other["work_dir"] != base["work_dir"]
     assert cont["init_draft"] == "checkpoints/smollm2-135m-feature-draft" and cont["lr"] < base["lr"]
     assert long["init_draft"] is None and long["work_dir"] != cont["work_dir"]
     assert long["output_dir"].startswith("~/") and long["val_every_steps"] < long["max_steps"]
+    assert long_cont["init_draft"] == cont["init_draft"] and long_cont["lr"] < long["lr"]
+    assert (
+        long_cont["output_dir"].startswith("~/")
+        and len({long_cont["work_dir"], long["work_dir"], cont["work_dir"]}) == 3
+    )
 
 
 def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypatch) -> None:
-    """checkpoints/smollm2-135m-feature-draft: one run of the CPU recipe with the long schedule from the target's
-    weights (no init draft), on own responses only; its recorded settings are those two configs' and it trained all
-    of the schedule's steps."""
+    """checkpoints/smollm2-135m-feature-draft: the CPU recipe's long schedule from the target's weights, then one warm
+    restart from its export, both on own responses only; each run's recorded settings are its configs' and each
+    trained all of its schedule's steps."""
     monkeypatch.chdir(REPO)
-    configs = [f"configs/distill/smollm2-135m-feature-draft-{c}.yaml" for c in ("cpu", "cpu-long")]
-    args = [a for c in configs for a in ("--config", c)]
-    with pytest.raises(SystemExit):
-        run_cli("fit", *args, "--print_config")
-    printed = yaml.safe_load(capsys.readouterr().out)["cfg"]
-    config = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft/config.json").read_text())
-    recipe = config["extra"]["recipe"]
     keys = ("lr", "batch_tokens", "max_steps", "warmup_steps", "fit_sources", "kept_vocab", "unroll", "seed")
-    assert {k: recipe[k] for k in keys} == {k: printed[k] for k in keys}
+
+    def settings(*names: str) -> dict:
+        args = [a for c in names for a in ("--config", f"configs/distill/smollm2-135m-feature-draft-{c}.yaml")]
+        with pytest.raises(SystemExit):
+            run_cli("fit", *args, "--print_config")
+        printed = yaml.safe_load(capsys.readouterr().out)["cfg"]
+        return {k: printed[k] for k in keys}
+
+    config = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft/config.json").read_text())
     runs = stages.lineage(config)
-    assert len(runs) == 1 and runs[0]["init_draft"] is None and runs[0]["accelerator"] == "cpu"
-    assert runs[0]["fit_sources"] == ["own"] and config["extra"]["steps"] == recipe["max_steps"]
+    assert [r["init_draft"] for r in runs] == [None, "checkpoints/smollm2-135m-feature-draft"]
+    assert all(r["accelerator"] == "cpu" and r["fit_sources"] == ["own"] for r in runs)
+    recipe = config["extra"]["recipe"]
+    assert {k: recipe[k] for k in keys} == settings("cpu", "cpu-long-continue")
+    assert config["extra"]["steps"] == recipe["max_steps"] and runs[1]["steps"] == recipe["max_steps"]
+    long = settings("cpu", "cpu-long")
+    assert (runs[0]["steps"], runs[0]["lr"], runs[0]["batch_tokens"]) == (long["max_steps"], long["lr"], 4096)
 
 
 def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None:
