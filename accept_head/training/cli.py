@@ -65,7 +65,7 @@ class AcceptHeadCLI(LightningCLI):
 def check_wandb_credentials(loggers: list) -> None:
     """Raise if a ``WandbLogger`` would log online without W&B credentials. W&B itself fails only when the logger
     first starts its run — after ``prepare_data`` has written the label datasets, minutes into a fit — so say it
-    before anything runs, with both ways out."""
+    before anything runs, with the ways out."""
     from lightning.pytorch.loggers import WandbLogger
 
     online = [
