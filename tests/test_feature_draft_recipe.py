@@ -329,8 +329,8 @@ def test_fit_resumes_from_the_last_checkpoint(run, tmp_path, monkeypatch) -> Non
 def test_a_resumed_fit_trains_on_the_batches_an_uninterrupted_fit_would(run, tmp_path, monkeypatch) -> None:
     """Killed inside its second pass over the data and resumed, ``fit`` sees batch for batch what one uninterrupted
     fit sees: the resumed stream skips what the checkpoint's steps consumed and keeps each pass's own order (it
-    fails if a resume replays the first pass, or reshuffles the current one with another seed); the draft goes to an
-    ``output_dir`` written with ``~``."""
+    fails if a resume replays the first pass, or reshuffles the current one with another seed); another ``data_seed``
+    reads the pool in another order; the draft goes to an ``output_dir`` written with ``~``."""
     from accept_head.training.feature_draft import FeatureDraftModule, read_feature_shards, token_batches
 
     train = read_feature_shards(sorted((run["root"] / "work" / "features").glob("train-*.safetensors")))
@@ -348,11 +348,12 @@ def test_a_resumed_fit_trains_on_the_batches_an_uninterrupted_fit_would(run, tmp
     monkeypatch.setattr(FeatureDraftModule, "training_step", recording)
     monkeypatch.setenv("HOME", str(tmp_path))
     streams = {}
-    for name, steps in (("straight", [total]), ("resumed", [stop, total])):
+    plans = (("straight", [total], None), ("resumed", [stop, total], None), ("reordered", [total], 7))
+    for name, steps, data_seed in plans:
         work = tmp_path / name
         shutil.copytree(run["root"] / "work", work, ignore=shutil.ignore_patterns("ablate", "checkpoints", "logs"))
         cfg = dict(run["cfg"], work_dir=str(work), output_dir=f"~/out-{name}")  # ~ expands
-        cfg |= {"batch_tokens": batch_tokens, "val_every_steps": 1}
+        cfg |= {"batch_tokens": batch_tokens, "val_every_steps": 1, "data_seed": data_seed}
         config = str(write_config(tmp_path / f"{name}.yaml", cfg))
         seen.clear()
         for max_steps in steps:
@@ -363,6 +364,7 @@ def test_a_resumed_fit_trains_on_the_batches_an_uninterrupted_fit_would(run, tmp
     assert streams["resumed"] == streams["straight"]
     passes = [batch for _, *batch in streams["straight"]]
     assert passes[:per_pass] != passes[per_pass : 2 * per_pass]  # each pass is shuffled anew
+    assert [batch for _, *batch in streams["reordered"]][:per_pass] != passes[:per_pass]  # data_seed: another order
 
     (tmp_path / "resumed" / "features" / "train-00001.safetensors").unlink()  # the pool changes under the schedule
     with pytest.warns(UserWarning, match=r"training pool changed since the checkpoint \(\d+ sequences in 2 shards"):
@@ -647,19 +649,20 @@ def test_cpu_own_response_recipe_reads_written_answers_of_distill_prompts_only(c
 
 
 def test_cpu_fit_configs_keep_the_pools_data_and_train_on_own_responses(capsys, monkeypatch) -> None:
-    """The continuation, long-schedule and long-continuation configs, read after the CPU recipe, change only how
+    """The continuation, long-schedule and both long-continuation configs, read after the CPU recipe, change only how
     ``fit`` trains: same prompts, held-out prompts, written answers and kept vocabulary; own-response shards only, each
     in its own work folder. The continuations start from an exported draft at a lower rate; the long schedule from the
     target's weights; the long ones write their draft outside the repository."""
     monkeypatch.chdir(REPO)
     printed = []
-    for configs in (["cpu"], ["cpu", "cpu-continue"], ["cpu", "cpu-long"], ["cpu", "cpu-long-continue"]):
+    for tail in ([], ["cpu-continue"], ["cpu-long"], ["cpu-long-continue"], ["cpu-long-continue-2"]):
+        configs = ["cpu", *tail]
         args = [a for c in configs for a in ("--config", f"configs/distill/smollm2-135m-feature-draft-{c}.yaml")]
         with pytest.raises(SystemExit):
             run_cli("fit", *args, "--print_config")
         printed.append(yaml.safe_load(capsys.readouterr().out)["cfg"])
-    base, cont, long, long_cont = printed
-    for other in (cont, long, long_cont):
+    base, cont, long, long_cont, third = printed
+    for other in (cont, long, long_cont, third):
         for key in ("prompts", "eval_prompts", "written_responses", "kept_vocab", "split_seed", "target"):
             assert other[key] == base[key], key
         assert other["fit_sources"] == ["own"] and other["work_dir"] != base["work_dir"]
@@ -669,8 +672,10 @@ def test_cpu_fit_configs_keep_the_pools_data_and_train_on_own_responses(capsys, 
     assert long_cont["init_draft"] == cont["init_draft"] and long_cont["lr"] < long["lr"]
     assert (
         long_cont["output_dir"].startswith("~/")
-        and len({long_cont["work_dir"], long["work_dir"], cont["work_dir"]}) == 3
+        and len({long_cont["work_dir"], long["work_dir"], cont["work_dir"], third["work_dir"]}) == 4
     )
+    assert third["init_draft"] == cont["init_draft"] and third["lr"] < long_cont["lr"]
+    assert third["data_seed"] not in (None, third["seed"])  # a new batch order, not the parent's replayed
 
 
 def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypatch) -> None:

@@ -177,6 +177,9 @@ class FeatureDraftRecipe:
     """First position that carries loss (None: after the longest token prefix all sequences share, e.g. a system
     prompt the chat template adds)."""
     seed: int = 0
+    data_seed: int | None = None
+    """Order of the training batches (None: ``seed``, which also draws the prompt split). A continuation
+    (``init_draft``) that sets another reads the same pool in a new order instead of replaying its parent's batches."""
     threads: int | None = None
     eval_starts: int = 1500
     """Held-out start positions for the per-step acceptance of ``evaluate`` (sampled, seeded)."""
@@ -702,7 +705,8 @@ def fit_until(cfg: FeatureDraftRecipe, deadline: float | None) -> Path:
         module.schedule_deadline = deadline
     if start is not None:  # then the exported draft's own weights (a checkpoint in work_dir still wins: resuming)
         module.draft.load_state_dict(start.state_dict())
-    data = FeatureDataModule(train_paths, val_paths[:1], cfg.batch_tokens, cfg.seed, loss_from)
+    order_seed = cfg.seed if cfg.data_seed is None else cfg.data_seed
+    data = FeatureDataModule(train_paths, val_paths[:1], cfg.batch_tokens, order_seed, loss_from)
     limit = {}
     if deadline is not None:
         limit["max_time"] = datetime.timedelta(seconds=max(deadline - monotonic(), 1.0))
