@@ -100,8 +100,12 @@ def trained(setup: TinySetup, tmp_path_factory: pytest.TempPathFactory):
         "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
         "init_args": {"save_top_k": -1, "every_n_epochs": 1, "save_last": True},
     }
+    mid_epoch = {  # also every 3 steps, mid-epoch ones included
+        "class_path": "lightning.pytorch.callbacks.ModelCheckpoint",
+        "init_args": {"save_top_k": -1, "every_n_train_steps": 3, "filename": "mid-{step}"},
+    }
     run_dir = tmp_path_factory.mktemp("trained")
-    config = train_config(setup, run_dir, stages=False, trainer={"callbacks": [checkpoints]})
+    config = train_config(setup, run_dir, stages=False, trainer={"callbacks": [checkpoints, mid_epoch]})
     return config, fit(config, run_dir)
 
 
@@ -122,6 +126,20 @@ def test_resuming_from_a_checkpoint_matches_uninterrupted_training(trained, tmp_
     after_first_epoch = next(Path(full.trainer.log_dir, "checkpoints").glob("epoch=0-*.ckpt"))
     resumed = fit(config, tmp_path, "--ckpt_path", str(after_first_epoch))
     assert resumed.trainer.current_epoch == full.trainer.current_epoch == 2
+    a, b = full.model.head.state_dict(), resumed.model.head.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_resuming_mid_epoch_trains_on_the_rest_of_that_epochs_batches(trained, tmp_path):
+    """A checkpoint saved inside an epoch resumes with the batches that epoch had left, in its own order: the head
+    ends as the uninterrupted one (it fails if the resumed epoch starts its batches over)."""
+    config, full = trained
+    per_epoch = full.trainer.global_step // (full.trainer.current_epoch)
+    saved = {int(p.stem.split("=")[1]): p for p in Path(full.trainer.log_dir, "checkpoints").glob("mid-step=*.ckpt")}
+    inside = [step for step in saved if step % per_epoch and step > per_epoch]  # inside the second epoch
+    assert per_epoch >= 4 and inside, (per_epoch, sorted(saved))
+    resumed = fit(config, tmp_path, "--ckpt_path", str(saved[min(inside)]))
+    assert resumed.trainer.global_step == full.trainer.global_step
     a, b = full.model.head.state_dict(), resumed.model.head.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Collection, Iterator, Sequence, Sized
+from collections.abc import Callable, Collection, Iterator, Sequence, Sized
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -249,7 +249,7 @@ class MixedTokenDataset(_RowDataset):
 
 
 class EpochRandomSampler(RandomSampler):
-    """A random permutation seeded by (seed + epoch): reproducible, different every epoch, resumable mid-run."""
+    """A random permutation seeded by (seed + epoch): reproducible, new every epoch, the same for a resumed fit."""
 
     def __init__(self, data_source: Sized, seed: int = 0) -> None:
         super().__init__(data_source)
@@ -270,7 +270,9 @@ class BucketBatchSampler(BatchSampler):
 
     Yields lists of ``(row, epoch)`` keys for :class:`MixedTokenDataset`. The epoch is ``fixed_epoch`` when given,
     else the sampler's ``epoch`` (Lightning calls ``set_epoch`` on it, also on the ``DistributedSampler`` it injects
-    under DDP in place of ``sampler``).
+    under DDP in place of ``sampler``). ``start()``, read as each pass begins, is how many of the epoch's batches were
+    already trained on (a fit resumed from a mid-epoch checkpoint): those are skipped, so the epoch goes on with the
+    batches it had left.
     """
 
     def __init__(
@@ -283,8 +285,10 @@ class BucketBatchSampler(BatchSampler):
         shuffle: bool = True,
         seed: int = 0,
         fixed_epoch: int | None = None,
+        start: Callable[[], int] | None = None,
     ) -> None:
         super().__init__(sampler, batch_size, drop_last)
+        self.start = start
         if pool < 1:
             raise ValueError(f"pool={pool} must be >= 1 (batches per length-sorted bucket).")
         self.lengths = list(lengths)
@@ -313,7 +317,7 @@ class BucketBatchSampler(BatchSampler):
         if self.shuffle:
             generator = seeded_generator(self.seed, epoch, "batch order")
             order = torch.randperm(len(batches), generator=generator).tolist()
-        for b in order:
+        for b in order[self.start() if self.start is not None else 0 :]:
             yield [(index, epoch) for index in batches[b]]
 
     def __len__(self) -> int:
@@ -693,6 +697,7 @@ class AcceptanceDataModule(LightningDataModule):
             shuffle=train,
             seed=self.mix_seed,
             fixed_epoch=None if train else VALIDATION_EPOCH,
+            start=self._trained_in_epoch if train else None,
         )
         return DataLoader(
             dataset,
@@ -700,6 +705,11 @@ class AcceptanceDataModule(LightningDataModule):
             collate_fn=collate_hidden if isinstance(dataset, StoredHiddenDataset) else collate,
             num_workers=self.num_workers,
         )
+
+    def _trained_in_epoch(self) -> int:
+        """Batches of the current epoch the trainer has taken (restored from a mid-epoch checkpoint; 0 as an epoch
+        begins, and outside a fit)."""
+        return 0 if self.trainer is None else self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, train=True)
