@@ -679,9 +679,9 @@ def test_cpu_fit_configs_keep_the_pools_data_and_train_on_own_responses(capsys, 
 
 
 def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypatch) -> None:
-    """checkpoints/smollm2-135m-feature-draft: the CPU recipe's long schedule from the target's weights, then one warm
-    restart from its export, both on own responses only; each run's recorded settings are its configs' and each
-    trained all of its schedule's steps."""
+    """checkpoints/smollm2-135m-feature-draft: the CPU recipe's long schedule from the target's weights, then two warm
+    restarts, each from the export before it, all on own responses only; each run's recorded settings are its
+    configs' and each trained all of its schedule's steps."""
     monkeypatch.chdir(REPO)
     keys = ("lr", "batch_tokens", "max_steps", "warmup_steps", "fit_sources", "kept_vocab", "unroll", "seed")
 
@@ -690,17 +690,18 @@ def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypa
         with pytest.raises(SystemExit):
             run_cli("fit", *args, "--print_config")
         printed = yaml.safe_load(capsys.readouterr().out)["cfg"]
-        return {k: printed[k] for k in keys}
+        return {k: printed[k] for k in (*keys, "data_seed")}
 
     config = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft/config.json").read_text())
     runs = stages.lineage(config)
-    assert [r["init_draft"] for r in runs] == [None, "checkpoints/smollm2-135m-feature-draft"]
+    assert [r["init_draft"] for r in runs] == [None, *["checkpoints/smollm2-135m-feature-draft"] * 2]
     assert all(r["accelerator"] == "cpu" and r["fit_sources"] == ["own"] for r in runs)
     recipe = config["extra"]["recipe"]
-    assert {k: recipe[k] for k in keys} == settings("cpu", "cpu-long-continue")
-    assert config["extra"]["steps"] == recipe["max_steps"] and runs[1]["steps"] == recipe["max_steps"]
-    long = settings("cpu", "cpu-long")
-    assert (runs[0]["steps"], runs[0]["lr"], runs[0]["batch_tokens"]) == (long["max_steps"], long["lr"], 4096)
+    assert {k: recipe[k] for k in (*keys, "data_seed")} == settings("cpu", "cpu-long-continue-2")
+    assert config["extra"]["steps"] == recipe["max_steps"] and runs[2]["steps"] == recipe["max_steps"]
+    for run, names in zip(runs[:2], (["cpu", "cpu-long"], ["cpu", "cpu-long-continue"]), strict=True):
+        expected = settings(*names)
+        assert (run["steps"], run["lr"], run["batch_tokens"]) == (expected["max_steps"], expected["lr"], 4096)
 
 
 def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None:
