@@ -142,6 +142,8 @@ def test_resuming_mid_epoch_trains_on_the_rest_of_that_epochs_batches(trained, t
     assert resumed.trainer.global_step == full.trainer.global_step
     a, b = full.model.head.state_dict(), resumed.model.head.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+    batches = resumed.datamodule.train_dataloader().batch_sampler  # after the fit: whole epochs again
+    assert len(list(batches)) == len(batches) == per_epoch
 
 
 def test_prepare_data_runs_data_gen_when_the_dataset_is_absent(setup, tmp_path):

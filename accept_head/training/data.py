@@ -707,9 +707,10 @@ class AcceptanceDataModule(LightningDataModule):
         )
 
     def _trained_in_epoch(self) -> int:
-        """Batches of the current epoch the trainer has taken (restored from a mid-epoch checkpoint; 0 as an epoch
-        begins, and outside a fit)."""
-        return 0 if self.trainer is None else self.trainer.fit_loop.epoch_loop.batch_progress.current.ready
+        """Batches of the current epoch a fit resumed from a mid-epoch checkpoint has already trained on (0 otherwise:
+        as an epoch begins, after a fit, outside one)."""
+        loop = None if self.trainer is None else self.trainer.fit_loop.epoch_loop
+        return loop.batch_progress.current.ready if loop is not None and loop.restarting else 0
 
     def train_dataloader(self) -> DataLoader:
         return self._loader(self.train_set, train=True)
