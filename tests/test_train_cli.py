@@ -134,7 +134,7 @@ def test_resuming_mid_epoch_trains_on_the_rest_of_that_epochs_batches(trained, t
     """A checkpoint saved inside an epoch resumes with the batches that epoch had left, in its own order: the head
     ends as the uninterrupted one (it fails if the resumed epoch starts its batches over)."""
     config, full = trained
-    per_epoch = full.trainer.global_step // (full.trainer.current_epoch)
+    per_epoch = full.trainer.global_step // full.trainer.current_epoch
     saved = {int(p.stem.split("=")[1]): p for p in Path(full.trainer.log_dir, "checkpoints").glob("mid-step=*.ckpt")}
     inside = [step for step in saved if step % per_epoch and step > per_epoch]  # inside the second epoch
     assert per_epoch >= 4 and inside, (per_epoch, sorted(saved))
