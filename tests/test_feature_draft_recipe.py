@@ -683,21 +683,21 @@ def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypa
     restarts, each from the export before it, all on own responses only; each run's recorded settings are its
     configs' and each trained all of its schedule's steps."""
     monkeypatch.chdir(REPO)
-    keys = ("lr", "batch_tokens", "max_steps", "warmup_steps", "fit_sources", "kept_vocab", "unroll", "seed")
+    keys = "lr batch_tokens max_steps warmup_steps fit_sources kept_vocab unroll seed data_seed".split()
 
     def settings(*names: str) -> dict:
         args = [a for c in names for a in ("--config", f"configs/distill/smollm2-135m-feature-draft-{c}.yaml")]
         with pytest.raises(SystemExit):
             run_cli("fit", *args, "--print_config")
         printed = yaml.safe_load(capsys.readouterr().out)["cfg"]
-        return {k: printed[k] for k in (*keys, "data_seed")}
+        return {k: printed[k] for k in keys}
 
     config = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft/config.json").read_text())
     runs = stages.lineage(config)
     assert [r["init_draft"] for r in runs] == [None, *["checkpoints/smollm2-135m-feature-draft"] * 2]
     assert all(r["accelerator"] == "cpu" and r["fit_sources"] == ["own"] for r in runs)
     recipe = config["extra"]["recipe"]
-    assert {k: recipe[k] for k in (*keys, "data_seed")} == settings("cpu", "cpu-long-continue-2")
+    assert {k: recipe[k] for k in keys} == settings("cpu", "cpu-long-continue-2")
     assert config["extra"]["steps"] == recipe["max_steps"] and runs[2]["steps"] == recipe["max_steps"]
     for run, names in zip(runs[:2], (["cpu", "cpu-long"], ["cpu", "cpu-long-continue"]), strict=True):
         expected = settings(*names)
