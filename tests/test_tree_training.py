@@ -9,6 +9,10 @@ draft-tree rows of ``eval bench``, on tiny random models.
   conditional on the parent), and classifiers saved with the three features alone still load and score alike.
 * ``python -m train.trees`` on a tiny bundle writes trees.json and models that load, and a rerun reuses the cached
   rounds instead of decoding again.
+* The tree calibration (an isotonic map from the bundle head's probability to node labels, per mode) is fitted on
+  the training rounds, checked on the check rounds beside the chain calibration, and exported into the bundle, where
+  ``tree_rule`` and the runner's ``head_tree`` use it (the chain policy keeps its own map) and greedy trees stay equal
+  to autoregressive decoding; bundles without one price trees with the chain calibration.
 * The runner decodes ``c2t_tree`` and ``head_tree head=tree`` losslessly (greedy equality) with those models, refuses
   them without, and plans with the cost model it is given; the bench's draft-tree grids reject bad entries.
 """
@@ -18,6 +22,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import shutil
 
 import pytest
 import torch
@@ -240,6 +245,66 @@ def test_train_trees_writes_models_and_a_report_and_resumes_from_cached_rounds(t
     again = tree_recipe.run(**config)
     assert again["results"]["greedy"]["rounds"] == payload["results"]["greedy"]["rounds"]
     assert again["results"]["sampled"]["priced_trees"] == payload["results"]["sampled"]["priced_trees"]
+
+
+def test_tree_calibration_is_fitted_checked_and_exported_into_the_bundle(trained) -> None:
+    from accept_head import SpecDecPP
+    from accept_head.acceptance.calibration import Calibration
+
+    root, bundle, config, payload = trained
+    loaded = SpecDecPP.from_pretrained(bundle)
+    assert loaded.tree_calibration == {}  # not exported by default
+    assert loaded.tree_rule(greedy=False).calibration is loaded.calibration_for(False)  # the chain's map
+    cached = tree_recipe._label_rounds(
+        root / "out" / "sampled", loaded, tree_recipe._prompt_sets(loaded, *_sources(config)), None, 1.0, 10, 0
+    )[0]
+    fitted = tree_recipe.fit_tree_calibration(loaded.head, cached)
+    hidden, scalars, labels = tree_recipe._head_rows(loaded.head, cached)
+    with torch.inference_mode():
+        mapped = torch.tensor([fitted(p) for p in loaded.head.float().accept_prob(hidden, scalars).tolist()])
+    # Isotonic regression keeps the labels' mean, and its map is monotone.
+    assert mapped.mean().item() == pytest.approx(labels.mean().item(), abs=1e-6)
+    assert fitted.y == sorted(fitted.y)
+    for mode, result in payload["results"].items():
+        stored = Calibration.from_dict(json.loads((root / "out" / mode / "tree_calibration.json").read_text()))
+        assert stored.kind == "isotonic"
+        for name in ("chain head", "chain head, tree calibration"):
+            assert 0 <= result["fed_nodes"][name]["ece"] <= 1 and result["fed_nodes"][name]["nodes"] > 0
+    assert Calibration.from_dict(json.loads((root / "out" / "sampled" / "tree_calibration.json").read_text())) == fitted
+
+    exported = root / "bundle-export"  # beside the original, so its relative model paths still resolve
+    shutil.copytree(bundle, exported)
+    (exported / "README.md").write_text("# card\n")
+    for _ in range(2):  # a second export replaces the card's section instead of adding one
+        tree_recipe.run(**{**config, "bundle": str(exported), "export_calibration": True})
+    card = (exported / "README.md").read_text()
+    assert card.startswith("# card") and card.count("## Tree calibration") == 1
+    again = SpecDecPP.from_pretrained(exported)
+    assert set(again.tree_calibration) == {"greedy", "sampled"}
+    assert again.tree_calibration["sampled"] == fitted
+    assert again.tree_rule(greedy=False).calibration is again.tree_calibration["sampled"]
+    assert again.tree_rule(greedy=True).calibration is again.tree_calibration["greedy"]
+    assert again.policy(greedy=False).calibration is None  # the chain keeps its own (here: none)
+    record = again.provenance["tree_calibration"]
+    assert set(record["modes"]) == {"greedy", "sampled"} and record["modes"]["sampled"]["tree"]["nodes"] > 0
+    ids = [5, 9, 10, 11, 12, 13]
+    reference = autoregressive_generate(again.target, ids, 12, temperature=0.0, eos_token_id=again.eos_token_ids)
+    assert torch.equal(again.generate(ids, max_new_tokens=12, temperature=0, tree=True).sequences, reference.sequences)
+    runner = Runner(load_pair(str(exported)), max_new_tokens=12, temperature=1.0, tree_cost=COST)
+    assert runner.tree_rule(MethodSpec("head_tree", {})).calibration is runner.head.tree_calibration["sampled"]
+    with pytest.raises(ValueError, match=r"tree_calibration modes \['warm'\] are unknown"):
+        SpecDecPP(again.target, again.draft, again.head, 0.6, tree_calibration={"warm": fitted})
+
+
+def _sources(config: dict) -> tuple:
+    from accept_head.core.prompts import PromptSource
+
+    return (
+        [PromptSource(**p) for p in config["prompts"]],
+        [PromptSource(**p) for p in config["check_prompts"]],
+        config["prompt_options"],
+        0,
+    )
 
 
 def test_runner_decodes_c2t_and_tree_head_trees_losslessly_and_refuses_them_without_models(trained) -> None:

@@ -75,6 +75,7 @@ class Pair:
                 temperature=self.bundle.temperature,
                 calibration=self.bundle.calibration.kind if self.bundle.calibration is not None else None,
                 greedy_calibration=getattr(self.bundle.greedy_calibration, "kind", None),
+                tree_calibration=sorted(getattr(self.bundle, "tree_calibration", {})),
             )
         return out
 

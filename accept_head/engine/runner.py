@@ -299,8 +299,9 @@ class TrainedHead:
     def h_star(self, greedy: bool = False) -> tuple[float, str | None]:
         raise ValueError("This head has no h* yet (no bundle): give every specdecpp method a threshold and unscored.")
 
-    def calibration_for(self, greedy: bool = False) -> Calibration | None:
-        """The map for a decoding mode (the greedy one when there is one), as the bundle's."""
+    def calibration_for(self, greedy: bool = False, tree: bool = False) -> Calibration | None:
+        """The map for a decoding mode (the greedy one when there is one), as the bundle's; a head without a bundle
+        has no tree calibration, so ``tree`` gets the chain's."""
         return self.greedy_calibration if greedy and self.greedy_calibration is not None else self.calibration
 
 
@@ -497,7 +498,7 @@ class Runner:
                     )
                 if which == "tree":
                     return HeadTree(self.tree_models.head(greedy), self._tree_cost(), **settings)
-                calibration = self.head.calibration_for(greedy=greedy)
+                calibration = self.head.calibration_for(greedy=greedy, tree=True)
                 return HeadTree(self.head.head, self._tree_cost(), calibration=calibration, **settings)
             if spec.kind == "c2t_tree":
                 return C2TTree(self.tree_models.classifier(greedy), self._tree_cost(), **params)

@@ -5,8 +5,8 @@ Layout (``save_pretrained`` / ``from_pretrained`` are exact inverses)::
     bundle/
       config.json        # sorted keys, format_version, target/draft specs, head config (depth, width, the inputs
                          # it reads: the hidden state and optionally the draft's log q, ...), threshold, min/max
-                         # candidates, sampling temperature the head was trained for, calibration, cost model,
-                         # provenance
+                         # candidates, sampling temperature the head was trained for, calibration (per mode;
+                         # per mode for trees too, `tree_calibration`), cost model, provenance
       head.safetensors   # the head's weights
       custom_generate/generate.py  # hub convention: `generate(model, ...)` runs SpecDec++ with this bundle
       README.md          # model card (optional, written by training)
@@ -50,6 +50,7 @@ from ..models.pairs import (
 )
 from ..trees.decoding import tree_generate
 from ..trees.growth import HeadTree, TreeRule
+from ..trees.labels import MODES, tree_mode
 from .hf_generate import SpecDecGenerateOutput, run_custom_generate, streamer_ended_on_error
 
 FORMAT_VERSION = 1
@@ -72,6 +73,7 @@ KNOWN_KEYS = {
     "cost_model",
     "provenance",
     "tree",
+    "tree_calibration",
 }
 
 
@@ -160,6 +162,7 @@ class SpecDecPP:
         greedy_unscored: str | None = None,
         greedy_calibration: Calibration | None = None,
         tree: dict | None = None,
+        tree_calibration: dict[str, Calibration] | None = None,
     ) -> None:
         if head.hidden_size != draft.config.hidden_size:
             raise ValueError(
@@ -187,6 +190,14 @@ class SpecDecPP:
         """Keyword arguments of :class:`~accept_head.trees.growth.HeadTree` for ``generate(..., tree=True)``
         (``width``, ``top_k``, ``max_depth``, ``min_depth``, ``max_nodes``, ``threshold``); unset ones take
         HeadTree's defaults."""
+        self.tree_calibration = dict(tree_calibration or {})
+        """Per decoding mode (``greedy``, ``sampled``): the map from the head's probability to P(tree node accepted |
+        parent accepted), fitted on tree-node labels by ``python -m train.trees --export_calibration true``. A tree
+        node's label is not a chain candidate's (at T = 1 it is p(token), not min(1, p/q)), so :meth:`tree_rule`
+        prefers it to the chain calibration of the mode."""
+        unknown_modes = sorted(set(self.tree_calibration) - set(MODES))
+        if unknown_modes:
+            raise ValueError(f"tree_calibration modes {unknown_modes} are unknown; use {' and '.join(MODES)}.")
         if self.tree:
             self.tree_rule()  # validates the stored settings with HeadTree's messages
         self.last_stats: DecodeStats | None = None
@@ -199,9 +210,13 @@ class SpecDecPP:
             return self.greedy_threshold, self.greedy_unscored
         return self.threshold, self.unscored
 
-    def calibration_for(self, greedy: bool = False) -> Calibration | None:
+    def calibration_for(self, greedy: bool = False, tree: bool = False) -> Calibration | None:
         """The calibration map for a decoding mode: the one fitted on greedy labels when the bundle has one
-        (greedy verification accepts by another rule than the sampling labels the head trains on)."""
+        (greedy verification accepts by another rule than the sampling labels the head trains on). ``tree``: the
+        map fitted on the mode's tree-node labels when the bundle has one (:attr:`tree_calibration`), else the
+        chain's."""
+        if tree and tree_mode(greedy) in self.tree_calibration:
+            return self.tree_calibration[tree_mode(greedy)]
         return self.greedy_calibration if greedy and self.greedy_calibration is not None else self.calibration
 
     def policy(self, threshold: float | None = None, greedy: bool = False) -> HeadThreshold:
@@ -218,9 +233,10 @@ class SpecDecPP:
         )
 
     def tree_rule(self, threshold: float | None = None, greedy: bool = False) -> HeadTree:
-        """The tree growth rule of ``generate(..., tree=True)``: this bundle's head (with the mode's calibration)
-        pricing every node under its cost model, with the stored :attr:`tree` settings; ``threshold`` overrides
-        the stored one (a node needs P(reached and accepted) >= 1 − threshold)."""
+        """The tree growth rule of ``generate(..., tree=True)``: this bundle's head (with the mode's tree
+        calibration, else its chain calibration: :meth:`calibration_for`) pricing every node under its cost model,
+        with the stored :attr:`tree` settings; ``threshold`` overrides the stored one (a node needs P(reached and
+        accepted) >= 1 − threshold)."""
         if not self.cost_model:
             raise ValueError(
                 "This bundle has no cost model, which tree decoding needs to price nodes and depths: measure one "
@@ -233,7 +249,7 @@ class SpecDecPP:
         settings = dict(self.tree)
         if threshold is not None:
             settings["threshold"] = threshold
-        calibration = self.calibration_for(greedy)
+        calibration = self.calibration_for(greedy, tree=True)
         return HeadTree(self.head, CostModel.from_dict(self.cost_model), calibration=calibration, **settings)
 
     def encode(self, prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:
@@ -387,6 +403,7 @@ class SpecDecPP:
             "cost_model": self.cost_model,
             "provenance": self.provenance,
             "tree": self.tree or None,
+            "tree_calibration": {mode: c.to_dict() for mode, c in self.tree_calibration.items()} or None,
         }
 
     def save_pretrained(self, folder: str | Path) -> None:
@@ -406,6 +423,38 @@ class SpecDecPP:
         tmp_custom = custom.with_name(custom.name + ".tmp")
         tmp_custom.write_text(CUSTOM_GENERATE_SOURCE)
         tmp_custom.replace(custom)
+
+    @classmethod
+    def write_tree_calibration(
+        cls, folder: str | Path, maps: dict[str, Calibration], record: dict, card: str | None = None
+    ) -> None:
+        """Store per-mode tree calibrations (:attr:`tree_calibration`) in the bundle at ``folder``: ``maps`` replace
+        those of the same modes, ``record`` (how they were fitted and checked) goes to ``provenance.tree_calibration``
+        and ``card`` (markdown) replaces the model card's tree-calibration section. Nothing else in the bundle
+        changes; each file is replaced whole."""
+        unknown = sorted(set(maps) - set(MODES))
+        if unknown:
+            raise ValueError(f"tree_calibration modes {unknown} are unknown; use {' and '.join(MODES)}.")
+        folder = Path(folder)
+        config = cls.read_config(folder)
+        config["tree_calibration"] = {**(config.get("tree_calibration") or {})}
+        config["tree_calibration"] |= {mode: c.to_dict() for mode, c in maps.items()}
+        config["provenance"] = {**(config.get("provenance") or {}), "tree_calibration": record}
+        tmp = folder / (CONFIG_NAME + ".tmp")
+        tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        tmp.replace(folder / CONFIG_NAME)
+        readme = folder / "README.md"
+        if card is not None and readme.is_file():
+            text = readme.read_text()
+            start, end = "<!-- tree-calibration -->", "<!-- /tree-calibration -->"
+            block = f"{start}\n{card.strip()}\n{end}"
+            if start in text and end in text:
+                text = text[: text.index(start)] + block + text[text.index(end) + len(end) :]
+            else:
+                text = text.rstrip("\n") + "\n\n" + block + "\n"
+            tmp = readme.with_name("README.md.tmp")
+            tmp.write_text(text)
+            tmp.replace(readme)
 
     @staticmethod
     def read_config(folder: str | Path) -> dict:
@@ -492,6 +541,7 @@ class SpecDecPP:
             Calibration.from_dict(config[key]) if config.get(key) else None
             for key in ("calibration", "greedy_calibration")
         )
+        tree_maps = config.get("tree_calibration") or {}
         return cls(
             target=target,
             draft=draft,
@@ -511,6 +561,7 @@ class SpecDecPP:
             greedy_unscored=config.get("greedy_unscored"),
             greedy_calibration=greedy_calibration,
             tree=config.get("tree"),
+            tree_calibration={mode: Calibration.from_dict(raw) for mode, raw in tree_maps.items()},
         )
 
 

@@ -18,8 +18,15 @@ For each decoding mode (greedy, T = 1) of a bundle's pair:
    (:func:`~accept_head.trees.growth.best_subtree`), scored with the *true* values. The oracle's is the ceiling of
    the tree a perfect head would pick from those drafted nodes.
 
+4. **Tree calibration.** An isotonic map from the bundle's head probability to the node labels, fitted on the
+   training rounds per mode: the chain calibration maps to chain labels (min(1, p/q) at T = 1), while a tree node is
+   accepted with probability p(token). Checked on the check rounds beside the chain calibration (ECE, BCE), and with
+   ``export_calibration`` written into the bundle (``tree_calibration``), where ``generate(tree=True)`` and
+   ``eval bench``'s ``head_tree`` read it.
+
 Writes ``<output_dir>/<mode>/`` (``c2t.safetensors``, ``head.safetensors``: load with
-:meth:`~accept_head.trees.labels.TreeModels.load`, pass to ``eval bench --tree_models``) and ``trees.json``.
+:meth:`~accept_head.trees.labels.TreeModels.load`, pass to ``eval bench --tree_models``; ``tree_calibration.json``)
+and ``trees.json``.
 """
 
 from __future__ import annotations
@@ -33,7 +40,9 @@ from pathlib import Path
 import torch
 from sklearn.metrics import roc_auc_score
 
+from ..acceptance.calibration import Calibration, fit_isotonic
 from ..acceptance.head import AcceptanceHead
+from ..acceptance.metrics import expected_calibration_error
 from ..core.costs import CostModel
 from ..core.prompts import PromptOptions, PromptSource
 from ..core.records import machine_info, write_json
@@ -175,10 +184,11 @@ def head_scorer(head: AcceptanceHead, calibrated=None):
     return score
 
 
-def scorers(bundle: SpecDecPP, models: TreeModels, greedy: bool) -> dict:
+def scorers(bundle: SpecDecPP, models: TreeModels, greedy: bool, tree_calibration: Calibration | None = None) -> dict:
     """Scorer name → function(round) → {labelled node: score}. Head scorers score the nodes a
     :class:`~accept_head.trees.growth.HeadTree` would (:func:`head_nodes`) and count any other node's draft
-    probability, as it does."""
+    probability, as it does. ``chain head`` maps the head through the chain calibration of the mode;
+    ``tree calibration`` (when given one) through ``tree_calibration``."""
     calibration = bundle.calibration_for(greedy)
 
     def c2t(r: LabelledRound) -> dict[int, float]:
@@ -193,9 +203,21 @@ def scorers(bundle: SpecDecPP, models: TreeModels, greedy: bool) -> dict:
         "oracle (true labels)": lambda r: {n: r.labels[n] for n in r.labelled()},
         "draft probability (EAGLE-2)": lambda r: {n: r.probs[n] for n in r.labelled()},
         "chain head": head_scorer(bundle.head, calibration),
+        **({"chain head, tree calibration": head_scorer(bundle.head, tree_calibration)} if tree_calibration else {}),
         "tree head": head_scorer(models.head(greedy), None),
         "C2T": c2t,
     }
+
+
+def fit_tree_calibration(head: AcceptanceHead, rounds: list[LabelledRound]) -> Calibration:
+    """An isotonic map from ``head``'s raw acceptance probability to the node labels of ``rounds`` (the nodes a
+    :class:`~accept_head.trees.growth.HeadTree` scores with it, :func:`head_nodes`)."""
+    hidden, scalars, labels = _head_rows(head, rounds)
+    if len(labels) == 0:
+        raise ValueError("no labelled tree node the head scores to calibrate on: collect more rounds.")
+    with torch.inference_mode():
+        probs = copy.deepcopy(head).float().eval().accept_prob(hidden, scalars)
+    return fit_isotonic(probs, labels)
 
 
 def price_trees(rounds: list[LabelledRound], score, cost: CostModel, max_nodes: int) -> dict:
@@ -250,6 +272,7 @@ def node_metrics(rounds: list[LabelledRound], score, fed_only: bool, top_only: b
     return {
         "nodes": len(labels),
         "bce": bce(labels, scores),
+        "ece": expected_calibration_error(torch.tensor(scores), torch.tensor(labels)) if labels else None,
         "auc": soft_auc(labels, scores),
         "mean_score": sum(scores) / max(len(scores), 1),
         "mean_label": sum(labels) / max(len(labels), 1),
@@ -274,9 +297,10 @@ def run(
     dtype: str | None = None,
     threads: int | None = None,
     seed: int = 0,
+    export_calibration: bool = False,
 ) -> dict:
-    """Label tree rounds, fit the C2T classifier and the tree head, and check both against the chain head and the
-    oracle (see the module docstring).
+    """Label tree rounds, fit the C2T classifier, the tree head and the tree calibration, and check them against the
+    chain head and the oracle (see the module docstring).
 
     Args:
         bundle: A SpecDec++ bundle folder (its pair, head, calibrations and cost model).
@@ -295,6 +319,8 @@ def run(
         dtype: Load the pair in this dtype (default: the bundle's).
         threads: torch threads (default: torch's).
         seed: Seed of prompt order and decoding generators.
+        export_calibration: Write the tree calibrations into ``bundle`` (its ``config.json`` and model card), for
+            ``generate(tree=True)`` and ``eval bench``'s ``head_tree``.
     """
     if threads:
         torch.set_num_threads(threads)
@@ -304,7 +330,7 @@ def run(
     specdec = SpecDecPP.from_pretrained(bundle, **({"dtype": dtype} if dtype else {}))
     prompt_sets = _prompt_sets(specdec, prompts, check_prompts, prompt_options or PromptOptions(), seed)
     cost = _cost_model(specdec, cost_model)
-    models, results = TreeModels(), {}
+    models, results, calibrations = TreeModels(), {}, {}
     for temperature in temperatures:
         greedy, mode = temperature == 0, tree_mode(temperature == 0)
         start = time.perf_counter()
@@ -314,13 +340,16 @@ def run(
         labelled = [(r.features[n], r.labels[n]) for r in train for n in r.labelled()]
         models.c2t[mode] = C2TClassifier.fit([f for f, _ in labelled], [y for _, y in labelled], c2t_steps, seed)
         models.heads[mode] = fit_tree_head(specdec.head, train, head_epochs, head_lr, head_batch_size, seed)
-        # 3. Check every scorer on the check rounds: its BCE and AUC, and the trees it would verify.
-        table = scorers(specdec, models, greedy)
+        calibrations[mode] = fit_tree_calibration(specdec.head, train)
+        # 3. Check every scorer on the check rounds: its BCE, ECE and AUC, and the trees it would verify.
+        table = scorers(specdec, models, greedy, calibrations[mode])
         checked = _check_results(train, check, table, cost, max_nodes, specdec.head.reads_hidden)
         results[mode] = {"temperature": temperature, **checked, "seconds": time.perf_counter() - start}
         print(_summary(mode, results[mode]), flush=True)
-    # 4. Write the models and trees.json.
-    models.save(folder)
+    # 4. Write the models, the calibrations (into the bundle too when asked) and trees.json.
+    _write_models(folder, models, calibrations)
+    if export_calibration:
+        _export_calibrations(bundle, calibrations, results, prompt_sets)
     settings = {"max_new_tokens": max_new_tokens, "max_nodes": max_nodes, "head_epochs": head_epochs}
     settings |= {"head_lr": head_lr, "c2t_steps": c2t_steps, "seed": seed, "dtype": dtype}
     payload = {"command": "train.trees", "machine": machine_info(), "bundle": str(bundle)}
@@ -330,6 +359,55 @@ def run(
     write_json(folder / "trees.json", payload)
     print(f"wrote {folder / 'trees.json'} and the models under {folder}/<mode>/")
     return payload
+
+
+def _write_models(folder: Path, models: TreeModels, calibrations: dict[str, Calibration]) -> None:
+    """The tree models and, per mode, ``tree_calibration.json``."""
+    models.save(folder)
+    for mode, calibration in calibrations.items():
+        write_json(folder / mode / "tree_calibration.json", calibration.to_dict())
+
+
+def _export_calibrations(bundle: str, calibrations: dict[str, Calibration], results: dict, prompt_sets) -> None:
+    """Write the tree calibrations, how they were fitted and checked, and a model-card section into ``bundle``."""
+    record = _calibration_record(results, prompt_sets[0].describe()["ids"], prompt_sets[1].describe()["ids"])
+    SpecDecPP.write_tree_calibration(bundle, calibrations, record, _calibration_card(record))
+    print(f"wrote the tree calibrations into {bundle}")
+
+
+def _calibration_record(results: dict, train_ids: list[str], check_ids: list[str]) -> dict:
+    """What the bundle records of its tree calibrations: the command, the prompts, and per mode the check rounds'
+    ECE / BCE / AUC of the head through the chain calibration and through the tree calibration."""
+    record = {"command": "python -m train.trees --export_calibration true", "method": "isotonic"}
+    record |= {"prompts": train_ids, "check_prompts": check_ids, "modes": {}}
+    for mode, result in results.items():
+        checked = {"labelled_nodes_train": result["labelled_nodes"]["train"]}
+        for key, name in (("chain", "chain head"), ("tree", "chain head, tree calibration")):
+            metrics = result["fed_nodes"][name]
+            checked[key] = {k: metrics[k] for k in ("nodes", "ece", "bce", "auc", "mean_score", "mean_label")}
+        record["modes"][mode] = checked
+    return record
+
+
+def _calibration_card(record: dict) -> str:
+    """The model card's section on the tree calibrations (from :func:`_calibration_record`)."""
+    lines = [
+        "## Tree calibration",
+        "",
+        "`generate(tree=True)` prices each node with the head's probability mapped by an isotonic fit on tree-node "
+        "labels, P(node accepted | parent accepted), per decoding mode: at T = 1 that is the target's p(token), not a "
+        f"chain candidate's min(1, p/q). Fitted by `{record['command']}` on the tree rounds of "
+        f"{len(record['prompts'])} prompts; checked on {len(record['check_prompts'])} other prompts' fed nodes:",
+        "",
+        "| mode | training nodes | check nodes | ECE, chain map | ECE, tree map | BCE, chain map | BCE, tree map |",
+        "|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for mode, m in record["modes"].items():
+        lines.append(
+            f"| {mode} | {m['labelled_nodes_train']} | {m['tree']['nodes']} | {m['chain']['ece']:.3f} | "
+            f"{m['tree']['ece']:.3f} | {m['chain']['bce']:.3f} | {m['tree']['bce']:.3f} |"
+        )
+    return "\n".join(lines)
 
 
 def _prompt_sets(specdec: SpecDecPP, prompts, check_prompts, options: PromptOptions, seed: int) -> tuple:
