@@ -188,7 +188,7 @@ def scorers(bundle: SpecDecPP, models: TreeModels, greedy: bool, tree_calibratio
     """Scorer name → function(round) → {labelled node: score}. Head scorers score the nodes a
     :class:`~accept_head.trees.growth.HeadTree` would (:func:`head_nodes`) and count any other node's draft
     probability, as it does. ``chain head`` maps the head through the chain calibration of the mode;
-    ``tree calibration`` (when given one) through ``tree_calibration``."""
+    ``chain head, tree calibration`` (when given one) through ``tree_calibration``."""
     calibration = bundle.calibration_for(greedy)
 
     def c2t(r: LabelledRound) -> dict[int, float]:
