@@ -255,9 +255,8 @@ def test_tree_calibration_is_fitted_checked_and_exported_into_the_bundle(trained
     loaded = SpecDecPP.from_pretrained(bundle)
     assert loaded.tree_calibration == {}  # not exported by default
     assert loaded.tree_rule(greedy=False).calibration is loaded.calibration_for(False)  # the chain's map
-    cached = tree_recipe._label_rounds(
-        root / "out" / "sampled", loaded, tree_recipe._prompt_sets(loaded, *_sources(config)), None, 1.0, 10, 0
-    )[0]
+    raw = torch.load(root / "out" / "sampled" / "rounds-train.pt", weights_only=True)
+    cached = [LabelledRound(**r) for r in raw]
     fitted = tree_recipe.fit_tree_calibration(loaded.head, cached)
     hidden, scalars, labels = tree_recipe._head_rows(loaded.head, cached)
     with torch.inference_mode():
@@ -294,17 +293,6 @@ def test_tree_calibration_is_fitted_checked_and_exported_into_the_bundle(trained
     assert runner.tree_rule(MethodSpec("head_tree", {})).calibration is runner.head.tree_calibration["sampled"]
     with pytest.raises(ValueError, match=r"tree_calibration modes \['warm'\] are unknown"):
         SpecDecPP(again.target, again.draft, again.head, 0.6, tree_calibration={"warm": fitted})
-
-
-def _sources(config: dict) -> tuple:
-    from accept_head.core.prompts import PromptSource
-
-    return (
-        [PromptSource(**p) for p in config["prompts"]],
-        [PromptSource(**p) for p in config["check_prompts"]],
-        config["prompt_options"],
-        0,
-    )
 
 
 def test_runner_decodes_c2t_and_tree_head_trees_losslessly_and_refuses_them_without_models(trained) -> None:

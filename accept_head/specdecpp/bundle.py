@@ -77,6 +77,13 @@ KNOWN_KEYS = {
 }
 
 
+def _check_tree_modes(maps: dict) -> None:
+    """ValueError naming the keys of a ``tree_calibration`` mapping that are not decoding modes (:data:`MODES`)."""
+    unknown = sorted(set(maps) - set(MODES))
+    if unknown:
+        raise ValueError(f"tree_calibration modes {unknown} are unknown; use {' and '.join(MODES)}.")
+
+
 @dataclass
 class SpecDecOutput:
     """What :meth:`SpecDecPP.generate` returns."""
@@ -195,9 +202,7 @@ class SpecDecPP:
         parent accepted), fitted on tree-node labels by ``python -m train.trees --export_calibration true``. A tree
         node's label is not a chain candidate's (at T = 1 it is p(token), not min(1, p/q)), so :meth:`tree_rule`
         prefers it to the chain calibration of the mode."""
-        unknown_modes = sorted(set(self.tree_calibration) - set(MODES))
-        if unknown_modes:
-            raise ValueError(f"tree_calibration modes {unknown_modes} are unknown; use {' and '.join(MODES)}.")
+        _check_tree_modes(self.tree_calibration)
         if self.tree:
             self.tree_rule()  # validates the stored settings with HeadTree's messages
         self.last_stats: DecodeStats | None = None
@@ -432,9 +437,7 @@ class SpecDecPP:
         those of the same modes, ``record`` (how they were fitted and checked) goes to ``provenance.tree_calibration``
         and ``card`` (markdown) replaces the model card's tree-calibration section. Nothing else in the bundle
         changes; each file is replaced whole."""
-        unknown = sorted(set(maps) - set(MODES))
-        if unknown:
-            raise ValueError(f"tree_calibration modes {unknown} are unknown; use {' and '.join(MODES)}.")
+        _check_tree_modes(maps)
         folder = Path(folder)
         config = cls.read_config(folder)
         config["tree_calibration"] = {**(config.get("tree_calibration") or {})}
