@@ -250,6 +250,31 @@ def test_first_train_shard_writes_the_later_shards_with_the_same_rows_and_draws(
         run_cli("responses", "--config", str(responses_config(tmp_path, "bad", first_train_shard=-1)))
 
 
+def test_a_response_seed_draws_fresh_training_samples_and_keeps_the_held_out_shards(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run_cli("responses", "--config", str(responses_config(tmp_path, "first", max_prompts=6)))
+    run_cli("responses", "--config", str(responses_config(tmp_path, "fresh", max_prompts=6, response_seed=7)))
+    first = {p.name: p for p in sorted((tmp_path / "first" / "responses" / "shards").glob("*.pt"))}
+    fresh = {p.name: p for p in sorted((tmp_path / "fresh" / "responses" / "shards").glob("*.pt"))}
+    assert sorted(first) == sorted(fresh) and any(n.startswith("train-") for n in fresh)
+    sampled_differ = 0
+    for name in fresh:
+        a, b = torch.load(fresh[name], weights_only=True), torch.load(first[name], weights_only=True)
+        assert a["prompt_id"] == b["prompt_id"] and torch.equal(a["sample"], b["sample"])  # the same rows
+        for sample, x, y in zip(a["sample"].tolist(), a["response_ids"], b["response_ids"]):
+            if name.startswith("eval-") or sample < 0:  # held out, or a greedy row: what `seed` wrote
+                assert torch.equal(x, y), (name, sample)
+            else:
+                sampled_differ += not torch.equal(x, y)
+    assert sampled_differ > 0  # fresh draws for the training samples
+    split = json.loads((tmp_path / "fresh" / "responses" / "split.json").read_text())
+    assert split["response_seed"] == 7 and "response_seed" not in json.loads(
+        (tmp_path / "first" / "responses" / "split.json").read_text()
+    )
+    with pytest.raises(ValueError, match="split.json"):  # another seed's draws never join this pool
+        run_cli("responses", "--config", str(responses_config(tmp_path, "fresh", max_prompts=6, response_seed=8)))
+
+
 def test_bench_responses_times_the_three_generators_on_the_same_rows(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     run_cli("bench_responses", "--config", str(responses_config(tmp_path, "bench")), "--rows", "9")

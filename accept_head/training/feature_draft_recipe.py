@@ -125,6 +125,10 @@ class FeatureDraftRecipe:
     """Wall-clock budget of ``all``: every stage stops cleanly at it (None: no limit); a later ``all`` resumes."""
     responses_budget_s: float | None = None
     """Seconds of the budget ``responses`` may spend; the later stages use the shards written by then."""
+    response_seed: int | None = None
+    """Seed of the training responses' draws (None: ``seed``). Another value samples fresh responses to the same
+    training prompts — a new pool, not the same rows again — while the prompt split, the held-out shards and
+    ``evaluate``'s start positions stay those of ``seed``, so drafts trained on either pool are scored alike."""
     first_train_shard: int = 0
     """Training response shards before this index are left unwritten (held-out shards are always written): start a
     pool where another machine's copy ended, so a draft trained on that copy's shards meets only new rows."""
@@ -283,6 +287,7 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     plan = ("seed", "samples_per_prompt", "greedy_responses", "generate_batch_size", "sort_window", "max_new_tokens")
     split = {"split_seed": cfg.split_seed} | {k: getattr(cfg, k) for k in (*plan, "temperature")}
     split |= {"slots": cfg.slots} if cfg.slots else {}  # slots draw other samples: never mixed with batch shards
+    split |= {"response_seed": cfg.response_seed} if cfg.response_seed is not None else {}
     split |= {k: [p.id for p in v] for k, v in sets.items()}
     split_path = folder / "split.json"
     if split_path.exists() and json.loads(split_path.read_text()) != split:
@@ -308,7 +313,7 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
             batches,
             folder / "shards",
             kind,
-            seed=cfg.seed,
+            seed=cfg.response_seed if kind == "train" and cfg.response_seed is not None else cfg.seed,
             split_seed=cfg.split_seed,
             first=cfg.first_train_shard if kind == "train" else 0,
             max_new_tokens=cfg.max_new_tokens,
