@@ -234,12 +234,15 @@ def test_the_responses_stage_with_slots_resumes_to_the_same_shards(tmp_path, mon
         run_cli("responses", "--config", str(responses_config(tmp_path, "resumed", slots=None)))
 
 
+def response_shards(root: Path, work: str, **overrides) -> dict[str, Path]:
+    """Run the responses stage over 6 prompts into ``root/work``; its shard files by name."""
+    run_cli("responses", "--config", str(responses_config(root, work, max_prompts=6, **overrides)))
+    return {p.name: p for p in sorted((root / work / "responses" / "shards").glob("*.pt"))}
+
+
 def test_first_train_shard_writes_the_later_shards_with_the_same_rows_and_draws(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    run_cli("responses", "--config", str(responses_config(tmp_path, "all", max_prompts=6)))
-    run_cli("responses", "--config", str(responses_config(tmp_path, "later", max_prompts=6, first_train_shard=2)))
-    every = {p.name: p for p in sorted((tmp_path / "all" / "responses" / "shards").glob("*.pt"))}
-    later = {p.name: p for p in sorted((tmp_path / "later" / "responses" / "shards").glob("*.pt"))}
+    every, later = response_shards(tmp_path, "all"), response_shards(tmp_path, "later", first_train_shard=2)
     assert sorted(later) == sorted(n for n in every if n.startswith("eval-") or n >= "train-00002.pt")
     assert any(n.startswith("train-") for n in later) and "train-00001.pt" in every
     for name, path in later.items():
@@ -252,10 +255,7 @@ def test_first_train_shard_writes_the_later_shards_with_the_same_rows_and_draws(
 
 def test_a_response_seed_draws_fresh_training_samples_and_keeps_the_held_out_shards(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    run_cli("responses", "--config", str(responses_config(tmp_path, "first", max_prompts=6)))
-    run_cli("responses", "--config", str(responses_config(tmp_path, "fresh", max_prompts=6, response_seed=7)))
-    first = {p.name: p for p in sorted((tmp_path / "first" / "responses" / "shards").glob("*.pt"))}
-    fresh = {p.name: p for p in sorted((tmp_path / "fresh" / "responses" / "shards").glob("*.pt"))}
+    first, fresh = response_shards(tmp_path, "first"), response_shards(tmp_path, "fresh", response_seed=7)
     assert sorted(first) == sorted(fresh) and any(n.startswith("train-") for n in fresh)
     sampled_differ = 0
     for name in fresh:
