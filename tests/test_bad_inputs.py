@@ -7,12 +7,14 @@ before any model is loaded, leaving the bundle folder untouched.
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from tiny_models import TableLM, make_llama, make_pair, make_tokenizer
 
+import accept_head.models.loading as loading
 import accept_head.specdecpp.bundle as bundle_module
 from accept_head import (
     AcceptanceHead,
@@ -255,3 +257,25 @@ def test_unknown_format_version_is_refused(bundle_dir: Path, version) -> None:
     (bundle_dir / CONFIG_NAME).write_text(json.dumps(config))
     with pytest.raises(ValueError, match=f"format_version={version!r}.*Upgrade accept_head"):
         SpecDecPP.from_pretrained(bundle_dir)
+
+
+def test_bf16_on_a_cpu_without_bf16_units_warns_and_names_the_fix(tmp_path, monkeypatch) -> None:
+    make_llama(tmp_path / "model")
+    cpuinfo = tmp_path / "cpuinfo"
+    read_flags = loading.cpu_bf16_units.__wrapped__  # the uncached reader
+    monkeypatch.setattr(loading, "cpu_bf16_units", lambda: read_flags(str(cpuinfo)))
+
+    def emulation_warnings(dtype: str) -> list[str]:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loading.load_model(ModelSpec(path=str(tmp_path / "model"), dtype=dtype))
+        return [str(w.message) for w in caught if "bf16 matrix units" in str(w.message)]
+
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n")  # AVX-512 without BF16 (e.g. Skylake-X)
+    (message,) = emulation_warnings("bfloat16")
+    assert "model" in message and "dtype='float32'" in message
+    assert emulation_warnings("float32") == []
+    cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
+    assert emulation_warnings("bfloat16") == []
+    cpuinfo.unlink()  # unknown (not Linux): no warning
+    assert read_flags(str(cpuinfo)) is None and emulation_warnings("bfloat16") == []

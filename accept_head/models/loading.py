@@ -20,7 +20,9 @@ Like transformers' ``Auto*`` classes this module sits above the loaders and they
 
 from __future__ import annotations
 
+import functools
 import json
+import warnings
 from pathlib import Path
 from typing import Literal
 
@@ -32,6 +34,10 @@ from .pairs import ModelSpec, load_hf_model, load_hf_tokenizer, resolve_gguf
 ModelKind = Literal["hf", "gguf", "feature_draft", "bundle"]
 """What a model path holds: a Hugging Face model (hub id or folder), a GGUF file (or ``package:`` name, or a
 ``gguf_file`` inside a folder), a feature draft folder, a SpecDecPP bundle folder."""
+
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+"""``/proc/cpuinfo`` flags of a CPU that multiplies bf16 matrices in hardware (AVX512-BF16: AMD Zen 4, Intel Cooper
+Lake; AMX: Intel Sapphire Rapids on). Without one, oneDNN emulates bf16 products from float32 ones."""
 
 BUNDLE_KEYS = ("head", "threshold")
 """The keys every bundle's ``config.json`` holds (those :meth:`~accept_head.specdecpp.bundle.SpecDecPP.read_config`
@@ -79,6 +85,12 @@ def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
     is refused with a ValueError naming its loader."""
     spec = ModelSpec.coerce(spec)
     kind = model_kind(spec)
+    if spec.torch_dtype == torch.bfloat16 and str(spec.device).startswith("cpu") and cpu_bf16_units() is False:
+        warnings.warn(
+            f"{spec.path} loads in bfloat16 on a CPU without bf16 matrix units (none of {list(BF16_CPU_FLAGS)} in "
+            "/proc/cpuinfo), where bf16 products are emulated; if decoding is slow, load it with dtype='float32'.",
+            stacklevel=2,
+        )
     if kind == "feature_draft":  # a draft that reads the target: bind it with draft.bind(target)
         return FeatureDraft.from_pretrained(
             spec.path, dtype=spec.torch_dtype, device=spec.device, quantize=spec.quantize
@@ -94,6 +106,18 @@ def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
             f"SpecDecPP.from_pretrained({spec.path!r}) or pass it as --bundle (its models: name their own paths)."
         )
     return load_hf_model(spec)  # a hub id, an HF folder or a GGUF source (dequantized into a cached folder)
+
+
+@functools.cache
+def cpu_bf16_units(cpuinfo: str = "/proc/cpuinfo") -> bool | None:
+    """Whether this machine's CPU has bf16 matrix units (one of :data:`BF16_CPU_FLAGS` among its flags); None where
+    ``cpuinfo`` cannot be read (not Linux)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return None
+    flags = {flag for line in text.splitlines() if line.startswith("flags") for flag in line.split(":", 1)[1].split()}
+    return any(flag in flags for flag in BF16_CPU_FLAGS)
 
 
 def load_tokenizer(spec: ModelSpec | str | dict):
