@@ -37,7 +37,7 @@ ModelKind = Literal["hf", "gguf", "feature_draft", "bundle"]
 
 BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
 """``/proc/cpuinfo`` flags of a CPU that multiplies bf16 matrices in hardware (AVX512-BF16: AMD Zen 4, Intel Cooper
-Lake; AMX: Intel Sapphire Rapids on). Without one, oneDNN emulates bf16 products from float32 ones."""
+Lake; AMX: Intel Sapphire Rapids on). Without one, bf16 matrix products run emulated, through float32 arithmetic."""
 
 BUNDLE_KEYS = ("head", "threshold")
 """The keys every bundle's ``config.json`` holds (those :meth:`~accept_head.specdecpp.bundle.SpecDecPP.read_config`
