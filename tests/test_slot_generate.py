@@ -5,6 +5,8 @@
   previous occupant) break that equality;
 * T=1 samples follow the target's exact distribution of the first two tokens (χ²), and a broken sampler fails;
 * the same seed gives the same responses, another seed others;
+* the hidden states and log-normalisers kept while writing equal a teacher-forced pass over the same tokens and change
+  no response; a model whose logits are not its LM head over its decoder is refused;
 * the recipe's ``responses`` stage with ``slots`` stopped by its time budget resumes to the same shards.
 """
 
@@ -166,6 +168,41 @@ def test_the_same_seed_gives_the_same_responses_and_another_seed_others(target, 
     assert run(5) == run(5) and run(5) != run(6)
 
 
+def test_features_kept_while_writing_equal_a_teacher_forced_pass_and_change_no_response(target, prompts) -> None:
+    from accept_head.models.features import final_hidden_states
+
+    greedy = [i % 3 == 0 for i in range(len(prompts))]
+    settings = dict(max_new_tokens=10, temperature=1.0, eos_token_ids=[EOS], pad_token_id=0, slots=4)
+    plain = slot_generate(target, prompts, greedy, generator=torch.Generator().manual_seed(4), **settings)
+    out, kept = slot_generate(
+        target, prompts, greedy, generator=torch.Generator().manual_seed(4), features=True, **settings
+    )  # fmt: skip
+    assert out == plain
+    lm_head = target.get_output_embeddings()
+    for prompt, response, (hidden, lse) in zip(prompts, out, kept):
+        forced = final_hidden_states(target, torch.tensor([prompt + response[:-1]]))[0]
+        assert hidden.shape == forced.shape == (len(prompt) + len(response) - 1, target.config.hidden_size)
+        torch.testing.assert_close(hidden, forced, atol=1e-4, rtol=1e-4)
+        torch.testing.assert_close(lse, lm_head(forced).logsumexp(-1), atol=1e-4, rtol=1e-4)
+
+
+def test_features_are_refused_for_logits_that_are_not_the_lm_head_over_the_decoder(prompts) -> None:
+    model = make_llama(seed=0)
+    plain_forward = model.forward
+
+    def capped(*args, **kwargs):  # a soft-cap applied outside the decoder, as some models do
+        out = plain_forward(*args, **kwargs)
+        out.logits = 5.0 * torch.tanh(out.logits / 5.0)
+        return out
+
+    model.forward = capped
+    with pytest.raises(ValueError, match="LlamaForCausalLM's logits to be its LM head"):
+        slot_generate(
+            model, prompts, [True] * len(prompts), max_new_tokens=4, temperature=1.0, eos_token_ids=[EOS],
+            pad_token_id=0, generator=torch.Generator(), features=True,
+        )  # fmt: skip
+
+
 def test_bad_settings_are_refused_naming_the_value(target, prompts) -> None:
     settings = dict(max_new_tokens=4, eos_token_ids=[EOS], pad_token_id=0, generator=torch.Generator())
     with pytest.raises(ValueError, match="temperature=0"):
@@ -232,6 +269,36 @@ def test_the_responses_stage_with_slots_resumes_to_the_same_shards(tmp_path, mon
     assert present["train"]["positions"] == present["train"]["prompt"] + present["train"]["response"] > 0
     with pytest.raises(ValueError, match="split.json"):  # slots draw other samples than one batch per shard
         run_cli("responses", "--config", str(responses_config(tmp_path, "resumed", slots=None)))
+
+
+def test_the_responses_stage_writes_the_features_a_teacher_forced_stage_would(tmp_path, monkeypatch) -> None:
+    """With ``slots`` each shard's features come with it, and ``features`` then has nothing to do; they equal that
+    stage's teacher-forced pass over the same shards, less each row's last position."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = str(responses_config(tmp_path, "kept", max_prompts=6))
+    run_cli("responses", "--config", config)
+    kept = tmp_path / "kept" / "features"
+    names = sorted(p.stem for p in (tmp_path / "kept" / "responses" / "shards").glob("*.pt"))
+    assert sorted(p.stem for p in kept.glob("*.safetensors")) == names and names
+    mtimes = {p.name: p.stat().st_mtime_ns for p in kept.glob("*.safetensors")}
+    run_cli("features", "--config", config)
+    assert {p.name: p.stat().st_mtime_ns for p in kept.glob("*.safetensors")} == mtimes  # nothing left to do
+    kept.rename(tmp_path / "kept" / "written")
+    run_cli("features", "--config", config)  # now teacher-forced, from the same response shards
+    for name in names:
+        ours = load_file(tmp_path / "kept" / "written" / f"{name}.safetensors")
+        forced = load_file(kept / f"{name}.safetensors")
+        rows: dict[tuple, list] = {}  # the teacher-forced rows by their tokens, less each row's last position
+        for a, b in itertools.pairwise(forced["offsets"].tolist()):
+            key = tuple(forced["tokens"][a : b - 1].tolist())
+            rows.setdefault(key, []).append((forced["features"][a : b - 1], forced["lse"][a : b - 1]))
+        assert len(ours["offsets"]) == len(forced["offsets"]) and ours["prompt_lengths"].min() > 0
+        for a, b in itertools.pairwise(ours["offsets"].tolist()):
+            features, lse = rows[tuple(ours["tokens"][a:b].tolist())].pop()
+            torch.testing.assert_close(ours["features"][a:b].float(), features.float(), atol=0.02, rtol=0.02)
+            torch.testing.assert_close(ours["lse"][a:b], lse, atol=1e-3, rtol=1e-3)
 
 
 def response_shards(root: Path, work: str, **overrides) -> dict[str, Path]:

@@ -14,6 +14,11 @@ copied it (on the EPYC of docs/measurements.md a 128-slot step grew from 180 to 
 with the slice, and stays at ~197 ms over the whole buffer). Those steps have one shape, so they can run compiled
 (:func:`compiled_forward`), the rest eagerly.
 
+With ``features=True`` the decoder stack runs alone and the LM head is applied to its last position (the same
+logits), and every row also hands back what a draft trains on — the target's final hidden state and the logsumexp of
+its logits at each position it computed (the prompt's, then one per written token but the last): the ``features``
+stage's teacher-forced pass over the same tokens, without running the target over them a second time.
+
 Sampling is exact: row i's token at temperature T is the inverse CDF of softmax(logits_i / T) (float32) at one
 uniform u_i drawn per row and step from the caller's generator — the same distribution as ``torch.multinomial``,
 with one random number per row instead of one per vocabulary entry; greedy rows take the argmax. Given the same
@@ -30,6 +35,7 @@ from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
 from ..core.hf_compat import cache_kwargs
+from .features import logits_from_decoder
 
 
 class SlotLayer(CacheLayerMixin):
@@ -146,11 +152,48 @@ def sample_rows(logits: torch.Tensor, temperature: float, greedy: torch.Tensor, 
 
 @dataclass
 class _Slot:
-    """The row a slot decodes: its index in the caller's list, where its next token goes, what it wrote."""
+    """The row a slot decodes: its index in the caller's list, where its next token goes, what it wrote (and, with
+    features, the final hidden states and log-normalisers of the positions computed so far)."""
 
     row: int
     position: int
     tokens: list[int]
+    hidden: list[torch.Tensor] | None = None
+    lse: list[torch.Tensor] | None = None
+
+
+class _Forward:
+    """One forward of the slots: the last position's logits (n, V) and, with ``features``, the decoder's final hidden
+    states (n, T, d) — through ``fast`` (a compiled forward of the model, or of its decoder with features) when
+    :meth:`__call__` is told to use it."""
+
+    def __init__(self, model: torch.nn.Module, features: bool, compile: bool) -> None:
+        self.model, self.features = model, features
+        if features and not logits_from_decoder(model):
+            raise ValueError(
+                f"slot_generate(features=True) needs {type(model).__name__}'s logits to be its LM head applied to its "
+                "decoder's last_hidden_state (no norm or soft-capping outside the decoder); generate without "
+                "features and teacher-force them afterwards (the recipe's `features` stage)."
+            )
+        self.decoder = model.get_decoder() if features else None
+        self.fast = compiled_forward(self.decoder if features else model) if compile else None
+
+    def __call__(self, cache: SlotCache, use_fast: bool = False, **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if not self.features:
+            forward = self.fast if use_fast and self.fast is not None else self.model
+            out = forward(**inputs, **cache_kwargs(self.model, cache), logits_to_keep=1)
+            return out.logits[:, -1], None
+        forward = self.fast if use_fast and self.fast is not None else self.decoder
+        hidden = forward(**inputs, **cache_kwargs(self.decoder, cache)).last_hidden_state
+        return self.model.get_output_embeddings()(hidden[:, -1:])[:, -1], hidden
+
+
+def _lse(logits_or_hidden: torch.Tensor, lm_head: torch.nn.Module | None = None, chunk: int = 1024) -> torch.Tensor:
+    """float32 logsumexp over the vocabulary of logits (n, V) — or of ``lm_head`` applied to hidden states (n, d), in
+    row chunks so that no (n, V) block is held whole."""
+    if lm_head is None:
+        return logits_or_hidden.float().logsumexp(-1)
+    return torch.cat([lm_head(c).float().logsumexp(-1) for c in logits_or_hidden.split(chunk)])
 
 
 @torch.inference_mode()
@@ -167,13 +210,17 @@ def slot_generate(
     slots: int = 128,
     refill_fraction: float = 0.125,
     compile: bool = False,
-) -> list[list[int]]:
+    features: bool = False,
+):
     """Responses of ``model`` to ``prompts`` (token id lists), in their order, decoded ``slots`` rows at a time.
 
     Row i takes the argmax where ``greedy[i]``, else samples at ``temperature`` (uniforms from ``generator``, which
     lives on the model's device). A response ends with its first EOS (kept) or after ``max_new_tokens``. Free slots
     are refilled with the next prompts (in order) once ``refill_fraction`` of the slots are free, or when every
-    live row has ended.
+    live row has ended. ``features``: return ``(responses, features)`` instead, ``features[i]`` the pair (hidden
+    (P + R − 1, d) in the model's dtype, lse (P + R − 1,) float32) of row i's prompt (P tokens) and response (R):
+    the final hidden state and the logsumexp of the logits at every position but the response's last — the same
+    responses as without it.
     """
     if temperature <= 0:
         raise ValueError(f"temperature={temperature} must be > 0 (greedy rows are chosen by `greedy`).")
@@ -190,32 +237,34 @@ def slot_generate(
     if compile:
         length = -(-(length + 1) // LENGTH_STEP) * LENGTH_STEP - 1  # the buffer (length + 1) a multiple of the step
     cache = SlotCache(model.config.num_hidden_layers, min(slots, len(prompts)), length)
-    fast = compiled_forward(model) if compile else None
+    forward, use_fast = _Forward(model, features, compile), compile
     live: list[_Slot | None] = [None] * cache.slots
     greedy_rows = torch.tensor(list(greedy), dtype=torch.bool)
-    out: list[list[int]] = [[] for _ in prompts]
+    out: list = [[] for _ in prompts]
+    kept: list = [None] * len(prompts) if features else None
     waiting = list(range(len(prompts)))[::-1]  # popped from the end: the prompts in order
     last = torch.full((cache.slots,), pad_token_id, dtype=torch.long)
     while True:
         free = [i for i, slot in enumerate(live) if slot is None]
         if waiting and free and len(free) >= min(refill_fraction * cache.slots, len(waiting)):
-            _refill(model, cache, live, free, waiting, prompts, greedy_rows, last, temperature, generator, out, eos)
-            _retire(live, out, eos, max_new_tokens)
+            _refill(forward, cache, live, free, waiting, prompts, greedy_rows, last, temperature, generator)
+            _retire(live, out, kept, eos, max_new_tokens)
             continue
         alive = [i for i, slot in enumerate(live) if slot is not None]
         if not alive:
-            return out
+            return (out, kept) if features else out
         if not waiting and len(alive) <= cache.slots // 2:  # the tail: decode only the rows still alive
             keep = torch.tensor(alive)
             cache.keep(keep.to(device))
             live, last = [live[i] for i in alive], last[keep]
-            fast = None  # another shape: the tail decodes eagerly
-        _decode_step(model, cache, live, greedy_rows, last, temperature, generator, pad_token_id, device, fast)
-        _retire(live, out, eos, max_new_tokens)
+            use_fast = False  # another shape: the tail decodes eagerly
+        _decode_step(forward, cache, live, greedy_rows, last, temperature, generator, pad_token_id, use_fast)
+        _retire(live, out, kept, eos, max_new_tokens)
 
 
-def _refill(model, cache, live, free, waiting, prompts, greedy_rows, last, temperature, generator, out, eos) -> None:
+def _refill(forward, cache, live, free, waiting, prompts, greedy_rows, last, temperature, generator) -> None:
     """Prefill the next prompts into the ``free`` slots (left-padded into one batch) and sample their first tokens."""
+    model = forward.model
     device = next(model.parameters()).device
     chosen = free[: len(waiting)]
     rows = [waiting.pop() for _ in chosen]
@@ -228,49 +277,59 @@ def _refill(model, cache, live, free, waiting, prompts, greedy_rows, last, tempe
         positions[i, width - n :] = torch.arange(n)
     span = width
     cache.feed(torch.tensor(chosen, device=device), positions.to(device), span)
-    logits = model(
+    logits, hidden = forward(
+        cache,
         input_ids=ids.to(device),
         position_ids=positions.clamp(max=span - 1).to(device),
         attention_mask=attention_bias(positions.to(device), span, model.dtype),
-        **cache_kwargs(model, cache),
-        logits_to_keep=1,
-    ).logits[:, -1]
+    )
     uniform = torch.rand(len(rows), generator=generator, device=device)
     tokens = sample_rows(logits, temperature, greedy_rows[rows].to(device), uniform).cpu()
-    for slot, r, token in zip(chosen, rows, tokens.tolist()):
+    for i, (slot, r, token) in enumerate(zip(chosen, rows, tokens.tolist())):
         live[slot] = _Slot(row=r, position=len(prompts[r]), tokens=[token])
         last[slot] = token
+        if hidden is not None:  # the prompt's positions (the row's right end of the left-padded batch)
+            states = hidden[i, width - len(prompts[r]) :]
+            live[slot].hidden, live[slot].lse = [states], [_lse(states, model.get_output_embeddings())]
 
 
-def _decode_step(model, cache, live, greedy_rows, last, temperature, generator, pad_token_id, device, fast=None):
-    """Feed every slot its last token (free slots feed padding to the scratch position) and sample the next; ``fast``
-    (a compiled ``model.forward``) runs the steps over the whole buffer."""
+def _decode_step(forward, cache, live, greedy_rows, last, temperature, generator, pad_token_id, use_fast) -> None:
+    """Feed every slot its last token (free slots feed padding to the scratch position) and sample the next; with
+    ``use_fast``, the steps over the whole buffer run through the compiled forward."""
+    model = forward.model
+    device = next(model.parameters()).device
     positions = torch.tensor([[s.position if s is not None else cache.length] for s in live])
     span = int(max(s.position for s in live if s is not None)) + 1
     if 2 * span > cache.length:  # attend over the whole buffer: each attention matmul would copy a slice of it
         span = cache.length + 1
     cache.feed(torch.arange(cache.slots, device=device), positions.to(device), span)
-    forward = fast if fast is not None and span == cache.length + 1 else model
-    logits = forward(
+    logits, hidden = forward(
+        cache,
+        use_fast=use_fast and span == cache.length + 1,
         input_ids=last[:, None].to(device),
         position_ids=positions.clamp(max=span - 1).to(device),
         attention_mask=attention_bias(positions.to(device), span, model.dtype),
-        **cache_kwargs(model, cache),
-        logits_to_keep=1,
-    ).logits[:, -1]
+    )
     greedy = torch.tensor([s is not None and bool(greedy_rows[s.row]) for s in live], device=device)
     uniform = torch.rand(cache.slots, generator=generator, device=device)
     tokens = sample_rows(logits, temperature, greedy, uniform).cpu()
-    for slot, token in zip(live, tokens.tolist()):
+    lse = _lse(logits) if hidden is not None else None
+    for i, (slot, token) in enumerate(zip(live, tokens.tolist())):
         if slot is not None:
             slot.position += 1
             slot.tokens.append(token)
+            if hidden is not None:
+                slot.hidden.append(hidden[i])
+                slot.lse.append(lse[i : i + 1])
     last.copy_(torch.where(torch.tensor([s is not None for s in live]), tokens, pad_token_id))
 
 
-def _retire(live, out, eos, max_new_tokens) -> None:
-    """Free the slots whose row wrote an EOS or its last token, handing the row's tokens to ``out``."""
+def _retire(live, out, kept, eos, max_new_tokens) -> None:
+    """Free the slots whose row wrote an EOS or its last token, handing the row's tokens to ``out`` (and its hidden
+    states and log-normalisers to ``kept``, when kept)."""
     for i, slot in enumerate(live):
         if slot is not None and (slot.tokens[-1] in eos or len(slot.tokens) >= max_new_tokens):
             out[slot.row] = slot.tokens
+            if kept is not None:
+                kept[slot.row] = (torch.cat(slot.hidden), torch.cat(slot.lse))
             live[i] = None

@@ -117,6 +117,11 @@ class FeatureDraftRecipe:
     (:func:`~accept_head.models.slot_generate.slot_generate`: finished rows are replaced by the shard's next prompts;
     the fast path on a CPU); None: each shard as one left-padded batch (where ``static_cache`` and ``compile``
     apply)."""
+    response_features: bool = True
+    """With ``slots``: keep the target's final hidden states and log-normalisers that writing a shard computes anyway
+    and write its ``features`` shard beside it, so that the ``features`` stage (a second pass of the target over the
+    same tokens) has nothing left to do for it. Needs a model whose logits are its LM head over its decoder's
+    output; False: leave every shard to the ``features`` stage."""
     accelerator: str = "cpu"
     """Lightning accelerator of ``fit`` (``cpu`` or ``gpu``); the target moves to that device for it."""
     precision: str = "bf16-mixed"
@@ -326,6 +331,7 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
             step_fn=step_fn,
             slots=cfg.slots,
             compile_slots=cfg.compile,
+            features_folder=expand(cfg.work_dir) / "features" if cfg.slots and cfg.response_features else None,
         )
         meta["tokens"] += done["tokens"]
         meta["seconds"] += done["seconds"]

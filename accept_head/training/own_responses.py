@@ -24,6 +24,7 @@ from pathlib import Path
 from time import monotonic
 
 import torch
+from safetensors.torch import save_file
 from transformers import DynamicCache
 
 from ..core.hf_compat import cache_kwargs
@@ -205,6 +206,7 @@ def write_response_shards(
     step_fn=None,
     slots: int | None = None,
     compile_slots: bool = False,
+    features_folder: Path | None = None,
 ) -> dict:
     """Write the shards ``<folder>/<kind>-NNNNN.pt`` of ``batches`` that are missing, in order, from index ``first``
     on (the same rows and draws as a run that wrote the earlier shards too), until ``deadline`` (a
@@ -212,7 +214,9 @@ def write_response_shards(
     ``sample`` (the sample index, :data:`GREEDY` for greedy rows). Returns the shard counts, the tokens written
     and the seconds spent in this call; prints the tokens/s meter after every shard. ``slots``: decode each shard by
     continuous batching over that many cache slots (:func:`~accept_head.models.slot_generate.slot_generate`) instead
-    of as one left-padded batch; ``compile_slots``: its full-width decode steps compiled."""
+    of as one left-padded batch; ``compile_slots``: its full-width decode steps compiled; ``features_folder`` (with
+    ``slots``): also write ``<features_folder>/<kind>-NNNNN.safetensors``, the target's final hidden states and
+    log-normalisers computed while writing (:func:`features_shard`), before the response shard."""
     folder.mkdir(parents=True, exist_ok=True)
     device = next(model.parameters()).device
     tokens, seconds, written, stopped = 0, 0.0, 0, False
@@ -230,7 +234,13 @@ def write_response_shards(
         settings |= dict(pad_token_id=pad_token_id, generator=generator)
         prompts = [row.prompt.ids for row in batch]
         if slots:
-            responses = slot_generate(model, prompts, greedy.tolist(), slots=slots, compile=compile_slots, **settings)
+            run = dict(slots=slots, compile=compile_slots, features=features_folder is not None)
+            responses = slot_generate(model, prompts, greedy.tolist(), **run, **settings)
+            if features_folder is not None:
+                responses, kept = responses
+                features_folder.mkdir(parents=True, exist_ok=True)
+                dest = features_folder / f"{kind}-{index:05d}.safetensors"
+                save_atomic(features_shard(prompts, responses, kept), dest, save_file)
         else:
             batch_settings = dict(static_cache=static_cache, cache_length=cache_length, step_fn=step_fn, **settings)
             responses = _generate_in_halves(model, prompts, greedy, batch_settings)
@@ -257,6 +267,24 @@ def write_response_shards(
         "tokens": tokens,
         "seconds": seconds,
         "stopped_by_budget": stopped,
+    }
+
+
+def features_shard(prompts: Sequence[Sequence[int]], responses: list[list[int]], kept: list) -> dict:
+    """The ``features`` stage's shard of rows generated with their features (:func:`slot_generate` with
+    ``features=True``): ``tokens`` (prompt + response without its last token, which no computed state has read),
+    ``features`` (bf16), ``lse``, ``offsets`` and ``prompt_lengths`` — the pairs a draft trains on, less the one
+    whose target is the state after the response's end."""
+    rows = [
+        (torch.tensor(list(p) + r[:-1], dtype=torch.int32), hidden, lse, len(p))
+        for p, r, (hidden, lse) in zip(prompts, responses, kept)
+    ]
+    return {
+        "tokens": torch.cat([r[0] for r in rows]),
+        "features": torch.cat([r[1] for r in rows]).to("cpu", torch.bfloat16).contiguous(),
+        "lse": torch.cat([r[2] for r in rows]).to("cpu", torch.float32),
+        "offsets": torch.tensor([0] + [len(r[0]) for r in rows]).cumsum(0),
+        "prompt_lengths": torch.tensor([r[3] for r in rows]),
     }
 
 
