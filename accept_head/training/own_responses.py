@@ -234,13 +234,8 @@ def write_response_shards(
         settings |= dict(pad_token_id=pad_token_id, generator=generator)
         prompts = [row.prompt.ids for row in batch]
         if slots:
-            run = dict(slots=slots, compile=compile_slots, features=features_folder is not None)
-            responses = slot_generate(model, prompts, greedy.tolist(), **run, **settings)
-            if features_folder is not None:
-                responses, kept = responses
-                features_folder.mkdir(parents=True, exist_ok=True)
-                dest = features_folder / f"{kind}-{index:05d}.safetensors"
-                save_atomic(features_shard(prompts, responses, kept), dest, save_file)
+            dest = features_folder / f"{kind}-{index:05d}.safetensors" if features_folder is not None else None
+            responses = _slot_responses(model, prompts, greedy, slots, compile_slots, dest, settings)
         else:
             batch_settings = dict(static_cache=static_cache, cache_length=cache_length, step_fn=step_fn, **settings)
             responses = _generate_in_halves(model, prompts, greedy, batch_settings)
@@ -268,6 +263,20 @@ def write_response_shards(
         "seconds": seconds,
         "stopped_by_budget": stopped,
     }
+
+
+def _slot_responses(
+    model, prompts: list, greedy: torch.Tensor, slots: int, compile_slots: bool, features_dest, settings
+):
+    """:func:`slot_generate`'s responses to ``prompts``; with ``features_dest``, their features shard written there."""
+    run = dict(slots=slots, compile=compile_slots, features=features_dest is not None)
+    responses = slot_generate(model, prompts, greedy.tolist(), **run, **settings)
+    if features_dest is None:
+        return responses
+    responses, kept = responses
+    features_dest.parent.mkdir(parents=True, exist_ok=True)
+    save_atomic(features_shard(prompts, responses, kept), features_dest, save_file)
+    return responses
 
 
 def features_shard(prompts: Sequence[Sequence[int]], responses: list[list[int]], kept: list) -> dict:
