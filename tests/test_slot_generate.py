@@ -364,6 +364,17 @@ def test_bench_responses_compile_adds_the_compiled_generator_timed_after_compili
     assert compiled["compile_seconds"] > 0 and 9 <= compiled["tokens"][0] <= 9 * 8
 
 
+def test_bench_responses_features_times_the_data_stage_both_ways(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run_cli(
+        "bench_responses", "--config", str(responses_config(tmp_path, "bench")), "--rows", "9", "--features", "true"
+    )
+    result = json.loads((tmp_path / "bench" / "bench_responses.json").read_text())
+    assert set(result["tokens_per_second"]) == {"generate", "batch", "slots", "slots_then_forced", "slots_features"}
+    for name in ("slots_then_forced", "slots_features"):  # every generator draws its own samples
+        assert 9 <= result["passes"][name]["tokens"][0] <= 9 * 8 and result["passes"][name]["seconds"][0] > 0
+
+
 def test_the_responses_stage_hands_compile_to_the_slot_generator(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     seen = []

@@ -85,3 +85,25 @@ def final_hidden_states(
         decoder = model.get_decoder()
         return decoder(input_ids=input_ids, attention_mask=attention_mask, use_cache=False).last_hidden_state
     return lm_head_input(model, input_ids, attention_mask)
+
+
+@torch.inference_mode()
+def teacher_force(target: torch.nn.Module, seqs: list[torch.Tensor], batch_tokens: int, use_decoder: bool) -> list:
+    """(final hidden states (n, d) bf16, logsumexp of the logits (n,) float32), on the CPU, of every token sequence
+    in ``seqs`` (sorted by length: neighbours share a pass of about ``batch_tokens`` padded tokens)."""
+    device = next(target.parameters()).device
+    lm_head = target.get_output_embeddings()
+    out, i = [], 0
+    while i < len(seqs):
+        j, budget = i + 1, max(batch_tokens, len(seqs[i]))
+        while j < len(seqs) and (j - i + 1) * len(seqs[j]) <= budget:
+            j += 1
+        ids = torch.nn.utils.rnn.pad_sequence(seqs[i:j], batch_first=True, padding_value=0).to(device)
+        mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(b) for b in seqs[i:j]], batch_first=True).to(device)
+        hidden = final_hidden_states(target, ids, mask, use_decoder=use_decoder)[mask.bool()]  # real positions
+        chunk = 1024 if device.type == "cpu" else 8192  # rows of (chunk, V) logits at a time
+        lse = torch.cat([lm_head(c).float().logsumexp(-1) for c in hidden.split(chunk)]).cpu()
+        lengths = [len(tokens) for tokens in seqs[i:j]]
+        out += list(zip(hidden.to(torch.bfloat16).cpu().split(lengths), lse.split(lengths)))
+        i = j
+    return out

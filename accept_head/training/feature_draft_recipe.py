@@ -36,7 +36,7 @@ from ..core.prompts import EncodedPrompt, PromptSource, chat_prompt_ids, load_pr
 from ..core.records import machine_info, write_json
 from ..models.drafters import ModelDrafter
 from ..models.feature_draft import FeatureDraft, FeatureDraftConfig, FeatureDrafter
-from ..models.features import decoder_matches_lm_head_input, final_hidden_states
+from ..models.features import decoder_matches_lm_head_input, teacher_force
 from ..models.loading import load_model, load_tokenizer
 from ..models.pairs import ModelSpec, eos_token_ids
 from .draft_recipe import (
@@ -369,13 +369,16 @@ def bench_responses(
     repeats: int = 1,
     max_new_tokens: int | None = None,
     compile: bool = False,
+    features: bool = False,
 ) -> dict:
     """Response tokens/s of the ``responses`` stage's generators side by side on this machine: Hugging Face's
     ``model.generate``, one left-padded batch at a time (``batch``) and continuous batching (``slots``), each writing
     T=``temperature`` samples for the same first ``rows`` training rows (default: four batches of
     ``generate_batch_size``) in batches of ``generate_batch_size``, ``max_new_tokens`` each (default: the config's),
     interleaved ``repeats`` times; ``compile``: continuous batching with its decode steps compiled as well
-    (``slots_compiled``, compiled before timing). Prints the table; writes ``<work_dir>/bench_responses.json``."""
+    (``slots_compiled``, compiled before timing); ``features``: the data stage both ways, writing then teacher-forcing
+    (``slots_then_forced``) against keeping the states while writing (``slots_features``). Prints the table; writes
+    ``<work_dir>/bench_responses.json``."""
     set_threads(cfg.threads)
     tokenizer, model = load_tokenizer(cfg.target), load_model(cfg.target)
     held_out = load_prompts(cfg.eval_prompts, seed=cfg.seed, split_seed=cfg.split_seed)
@@ -389,7 +392,8 @@ def bench_responses(
     passes = bench_generators(
         model, prompts, batch_size=cfg.generate_batch_size, max_new_tokens=new_tokens, temperature=cfg.temperature,
         eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0],
-        repeats=repeats, seed=cfg.seed, compile=compile,
+        repeats=repeats, seed=cfg.seed, compile=compile, features=features,
+        forced_batch_tokens=cfg.features_batch_tokens,
     )  # fmt: skip
     speed = {name: statistics.median(t / s for t, s in zip(p["tokens"], p["seconds"])) for name, p in passes.items()}
     result = {
@@ -549,9 +553,7 @@ def features_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     throughput."""
     set_threads(cfg.threads)
     target = load_model(cfg.target)
-    device = next(target.parameters()).device
     use_decoder = decoder_matches_lm_head_input(target)
-    lm_head = target.get_output_embeddings()
     out_dir = expand(cfg.work_dir) / "features"
     out_dir.mkdir(parents=True, exist_ok=True)
     tokens_done, seconds, stopped = 0, 0.0, False
@@ -567,24 +569,8 @@ def features_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
             pairs = zip(shard["prompt_ids"], shard["response_ids"])
             seqs = sorted(((torch.cat([p, r]).long(), len(p)) for p, r in pairs if len(r)), key=lambda s: len(s[0]))
             start = time.perf_counter()
-            rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]] = []
-            i = 0
-            while i < len(seqs):  # similar lengths together, about features_batch_tokens padded tokens per pass
-                j, budget = i + 1, max(cfg.features_batch_tokens, len(seqs[i][0]))
-                while j < len(seqs) and (j - i + 1) * len(seqs[j][0]) <= budget:
-                    j += 1
-                batch = [tokens for tokens, _ in seqs[i:j]]
-                ids = torch.nn.utils.rnn.pad_sequence(batch, batch_first=True, padding_value=0).to(device)
-                mask = torch.nn.utils.rnn.pad_sequence([torch.ones_like(b) for b in batch], batch_first=True)
-                hidden = final_hidden_states(target, ids, mask.to(device), use_decoder=use_decoder)
-                hidden = hidden[mask.to(device).bool()]  # (N, d): the real positions, row after row
-                chunk = 1024 if device.type == "cpu" else 8192  # rows of (chunk, V) logits at a time
-                lse = torch.cat([lm_head(c).float().logsumexp(-1) for c in hidden.split(chunk)]).cpu()
-                hidden = hidden.to(torch.bfloat16).cpu()
-                lengths = [len(tokens) for tokens, _ in seqs[i:j]]
-                pieces = zip(seqs[i:j], hidden.split(lengths), lse.split(lengths))
-                rows += [(tokens, h, row_lse, prompt_length) for (tokens, prompt_length), h, row_lse in pieces]
-                i = j
+            kept = teacher_force(target, [tokens for tokens, _ in seqs], cfg.features_batch_tokens, use_decoder)
+            rows = [(tokens, h, lse, prompt_length) for (tokens, prompt_length), (h, lse) in zip(seqs, kept)]
             seconds += time.perf_counter() - start
             tokens_done += sum(len(r[0]) for r in rows)
             offsets = torch.tensor([0] + [len(r[0]) for r in rows]).cumsum(0)

@@ -31,6 +31,7 @@ from ..core.hf_compat import cache_kwargs
 from ..core.prompts import EncodedPrompt
 from ..core.seeds import derive_seed
 from ..models.batch_generate import left_pad
+from ..models.features import decoder_matches_lm_head_input, teacher_force
 from ..models.slot_generate import slot_generate
 from .draft_recipe import save_atomic
 
@@ -315,12 +316,17 @@ def bench_generators(
     repeats: int = 1,
     seed: int = 0,
     compile: bool = False,
+    features: bool = False,
+    forced_batch_tokens: int = 8192,
 ) -> dict[str, dict]:
     """Response tokens/s of each of :data:`GENERATORS` writing T=``temperature`` samples for every prompt, the same
     rows through batches of ``batch_size`` (``model.generate`` and ``batch``: one batch after another; ``slots``:
     ``batch_size`` slots refilled from all of them), interleaved ``repeats`` times. A response counts through its
     first EOS. ``compile``: also ``slots_compiled`` (:func:`~accept_head.models.slot_generate.slot_generate` with
     ``compile=True``), after one untimed pass that compiles its graph (its seconds under ``compile_seconds``).
+    ``features``: also the two ways to a draft's training data — ``slots_then_forced`` (``slots``, then the
+    ``features`` stage's teacher-forced pass over the rows written, :func:`~accept_head.models.features.teacher_force`)
+    and ``slots_features`` (the states kept while writing: ``slot_generate(features=True)``).
     Returns, per generator, the tokens and seconds of every pass."""
     device = next(model.parameters()).device
     chunks = [list(prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
@@ -348,21 +354,34 @@ def bench_generators(
             for r in generate_responses(model, c, g, generator=generator, **settings)
         )
 
-    def slots(generator: torch.Generator, compiled: bool = False) -> int:
+    def slots(generator: torch.Generator, compiled: bool = False, kept: bool = False, forced: bool = False) -> int:
         responses = slot_generate(
             model, list(prompts), [False] * len(prompts), slots=batch_size, generator=generator, compile=compiled,
-            **settings,
+            features=kept, **settings,
         )  # fmt: skip
+        responses = responses[0] if kept else responses
+        if forced:  # the features stage's pass over the same rows (sorted by length, forced_batch_tokens a pass)
+            rows = sorted((torch.tensor(list(p) + r) for p, r in zip(prompts, responses)), key=len)
+            teacher_force(model, rows, forced_batch_tokens, decoder_matches_lm_head_input(model))
         return sum(len(r) for r in responses)
 
     runs = dict(zip(GENERATORS, (hf_generate, batch, slots)))
     if compile:
         runs["slots_compiled"] = lambda generator: slots(generator, compiled=True)
+    if features:
+        runs["slots_then_forced"] = lambda generator: slots(generator, forced=True)
+        runs["slots_features"] = lambda generator: slots(generator, kept=True)
     passes: dict[str, dict] = {name: {"tokens": [], "seconds": []} for name in runs}
     if compile:
         start = time.perf_counter()
         slots(torch.Generator(device).manual_seed(seed), compiled=True)
         passes["slots_compiled"]["compile_seconds"] = time.perf_counter() - start
+    return _timed_passes(runs, passes, repeats, seed, device)
+
+
+def _timed_passes(runs: dict, passes: dict, repeats: int, seed: int, device: torch.device) -> dict:
+    """Time every generator of ``runs`` (name → function of a generator, returning tokens) ``repeats`` times,
+    interleaved, each pass with its own seeded generator; its tokens and seconds appended to ``passes[name]``."""
     for repeat in range(repeats):
         for name in runs:
             generator = torch.Generator(device).manual_seed(derive_seed(seed, "bench", name, repeat))
