@@ -373,6 +373,22 @@ def test_bench_responses_features_times_the_data_stage_both_ways(tmp_path, monke
     assert set(result["tokens_per_second"]) == {"generate", "batch", "slots", "slots_then_forced", "slots_features"}
     for name in ("slots_then_forced", "slots_features"):  # every generator draws its own samples
         assert 9 <= result["passes"][name]["tokens"][0] <= 9 * 8 and result["passes"][name]["seconds"][0] > 0
+    only = ["--generators", '["slots_then_forced", "slots_features"]']
+    run_cli(
+        "bench_responses",
+        "--config",
+        str(responses_config(tmp_path, "bench")),
+        "--rows",
+        "9",
+        "--features",
+        "true",
+        *only,
+    )
+    result = json.loads((tmp_path / "bench" / "bench_responses.json").read_text())
+    assert set(result["passes"]) == {"slots_then_forced", "slots_features"}
+    assert result["ratio_to_slots_then_forced"]["slots_then_forced"] == 1.0
+    with pytest.raises(ValueError, match=r"generators \['slots_features'\] are not among"):
+        run_cli("bench_responses", "--config", str(responses_config(tmp_path, "bench")), "--rows", "9", *only)
 
 
 def test_the_responses_stage_hands_compile_to_the_slot_generator(tmp_path, monkeypatch) -> None:

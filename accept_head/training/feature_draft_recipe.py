@@ -370,6 +370,7 @@ def bench_responses(
     max_new_tokens: int | None = None,
     compile: bool = False,
     features: bool = False,
+    generators: list[str] | None = None,
 ) -> dict:
     """Response tokens/s of the ``responses`` stage's generators side by side on this machine: Hugging Face's
     ``model.generate``, one left-padded batch at a time (``batch``) and continuous batching (``slots``), each writing
@@ -377,8 +378,8 @@ def bench_responses(
     ``generate_batch_size``) in batches of ``generate_batch_size``, ``max_new_tokens`` each (default: the config's),
     interleaved ``repeats`` times; ``compile``: continuous batching with its decode steps compiled as well
     (``slots_compiled``, compiled before timing); ``features``: the data stage both ways, writing then teacher-forcing
-    (``slots_then_forced``) against keeping the states while writing (``slots_features``). Prints the table; writes
-    ``<work_dir>/bench_responses.json``."""
+    (``slots_then_forced``) against keeping the states while writing (``slots_features``); ``generators``: time just
+    these (ratios then to the first of them). Prints the table; writes ``<work_dir>/bench_responses.json``."""
     set_threads(cfg.threads)
     tokenizer, model = load_tokenizer(cfg.target), load_model(cfg.target)
     held_out = load_prompts(cfg.eval_prompts, seed=cfg.seed, split_seed=cfg.split_seed)
@@ -393,7 +394,7 @@ def bench_responses(
         model, prompts, batch_size=cfg.generate_batch_size, max_new_tokens=new_tokens, temperature=cfg.temperature,
         eos_token_ids=eos, pad_token_id=tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0],
         repeats=repeats, seed=cfg.seed, compile=compile, features=features,
-        forced_batch_tokens=cfg.features_batch_tokens,
+        forced_batch_tokens=cfg.features_batch_tokens, only=generators,
     )  # fmt: skip
     speed = {name: statistics.median(t / s for t, s in zip(p["tokens"], p["seconds"])) for name, p in passes.items()}
     result = {
@@ -403,10 +404,12 @@ def bench_responses(
         "mean_prompt_tokens": sum(map(len, prompts)) / len(prompts),
         "passes": passes,
         "tokens_per_second": speed,
-        "ratio_to_generate": {name: speed[name] / speed["generate"] for name in passes},
     }
+    base = "generate" if "generate" in passes else next(iter(passes))
+    result[f"ratio_to_{base}"] = {name: speed[name] / speed[base] for name in passes}
     for name in passes:
-        print(f"{name:>14}: {speed[name]:7.0f} response tok/s  ({result['ratio_to_generate'][name]:.2f}x generate)")
+        ratio = result[f"ratio_to_{base}"][name]
+        print(f"{name:>17}: {speed[name]:7.0f} response tok/s  ({ratio:.2f}x {base})")
     folder = expand(cfg.work_dir)
     folder.mkdir(parents=True, exist_ok=True)
     write_json(folder / "bench_responses.json", result)

@@ -318,6 +318,7 @@ def bench_generators(
     compile: bool = False,
     features: bool = False,
     forced_batch_tokens: int = 8192,
+    only: Sequence[str] | None = None,
 ) -> dict[str, dict]:
     """Response tokens/s of each of :data:`GENERATORS` writing T=``temperature`` samples for every prompt, the same
     rows through batches of ``batch_size`` (``model.generate`` and ``batch``: one batch after another; ``slots``:
@@ -326,8 +327,8 @@ def bench_generators(
     ``compile=True``), after one untimed pass that compiles its graph (its seconds under ``compile_seconds``).
     ``features``: also the two ways to a draft's training data — ``slots_then_forced`` (``slots``, then the
     ``features`` stage's teacher-forced pass over the rows written, :func:`~accept_head.models.features.teacher_force`)
-    and ``slots_features`` (the states kept while writing: ``slot_generate(features=True)``).
-    Returns, per generator, the tokens and seconds of every pass."""
+    and ``slots_features`` (the states kept while writing: ``slot_generate(features=True)``). ``only``: time just
+    these of them. Returns, per generator, the tokens and seconds of every pass."""
     device = next(model.parameters()).device
     chunks = [list(prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
     eos = torch.as_tensor(list(eos_token_ids))
@@ -371,6 +372,10 @@ def bench_generators(
     if features:
         runs["slots_then_forced"] = lambda generator: slots(generator, forced=True)
         runs["slots_features"] = lambda generator: slots(generator, kept=True)
+    if only is not None:
+        if unknown := set(only) - set(runs):
+            raise ValueError(f"generators {sorted(unknown)} are not among {list(runs)} (with these settings).")
+        runs = {name: run for name, run in runs.items() if name in only}
     passes: dict[str, dict] = {name: {"tokens": [], "seconds": []} for name in runs}
     if compile:
         start = time.perf_counter()
