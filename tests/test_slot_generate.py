@@ -387,7 +387,7 @@ def test_bench_responses_features_times_the_data_stage_both_ways(tmp_path, monke
     result = json.loads((tmp_path / "bench" / "bench_responses.json").read_text())
     assert set(result["passes"]) == {"slots_then_forced", "slots_features"}
     assert result["ratio_to_slots_then_forced"]["slots_then_forced"] == 1.0
-    with pytest.raises(ValueError, match=r"generators \['slots_features'\] are not among"):
+    with pytest.raises(ValueError, match=r"generators \['slots_features', 'slots_then_forced'\] are not among"):
         run_cli("bench_responses", "--config", str(responses_config(tmp_path, "bench")), "--rows", "9", *only)
 
 
