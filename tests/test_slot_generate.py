@@ -186,21 +186,42 @@ def test_features_kept_while_writing_equal_a_teacher_forced_pass_and_change_no_r
         torch.testing.assert_close(lse, lm_head(forced).logsumexp(-1), atol=1e-4, rtol=1e-4)
 
 
-def test_features_are_refused_for_logits_that_are_not_the_lm_head_over_the_decoder(prompts) -> None:
-    model = make_llama(seed=0)
-    plain_forward = model.forward
+def soft_capped_gemma2(cap: float | None = 5.0) -> torch.nn.Module:
+    """A tiny random Gemma2, whose logits are soft-capped after its LM head (unless ``cap`` is None)."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
 
-    def capped(*args, **kwargs):  # a soft-cap applied outside the decoder, as some models do
-        out = plain_forward(*args, **kwargs)
-        out.logits = 5.0 * torch.tanh(out.logits / 5.0)
-        return out
+    config = Gemma2Config(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=2,
+        num_key_value_heads=1, head_dim=16, final_logit_softcapping=cap,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return Gemma2ForCausalLM(config).eval()
 
-    model.forward = capped
-    with pytest.raises(ValueError, match="LlamaForCausalLM's logits to be its LM head"):
+
+def test_logits_after_the_lm_head_are_told_apart() -> None:
+    from accept_head.models.features import lm_head_gives_logits, logits_from_decoder
+
+    assert not lm_head_gives_logits(soft_capped_gemma2()) and not logits_from_decoder(soft_capped_gemma2())
+    assert lm_head_gives_logits(soft_capped_gemma2(None)) and logits_from_decoder(soft_capped_gemma2(None))
+    assert lm_head_gives_logits(make_llama(seed=0)) and logits_from_decoder(make_llama(seed=0))
+
+
+def test_features_are_refused_for_logits_that_are_not_the_lm_head_over_the_decoder() -> None:
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM's logits to be its LM head"):
         slot_generate(
-            model, prompts, [True] * len(prompts), max_new_tokens=4, temperature=1.0, eos_token_ids=[EOS],
+            soft_capped_gemma2(), [[5, 6, 7]], [True], max_new_tokens=4, temperature=1.0, eos_token_ids=[EOS],
             pad_token_id=0, generator=torch.Generator(), features=True,
         )  # fmt: skip
+
+
+def test_the_features_stage_refuses_a_soft_capped_target(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = str(responses_config(tmp_path, "capped", max_prompts=2, response_features=False))
+    run_cli("responses", "--config", config)
+    monkeypatch.setattr(stages, "load_model", lambda spec: soft_capped_gemma2())
+    with pytest.raises(ValueError, match="Gemma2ForCausalLM's logits are not its LM head"):
+        run_cli("features", "--config", config)
+    assert not list((tmp_path / "capped" / "features").glob("*.safetensors"))
 
 
 def test_bad_settings_are_refused_naming_the_value(target, prompts) -> None:

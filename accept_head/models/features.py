@@ -54,6 +54,18 @@ def decoder_matches_lm_head_input(model: torch.nn.Module, atol: float = 1e-5) ->
 
 
 @torch.no_grad()
+def lm_head_gives_logits(model: torch.nn.Module, atol: float = 1e-4) -> bool:
+    """Whether ``model``'s logits are its LM head applied to that head's input (checked on 8 tokens): no soft-capping
+    or scale after the head, so p = softmax(state · E) holds for the states :func:`final_hidden_states` returns."""
+    device = next(model.parameters()).device
+    ids = torch.arange(8, device=device)[None, :] % model.config.vocab_size
+    with capture_lm_head_input(model) as box:
+        logits = model(input_ids=ids, use_cache=False, logits_to_keep=0).logits
+    via_head = model.get_output_embeddings()(box[0])
+    return logits.shape == via_head.shape and torch.allclose(logits.float(), via_head.float(), atol=atol)
+
+
+@torch.no_grad()
 def logits_from_decoder(model: torch.nn.Module, atol: float = 1e-4) -> bool:
     """Whether ``model``'s logits are its LM head applied to ``get_decoder()``'s ``last_hidden_state`` (checked on 8
     tokens): no norm, scale or soft-capping outside the decoder, so a caller may run the decoder alone and keep its

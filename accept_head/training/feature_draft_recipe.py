@@ -36,7 +36,7 @@ from ..core.prompts import EncodedPrompt, PromptSource, chat_prompt_ids, load_pr
 from ..core.records import machine_info, write_json
 from ..models.drafters import ModelDrafter
 from ..models.feature_draft import FeatureDraft, FeatureDraftConfig, FeatureDrafter
-from ..models.features import decoder_matches_lm_head_input, teacher_force
+from ..models.features import decoder_matches_lm_head_input, lm_head_gives_logits, teacher_force
 from ..models.loading import load_model, load_tokenizer
 from ..models.pairs import ModelSpec, eos_token_ids
 from .draft_recipe import (
@@ -556,6 +556,11 @@ def features_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     throughput."""
     set_threads(cfg.threads)
     target = load_model(cfg.target)
+    if not lm_head_gives_logits(target):
+        raise ValueError(
+            f"{cfg.target.path}: {type(target).__name__}'s logits are not its LM head over the head's input (a "
+            "soft-cap or scale after it); the feature draft's loss reads p = softmax(state · E) and cannot train on it."
+        )
     use_decoder = decoder_matches_lm_head_input(target)
     out_dir = expand(cfg.work_dir) / "features"
     out_dir.mkdir(parents=True, exist_ok=True)
