@@ -13,6 +13,9 @@ Examples::
     python -m data_gen --config configs/data_gen/humaneval.yaml --print_config
     python -m data_gen join --datasets '[data/labels/a, data/labels/b]' --output_dir data/labels/ab
                                                          # one dataset from two runs on disjoint prompts
+    python -m data_gen responses --config configs/distill/smollm2-135m-feature-draft-cpu.yaml --output_dir out
+                                                         # the target's own responses (fast CPU generator,
+                                                         # resumable shards) as a Hugging Face dataset
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ def join_parser(prog: str):
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m data_gen") -> dict:
-    """Parse, run (generate, merge or join) and return the dataset's meta dict; user errors exit with a one-line
-    message."""
+    """Parse, run (generate, merge, join or responses) and return the dataset's meta dict; user errors exit with a
+    one-line message."""
     argv = list(sys.argv[1:] if argv is None else argv)
     try:
         if argv[:1] == ["join"]:
@@ -45,6 +48,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m data_gen") ->
             parser = join_parser(f"{prog} join")
             args = parser.parse_args(argv[1:])
             return join(args.datasets, args.output_dir, args.overwrite)
+        if argv[:1] == ["responses"]:
+            from jsonargparse import CLI
+
+            from accept_head.training.feature_draft_recipe import responses_to_dataset
+
+            return CLI(responses_to_dataset, args=argv[1:], as_positional=False)
         return run(parse_arguments(build_parser(prog), argv)[1])
     except (ValueError, FileNotFoundError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)

@@ -322,6 +322,31 @@ def test_the_responses_stage_writes_the_features_a_teacher_forced_stage_would(tm
             torch.testing.assert_close(ours["lse"][a:b], lse, atol=1e-3, rtol=1e-3)
 
 
+def test_data_gen_responses_writes_the_shards_as_a_hugging_face_dataset(tmp_path, monkeypatch, capsys) -> None:
+    from datasets import load_from_disk
+
+    from data_gen.cli import main as data_gen
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = str(responses_config(tmp_path, "hf", max_prompts=6))
+    data_gen(["responses", "--config", config, "--output_dir", str(tmp_path / "out")])
+    dataset = load_from_disk(str(tmp_path / "out"))
+    assert set(dataset) == {"train", "eval"}
+    for kind, split in dataset.items():
+        rows = []
+        for path in sorted((tmp_path / "hf" / "responses" / "shards").glob(f"{kind}-*.pt")):
+            shard = torch.load(path, weights_only=True)
+            rows += list(zip(shard["prompt_id"], shard["response_ids"], shard["sample"].tolist()))
+        assert len(split) == len(rows) > 0
+        for row, (prompt_id, response, sample) in zip(split, rows):
+            assert (row["prompt_id"], row["response_ids"], row["sample"]) == (prompt_id, response.tolist(), sample)
+            assert row["source"] == prompt_id.rsplit(":", 1)[0] in {"alpha", "beta"}
+    assert len(dataset["train"]) == 6 * 3  # 6 prompts x (2 samples + greedy)
+    with pytest.raises(SystemExit):  # nothing written there and told not to generate: a one-line error
+        data_gen(["responses", "--config", config, "--cfg.work_dir", str(tmp_path / "empty"), "--generate", "false"])
+    assert "No response shards under" in capsys.readouterr().err
+
+
 def response_shards(root: Path, work: str, **overrides) -> dict[str, Path]:
     """Run the responses stage over 6 prompts into ``root/work``; its shard files by name."""
     run_cli("responses", "--config", str(responses_config(root, work, max_prompts=6, **overrides)))

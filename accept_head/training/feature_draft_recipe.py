@@ -14,6 +14,7 @@ import dataclasses
 import datetime
 import json
 import random
+import shutil
 import statistics
 import sysconfig
 import time
@@ -51,7 +52,7 @@ from .draft_recipe import (
 )
 from .feature_draft import FeatureDataModule, FeatureDraftModule, FeatureSequence, read_feature_shards
 from .model_card import blocks, card, front_matter, plain_table, read_json, section
-from .own_responses import bench_generators, response_rows, shard_positions, write_response_shards
+from .own_responses import bench_generators, response_rows, responses_dataset, shard_positions, write_response_shards
 
 FIT_SOURCES = ("own", "text", "written")
 """The kinds of training feature shards, by the name their stage gives them."""
@@ -345,6 +346,28 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     print(f"[responses] {meta['tokens']} tokens written at {meta['tokens_per_second']:.0f} tok/s", flush=True)
     return meta
+
+
+def responses_to_dataset(cfg: FeatureDraftRecipe, output_dir: str | None = None, generate: bool = True) -> dict:
+    """``python -m data_gen responses``: the ``responses`` stage (resumable, unless ``generate`` is False), then every
+    response shard written so far as a Hugging Face dataset (:func:`~.own_responses.responses_dataset`: ``train`` and
+    ``eval`` splits) saved to ``output_dir`` (default ``<work_dir>/dataset``), replaced whole. Returns the rows per
+    split and where it went."""
+    if generate:
+        responses_until(cfg, None)
+    folder = _generations(cfg) / "shards"
+    if not any(folder.glob("*-*.pt")):
+        raise FileNotFoundError(f"No response shards under {folder}: run with generate=true first.")
+    dest = Path(output_dir).expanduser() if output_dir else expand(cfg.work_dir) / "dataset"
+    dataset = responses_dataset(folder)
+    tmp = dest.with_name(dest.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    dataset.save_to_disk(str(tmp))
+    shutil.rmtree(dest, ignore_errors=True)
+    tmp.rename(dest)
+    rows = {kind: len(split) for kind, split in dataset.items()}
+    print(f"[responses] dataset {dest}: {rows}", flush=True)
+    return {"output_dir": str(dest), "rows": rows}
 
 
 def progress(cfg: FeatureDraftRecipe) -> dict:

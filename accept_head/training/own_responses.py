@@ -399,6 +399,31 @@ def _timed_passes(runs: dict, passes: dict, repeats: int, seed: int, device: tor
     return passes
 
 
+def responses_dataset(folder: Path):
+    """The response shards under ``folder`` (``<kind>-NNNNN.pt``) as a Hugging Face ``DatasetDict``, one split per
+    kind (``train``, ``eval``), a row per response: ``prompt_id``, ``source`` (the prompt id's prefix),
+    ``prompt_ids``, ``response_ids`` (through its EOS), ``sample`` (:data:`GREEDY` for greedy rows) and ``shard``."""
+    from datasets import Dataset, DatasetDict, Features, Sequence, Value
+
+    columns = {"prompt_id": [], "source": [], "prompt_ids": [], "response_ids": [], "sample": [], "shard": []}
+    splits: dict[str, dict[str, list]] = {}
+    for path in sorted(folder.glob("*-*.pt")):
+        kind, index = path.stem.split("-")
+        shard = torch.load(path, weights_only=True)
+        rows = splits.setdefault(kind, {name: [] for name in columns})
+        rows["prompt_id"] += shard["prompt_id"]
+        rows["source"] += [prompt_id.rsplit(":", 1)[0] for prompt_id in shard["prompt_id"]]
+        rows["prompt_ids"] += [ids.tolist() for ids in shard["prompt_ids"]]
+        rows["response_ids"] += [ids.tolist() for ids in shard["response_ids"]]
+        rows["sample"] += shard["sample"].tolist()
+        rows["shard"] += [int(index)] * len(shard["prompt_id"])
+    features = Features(
+        {"prompt_id": Value("string"), "source": Value("string"), "prompt_ids": Sequence(Value("int32")),
+         "response_ids": Sequence(Value("int32")), "sample": Value("int64"), "shard": Value("int64")}
+    )  # fmt: skip
+    return DatasetDict({kind: Dataset.from_dict(rows, features=features) for kind, rows in splits.items()})
+
+
 def shard_positions(folder: Path) -> dict[str, dict]:
     """What the response shards under ``folder`` (``<kind>-NNNNN.pt``) hold, per kind: shards, rows, prompt and
     response tokens, and positions (prompt + response: what a draft trains on)."""
