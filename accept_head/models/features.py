@@ -65,19 +65,11 @@ def lm_head_gives_logits(model: torch.nn.Module, atol: float = 1e-4) -> bool:
     return logits.shape == via_head.shape and torch.allclose(logits.float(), via_head.float(), atol=atol)
 
 
-@torch.no_grad()
-def logits_from_decoder(model: torch.nn.Module, atol: float = 1e-4) -> bool:
-    """Whether ``model``'s logits are its LM head applied to ``get_decoder()``'s ``last_hidden_state`` (checked on 8
-    tokens): no norm, scale or soft-capping outside the decoder, so a caller may run the decoder alone and keep its
-    states without changing what the model samples."""
-    decoder = model.get_decoder() if hasattr(model, "get_decoder") else None
-    if decoder is None or decoder is model:
-        return False
-    device = next(model.parameters()).device
-    ids = torch.arange(8, device=device)[None, :] % model.config.vocab_size
-    logits = model(input_ids=ids, use_cache=False).logits
-    via_decoder = model.get_output_embeddings()(decoder(input_ids=ids, use_cache=False).last_hidden_state)
-    return logits.shape == via_decoder.shape and torch.allclose(logits.float(), via_decoder.float(), atol=atol)
+def logits_from_decoder(model: torch.nn.Module) -> bool:
+    """Whether ``model``'s logits are its LM head applied to ``get_decoder()``'s ``last_hidden_state``: no norm, scale
+    or soft-capping outside the decoder, so a caller may run the decoder alone and keep its states without changing
+    what the model samples."""
+    return decoder_matches_lm_head_input(model) and lm_head_gives_logits(model)
 
 
 @torch.no_grad()
