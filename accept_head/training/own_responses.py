@@ -10,7 +10,9 @@ model's device, seeded from the recipe seed, the split and the shard index, so t
 shards.
 
 On a CPU, ``slots`` decodes each shard by continuous batching (:func:`~accept_head.models.slot_generate.slot_generate`:
-finished rows' cache slots refilled with the next prompts, exact inverse-CDF sampling): the fast path there.
+finished rows' cache slots refilled with the next prompts, exact inverse-CDF sampling): the fast path there. It can
+also keep the target's final hidden states and log-normalisers it computes while writing and save each shard's
+``features`` file beside it (:func:`features_shard`), which spares the recipe's teacher-forced ``features`` pass.
 On CUDA, ``static_cache`` decodes with a fixed-shape :class:`~transformers.StaticCache` (no batch compaction) so that
 ``compile`` can capture the single-token step with ``torch.compile(mode="reduce-overhead")`` (CUDA graphs).
 """
