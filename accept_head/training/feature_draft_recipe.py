@@ -52,7 +52,14 @@ from .draft_recipe import (
 )
 from .feature_draft import FeatureDataModule, FeatureDraftModule, FeatureSequence, read_feature_shards
 from .model_card import blocks, card, front_matter, plain_table, read_json, section
-from .own_responses import bench_generators, response_rows, responses_dataset, shard_positions, write_response_shards
+from .own_responses import (
+    bench_generators,
+    features_shard,
+    response_rows,
+    responses_dataset,
+    shard_positions,
+    write_response_shards,
+)
 
 FIT_SOURCES = ("own", "text", "written")
 """The kinds of training feature shards, by the name their stage gives them."""
@@ -604,15 +611,7 @@ def features_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
             rows = [(tokens, h, lse, prompt_length) for (tokens, prompt_length), (h, lse) in zip(seqs, kept)]
             seconds += time.perf_counter() - start
             tokens_done += sum(len(r[0]) for r in rows)
-            offsets = torch.tensor([0] + [len(r[0]) for r in rows]).cumsum(0)
-            shard = {
-                "tokens": torch.cat([r[0] for r in rows]).to(torch.int32),
-                "features": torch.cat([r[1] for r in rows]).contiguous(),
-                "lse": torch.cat([r[2] for r in rows]),
-                "offsets": offsets,
-                "prompt_lengths": torch.tensor([r[3] for r in rows]),
-            }
-            save_atomic(shard, dest, save_file)
+            save_atomic(features_shard(rows), dest, save_file)
             print(f"[features] {dest.name}: {tokens_done / max(seconds, 1e-9):.0f} tok/s so far", flush=True)
         if stopped:
             break

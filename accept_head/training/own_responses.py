@@ -277,22 +277,20 @@ def _slot_responses(
     if features_dest is None:
         return responses
     responses, kept = responses
+    # A row's states cover its prompt and response but the last token, which no computed state has read: the pair
+    # whose target is the state after the response's end is left out.
+    rows = [(torch.tensor(list(p) + r[:-1]), h, lse, len(p)) for p, r, (h, lse) in zip(prompts, responses, kept)]
     features_dest.parent.mkdir(parents=True, exist_ok=True)
-    save_atomic(features_shard(prompts, responses, kept), features_dest, save_file)
+    save_atomic(features_shard(rows), features_dest, save_file)
     return responses
 
 
-def features_shard(prompts: Sequence[Sequence[int]], responses: list[list[int]], kept: list) -> dict:
-    """The ``features`` stage's shard of rows generated with their features (:func:`slot_generate` with
-    ``features=True``): ``tokens`` (prompt + response without its last token, which no computed state has read),
-    ``features`` (bf16), ``lse``, ``offsets`` and ``prompt_lengths`` — the pairs a draft trains on, less the one
-    whose target is the state after the response's end."""
-    rows = [
-        (torch.tensor(list(p) + r[:-1], dtype=torch.int32), hidden, lse, len(p))
-        for p, r, (hidden, lse) in zip(prompts, responses, kept)
-    ]
+def features_shard(rows: Sequence[tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]]) -> dict:
+    """A ``features`` shard of ``rows``, each (tokens (n,), final hidden states (n, d), log-normalisers (n,), prompt
+    length): ``tokens`` (int32), ``features`` (bf16), ``lse`` (float32), ``offsets`` and ``prompt_lengths``, on the
+    CPU — what the ``features`` stage writes and ``fit`` reads."""
     return {
-        "tokens": torch.cat([r[0] for r in rows]),
+        "tokens": torch.cat([r[0] for r in rows]).to(torch.int32),
         "features": torch.cat([r[1] for r in rows]).to("cpu", torch.bfloat16).contiguous(),
         "lse": torch.cat([r[2] for r in rows]).to("cpu", torch.float32),
         "offsets": torch.tensor([0] + [len(r[0]) for r in rows]).cumsum(0),
@@ -405,9 +403,10 @@ def responses_dataset(folder: Path):
     """The response shards under ``folder`` (``<kind>-NNNNN.pt``) as a Hugging Face ``DatasetDict``, one split per
     kind (``train``, ``eval``), a row per response: ``prompt_id``, ``source`` (the prompt id's prefix),
     ``prompt_ids``, ``response_ids`` (through its EOS), ``sample`` (:data:`GREEDY` for greedy rows) and ``shard``."""
-    from datasets import Dataset, DatasetDict, Features, Sequence, Value
+    from datasets import Dataset, DatasetDict, Features, Value
+    from datasets import Sequence as ListOf
 
-    columns = {"prompt_id": [], "source": [], "prompt_ids": [], "response_ids": [], "sample": [], "shard": []}
+    columns = ("prompt_id", "source", "prompt_ids", "response_ids", "sample", "shard")
     splits: dict[str, dict[str, list]] = {}
     for path in sorted(folder.glob("*-*.pt")):
         kind, index = path.stem.split("-")
@@ -420,8 +419,8 @@ def responses_dataset(folder: Path):
         rows["sample"] += shard["sample"].tolist()
         rows["shard"] += [int(index)] * len(shard["prompt_id"])
     features = Features(
-        {"prompt_id": Value("string"), "source": Value("string"), "prompt_ids": Sequence(Value("int32")),
-         "response_ids": Sequence(Value("int32")), "sample": Value("int64"), "shard": Value("int64")}
+        {"prompt_id": Value("string"), "source": Value("string"), "prompt_ids": ListOf(Value("int32")),
+         "response_ids": ListOf(Value("int32")), "sample": Value("int64"), "shard": Value("int64")}
     )  # fmt: skip
     return DatasetDict({kind: Dataset.from_dict(rows, features=features) for kind, rows in splits.items()})
 
