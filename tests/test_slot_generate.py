@@ -77,22 +77,31 @@ def test_grouped_eager_attention_gives_the_same_greedy_rows(prompts) -> None:
 
 
 def test_compiled_decode_steps_give_the_same_greedy_rows(target, prompts, monkeypatch) -> None:
-    """``compile=True`` runs the steps over the whole buffer through ``torch.compile`` (inductor) — and some do."""
-    calls = []
+    """``compile=True`` runs every full-width decode step through ``torch.compile`` (inductor, frozen weights) over
+    the whole buffer — only the tail's narrower steps decode eagerly — and the greedy rows stay ``generate``'s."""
+    calls, steps = [], []
     compiled = slots_module.compiled_forward(target)
+    decode_step = slots_module._decode_step
 
     def counted(model):
         assert model is target
-        return lambda **kwargs: calls.append(1) or compiled(**kwargs)
+        return lambda **kwargs: calls.append(kwargs["attention_mask"].shape[-1]) or compiled(**kwargs)
+
+    def recorded(forward, cache, *args):
+        steps.append((cache.slots, args[-1]))  # (width, use_fast)
+        return decode_step(forward, cache, *args)
 
     monkeypatch.setattr(slots_module, "compiled_forward", counted)
-    monkeypatch.setattr(slots_module, "LENGTH_STEP", 8)  # a short cache, so that steps reach its whole length
+    monkeypatch.setattr(slots_module, "_decode_step", recorded)
     out = slot_generate(
         target, prompts, [True] * len(prompts), max_new_tokens=14, temperature=1.0, eos_token_ids=[EOS],
         pad_token_id=0, generator=torch.Generator().manual_seed(0), slots=4, compile=True,
     )  # fmt: skip
     assert out == [reference(target, p, 14) for p in prompts]
-    assert len(calls) >= 10
+    full_width = [fast for width, fast in steps if width == 4]
+    assert len(full_width) >= 10 and all(full_width) and len(calls) == len(full_width)
+    assert set(calls) == {slots_module.LENGTH_STEP}  # each compiled step attends over the whole (64-position) buffer
+    assert not any(fast for width, fast in steps if width < 4)
 
 
 def test_greedy_rows_mixed_with_sampled_ones_keep_their_argmax(target, prompts) -> None:
@@ -427,6 +436,12 @@ def test_bench_responses_compile_adds_the_compiled_generator_timed_after_compili
     assert set(result["tokens_per_second"]) == {"generate", "batch", "slots", "slots_compiled"}
     compiled = result["passes"]["slots_compiled"]
     assert compiled["compile_seconds"] > 0 and 9 <= compiled["tokens"][0] <= 9 * 8
+    only = "[slots_features, slots_features_compiled]"  # the responses stage's own path, compiled and not
+    run_cli("bench_responses", "--config", str(config), "--rows", "9", "--compile", "true", "--features", "true",
+            "--generators", only)  # fmt: skip
+    result = json.loads((tmp_path / "bench" / "bench_responses.json").read_text())
+    assert set(result["passes"]) == {"slots_features", "slots_features_compiled"}
+    assert result["passes"]["slots_features_compiled"]["compile_seconds"] > 0
 
 
 def test_bench_responses_features_times_the_data_stage_both_ways(tmp_path, monkeypatch) -> None:
