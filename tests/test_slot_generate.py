@@ -196,18 +196,18 @@ def test_features_kept_while_writing_equal_a_teacher_forced_pass_and_change_no_r
 
 
 def test_features_with_compile_run_the_decoders_whole_buffer_steps_through_the_fast_path(target, prompts, monkeypatch):
-    """``compile=True`` with features routes the whole-buffer steps through the decoder's compiled forward (here a
-    recording stand-in, so the test pays no compilation): the same responses and states as eager."""
+    """``compile=True`` with features routes the full-width steps through the compiled decoder-and-LM-head module
+    (here a recording stand-in, so the test pays no compilation): the same responses and states as eager."""
     seen = []
     monkeypatch.setattr(
         slots_module, "compiled_forward", lambda module: lambda **kw: seen.append(module) or module(**kw)
     )
-    monkeypatch.setattr(slots_module, "LENGTH_STEP", 8)  # a short cache, so that steps reach its whole length
     settings = dict(max_new_tokens=14, temperature=1.0, eos_token_ids=[EOS], pad_token_id=0, slots=4, features=True)
     greedy = [True] * len(prompts)
     eager = slot_generate(target, prompts, greedy, generator=torch.Generator().manual_seed(0), **settings)
     fast = slot_generate(target, prompts, greedy, generator=torch.Generator().manual_seed(0), compile=True, **settings)
-    assert len(seen) >= 10 and all(module is target.get_decoder() for module in seen)
+    assert len(seen) >= 10 and all(isinstance(module, slots_module.DecoderWithHead) for module in seen)
+    assert seen[0].decoder is target.get_decoder() and seen[0].head is target.get_output_embeddings()
     assert fast[0] == eager[0] == [reference(target, p, 14) for p in prompts]
     for (a, a_lse), (b, b_lse) in zip(fast[1], eager[1]):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)

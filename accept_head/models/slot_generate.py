@@ -171,10 +171,25 @@ class _Slot:
     lse: list[torch.Tensor] | None = None
 
 
+class DecoderWithHead(torch.nn.Module):
+    """A causal LM's decoder stack, then its LM head on the last position: (logits (n, V), final hidden states
+    (n, T, d), logsumexp of the logits (n,) in float32) — what a decode step keeping the features needs, as one module
+    so that the compiled step covers all of it. Holds the model's own modules (no copies)."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        self.decoder, self.head = model.get_decoder(), model.get_output_embeddings()
+
+    def forward(self, **inputs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        hidden = self.decoder(**inputs).last_hidden_state
+        logits = self.head(hidden[:, -1])
+        return logits, hidden, logits.float().logsumexp(-1)
+
+
 class _Forward:
     """One forward of the slots: the last position's logits (n, V) and, with ``features``, the decoder's final hidden
-    states (n, T, d) — through ``fast`` (a compiled forward of the model, or of its decoder with features) when
-    :meth:`__call__` is told to use it."""
+    states (n, T, d) and the logits' log-normaliser (n,) — through ``fast`` (a compiled forward of the model, or of
+    :class:`DecoderWithHead` with features) when :meth:`__call__` is told to use it."""
 
     def __init__(self, model: torch.nn.Module, features: bool, compile: bool) -> None:
         self.model, self.features = model, features
@@ -184,25 +199,25 @@ class _Forward:
                 "decoder's last_hidden_state (no norm or soft-capping outside the decoder); generate without "
                 "features and teacher-force them afterwards (the recipe's `features` stage)."
             )
-        self.decoder = model.get_decoder() if features else None
-        self.fast = compiled_forward(self.decoder if features else model) if compile else None
+        self.with_head = None
+        if features:  # one per model, so that a compiled graph is reused across calls
+            self.with_head = model.__dict__.setdefault("_accept_head_decoder_with_head", DecoderWithHead(model))
+        self.fast = compiled_forward(self.with_head if features else model) if compile else None
 
-    def __call__(self, cache: SlotCache, use_fast: bool = False, **inputs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def __call__(self, cache: SlotCache, use_fast: bool = False, **inputs) -> tuple:
+        """(logits, hidden, lse); the last two None without features."""
         if not self.features:
             forward = self.fast if use_fast and self.fast is not None else self.model
             out = forward(**inputs, **cache_kwargs(self.model, cache), logits_to_keep=1)
-            return out.logits[:, -1], None
-        forward = self.fast if use_fast and self.fast is not None else self.decoder
-        hidden = forward(**inputs, **cache_kwargs(self.decoder, cache)).last_hidden_state
-        return self.model.get_output_embeddings()(hidden[:, -1:])[:, -1], hidden
+            return out.logits[:, -1], None, None
+        forward = self.fast if use_fast and self.fast is not None else self.with_head
+        return forward(**inputs, **cache_kwargs(self.with_head.decoder, cache))
 
 
-def _lse(logits_or_hidden: torch.Tensor, lm_head: torch.nn.Module | None = None, chunk: int = 1024) -> torch.Tensor:
-    """float32 logsumexp over the vocabulary of logits (n, V) — or of ``lm_head`` applied to hidden states (n, d), in
-    row chunks so that no (n, V) block is held whole."""
-    if lm_head is None:
-        return logits_or_hidden.float().logsumexp(-1)
-    return torch.cat([lm_head(c).float().logsumexp(-1) for c in logits_or_hidden.split(chunk)])
+def _lse(hidden: torch.Tensor, lm_head: torch.nn.Module, chunk: int = 1024) -> torch.Tensor:
+    """float32 logsumexp over the vocabulary of ``lm_head`` applied to hidden states (n, d), in row chunks so that no
+    (n, V) block is held whole."""
+    return torch.cat([lm_head(c).float().logsumexp(-1) for c in hidden.split(chunk)])
 
 
 @torch.inference_mode()
@@ -286,7 +301,7 @@ def _refill(forward, cache, live, free, waiting, prompts, greedy_rows, last, tem
         positions[i, width - n :] = torch.arange(n)
     span = width
     cache.feed(torch.tensor(chosen, device=device), positions.to(device), span)
-    logits, hidden = forward(
+    logits, hidden, _ = forward(
         cache,
         input_ids=ids.to(device),
         position_ids=positions.clamp(max=span - 1).to(device),
@@ -312,7 +327,7 @@ def _decode_step(forward, cache, live, greedy_rows, last, temperature, generator
     if use_fast or 2 * span > cache.length:  # the whole buffer: an attention matmul would copy a slice of it
         span = cache.length + 1
     cache.feed(torch.arange(cache.slots, device=device), positions.to(device), span)
-    logits, hidden = forward(
+    logits, hidden, lse = forward(
         cache,
         use_fast=use_fast,
         input_ids=last[:, None].to(device),
@@ -322,7 +337,6 @@ def _decode_step(forward, cache, live, greedy_rows, last, temperature, generator
     greedy = torch.tensor([s is not None and bool(greedy_rows[s.row]) for s in live], device=device)
     uniform = torch.rand(cache.slots, generator=generator, device=device)
     tokens = sample_rows(logits, temperature, greedy, uniform).cpu()
-    lse = _lse(logits) if hidden is not None else None
     for i, (slot, token) in enumerate(zip(live, tokens.tolist())):
         if slot is not None:
             slot.position += 1

@@ -327,9 +327,8 @@ def bench_generators(
     ``compile=True``), after one untimed pass that compiles its graph (its seconds under ``compile_seconds``).
     ``features``: also the two ways to a draft's training data — ``slots_then_forced`` (``slots``, then the
     ``features`` stage's teacher-forced pass over the rows written, :func:`~accept_head.models.features.teacher_force`)
-    and ``slots_features`` (the states kept while writing: ``slot_generate(features=True)``; with ``compile`` as well,
-    ``slots_features_compiled``, the responses stage's fastest path on a CPU). ``only``: time just
-    these of them. Returns, per generator, the tokens and seconds of every pass."""
+    and ``slots_features`` (the states kept while writing: ``slot_generate(features=True)``; with ``compile`` too,
+    ``slots_features_compiled``). ``only``: time just these. Returns, per generator, its tokens and seconds a pass."""
     device = next(model.parameters()).device
     chunks = [list(prompts[i : i + batch_size]) for i in range(0, len(prompts), batch_size)]
     eos = torch.as_tensor(list(eos_token_ids))
