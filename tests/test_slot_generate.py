@@ -104,6 +104,20 @@ def test_compiled_decode_steps_give_the_same_greedy_rows(target, prompts, monkey
     assert not any(fast for width, fast in steps if width < 4)
 
 
+def test_the_compiled_forward_is_built_anew_once_the_weights_change() -> None:
+    """Frozen weights are constants of the compiled graph: after an in-place update (what an optimizer step does) or
+    a loaded state dict, :func:`compiled_forward` must not hand back the graph built on the old weights."""
+    model = make_llama(seed=4)
+    first = slots_module.compiled_forward(model)
+    assert slots_module.compiled_forward(model) is first  # unchanged weights: the same compiled forward
+    with torch.no_grad():
+        model.lm_head.weight.mul_(2.0)
+    second = slots_module.compiled_forward(model)
+    assert second is not first
+    model.load_state_dict(make_llama(seed=5).state_dict())
+    assert slots_module.compiled_forward(model) is not second
+
+
 def test_greedy_rows_mixed_with_sampled_ones_keep_their_argmax(target, prompts) -> None:
     greedy = [i % 2 == 0 for i in range(len(prompts))]
     out = slot_generate(

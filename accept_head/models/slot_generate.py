@@ -113,20 +113,24 @@ prompt lengths share the compiled graph."""
 COMPILE_OPTIONS: dict = {"freezing": True}
 """Inductor options of :func:`compiled_forward`. ``freezing`` folds the weights into the graph as constants, which
 lets inductor hand its linears oneDNN-prepacked weights: on the Intel Xeon (AMX) of docs/measurements.md a 128-slot
-run of 192 tokens wrote 953–968 tok/s compiled with it against 841 without (eager: 620–705). Generation only: the
-compiled forward must not be used after the weights change."""
+run of 192 tokens wrote 953–968 tok/s compiled with it against 841 without (eager: 620–705). A frozen graph holds the
+weights it was compiled with: :func:`compiled_forward` compiles anew once any of them changed."""
 
 
 def compiled_forward(model: torch.nn.Module):
-    """``torch.compile(model.forward)`` (inductor, static shapes, :data:`COMPILE_OPTIONS`), built once per model: what
-    :func:`slot_generate` runs its full-width decode steps through when asked to (``compile=True``). Each (slots,
-    cache length) compiles on first use (~1 min for SmolLM2-135M on this CPU)."""
-    kept = model.__dict__
-    if "_accept_head_slot_forward" not in kept:
+    """``torch.compile(model.forward)`` (inductor, static shapes, :data:`COMPILE_OPTIONS`), built once per model and
+    state of its weights: what :func:`slot_generate` runs its full-width decode steps through when asked to
+    (``compile=True``). Each (slots, cache length) compiles on first use (~1 min for SmolLM2-135M on this CPU)."""
+    weights = tuple((p.data_ptr(), p._version) for p in model.parameters())  # an in-place update bumps _version
+    kept = model.__dict__.get("_accept_head_slot_forward")
+    if kept is None or kept[0] != weights:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         options = dict(COMPILE_OPTIONS) or None
-        kept["_accept_head_slot_forward"] = torch.compile(model.forward, dynamic=False, options=options)
-    return kept["_accept_head_slot_forward"]
+        kept = model.__dict__["_accept_head_slot_forward"] = (
+            weights,
+            torch.compile(model.forward, dynamic=False, options=options),
+        )
+    return kept[1]
 
 
 def attention_bias(positions: torch.Tensor, span: int, dtype: torch.dtype) -> torch.Tensor:
