@@ -1236,8 +1236,9 @@ def _recipe(config: dict, configs: list[str], feats: dict, text_line: str, runs:
     if recipe.get("samples_per_prompt"):
         greedy = " + 1 greedy" if recipe.get("greedy_responses") else ""
         data = (
-            f"the target's own responses (bf16, {recipe['samples_per_prompt']} samples at temperature "
-            f"{recipe.get('temperature', 1.0)}{greedy} per prompt, chat template, ≤ {recipe.get('max_new_tokens')} "
+            f"the target's own responses (bf16, {recipe['samples_per_prompt']} T={recipe.get('temperature', 1.0)} "
+            f"sample{'s' if recipe['samples_per_prompt'] != 1 else ''}"
+            f"{greedy} per prompt, chat template, ≤ {recipe.get('max_new_tokens')} "
             "new tokens), written by the recipe's `responses` stage,"
         )
     else:
@@ -1246,11 +1247,16 @@ def _recipe(config: dict, configs: list[str], feats: dict, text_line: str, runs:
             "`python -m train.distill_draft generate`,"
         )
     autocast = "bf16 autocast" if "bf16" in str(recipe.get("precision", "bf16")) else str(recipe.get("precision"))
+    features = (
+        "the target's final hidden states kept by the `responses` stage as it wrote them"
+        if recipe.get("slots") and recipe.get("response_features")
+        else "features from one batched teacher-forced target pass over prompt + response"
+    )
     return section(
         f"Recipe ({' + '.join(f'`{c}`' for c in configs)}, seed {recipe.get('seed', 0)})",
         f"""\
-- Data: {data} to prompts of the `distill` hash split of the `../shared/data` instruction sets; features from one
-  batched teacher-forced target pass over prompt + response ({_features_line(feats, where)}). Held-out
+- Data: {data} to prompts of the `distill` hash split of the `../shared/data` instruction sets; {features}
+  ({_features_line(feats, where)}). Held-out
   numbers use the `eval` split and HumanEval, never trained on.{text_line}
 - Loss (per drafting step k = 1..{recipe.get("unroll")}, weight {recipe.get("step_decay")}^(k−1)): soft
   cross-entropy to the target's distribution over the kept vocabulary + {recipe.get("feature_weight")} × SmoothL1 on
