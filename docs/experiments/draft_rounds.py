@@ -1,7 +1,7 @@
 """Drafts side by side where decoding uses them: tokens accepted per round at a fixed K, and tokens/s.
 
     python docs/experiments/draft_rounds.py --drafts '{"default": "checkpoints/smollm2-135m-feature-draft",
-        "next": "checkpoints/smollm2-135m-feature-draft-next"}' --output docs/experiments/draft_rounds.json
+        "next": "<another draft folder>"}' --output docs/experiments/draft_rounds.json
 
 Each draft decodes the bench's test prompts (``configs/eval/bench.yaml``'s ``prompts``: held-out, they choose nothing)
 with chain speculative decoding at ``FixedK(--k)`` (no acceptance head, so a draft needs no bundle of its own), greedy
