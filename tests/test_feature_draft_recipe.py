@@ -648,19 +648,22 @@ def test_cpu_own_response_recipe_reads_written_answers_of_distill_prompts_only(c
     assert {s["path"] for s in written} <= {s["path"] for s in printed["prompts"]}
 
 
+def _fit_config(capsys, *names: str) -> dict:
+    """The ``cfg`` that ``fit`` reads from configs/distill/smollm2-135m-feature-draft-<name>.yaml, in order."""
+    args = [a for c in names for a in ("--config", f"configs/distill/smollm2-135m-feature-draft-{c}.yaml")]
+    with pytest.raises(SystemExit):
+        run_cli("fit", *args, "--print_config")
+    return yaml.safe_load(capsys.readouterr().out)["cfg"]
+
+
 def test_cpu_fit_configs_keep_the_pools_data_and_train_on_own_responses(capsys, monkeypatch) -> None:
     """The continuation, long-schedule and both long-continuation configs, read after the CPU recipe, change only how
     ``fit`` trains: same prompts, held-out prompts, written answers and kept vocabulary; own-response shards only, each
     in its own work folder. The continuations start from an exported draft at a lower rate; the long schedule from the
     target's weights; the long ones write their draft outside the repository."""
     monkeypatch.chdir(REPO)
-    printed = []
-    for tail in ([], ["cpu-continue"], ["cpu-long"], ["cpu-long-continue"], ["cpu-long-continue-2"]):
-        configs = ["cpu", *tail]
-        args = [a for c in configs for a in ("--config", f"configs/distill/smollm2-135m-feature-draft-{c}.yaml")]
-        with pytest.raises(SystemExit):
-            run_cli("fit", *args, "--print_config")
-        printed.append(yaml.safe_load(capsys.readouterr().out)["cfg"])
+    tails = ([], ["cpu-continue"], ["cpu-long"], ["cpu-long-continue"], ["cpu-long-continue-2"])
+    printed = [_fit_config(capsys, "cpu", *tail) for tail in tails]
     base, cont, long, long_cont, third = printed
     for other in (cont, long, long_cont, third):
         for key in ("prompts", "eval_prompts", "written_responses", "kept_vocab", "split_seed", "target"):
@@ -687,10 +690,7 @@ def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypa
     keys = "lr batch_tokens max_steps warmup_steps fit_sources kept_vocab unroll seed data_seed response_seed".split()
 
     def settings(*names: str) -> dict:
-        args = [a for c in names for a in ("--config", f"configs/distill/smollm2-135m-feature-draft-{c}.yaml")]
-        with pytest.raises(SystemExit):
-            run_cli("fit", *args, "--print_config")
-        printed = yaml.safe_load(capsys.readouterr().out)["cfg"]
+        printed = _fit_config(capsys, *names)
         return {k: printed[k] for k in keys}
 
     config = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft/config.json").read_text())
@@ -712,11 +712,7 @@ def test_the_next_draft_continues_the_default_on_fresh_samples(capsys, monkeypat
     with the CPU recipe + fresh-pool + fifth-run configs' settings (fresh samples: a `response_seed` of its own, a new
     batch order), all of its schedule's steps; the same target and kept vocabulary as the default."""
     monkeypatch.chdir(REPO)
-    names = ("cpu", "cpu-fresh", "cpu-fifth")
-    args = [a for c in names for a in ("--config", f"configs/distill/smollm2-135m-feature-draft-{c}.yaml")]
-    with pytest.raises(SystemExit):
-        run_cli("fit", *args, "--print_config")
-    expected = yaml.safe_load(capsys.readouterr().out)["cfg"]
+    expected = _fit_config(capsys, "cpu", "cpu-fresh", "cpu-fifth")
     default = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft/config.json").read_text())
     config = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft-next/config.json").read_text())
     assert stages.lineage(config)[:-1] == stages.lineage(default)
