@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -13,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from tiny_models import WORDS, make_llama, make_pair, make_tokenizer
+from tiny_models import WORDS, make_llama, make_pair, make_tokenizer, retrained_copy
 
 from accept_head.acceptance.labels import (
     COLUMNS,
@@ -299,6 +301,35 @@ def test_interrupted_run_resumes_to_the_uninterrupted_dataset(pair, tmp_path: Pa
     main(args(pair, prompts, tmp_path / "resumed"))
     assert_same_rows(rows(tmp_path / "full"), rows(tmp_path / "resumed"))
     assert not (tmp_path / "resumed" / "_work").exists()
+
+
+def test_a_run_does_not_resume_with_a_draft_retrained_since(pair, tmp_path: Path, monkeypatch, capsys) -> None:
+    """The partial run records a digest of the draft's weights; resuming after the draft folder's weights changed is
+    refused, naming the draft, and a finished dataset records the digest of the weights that made it."""
+    from accept_head.models.loading import weights_digest
+
+    prompts = write_prompts(tmp_path / "p.jsonl", 6)
+    draft = retrained_copy(pair[1], tmp_path / "draft")
+    run_pair = (pair[0], draft)
+    real_write = generate_module._write_batch
+
+    def crash_on_second(batch_root: Path, b: int, *a, **k) -> None:
+        if b == 1:
+            raise KeyboardInterrupt
+        real_write(batch_root, b, *a, **k)
+
+    monkeypatch.setattr(generate_module, "_write_batch", crash_on_second)
+    with pytest.raises(KeyboardInterrupt):
+        main(args(run_pair, prompts, tmp_path / "out"))
+    monkeypatch.setattr(generate_module, "_write_batch", real_write)
+    shifted = retrained_copy(draft, tmp_path / "shifted")
+    shutil.rmtree(draft)
+    shifted.rename(draft)  # the same folder, its weights shifted once more
+    with pytest.raises(SystemExit):
+        main(args(run_pair, prompts, tmp_path / "out"))
+    assert re.search(r"partial run in .*other weights of the draft .*retrained in place", capsys.readouterr().err)
+    main(args(run_pair, prompts, tmp_path / "fresh"))
+    assert json.loads((tmp_path / "fresh" / "meta.json").read_text())["draft_weights"] == weights_digest(draft)
 
 
 @pytest.mark.slow

@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 from lightning.pytorch.loggers import WandbLogger
+from tiny_models import retrained_copy
 from train_helpers import REPO, TinySetup, other_draft, train_config, write_config
 
 from accept_head import SpecDecPP
@@ -154,6 +155,25 @@ def test_prepare_data_runs_data_gen_when_the_dataset_is_absent(setup, tmp_path):
     cli = fit(config, tmp_path, "--trainer.max_epochs=1")
     assert (labels / "meta.json").is_file() and cli.trainer.global_step > 0
     assert json.loads((labels / "meta.json").read_text())["draft"]["path"] == str(setup.draft)
+
+
+def test_prepare_data_refuses_labels_of_a_draft_retrained_since(setup, tmp_path):
+    """Labels record a digest of the draft's weights: the same folder's weights pass, changed weights (a draft
+    retrained in place) are refused by name before any training, and labels without a digest (older) pass."""
+    from accept_head.models.pairs import ModelSpec
+    from accept_head.training.data import AcceptanceDataModule
+
+    meta = json.loads((setup.labels / "meta.json").read_text())
+    assert meta["draft_weights"] is not None and meta["draft"]["path"] == str(setup.draft)
+    AcceptanceDataModule(path=str(setup.labels), draft=ModelSpec(path=str(setup.draft))).prepare_data()
+    retrained = retrained_copy(setup.draft, tmp_path / "draft")
+    module = AcceptanceDataModule(path=str(setup.labels), draft=ModelSpec(path=str(retrained)))
+    with pytest.raises(ValueError, match=r"other weights of the draft .*retrained in place"):
+        module.prepare_data()
+    older = tmp_path / "older-labels"
+    older.mkdir()
+    (older / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "draft_weights"}))
+    AcceptanceDataModule(path=str(older), draft=ModelSpec(path=str(retrained))).prepare_data()
 
 
 # ---- W&B sweep -----------------------------------------------------------------------------------------------------

@@ -247,6 +247,31 @@ def test_train_trees_writes_models_and_a_report_and_resumes_from_cached_rounds(t
     assert again["results"]["sampled"]["priced_trees"] == payload["results"]["sampled"]["priced_trees"]
 
 
+def test_cached_rounds_are_reused_only_when_made_by_the_same_draft_and_settings(trained, tmp_path) -> None:
+    """The rounds cache keeps what made it (draft weights digest, rule, prompts, ...): the same key reads the file,
+    another key (a draft retrained in place) or a cache without a key collects anew and replaces it."""
+    root = trained[0]
+    stored = [LabelledRound(**r) for r in torch.load(root / "out" / "greedy" / "rounds-check.pt", weights_only=True)]
+    path, calls = tmp_path / "rounds-check.pt", []
+    assert len(stored) >= 3
+
+    def make(rounds):
+        def collect():
+            calls.append(len(rounds))
+            return rounds
+
+        return collect
+
+    first = tree_recipe._cached_rounds(path, make(stored), {"draft_weights": "a"})
+    again = tree_recipe._cached_rounds(path, make([]), {"draft_weights": "a"})
+    assert calls == [len(stored)] and len(again) == len(first) == len(stored)
+    assert len(tree_recipe._cached_rounds(path, make(stored[:1]), {"draft_weights": "b"})) == 1
+    assert len(tree_recipe._cached_rounds(path, make([]), {"draft_weights": "b"})) == 1 and calls == [len(stored), 1]
+    path.with_suffix(".key").unlink()  # a cache from before keys were kept
+    assert len(tree_recipe._cached_rounds(path, make(stored[:2]), {"draft_weights": "b"})) == 2
+    assert calls == [len(stored), 1, 2]
+
+
 def test_tree_calibration_is_fitted_checked_and_exported_into_the_bundle(trained) -> None:
     from accept_head import SpecDecPP
     from accept_head.acceptance.calibration import Calibration

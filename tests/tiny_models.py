@@ -105,6 +105,22 @@ def make_pair(root: str | Path, *, target_seed: int = 0, draft_seed: int = 1) ->
     return target, draft
 
 
+def retrained_copy(folder: str | Path, copy: str | Path) -> Path:
+    """A copy of the model folder ``folder`` at ``copy`` whose weights then change as a retraining in place would
+    change them (one tensor of each safetensors file shifted), its config untouched."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    copy = Path(shutil.copytree(folder, copy))
+    for file in copy.glob("*.safetensors"):
+        tensors = load_file(file)
+        name = sorted(tensors)[0]
+        tensors[name] = tensors[name] + 0.01
+        save_file(tensors, file, metadata={"format": "pt"})
+    return copy
+
+
 def small_vocab_llama(seed: int = 0, vocab_size: int = 8):
     """A random float32 Llama over a vocabulary of ``vocab_size`` (2 layers, hidden size 16, peaked by
     ``initializer_range=0.5``): small enough to enumerate the distribution of its first few sampled tokens

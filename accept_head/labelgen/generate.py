@@ -44,7 +44,7 @@ from ..core.records import code_version
 from ..core.seeds import seeded_generator
 from ..core.timing import device_timer, module_device
 from ..models.batch_generate import sample_batch
-from ..models.loading import is_feature_draft, load_model, load_tokenizer
+from ..models.loading import check_draft_weights, is_feature_draft, load_model, load_tokenizer, weights_digest
 from ..models.pairs import check_same_tokenizer, check_same_vocab, eos_token_ids
 from .config import DataGenConfig
 from .output import (
@@ -373,11 +373,17 @@ def _open_work(out: Path, status: str, cfg: DataGenConfig, digest: str) -> Path:
                 f"The prompts differ from those of the partial run in {out} (a prompt file or the tokenizer changed). "
                 "Pass --overwrite true to start over, or restore the inputs."
             )
+        check_draft_weights(previous.get("draft_weights"), cfg.draft.path, f"the partial run in {out}")
     else:
         shutil.rmtree(work, ignore_errors=True)
     batch_root = work / "batches"
     batch_root.mkdir(parents=True, exist_ok=True)
-    record = {"fingerprint": cfg.fingerprint(), "prompts_digest": digest, "config": cfg.to_dict()}
+    record = {
+        "fingerprint": cfg.fingerprint(),
+        "prompts_digest": digest,
+        "draft_weights": weights_digest(cfg.draft.path),
+        "config": cfg.to_dict(),
+    }
     write_json_atomic(work / "config.json", record)
     for stale in batch_root.glob(".tmp-*"):  # a batch that was being written when the process died
         shutil.rmtree(stale, ignore_errors=True)
@@ -554,6 +560,7 @@ def run_record(cfg: DataGenConfig, totals: dict[str, float], started: float) -> 
         "created": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
         "target": cfg.target.to_dict(),
         "draft": cfg.draft.to_dict(),
+        "draft_weights": weights_digest(cfg.draft.path),  # sha256 of a local draft's weights (None: hub or package)
         # what an acceptance head trained on this dataset may read (accept_head/acceptance/inputs.py)
         "head_inputs": list(dataset_inputs(cfg.rollout, list(ROLLOUT_COLUMNS if cfg.rollout else COLUMNS))),
         **totals_record(totals, started),

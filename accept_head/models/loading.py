@@ -21,6 +21,7 @@ Like transformers' ``Auto*`` classes this module sits above the loaders and they
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import warnings
 from pathlib import Path
@@ -106,6 +107,37 @@ def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
             f"SpecDecPP.from_pretrained({spec.path!r}) or pass it as --bundle (its models: name their own paths)."
         )
     return load_hf_model(spec)  # a hub id, an HF folder or a GGUF source (dequantized into a cached folder)
+
+
+def weights_digest(path: str | Path) -> str | None:
+    """sha256 over the weight files (``*.safetensors``, names and bytes, in name order) of a local model folder; None
+    for anything else (a hub id, a ``package:`` name, a GGUF file). What labels record of the draft that made them, so
+    that a draft retrained in place is not silently paired with its predecessor's labels."""
+    folder = Path(path)
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    digest = hashlib.sha256()
+    for file in files:
+        digest.update(file.name.encode() + b"\0")
+        with file.open("rb") as handle:
+            for block in iter(lambda: handle.read(1 << 22), b""):
+                digest.update(block)
+    return digest.hexdigest()
+
+
+def check_draft_weights(recorded: str | None, draft_path: str, what: str) -> None:
+    """Refuse labels (or a partial run) that ``what`` names when they record a digest of the local draft folder
+    ``draft_path`` other than its weights' now: the draft was retrained in place since. Labels made before digests were
+    recorded (``recorded`` None) pass."""
+    current = weights_digest(draft_path)
+    if recorded is None or current is None or recorded == current:
+        return
+    raise ValueError(
+        f"{what} was made with other weights of the draft {draft_path!r} (sha256 {recorded[:12]}… then, "
+        f"{current[:12]}… now): it was retrained in place since. Move that folder away (or pass --overwrite true to "
+        "data_gen) so that its labels are made again with the draft as it is now."
+    )
 
 
 @functools.cache

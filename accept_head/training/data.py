@@ -44,7 +44,7 @@ from ..acceptance.mixing import check_ratio, mix_tokens
 from ..core.sampling import SamplingConfig
 from ..core.seeds import seeded_generator
 from ..models.feature_draft import read_config
-from ..models.loading import is_feature_draft, load_model, load_tokenizer
+from ..models.loading import check_draft_weights, is_feature_draft, load_model, load_tokenizer
 from ..models.pairs import ModelSpec, eos_token_ids, local_folder, local_path
 
 ROLLOUT = "rollout"
@@ -505,11 +505,18 @@ class AcceptanceDataModule(LightningDataModule):
     # -- Lightning hooks
 
     def prepare_data(self) -> None:
-        """Run data_gen (rank 0 only) when the dataset is absent and ``data_gen`` is configured."""
-        if self.data_gen is not None and not (Path(self.path) / "meta.json").is_file():
-            run_data_gen(self.data_gen, self.path, self.draft)
-        if self.greedy_data_gen is not None and not (Path(self.greedy_path) / "meta.json").is_file():
-            run_data_gen(self.greedy_data_gen, self.greedy_path, self.draft)
+        """Run data_gen (rank 0 only) when the dataset is absent and ``data_gen`` is configured; refuse a dataset that
+        ``data.draft``'s folder has changed under since (a draft retrained in place) before any training."""
+        paths = (("path", self.data_gen, self.path), ("greedy_path", self.greedy_data_gen, self.greedy_path))
+        for key, config, path in paths:
+            if path is None:
+                continue
+            meta = Path(path) / "meta.json"
+            if meta.is_file():
+                recorded = json.loads(meta.read_text()).get("draft_weights")
+                check_draft_weights(recorded, self.draft.path, f"data.{key}={str(path)!r}")
+            elif config is not None:
+                run_data_gen(config, path, self.draft)
 
     def setup(self, stage: str) -> None:
         if self.train_set is not None:

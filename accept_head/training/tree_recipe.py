@@ -32,6 +32,7 @@ and ``trees.json``.
 from __future__ import annotations
 
 import copy
+import hashlib
 import json
 import math
 import time
@@ -48,6 +49,7 @@ from ..core.prompts import PromptOptions, PromptSource
 from ..core.records import machine_info, write_json
 from ..core.sampling import SamplingConfig
 from ..core.seeds import seeded_generator
+from ..models.loading import weights_digest
 from ..specdecpp.bundle import SpecDecPP
 from ..trees.decoding import tree_generate
 from ..trees.growth import ConfidenceTree, best_subtree
@@ -80,26 +82,43 @@ def _label_rounds(
     """The labelled rounds of the training and the check prompt set (decoded with seeds ``seed`` and ``seed + 1``),
     each cached in ``folder`` as ``rounds-<set>.pt`` so a rerun resumes."""
     train_set, check_set = prompt_sets
+    made_by = {  # what the rounds depend on: a cache made otherwise (another draft's weights, say) is collected anew
+        "target": bundle.target_spec.to_dict() if bundle.target_spec else None,
+        "draft": bundle.draft_spec.to_dict() if bundle.draft_spec else None,
+        "draft_weights": weights_digest(bundle.draft_spec.path) if bundle.draft_spec else None,
+        "rule": rule.describe(),
+        "temperature": temperature,
+        "max_new_tokens": max_new_tokens,
+    }
     train = _cached_rounds(
         folder / "rounds-train.pt",
         lambda: collect_rounds(bundle, train_set.prompts, rule, temperature, max_new_tokens, seed),
+        {**made_by, "prompts": [list(p.ids) for p in train_set.prompts], "seed": seed},
     )
     check = _cached_rounds(
         folder / "rounds-check.pt",
         lambda: collect_rounds(bundle, check_set.prompts, rule, temperature, max_new_tokens, seed + 1),
+        {**made_by, "prompts": [list(p.ids) for p in check_set.prompts], "seed": seed + 1},
     )
     return train, check
 
 
-def _cached_rounds(path: Path, make) -> list[LabelledRound]:
-    """The rounds stored at ``path``, or ``make()``'s (then stored there, whole or not at all)."""
-    if path.is_file():
+def _cached_rounds(path: Path, make, made_by: dict) -> list[LabelledRound]:
+    """The rounds stored at ``path`` when they were made by ``made_by`` (recorded beside them, hashed), or ``make()``'s
+    (then stored there, whole or not at all)."""
+    key = hashlib.sha256(json.dumps(made_by, sort_keys=True, default=str).encode()).hexdigest()
+    key_path = path.with_suffix(".key")
+    if path.is_file() and key_path.is_file() and key_path.read_text().strip() == key:
         return [LabelledRound(**raw) for raw in torch.load(path, weights_only=True)]
+    if path.is_file():
+        print(f"{path}: made by another draft, target, rule or prompt set (or before keys were kept); collecting anew")
+    key_path.unlink(missing_ok=True)
     rounds = make()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
     torch.save([r.__dict__ for r in rounds], tmp)
     tmp.replace(path)  # whole or absent: a killed run recollects
+    key_path.write_text(key + "\n")  # after the rounds: a run killed between the two collects again
     return rounds
 
 
