@@ -713,6 +713,25 @@ def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypa
     assert settings("cpu", "cpu-fresh", "cpu-next")["data_seed"] != recipe["data_seed"]  # the fifth run's new order
 
 
+def test_the_next_draft_continues_the_default_on_fresh_samples(capsys, monkeypatch) -> None:
+    """checkpoints/smollm2-135m-feature-draft-next: the default's runs, then one warm restart from the default's folder
+    with the CPU recipe + fresh-pool + sixth-run configs' settings (fresh samples: a `response_seed` of its own, a new
+    batch order), all of its schedule's steps; the same target and kept vocabulary as the default."""
+    monkeypatch.chdir(REPO)
+    expected = _fit_config(capsys, "cpu", "cpu-fresh", "cpu-sixth")
+    default = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft/config.json").read_text())
+    config = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft-next/config.json").read_text())
+    assert stages.lineage(config)[:-1] == stages.lineage(default)
+    keys = "lr batch_tokens max_steps warmup_steps fit_sources kept_vocab unroll seed data_seed response_seed".split()
+    recipe = config["extra"]["recipe"]
+    assert {k: recipe[k] for k in keys} == {k: expected[k] for k in keys}
+    assert recipe["init_draft"] == "checkpoints/smollm2-135m-feature-draft" and recipe["response_seed"] not in (None, 0)
+    assert recipe["data_seed"] != default["extra"]["recipe"]["data_seed"]
+    assert config["extra"]["steps"] == recipe["max_steps"]
+    for key in ("kept_vocab_size", "target_fingerprint", "hidden_size"):
+        assert config[key] == default[key], key
+
+
 def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None:
     from accept_head.labelgen.run import parse_config
     from accept_head.training.cli import cli_main
