@@ -166,14 +166,19 @@ def test_prepare_data_refuses_labels_of_a_draft_retrained_since(setup, tmp_path)
     meta = json.loads((setup.labels / "meta.json").read_text())
     assert meta["draft_weights"] is not None and meta["draft"]["path"] == str(setup.draft)
     AcceptanceDataModule(path=str(setup.labels), draft=ModelSpec(path=str(setup.draft))).prepare_data()
-    retrained = retrained_copy(setup.draft, tmp_path / "draft")
-    module = AcceptanceDataModule(path=str(setup.labels), draft=ModelSpec(path=str(retrained)))
+    retrained = retrained_copy(setup.draft, tmp_path / "draft")  # a folder the labels below say made them
+
+    def labels(name: str, **changes) -> str:
+        folder = tmp_path / name
+        folder.mkdir()
+        stale = {**meta, "draft": {**meta["draft"], "path": str(retrained)}, **changes}
+        (folder / "meta.json").write_text(json.dumps({k: v for k, v in stale.items() if v is not None}))
+        return str(folder)
+
+    module = AcceptanceDataModule(path=labels("stale"), draft=ModelSpec(path=str(retrained)))
     with pytest.raises(ValueError, match=r"other weights of the draft .*retrained in place"):
         module.prepare_data()
-    older = tmp_path / "older-labels"
-    older.mkdir()
-    (older / "meta.json").write_text(json.dumps({k: v for k, v in meta.items() if k != "draft_weights"}))
-    AcceptanceDataModule(path=str(older), draft=ModelSpec(path=str(retrained))).prepare_data()
+    AcceptanceDataModule(path=labels("older", draft_weights=None), draft=ModelSpec(path=str(retrained))).prepare_data()
 
 
 # ---- W&B sweep -----------------------------------------------------------------------------------------------------

@@ -513,8 +513,10 @@ class AcceptanceDataModule(LightningDataModule):
                 continue
             meta = Path(path) / "meta.json"
             if meta.is_file():
-                recorded = json.loads(meta.read_text()).get("draft_weights")
-                check_draft_weights(recorded, self.draft.path, f"data.{key}={str(path)!r}")
+                recorded = json.loads(meta.read_text())
+                made_by = recorded.get("draft")
+                if isinstance(made_by, dict) and _same_model(ModelSpec(**made_by), self.draft):  # else: setup refuses
+                    check_draft_weights(recorded.get("draft_weights"), self.draft.path, f"data.{key}={str(path)!r}")
             elif config is not None:
                 run_data_gen(config, path, self.draft)
 
