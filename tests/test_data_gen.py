@@ -72,6 +72,24 @@ def args(pair: tuple[Path, Path], prompts: Path | list[dict], out: Path, *extra:
     ]  # fmt: skip
 
 
+def interrupted_at_batch(monkeypatch, batch: int, run, half_written: bool = False) -> None:
+    """``run()`` crashing (KeyboardInterrupt) when data_gen is about to write batch ``batch`` (``half_written``: after
+    leaving that batch's temporary folder behind, as a kill mid-write would)."""
+    real_write = generate_module._write_batch
+
+    def crash(batch_root: Path, b: int, *a, **k) -> None:
+        if b == batch:
+            if half_written:
+                (batch_root / f".tmp-{b:06d}-999").mkdir()
+            raise KeyboardInterrupt
+        real_write(batch_root, b, *a, **k)
+
+    monkeypatch.setattr(generate_module, "_write_batch", crash)
+    with pytest.raises(KeyboardInterrupt):
+        run()
+    monkeypatch.setattr(generate_module, "_write_batch", real_write)
+
+
 def rows(path: Path) -> list[dict]:
     dataset, _ = load_label_dataset(path)
     return dataset.to_list()
@@ -281,19 +299,7 @@ def test_interrupted_run_resumes_to_the_uninterrupted_dataset(pair, tmp_path: Pa
     """In-process crash after two batches (including a half-written batch folder); rerun finishes the rest."""
     prompts = write_prompts(tmp_path / "p.jsonl", 10)
     main(args(pair, prompts, tmp_path / "full"))
-    real_write, calls = generate_module._write_batch, []
-
-    def crash_on_third(batch_root: Path, b: int, *a, **k) -> None:
-        calls.append(b)
-        if len(calls) == 3:
-            (batch_root / f".tmp-{b:06d}-999").mkdir()  # as if killed while writing
-            raise KeyboardInterrupt
-        real_write(batch_root, b, *a, **k)
-
-    monkeypatch.setattr(generate_module, "_write_batch", crash_on_third)
-    with pytest.raises(KeyboardInterrupt):
-        main(args(pair, prompts, tmp_path / "resumed"))
-    monkeypatch.setattr(generate_module, "_write_batch", real_write)
+    interrupted_at_batch(monkeypatch, 2, lambda: main(args(pair, prompts, tmp_path / "resumed")), half_written=True)
     done = sorted(p.name for p in (tmp_path / "resumed" / "_work" / "batches").iterdir())
     assert done == [".tmp-000002-999", "000000", "000001"]
     with pytest.raises(ValueError, match="unfinished data_gen run"):
@@ -311,17 +317,7 @@ def test_a_run_does_not_resume_with_a_draft_retrained_since(pair, tmp_path: Path
     prompts = write_prompts(tmp_path / "p.jsonl", 6)
     draft = retrained_copy(pair[1], tmp_path / "draft")
     run_pair = (pair[0], draft)
-    real_write = generate_module._write_batch
-
-    def crash_on_second(batch_root: Path, b: int, *a, **k) -> None:
-        if b == 1:
-            raise KeyboardInterrupt
-        real_write(batch_root, b, *a, **k)
-
-    monkeypatch.setattr(generate_module, "_write_batch", crash_on_second)
-    with pytest.raises(KeyboardInterrupt):
-        main(args(run_pair, prompts, tmp_path / "out"))
-    monkeypatch.setattr(generate_module, "_write_batch", real_write)
+    interrupted_at_batch(monkeypatch, 1, lambda: main(args(run_pair, prompts, tmp_path / "out")))
     shifted = retrained_copy(draft, tmp_path / "shifted")
     shutil.rmtree(draft)
     shifted.rename(draft)  # the same folder, its weights shifted once more
