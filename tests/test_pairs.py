@@ -12,7 +12,7 @@ from tiny_models import make_llama, make_pair, make_tokenizer
 from accept_head import FeatureDraft, FeatureDrafter, ModelSpec, check_same_tokenizer, load_model, load_tokenizer
 from accept_head.models.drafters import ModelDrafter, as_drafter
 from accept_head.models.loading import is_feature_draft, model_kind
-from accept_head.models.pairs import _sha256, resolve_gguf
+from accept_head.models.pairs import file_sha256, resolve_gguf
 
 
 @pytest.fixture(scope="module")
@@ -97,7 +97,7 @@ def test_gguf_is_loaded_from_the_cache_keyed_by_its_content_hash(
     gguf = tmp_path / "model.gguf"
     gguf.write_bytes(b"stand-in for a quantized file")
     # Pretend an earlier load dequantized this exact file: put the tiny target where the cache looks for it.
-    cached = tmp_path / "cache" / "gguf" / f"{_sha256(gguf)[:16]}-float32"
+    cached = tmp_path / "cache" / "gguf" / f"{file_sha256(gguf)[:16]}-float32"
     make_llama(cached, seed=0, num_layers=3)
     model = load_model({"path": str(gguf), "dtype": "float32"})
     assert model.config.num_hidden_layers == 3

@@ -30,7 +30,7 @@ from typing import Literal
 import torch
 
 from .feature_draft import FeatureDraft, is_feature_draft_folder, read_config
-from .pairs import ModelSpec, load_hf_model, load_hf_tokenizer, resolve_gguf
+from .pairs import ModelSpec, file_sha256, load_hf_model, load_hf_tokenizer, resolve_gguf
 
 ModelKind = Literal["hf", "gguf", "feature_draft", "bundle"]
 """What a model path holds: a Hugging Face model (hub id or folder), a GGUF file (or ``package:`` name, or a
@@ -110,20 +110,14 @@ def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
 
 
 def weights_digest(path: str | Path) -> str | None:
-    """sha256 over the weight files (``*.safetensors``, names and bytes, in name order) of a local model folder; None
-    for anything else (a hub id, a ``package:`` name, a GGUF file). What labels record of the draft that made them, so
-    that a draft retrained in place is not silently paired with its predecessor's labels."""
+    """sha256 over the weight files (``*.safetensors``: names and file digests, in name order) of a local model
+    folder; None for anything else (a hub id, a ``package:`` name, a GGUF file). What labels record of the draft that
+    made them, so that a draft retrained in place is not silently paired with its predecessor's labels."""
     folder = Path(path)
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         return None
-    digest = hashlib.sha256()
-    for file in files:
-        digest.update(file.name.encode() + b"\0")
-        with file.open("rb") as handle:
-            for block in iter(lambda: handle.read(1 << 22), b""):
-                digest.update(block)
-    return digest.hexdigest()
+    return hashlib.sha256("".join(f"{file.name}:{file_sha256(file)}\n" for file in files).encode()).hexdigest()
 
 
 def check_draft_weights(recorded: str | None, draft_path: str, what: str) -> None:

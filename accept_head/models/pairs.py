@@ -169,7 +169,8 @@ def resolve_gguf(spec: ModelSpec) -> Path | None:
     return None
 
 
-def _sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 of a file's bytes, read in 1 MiB blocks."""
     digest = hashlib.sha256()
     with path.open("rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -179,7 +180,7 @@ def _sha256(path: Path) -> str:
 
 def _dequantized_folder(gguf: Path, dtype: str) -> Path:
     """Dequantize ``gguf`` once into an HF folder (safetensors + tokenizer) and return it."""
-    folder = cache_root() / "gguf" / f"{_sha256(gguf)[:16]}-{dtype}"
+    folder = cache_root() / "gguf" / f"{file_sha256(gguf)[:16]}-{dtype}"
     if (folder / "config.json").is_file():
         return folder
     model = AutoModelForCausalLM.from_pretrained(
