@@ -159,7 +159,8 @@ def test_prepare_data_runs_data_gen_when_the_dataset_is_absent(setup, tmp_path):
 
 def test_prepare_data_refuses_labels_of_a_draft_retrained_since(setup, tmp_path):
     """Labels record a digest of the draft's weights: the same folder's weights pass, changed weights (a draft
-    retrained in place) are refused by name before any training, and labels without a digest (older) pass."""
+    retrained in place) are refused by name before any training, labels without a digest (older) pass, and labels of
+    another draft are refused as such (the digest is only compared for the folder the labels name)."""
     from accept_head.models.pairs import ModelSpec
     from accept_head.training.data import AcceptanceDataModule
 
@@ -175,9 +176,11 @@ def test_prepare_data_refuses_labels_of_a_draft_retrained_since(setup, tmp_path)
         (folder / "meta.json").write_text(json.dumps({k: v for k, v in stale.items() if v is not None}))
         return str(folder)
 
-    module = AcceptanceDataModule(path=labels("stale"), draft=ModelSpec(path=str(retrained)))
+    stale = labels("stale")
     with pytest.raises(ValueError, match=r"other weights of the draft .*retrained in place"):
-        module.prepare_data()
+        AcceptanceDataModule(path=stale, draft=ModelSpec(path=str(retrained))).prepare_data()
+    with pytest.raises(ValueError, match=r"labelled with draft .*but data.draft is"):
+        AcceptanceDataModule(path=stale, draft=ModelSpec(path=str(setup.draft))).prepare_data()
     AcceptanceDataModule(path=labels("older", draft_weights=None), draft=ModelSpec(path=str(retrained))).prepare_data()
 
 

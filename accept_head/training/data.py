@@ -109,7 +109,8 @@ def _same_model(a: ModelSpec, b: ModelSpec) -> bool:
 
 
 def check_draft(meta: dict, draft: ModelSpec, path: str | Path) -> None:
-    """Refuse a dataset whose labels were computed for another draft than the configured one."""
+    """Refuse a dataset whose labels were computed for another draft than the configured one, or for the same local
+    draft folder before its weights changed (a draft retrained in place: labels record a digest of its weights)."""
     raw = meta.get("draft")
     if not isinstance(raw, dict) or "path" not in raw:
         raise ValueError(f"{path}/meta.json names no draft model; regenerate the dataset with python -m data_gen.")
@@ -121,6 +122,7 @@ def check_draft(meta: dict, draft: ModelSpec, path: str | Path) -> None:
             f"adapter={draft.adapter!r}). Labels depend on the draft: set --data.draft.path={labelled.path} or "
             f"regenerate the labels with `python -m data_gen ... --draft.path {draft.path}`."
         )
+    check_draft_weights(meta.get("draft_weights"), draft.path, f"The label dataset {str(path)!r}")
 
 
 def _check_train_fraction(train_fraction: float) -> None:
@@ -505,18 +507,14 @@ class AcceptanceDataModule(LightningDataModule):
     # -- Lightning hooks
 
     def prepare_data(self) -> None:
-        """Run data_gen (rank 0 only) when the dataset is absent and ``data_gen`` is configured; refuse a dataset that
-        ``data.draft``'s folder has changed under since (a draft retrained in place) before any training."""
-        paths = (("path", self.data_gen, self.path), ("greedy_path", self.greedy_data_gen, self.greedy_path))
-        for key, config, path in paths:
+        """Run data_gen (rank 0 only) when the dataset is absent and ``data_gen`` is configured; refuse a dataset made
+        by another draft, or by ``data.draft``'s folder before it was retrained in place, before any training."""
+        for config, path in ((self.data_gen, self.path), (self.greedy_data_gen, self.greedy_path)):
             if path is None:
                 continue
             meta = Path(path) / "meta.json"
             if meta.is_file():
-                recorded = json.loads(meta.read_text())
-                made_by = recorded.get("draft")
-                if isinstance(made_by, dict) and _same_model(ModelSpec(**made_by), self.draft):  # else: setup refuses
-                    check_draft_weights(recorded.get("draft_weights"), self.draft.path, f"data.{key}={str(path)!r}")
+                check_draft(json.loads(meta.read_text()), self.draft, path)
             elif config is not None:
                 run_data_gen(config, path, self.draft)
 
