@@ -714,6 +714,25 @@ def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypa
     assert settings("cpu", "cpu-fresh", "cpu-fifth")["data_seed"] != recipe["data_seed"]  # the sixth run's new order
 
 
+def test_the_next_draft_continues_the_default_at_a_lower_rate(capsys, monkeypatch) -> None:
+    """checkpoints/smollm2-135m-feature-draft-next: the default's runs, then one warm restart from the default's folder
+    with the CPU recipe + fresh-pool + seventh-run configs' settings (the same fresh samples in a new batch order, a
+    lower peak rate than the default's run), all of its schedule's steps; the same target and kept vocabulary."""
+    monkeypatch.chdir(REPO)
+    expected = _fit_config(capsys, "cpu", "cpu-fresh", "cpu-seventh")
+    default = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft/config.json").read_text())
+    config = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft-next/config.json").read_text())
+    assert stages.lineage(config)[:-1] == stages.lineage(default)
+    keys = "lr batch_tokens max_steps warmup_steps fit_sources kept_vocab unroll seed data_seed response_seed".split()
+    recipe, previous = config["extra"]["recipe"], default["extra"]["recipe"]
+    assert {k: recipe[k] for k in keys} == {k: expected[k] for k in keys}
+    assert recipe["init_draft"] == "checkpoints/smollm2-135m-feature-draft"
+    assert recipe["response_seed"] == previous["response_seed"] and recipe["data_seed"] != previous["data_seed"]
+    assert recipe["lr"] < previous["lr"] and config["extra"]["steps"] == recipe["max_steps"]
+    for key in ("kept_vocab_size", "target_fingerprint", "hidden_size"):
+        assert config[key] == default[key], key
+
+
 def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None:
     from accept_head.labelgen.run import parse_config
     from accept_head.training.cli import cli_main
