@@ -20,20 +20,20 @@ import itertools
 
 import pytest
 import torch
-from stats_helpers import ALPHA, SMALL_PROMPT, pair_p_values, sampled_tokens, small_vocab_pair
+from stats_helpers import ALPHA, SMALL_PROMPT, goodness_of_fit, pair_p_values, sampled_tokens, small_vocab_pair
 from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, perturbed_copy
 
 import accept_head.trees.decoding as tree_decoding
 from accept_head import AcceptanceHead, autoregressive_generate
 from accept_head.core.costs import CostModel
 from accept_head.core.hf_compat import cache_kwargs
-from accept_head.core.sampling import SamplingConfig, probabilities
+from accept_head.core.sampling import SamplingConfig, draw_without_replacement, probabilities
 from accept_head.models.feature_draft import FeatureDraft
 from accept_head.models.features import lm_head_input
 from accept_head.trees.drafters import FeatureTreeDrafter, ModelTreeDrafter, slot_attention
 from accept_head.trees.growth import ConfidenceTree, CostTree, DraftTree, HeadTree, StaticTree, best_subtree
 from accept_head.trees.labels import C2TClassifier, C2TTree, TreeLabelRecorder, node_labels
-from accept_head.trees.verify import tree_mask
+from accept_head.trees.verify import tree_mask, try_siblings
 
 COST = CostModel(t_draft=0.004, t_target_a=0.039, t_target_b=0.00032)
 PROMPTS = [[2, 10, 11, 12, 13, 14], [2, 40, 41, 7], [5]]
@@ -60,6 +60,7 @@ def rules(hidden_size: int) -> dict:
         "scalar head": HeadTree(scalar.eval(), COST, width=3, top_k=3, max_depth=5, max_nodes=24),
         "confidence": ConfidenceTree(width=3, top_k=3, max_depth=4, max_nodes=20),
         "cost": CostTree(COST, width=2, top_k=3, max_depth=5, max_nodes=16),
+        "drawn siblings": CostTree(COST, width=2, top_k=3, max_depth=5, max_nodes=16, siblings="sampled"),  # T > 0 only
         "static": StaticTree((3, 2, 1)),
     }
 
@@ -218,10 +219,12 @@ def scalar_head_tree(hidden_size: int) -> HeadTree:
     return HeadTree(head, COST, width=2, top_k=2, max_depth=3, max_nodes=6)
 
 
-@pytest.mark.parametrize("rule", ["confidence", "scalar head"])
+@pytest.mark.parametrize("rule", ["confidence", "scalar head", "drawn siblings"])
 def test_sampled_tree_decoding_keeps_the_target_distribution(small, rule: str) -> None:
     target, draft, joint = small
     tree_rule = None if rule == "confidence" else scalar_head_tree(draft.config.hidden_size)
+    if rule == "drawn siblings":  # children drawn without replacement, verified recursively
+        tree_rule.siblings = "sampled"
     tokens, hit_rate = sampled_tokens(sample_tree(target, draft, tree_rule), SAMPLES, len(SMALL_PROMPT))
     assert hit_rate > 0.3, hit_rate  # draft nodes were accepted often: the acceptance rule itself is under test
     p_first, p_second = pair_p_values(tokens, joint)
@@ -242,6 +245,62 @@ def test_broken_tree_verification_is_detected(small, monkeypatch: pytest.MonkeyP
     tokens, _ = sampled_tokens(sample_tree(target, draft), SAMPLES // 4, len(SMALL_PROMPT))
     p_values = pair_p_values(tokens, joint)
     assert min(p_values) < ALPHA, p_values
+
+
+P_TARGET = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+Q_DRAFT = torch.tensor([0.1, 0.5, 0.05, 0.2, 0.0, 0.15])  # no mass on token 4, more than p on tokens 1, 3, 5
+
+
+def drawn_sibling_outcomes(k: int, n: int, keep=lambda drawn: drawn) -> tuple[torch.Tensor, float]:
+    """Token counts of ``n`` rounds of :func:`try_siblings` on ``k`` siblings drawn from Q_DRAFT (``keep`` filters
+    the draw before verification), and the share of rounds that accepted a sibling."""
+    generator, counts, accepted = torch.Generator().manual_seed(0), torch.zeros(len(P_TARGET)), 0
+    for _ in range(n):
+        drawn = keep(draw_without_replacement(Q_DRAFT[None], k, generator)[0].tolist())
+        i, residual = try_siblings(P_TARGET, Q_DRAFT, drawn, generator)
+        accepted += i is not None
+        counts[drawn[i] if i is not None else int(torch.multinomial(residual.float(), 1, generator=generator))] += 1
+    return counts, accepted / n
+
+
+@pytest.mark.parametrize("k", [1, 3])
+def test_drawn_siblings_emit_the_target_distribution(k: int) -> None:
+    """Siblings drawn without replacement and tried in draw order emit exactly p; one sibling is accepted as a chain
+    candidate is (Σ min(p, q) = 0.54), and more siblings are accepted more often."""
+    counts, accepted = drawn_sibling_outcomes(k, 4000)
+    assert goodness_of_fit(counts, P_TARGET) > ALPHA
+    chain = float(torch.minimum(P_TARGET, Q_DRAFT).sum())
+    assert accepted == pytest.approx(chain, abs=0.03) if k == 1 else accepted > chain + 0.15
+
+
+def test_the_draw_follows_q_without_replacement() -> None:
+    """The first of k draws follows q; the second follows q renormalised without the first (token 1 first)."""
+    draws = draw_without_replacement(Q_DRAFT.expand(6000, -1), 2, torch.Generator().manual_seed(1))
+    assert goodness_of_fit(torch.bincount(draws[:, 0], minlength=6).float(), Q_DRAFT) > ALPHA
+    second = draws[draws[:, 0] == 1, 1]
+    without = Q_DRAFT.clone()
+    without[1] = 0
+    assert goodness_of_fit(torch.bincount(second, minlength=6).float(), without) > ALPHA
+    assert (draws[:, 0] != draws[:, 1]).all() and not (draws == 4).any()
+
+
+def test_dropping_drawn_siblings_by_their_own_value_is_detected() -> None:
+    """Which siblings are tried must be fixed before the draw: keeping only the likely ones (q > 0.12) breaks p."""
+    counts, _ = drawn_sibling_outcomes(3, 1000, keep=lambda drawn: [t for t in drawn if Q_DRAFT[t] > 0.12])
+    assert goodness_of_fit(counts, P_TARGET) < ALPHA
+
+
+def test_sibling_counts_follow_the_parents_distribution() -> None:
+    """Drawn siblings: a flat draft distribution gets more children than a peaked one, within max_nodes; a floor
+    (threshold) keeps out siblings worth less."""
+    rule = CostTree(COST, top_k=4, max_nodes=6, siblings="sampled")
+    tree = DraftTree(forwards=1, sampled=True)
+    assert rule.sibling_counts(tree, [-1], [[0.97, 0.01, 0.01, 0.01]]) == [1]
+    flat = rule.sibling_counts(tree, [-1], [[0.3, 0.25, 0.2, 0.15]])
+    assert flat == [4]
+    assert sum(rule.sibling_counts(tree, [-1, -1], [[0.3, 0.25, 0.2, 0.15]] * 2)) == 6  # max_nodes
+    strict = CostTree(COST, top_k=4, threshold=0.85, siblings="sampled")
+    assert strict.sibling_counts(tree, [-1], [[0.3, 0.25, 0.2, 0.15]]) == [2]  # v ≥ 0.15: 0.3, 0.7·0.25 (not 0.105)
 
 
 # --- the growth rule --------------------------------------------------------------------------------------------------
@@ -320,6 +379,7 @@ def test_the_head_decides_how_deep_the_tree_grows(pair) -> None:
         (lambda h: HeadTree(h, COST, threshold=1.5), r"threshold=1.5 must be in \(0, 1\]"),
         (lambda h: HeadTree(h, COST, min_depth=0), r"min_depth=0 must be an integer >= 1"),
         (lambda h: HeadTree(h, COST, max_depth=3, min_depth=4), r"min_depth=4 must be <= max_depth=3"),
+        (lambda h: HeadTree(h, COST, siblings="random"), r"siblings='random' must be one of \('top', 'sampled'\)"),
         (lambda h: ConfidenceTree(width=-1), r"width=-1 must be an integer >= 1"),
         (lambda h: ConfidenceTree(max_depth=0), r"max_depth=0"),
         (lambda h: StaticTree((2, 0)), r"shape\[1\]=0 must be an integer >= 1"),

@@ -7,6 +7,7 @@ probabilities goes through :func:`probabilities`, so the decoders, ``data_gen`` 
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 
 import torch
@@ -79,6 +80,35 @@ def sample_one(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     total = cdf[-1:]
     target = torch.minimum(uniform.to(cdf) * total, torch.nextafter(total, torch.zeros_like(total)))
     return min(int(torch.searchsorted(cdf, target, right=True)), probs.shape[-1] - 1)
+
+
+def draw_without_replacement(probs: torch.Tensor, k: int, generator: torch.Generator | None) -> torch.Tensor:
+    """Draw ``k`` distinct tokens per row of ``probs`` (N, V) without replacement, in draw order → (N, k) LongTensor.
+
+    Each draw follows the row renormalised over the tokens not drawn yet: an inverse-CDF draw (as
+    :func:`sample_one`, one float64 uniform each) over the row's float32 cumulative sum with the drawn tokens'
+    intervals skipped, so a row costs one cumulative sum and k binary searches. Rows need at least ``k`` tokens of
+    probability > 0 (tokens of probability 0 are never drawn).
+    """
+    cdf = probs.float().cumsum(-1).cpu().double()
+    out = torch.empty((probs.shape[0], k), dtype=torch.long)
+    for row in range(probs.shape[0]):
+        c, drawn, removed = cdf[row], [], 0.0
+        total = float(c[-1])
+        for i in range(k):
+            u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=generator_device(generator)))
+            point = min(u * (total - removed), math.nextafter(total - removed, 0.0))
+            for token in sorted(drawn):  # skip the drawn tokens' intervals, left to right
+                if point < (float(c[token - 1]) if token else 0.0):
+                    break
+                point += float(c[token]) - (float(c[token - 1]) if token else 0.0)
+            token = min(int(torch.searchsorted(c, torch.tensor([point], dtype=c.dtype), right=True)), c.shape[0] - 1)
+            while token in drawn and token < c.shape[0] - 1:  # rounding put the point on a drawn edge: step past it
+                token = min(int(torch.searchsorted(c, c[token : token + 1], right=True)), c.shape[0] - 1)
+            drawn.append(token)
+            removed += float(c[token]) - (float(c[token - 1]) if token else 0.0)
+            out[row, i] = token
+    return out.to(probs.device)
 
 
 def generator_device(generator: torch.Generator | None) -> torch.device:

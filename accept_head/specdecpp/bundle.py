@@ -195,8 +195,8 @@ class SpecDecPP:
         self.target_spec, self.draft_spec = target_spec, draft_spec
         self.tree = dict(tree or {})
         """Keyword arguments of :class:`~accept_head.trees.growth.HeadTree` for ``generate(..., tree=True)``
-        (``width``, ``top_k``, ``max_depth``, ``min_depth``, ``max_nodes``, ``threshold``); unset ones take
-        HeadTree's defaults."""
+        (``width``, ``top_k``, ``max_depth``, ``min_depth``, ``max_nodes``, ``threshold``, ``siblings``); unset ones
+        take HeadTree's defaults."""
         self.tree_calibration = dict(tree_calibration or {})
         """Per decoding mode (``greedy``, ``sampled``): the map from the head's probability to P(tree node accepted |
         parent accepted), fitted on tree-node labels by ``python -m train.trees --export_calibration true``. A tree
@@ -247,14 +247,15 @@ class SpecDecPP:
                 "This bundle has no cost model, which tree decoding needs to price nodes and depths: measure one "
                 "with `python -m eval costs` and pass it as cost_model=, or use generate(..., tree=False)."
             )
-        known = ("width", "top_k", "max_depth", "min_depth", "max_nodes", "threshold")
+        known = ("width", "top_k", "max_depth", "min_depth", "max_nodes", "threshold", "siblings")
         unknown = sorted(set(self.tree) - set(known))
         if unknown:
             raise ValueError(f"tree settings {unknown} are unknown; use {', '.join(known)}.")
         settings = dict(self.tree)
         if threshold is not None:
             settings["threshold"] = threshold
-        calibration = self.calibration_for(greedy, tree=True)
+        # Drawn siblings are accepted as chain candidates are (min(1, p/q)): the chain's calibration prices them.
+        calibration = self.calibration_for(greedy, tree=settings.get("siblings", "top") != "sampled")
         return HeadTree(self.head, CostModel.from_dict(self.cost_model), calibration=calibration, **settings)
 
     def encode(self, prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:

@@ -15,7 +15,11 @@ what remains of r. Then P(emit c_i) = p(c_i) for every sibling and P(emit x) = p
 token follows the target's p whatever the candidates are; the same holds at the accepted child with its own p, so
 the whole sequence follows the target (Fu et al. 2024, Alg. 4; ``tests/test_tree_decoding.py`` checks it by χ²).
 The rule needs no independent draws from q (SpecInfer's multi-draft rule would); the price is that a candidate is
-accepted with probability p(c), not min(1, p/q). Greedy verification accepts a node iff it is the target's argmax.
+accepted with probability p(c), not min(1, p/q). A rule with ``siblings="sampled"`` pays that price back: its
+children are drawn from q without replacement and :func:`~accept_head.trees.verify.verify_recursive` accepts the first
+with probability min(1, p/q), like a chain candidate, and tries the others on what it leaves (recursive rejection
+sampling; ``tests/test_tree_decoding.py`` checks it by χ² too). Greedy verification accepts a node iff it is the
+target's argmax, whatever the rule.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos, draft_room, prefill
-from ..core.sampling import SamplingConfig, probabilities
+from ..core.sampling import SamplingConfig, draw_without_replacement, probabilities
 from ..models.features import capture_lm_head_input
 from .attention import attention_layout, check_masked_attention
 from .drafters import TreeDrafter, as_tree_drafter
@@ -36,6 +40,7 @@ from .verify import (
     commit_nodes,
     tree_forward,
     verify_greedy,
+    verify_recursive,
     verify_sampled,
 )
 
@@ -47,23 +52,25 @@ def draft_probs(logits: torch.Tensor, sampling: SamplingConfig) -> torch.Tensor:
 
 
 def draft_tree(
-    drafter: TreeDrafter, rule: TreeRule, sampling: SamplingConfig, max_depth: int, stats: TreeDecodeStats
+    drafter: TreeDrafter,
+    rule: TreeRule,
+    sampling: SamplingConfig,
+    max_depth: int,
+    stats: TreeDecodeStats,
+    generator: torch.Generator | None = None,
 ) -> DraftTree:
-    """Grow one round's tree (at most ``max_depth`` deep). Returns every proposed node with its score and value."""
-    tree = DraftTree()
+    """Grow one round's tree (at most ``max_depth`` deep). Returns every proposed node with its score and value.
+    Children are the draft's top-k, or at T > 0 under a rule with ``siblings="sampled"`` drawn without replacement
+    with ``generator`` (:func:`propose_children`)."""
+    tree = DraftTree(sampled=rule.siblings == "sampled" and not sampling.greedy)
     step = drafter.root() if max_depth > 0 else None
     parents = [-1]  # the nodes whose children the latest forward proposed (−1: the root)
     while step is not None:
         tree.forwards += 1
         stats.draft_calls += 1
-        q = draft_probs(step.logits, sampling)
-        entropies = (-(q * q.clamp_min(1e-30).log()).sum(-1)).tolist()
-        top = q.topk(min(rule.children(tree.depth + 1), q.shape[-1]), dim=-1)
-        proposed = []
-        for parent, probs, tokens, entropy in zip(parents, top.values.tolist(), top.indices.tolist(), entropies):
-            for prob, token in zip(probs, tokens):
-                if prob > 0:  # q = 0 outside a pruned vocabulary
-                    proposed.append(tree.add(token, parent, prob, prob, entropy, top1=probs[0]))
+        proposed = propose_children(tree, rule, parents, draft_probs(step.logits, sampling), generator)
+        if not proposed:  # nothing drawn (or q = 0 everywhere): the tree is final
+            break
         with _timed(stats, "head_time"):
             for node, score in zip(proposed, rule.prior_scores(tree, proposed)):
                 tree.rescore(node, score, checked=False)  # just proposed: childless
@@ -82,6 +89,33 @@ def draft_tree(
                 for node, score in zip(parents, rule.score(step.hidden, tree, parents)):
                     tree.rescore(node, score)
     return tree
+
+
+def propose_children(
+    tree: DraftTree, rule: TreeRule, parents: Sequence[int], q: torch.Tensor, generator: torch.Generator | None
+) -> list[int]:
+    """Add children of ``parents`` (q: their draft distributions, (n, V)) to ``tree``, each scored by its draft
+    probability for now: the top ``rule.children`` of each, or — ``tree.sampled`` — as many as
+    :meth:`~accept_head.trees.growth.CostTree.sibling_counts` decides from the parents, drawn without replacement in
+    draw order (each parent's q kept for verification). Returns the new nodes."""
+    entropies = (-(q * q.clamp_min(1e-30).log()).sum(-1)).tolist()
+    top = q.topk(min(rule.children(tree.depth + 1), q.shape[-1]), dim=-1)
+    top_probs, top_tokens = top.values.tolist(), top.indices.tolist()
+    if tree.sampled:
+        support = [[prob for prob in probs if prob > 0] for probs in top_probs]  # q = 0 outside a pruned vocabulary
+        counts = rule.sibling_counts(tree, parents, support)
+        drawn = draw_without_replacement(q, max(counts), generator).tolist() if any(counts) else [[]] * len(parents)
+        children = [[(t, float(q[i, t])) for t in row[:count]] for i, (row, count) in enumerate(zip(drawn, counts))]
+    else:
+        children = [list(zip(tokens, probs)) for tokens, probs in zip(top_tokens, top_probs)]
+    proposed = []
+    for i, (parent, entropy) in enumerate(zip(parents, entropies)):
+        if tree.sampled and children[i]:
+            tree.dists[parent] = q[i]
+        for token, prob in children[i]:
+            if prob > 0:  # q = 0 outside a pruned vocabulary
+                proposed.append(tree.add(token, parent, prob, prob, entropy, top1=top_probs[i][0]))
+    return proposed
 
 
 def tree_rows(tree: DraftTree, nodes: Sequence[int]) -> tuple[list[int], list[int], list[list[int]], list[list[int]]]:
@@ -137,7 +171,7 @@ def tree_generate(
             # 1. Draft: a path commits at most budget - generated - 1 candidates, never past the draft's context.
             depth = min(budget - stats.generated - 1, draft_room(drafter, len(tokens)))
             with _timed(stats, "draft_time"):
-                tree = draft_tree(drafter, rule, sampling, depth, stats)
+                tree = draft_tree(drafter, rule, sampling, depth, stats, generator)
                 nodes = rule.select(tree)
             with _timed(stats, "target_time"):  # 2. Verify the root (the last token) and the nodes in one pass
                 tree_tokens, parents, paths, rows = tree_rows(tree, nodes)
@@ -188,6 +222,11 @@ def verify_tree(
     Returns (winning row or −1, accepted count m, the target's next token)."""
     if sampling.greedy:
         return verify_greedy(logits.argmax(-1).tolist(), _row_tokens(tree, paths), rows)
+    if tree.sampled:  # every node verified, target index = node + 1 (tree_rows of range(len(tree.tokens)))
+        probs = probabilities(logits, sampling)
+        accepted, token = verify_recursive(probs, tree.children, tree.tokens, tree.dists, generator)
+        row = next((r for r, path in enumerate(paths) if path[: len(accepted)] == accepted), -1)
+        return row, len(accepted), token
     return verify_sampled(probabilities(logits, sampling), _row_tokens(tree, paths), rows, generator)
 
 

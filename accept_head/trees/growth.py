@@ -18,6 +18,15 @@ Rules (:class:`TreeRule`), compared like with like by the same tree round:
 * :class:`ConfidenceTree` — EAGLE-2: scores are the draft's probabilities; a fixed depth, the best ``width`` nodes
   of each depth expanded, then the ``max_nodes`` best nodes by value verified (re-ranking).
 * :class:`StaticTree` — EAGLE-1: a fixed shape, ``shape[d]`` children for every node of depth d.
+
+Children at T > 0. By default a node's children are the draft's top-k, verified so that a candidate c is accepted
+with probability p(c) (:func:`~accept_head.trees.verify.verify_sampled`). With ``siblings="sampled"`` (the cost-priced
+rules) they are instead *drawn* without replacement from the draft's q and verified recursively
+(:func:`~accept_head.trees.verify.verify_recursive`): the first is accepted with probability min(1, p/q), as a chain's
+candidate is, and each further sibling tries what the earlier ones left. Exactness then needs every drawn node
+verified and each parent's number of children fixed before the draw (:meth:`CostTree.sibling_counts`), so the tree is
+priced as it grows and :meth:`TreeRule.select` returns all of it; a node's score is a(n)·∏(1 − a) over its earlier
+siblings (:class:`DraftTree`).
 """
 
 from __future__ import annotations
@@ -59,8 +68,20 @@ class DraftTree:
     """The draft's hidden state (d,) at each fed node (the head's input), kept when the rule reads it."""
     forwards: int = 0
     """Draft forwards spent on this round (the root step included)."""
+    sampled: bool = False
+    """Siblings were *drawn* from the draft without replacement (T > 0, :func:`~accept_head.trees.verify.\
+verify_recursive`), in draw order: a node's score is then its estimated acceptance given that it is tried, times the
+    chance that every earlier sibling was rejected. Otherwise siblings are the draft's top-k (deterministic)."""
+    accepts: list[float] = field(default_factory=list)
+    """a(n): estimated P(n accepted | parent accepted and n tried); s(n) = a(n) unless ``sampled``."""
+    children: dict[int, list[int]] = field(default_factory=dict)
+    """Each parent's children (−1: the root's), in creation order (draw order when ``sampled``)."""
+    dists: dict[int, torch.Tensor] = field(default_factory=dict)
+    """``sampled`` only: the draft distribution (V,) each parent's children were drawn from (−1: the root's)."""
 
     def add(self, token: int, parent: int, prob: float, score: float, entropy: float = 0.0, top1: float = 1.0) -> int:
+        """Append a childless node; ``score`` is its a(n) (its s(n) follows, see :attr:`sampled`)."""
+        node = len(self.tokens)
         self.tokens.append(int(token))
         self.entropies.append(float(entropy))
         self.top1s.append(float(top1))
@@ -68,17 +89,32 @@ class DraftTree:
         self.depths.append(1 if parent < 0 else self.depths[parent] + 1)
         self.probs.append(float(prob))
         self.joints.append((1.0 if parent < 0 else self.joints[parent]) * float(prob))
-        self.scores.append(float(score))
-        self.values.append((1.0 if parent < 0 else self.values[parent]) * float(score))
+        self.accepts.append(float(score))
+        self.scores.append(0.0)
+        self.values.append(0.0)
         self.slots.append(-1)
-        return len(self.tokens) - 1
+        self.children.setdefault(parent, []).append(node)
+        self._score_siblings(node)
+        return node
 
     def rescore(self, node: int, score: float, checked: bool = True) -> None:
-        """Replace a childless node's score (its value follows); ``checked=False`` skips the O(n) childless check for
-        nodes the caller has just added."""
-        assert not checked or node not in self.parents, "rescore a node before its children are added"
-        self.scores[node] = float(score)
-        self.values[node] = (1.0 if self.parents[node] < 0 else self.values[self.parents[node]]) * float(score)
+        """Replace a childless node's a(n) (its score and value follow, and, when ``sampled``, those of its later
+        siblings); ``checked=False`` skips the childless check for nodes the caller has just added."""
+        assert not checked or node not in self.children, "rescore a node before its children are added"
+        self.accepts[node] = float(score)
+        self._score_siblings(node)
+
+    def _score_siblings(self, node: int) -> None:
+        """Recompute s and v of ``node`` and (when ``sampled``) of its later siblings, which must be childless."""
+        parent = self.parents[node]
+        base = 1.0 if parent < 0 else self.values[parent]
+        group = self.children[parent] if self.sampled else [node]
+        rejected = 1.0
+        for sibling in group:
+            if sibling >= node:
+                self.scores[sibling] = self.accepts[sibling] * rejected
+                self.values[sibling] = base * self.scores[sibling]
+            rejected *= 1.0 - self.accepts[sibling]
 
     @property
     def depth(self) -> int:
@@ -160,6 +196,13 @@ def best_subtree(
     return sorted(best), best_rate
 
 
+SIBLINGS = ("top", "sampled")
+"""How a tree rule chooses children at T > 0: the draft's ``top`` k (verified by
+:func:`~accept_head.trees.verify.verify_sampled`, a candidate accepted with probability p(c)) or k ``sampled`` without
+replacement from the draft (:func:`~accept_head.trees.verify.verify_recursive`, the first accepted with probability
+min(1, p/q) as in a chain). Greedy decoding always takes the top k."""
+
+
 class TreeRule:
     """How a tree round grows and what it verifies. The round (:func:`~accept_head.trees.decoding.draft_tree`)
     proposes :meth:`children` top-k children of each node in :meth:`frontier` (each scored by :meth:`prior`), asks
@@ -167,6 +210,8 @@ class TreeRule:
 
     uses_hidden: bool = False
     """Scores fed nodes from the draft's hidden state (:meth:`score`)."""
+    siblings: str = "top"
+    """How children are chosen at T > 0 (:data:`SIBLINGS`); ``sampled`` rules also give :meth:`sibling_counts`."""
     max_depth: int
     max_nodes: int
 
@@ -266,10 +311,13 @@ class CostTree(TreeRule):
         max_nodes: int = 48,
         threshold: float | None = None,
         min_depth: int = 1,
+        siblings: str = "top",
     ) -> None:
         check_tree_settings(width=width, top_k=top_k, max_depth=max_depth, max_nodes=max_nodes, min_depth=min_depth)
         if min_depth > max_depth:
             raise ValueError(f"min_depth={min_depth} must be <= max_depth={max_depth}.")
+        if siblings not in SIBLINGS:
+            raise ValueError(f"siblings={siblings!r} must be one of {SIBLINGS} (how children are chosen at T > 0).")
         if threshold is not None and not 0.0 < threshold <= 1.0:
             raise ValueError(
                 f"threshold={threshold} must be in (0, 1] (nodes need P(reached and accepted) >= 1 - threshold) "
@@ -277,7 +325,7 @@ class CostTree(TreeRule):
             )
         self.cost = cost
         self.width, self.top_k, self.max_depth, self.max_nodes = width, top_k, max_depth, max_nodes
-        self.threshold, self.min_depth = threshold, min_depth
+        self.threshold, self.min_depth, self.siblings = threshold, min_depth, siblings
         self.floor = 0.0 if threshold is None else 1.0 - threshold
 
     def children(self, depth: int) -> int:
@@ -296,6 +344,8 @@ class CostTree(TreeRule):
             return False
         if tree.depth < self.min_depth:
             return True
+        if tree.sampled:
+            return self._grow_sampled(tree, frontier)
         parents, values = list(tree.parents), list(tree.values)
         for node in frontier:
             parent = tree.parents[node]
@@ -307,12 +357,54 @@ class CostTree(TreeRule):
         _, after = best_subtree(parents, values, self.cost, self.max_nodes, self.floor)
         return after > now and not math.isclose(after, now)
 
+    def _grow_sampled(self, tree: DraftTree, frontier: list[int]) -> bool:
+        """:meth:`grow` for drawn siblings, where every drawn node is verified: one more depth pays iff the frontier's
+        first children (each accepted, once its parent is, as often as the parent was: a(parent), at depth 1 a(n))
+        raise the whole tree's expected tokens per second after the extra forward and their verification."""
+        gain = 0.0
+        for node in frontier:
+            parent = tree.parents[node]
+            gain += tree.values[node] * tree.accepts[node if parent < 0 else parent]
+        expected, seconds = self._tree_rate(tree)
+        after = seconds + self.cost.t_draft + self.cost.t_target_b * len(frontier)
+        rate_now, rate_after = expected / seconds, (expected + gain) / after
+        return rate_after > rate_now and not math.isclose(rate_after, rate_now)
+
+    def sibling_counts(self, tree: DraftTree, parents: Sequence[int], top: Sequence[Sequence[float]]) -> list[int]:
+        """How many children to *draw* for each of ``parents`` (drawn siblings; decided before the draw, from the
+        parents alone, which keeps verification lossless). ``top[i]``: the ``top_k`` largest draft probabilities of
+        parent i's distribution (descending, > 0) — the prior of its i-th draw, a_i ≈ top[i], so s_i ≈ a_i·∏(1 − a_j).
+        Greedy by estimated value: a child is drawn while it is worth ≥ the threshold's floor, the tree stays within
+        ``max_nodes``, and it raises the expected tokens per second of the tree as it stands (v > E·b / C)."""
+        candidates = []
+        for i, (parent, probs) in enumerate(zip(parents, top, strict=True)):
+            base, rejected = (1.0 if parent < 0 else tree.values[parent]), 1.0
+            for prob in probs:
+                candidates.append((base * prob * rejected, i))
+                rejected *= 1.0 - prob
+        counts = [0] * len(parents)
+        expected, seconds = self._tree_rate(tree)
+        size = len(tree.tokens)
+        for value, i in sorted(candidates, key=lambda c: -c[0]):
+            if size >= self.max_nodes or value < self.floor or value * seconds <= expected * self.cost.t_target_b:
+                break
+            counts[i], size = counts[i] + 1, size + 1
+            expected, seconds = expected + value, seconds + self.cost.t_target_b
+        return counts
+
+    def _tree_rate(self, tree: DraftTree) -> tuple[float, float]:
+        """(expected tokens, seconds) of verifying every node of ``tree`` after its draft forwards."""
+        return 1.0 + sum(tree.values), tree.forwards * self.cost.t_draft + self.cost.t_target(len(tree.tokens))
+
     def select(self, tree: DraftTree) -> list[int]:
+        if tree.sampled:  # drawn siblings: every drawn node is verified (dropping one by its own value is not exact)
+            return list(range(len(tree.tokens)))
         nodes, _ = best_subtree(tree.parents, tree.values, self.cost, self.max_nodes, self.floor, tree.forwards)
         return nodes
 
     def describe(self) -> str:
         extra = "" if self.threshold is None else f", h={self.threshold:g}"
+        extra += "" if self.siblings == "top" else f", siblings={self.siblings}"
         return f"{type(self).__name__}(width={self.width}, top_k={self.top_k}, nodes={self.max_nodes}{extra})"
 
 
@@ -336,8 +428,9 @@ class HeadTree(CostTree):
         threshold: float | None = None,
         calibration=None,
         min_depth: int = 1,
+        siblings: str = "top",
     ) -> None:
-        super().__init__(cost, width, top_k, max_depth, max_nodes, threshold, min_depth)
+        super().__init__(cost, width, top_k, max_depth, max_nodes, threshold, min_depth, siblings)
         self.head, self.calibration = head, calibration
         self.uses_hidden = head.reads_hidden
 

@@ -235,3 +235,58 @@ def verify_sampled(
             return live[0], m, sample_one(residual, generator)
         alive = [r for r in live if rows[r][m] == accepted]
         node, m = nodes[alive[0]][m], m + 1
+
+
+def verify_recursive(
+    probs: torch.Tensor,
+    children: dict[int, list[int]],
+    tokens: Sequence[int],
+    dists: dict[int, torch.Tensor],
+    generator: torch.Generator | None,
+) -> tuple[list[int], int]:
+    """Lossless verification of siblings *drawn without replacement* from the draft (recursive rejection sampling
+    without replacement; Jeon et al. 2024, "Recursive Speculative Decoding").
+
+    ``probs[n + 1]`` (V,): the target's distribution after node ``n`` (``probs[0]``: after the root); ``children[n]``
+    the nodes drawn from ``dists[n]`` (the draft's q at n, −1 for the root) in draw order; ``tokens[n]`` each node's
+    token. At the current node, with p its target distribution and q its draft distribution, siblings x_1, x_2, ... are
+    tried in draw order: x_i is accepted with probability min(1, p_i(x_i)/q_i(x_i)); on rejection
+    p_{i+1} ∝ max(0, p_i − q_i) and q_{i+1} ∝ q_i without x_i (the law of the next draw given the earlier ones). If
+    none is accepted the token is drawn from what remains of p. By induction over the siblings every emitted token
+    follows p whatever q is — provided how many siblings are tried was fixed before they were drawn. The first
+    sibling is accepted exactly as a chain's candidate is. Returns (accepted nodes from depth 1, next token).
+    """
+    node, accepted = -1, []
+    while True:
+        kids = children.get(node, [])
+        drawn = [tokens[k] for k in kids]
+        kid, residual = try_siblings(probs[node + 1], dists[node] if kids else None, drawn, generator)
+        if kid is None:
+            return accepted, sample_one(residual, generator)
+        node = kids[kid]
+        accepted.append(node)
+
+
+def try_siblings(
+    p: torch.Tensor, q: torch.Tensor | None, drawn: Sequence[int], generator: torch.Generator | None
+) -> tuple[int | None, torch.Tensor]:
+    """One node of :func:`verify_recursive`: try the ``drawn`` tokens (drawn without replacement from ``q``, in draw
+    order) against the target's ``p``. Returns (index of the accepted token, None if none was) and the distribution
+    to draw the next token from when none was (p itself when nothing was drawn)."""
+    if not drawn:
+        return None, p
+    p, q = p.double(), q.double().clone()
+    for i, token in enumerate(drawn):
+        u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=generator_device(generator)))
+        if u * float(q[token]) < float(p[token]):  # min(1, p/q): p >= q always passes
+            return i, p
+        residual = (p - q).clamp_min(0.0)
+        q[token] = 0.0
+        p_mass, q_mass = float(residual.sum()), float(q.sum())
+        if p_mass <= 0:  # rounding only: q covered p, so no rejection was possible
+            return None, p
+        p = residual / p_mass
+        if q_mass <= 0:  # q's whole support was drawn and rejected
+            return None, p
+        q = q / q_mass
+    return None, p
