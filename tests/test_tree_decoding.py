@@ -428,6 +428,9 @@ def test_bundle_tree_generation_round_trips_and_equals_greedy(tree_bundle_dir) -
     sampled = [loaded.generate(prompt, max_new_tokens=12, seed=4, tree=True).new_token_ids for _ in range(2)]
     assert sampled[0] == sampled[1]  # seeded
     assert loaded.tree_rule(threshold=0.5).floor == pytest.approx(0.5)
+    assert loaded.tree_rule().siblings == "sampled"  # at T > 0 children are drawn unless the settings say otherwise
+    top = SpecDecPP(target, draft, head, 0.6, cost_model=COST.to_dict(), tree={**TREE_SETTINGS, "siblings": "top"})
+    assert top.tree_rule().siblings == "top"
     with pytest.raises(ValueError, match="max_depth=0"):
         SpecDecPP(target, draft, head, 0.6, cost_model=COST.to_dict(), tree={"max_depth": 0})
     with pytest.raises(ValueError, match=r"tree settings \['depth'\] are unknown"):

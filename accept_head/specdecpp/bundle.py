@@ -241,7 +241,9 @@ class SpecDecPP:
         """The tree growth rule of ``generate(..., tree=True)``: this bundle's head (with the mode's tree
         calibration, else its chain calibration: :meth:`calibration_for`) pricing every node under its cost model,
         with the stored :attr:`tree` settings; ``threshold`` overrides the stored one (a node needs P(reached and
-        accepted) >= 1 − threshold)."""
+        accepted) >= 1 − threshold). Unless the settings say otherwise, children at T > 0 are drawn from the draft
+        (``siblings="sampled"``: on held-out prompts the head tree decoded 0.96× chain SpecDec++ at T = 1 with them
+        and 0.74× with the draft's top-k, ``docs/findings.md`` §8)."""
         if not self.cost_model:
             raise ValueError(
                 "This bundle has no cost model, which tree decoding needs to price nodes and depths: measure one "
@@ -251,7 +253,7 @@ class SpecDecPP:
         unknown = sorted(set(self.tree) - set(known))
         if unknown:
             raise ValueError(f"tree settings {unknown} are unknown; use {', '.join(known)}.")
-        settings = dict(self.tree)
+        settings = {"siblings": "sampled", **self.tree}  # at T > 0 drawn children pay (findings §8); greedy: top-k
         if threshold is not None:
             settings["threshold"] = threshold
         # Drawn siblings are accepted as chain candidates are (min(1, p/q)): the chain's calibration prices them.
