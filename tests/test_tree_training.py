@@ -306,8 +306,13 @@ def test_tree_calibration_is_fitted_checked_and_exported_into_the_bundle(trained
     again = SpecDecPP.from_pretrained(exported)
     assert set(again.tree_calibration) == {"greedy", "sampled"}
     assert again.tree_calibration["sampled"] == fitted
-    assert again.tree_rule(greedy=False).calibration is again.tree_calibration["sampled"]
     assert again.tree_rule(greedy=True).calibration is again.tree_calibration["greedy"]
+    # The map was fitted on top-k children's labels: a T > 0 tree of top-k children uses it, one of drawn children
+    # (the bundle's default, accepted as chain candidates are) the chain's map.
+    again.tree = {**again.tree, "siblings": "top"}
+    assert again.tree_rule(greedy=False).calibration is again.tree_calibration["sampled"]
+    again.tree = {**again.tree, "siblings": "sampled"}
+    assert again.tree_rule(greedy=False).calibration is again.calibration
     assert again.policy(greedy=False).calibration is None  # the chain keeps its own (here: none)
     record = again.provenance["tree_calibration"]
     assert set(record["modes"]) == {"greedy", "sampled"} and record["modes"]["sampled"]["tree"]["nodes"] > 0

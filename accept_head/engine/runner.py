@@ -498,8 +498,8 @@ class Runner:
                     )
                 if which == "tree":
                     return HeadTree(self.tree_models.head(greedy), self._tree_cost(), **settings)
-                tree = settings.get("siblings", "top") != "sampled"  # drawn siblings: a chain candidate's label
-                calibration = self.head.calibration_for(greedy=greedy, tree=tree)
+                drawn = not greedy and settings.get("siblings", "top") == "sampled"  # a chain candidate's label
+                calibration = self.head.calibration_for(greedy=greedy, tree=not drawn)
                 return HeadTree(self.head.head, self._tree_cost(), calibration=calibration, **settings)
             if spec.kind == "c2t_tree":
                 return C2TTree(self.tree_models.classifier(greedy), self._tree_cost(), **params)

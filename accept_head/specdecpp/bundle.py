@@ -256,8 +256,9 @@ class SpecDecPP:
         settings = {"siblings": "sampled", **self.tree}  # at T > 0 drawn children pay (findings §8); greedy: top-k
         if threshold is not None:
             settings["threshold"] = threshold
-        # Drawn siblings are accepted as chain candidates are (min(1, p/q)): the chain's calibration prices them.
-        calibration = self.calibration_for(greedy, tree=settings.get("siblings", "top") != "sampled")
+        # Drawn siblings (T > 0) are accepted as chain candidates are (min(1, p/q)): the chain's calibration fits.
+        drawn = not greedy and settings["siblings"] == "sampled"
+        calibration = self.calibration_for(greedy, tree=not drawn)
         return HeadTree(self.head, CostModel.from_dict(self.cost_model), calibration=calibration, **settings)
 
     def encode(self, prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:

@@ -448,7 +448,7 @@ def speculative_tree_decode(
             #    budget - generated - 1 candidates, never past the draft's context.
             depth = min(budget - (n - prompt_len) - 1, draft_room(drafter, n))
             with _timed(stats, "draft_time"):
-                tree = draft_tree(drafter, rule, sampling, depth, stats)
+                tree = draft_tree(drafter, rule, sampling, depth, stats, generator)
                 nodes = rule.select(tree)
             # 2. Verify the root and the nodes in one pass; the row after node v is processed at x·path(v).
             with _timed(stats, "target_time"):
