@@ -95,18 +95,22 @@ def draw_without_replacement(probs: torch.Tensor, k: int, generator: torch.Gener
     for row in range(probs.shape[0]):
         c, drawn, removed = cdf[row], [], 0.0
         total = float(c[-1])
+
+        def start(token: int) -> float:  # where the token's interval of the cumulative sum begins
+            return float(c[token - 1]) if token else 0.0
+
         for i in range(k):
             u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=generator_device(generator)))
             point = min(u * (total - removed), math.nextafter(total - removed, 0.0))
             for token in sorted(drawn):  # skip the drawn tokens' intervals, left to right
-                if point < (float(c[token - 1]) if token else 0.0):
+                if point < start(token):
                     break
-                point += float(c[token]) - (float(c[token - 1]) if token else 0.0)
+                point += float(c[token]) - start(token)
             token = min(int(torch.searchsorted(c, torch.tensor([point], dtype=c.dtype), right=True)), c.shape[0] - 1)
             while token in drawn and token < c.shape[0] - 1:  # rounding put the point on a drawn edge: step past it
                 token = min(int(torch.searchsorted(c, c[token : token + 1], right=True)), c.shape[0] - 1)
             drawn.append(token)
-            removed += float(c[token]) - (float(c[token - 1]) if token else 0.0)
+            removed += float(c[token]) - start(token)
             out[row, i] = token
     return out.to(probs.device)
 
