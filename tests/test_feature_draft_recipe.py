@@ -78,6 +78,7 @@ def write_generation_shards(folder: Path, vocab_size: int) -> None:
             if kind == "train" and index == 0:
                 responses[3] = responses[3][:0]
             shard = {"prompt_id": [f"{kind}{index}:{i}" for i in range(8)], "prompt_ids": prompts}
+            shard["sample"] = torch.tensor([-1, 0] * 4)  # a greedy response (-1), then a sampled one
             torch.save(shard | {"response_ids": responses}, folder / "shards" / f"{kind}-{index:05d}.pt")
 
 
@@ -589,6 +590,43 @@ def test_per_step_acceptance_and_the_training_unroll_measure_the_same_context(tm
     # A deadline already passed (``all``'s budget spent): nothing is scored, and the rows say so.
     late = stages.per_step_acceptance(draft, target, [path], 100, steps, seed=0, deadline=0.0)
     assert [row["n"] for row in late] == [0] * steps
+
+
+def test_evaluate_scores_greedy_and_sampled_continuations_apart(run, tmp_path) -> None:
+    """``per_kind`` equals :func:`per_step_acceptance` over a shard that holds only that kind's sequences (each
+    feature row found here in the responses shard by its prompt, its ``sample`` read there; the features stage
+    writes rows in its own order)."""
+    ev = json.loads((run["root"] / "out" / "eval.json").read_text())
+    assert list(ev["per_kind"]) == ["greedy", "sampled"]
+    draft = FeatureDraft.from_pretrained(run["root"] / "out", dtype=torch.float32).bind(run["target"])
+    shard = torch.load(run["root"] / "gen" / "shards" / "eval-00000.pt", weights_only=True)
+    sequences = feature_sequences(run["root"] / "work" / "features" / "eval-00000.safetensors")
+    assert len(sequences) == len(shard["sample"])  # no empty held-out response
+    prompts = [p.tolist() for p in shard["prompt_ids"]]
+    samples = [shard["sample"][prompts.index(t[:n].tolist())] for t, _, _, n in sequences]  # prompts are distinct
+    for kind, wanted in (("greedy", lambda s: s < 0), ("sampled", lambda s: s >= 0)):
+        rows = [seq for seq, s in zip(sequences, samples) if wanted(s)]
+        tokens = torch.cat([t for t, _, _, _ in rows])
+        only = {
+            "tokens": tokens.to(torch.int32),
+            "features": torch.cat([f for _, f, _, _ in rows]),
+            "lse": torch.cat([lse for _, _, lse, _ in rows]),
+            "offsets": torch.tensor([0, *torch.tensor([len(t) for t, _, _, _ in rows]).cumsum(0).tolist()]),
+            "prompt_lengths": torch.tensor([n for _, _, _, n in rows]),
+        }
+        save_file(only, str(tmp_path / f"{kind}.safetensors"))
+        starts, steps = SETTINGS["eval_starts"] // 2, SETTINGS["eval_steps"]
+        expected = stages.per_step_acceptance(
+            draft, run["target"], [tmp_path / f"{kind}.safetensors"], starts, steps, 0
+        )
+        assert [r["n"] for r in ev["per_kind"][kind]] == [starts] * steps
+        for got, want in zip(ev["per_kind"][kind], expected):
+            assert got["expected_accept"] == pytest.approx(want["expected_accept"], abs=1e-5)
+            assert got["greedy_agreement"] == pytest.approx(want["greedy_agreement"])
+    assert ev["per_kind"]["greedy"] != ev["per_kind"]["sampled"]
+    card = (run["root"] / "out" / "README.md").read_text()
+    first = ev["per_kind"]["greedy"][0]
+    assert f"| greedy | {first['expected_accept']:.3f} | {first['greedy_agreement']:.3f} |" in card
 
 
 # ---- committed configs parse without loading models ----------------------------------------------------------------

@@ -19,6 +19,7 @@ import statistics
 import sysconfig
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import groupby
 from pathlib import Path
@@ -772,18 +773,25 @@ def per_step_acceptance(
     steps: int,
     seed: int,
     deadline: float | None = None,
+    keep: Sequence[bool] | None = None,
 ) -> list[dict]:
     """Exact per-step acceptance along held-out target responses, decoding as :class:`FeatureDrafter` does.
-    With a ``deadline`` (``time.monotonic()``) it stops between sequences and reports the starts scored by then.
+    With a ``deadline`` (``time.monotonic()``) it stops between sequences and reports the starts scored by then;
+    ``keep`` (one flag per sequence of ``paths``, in order) draws the starts from the flagged sequences only.
 
     At each sampled start t (inside a response) the draft has read the pairs up to t with the target's own
     features, then drafts ``steps`` tokens feeding back its own features while the candidate tokens are the
     target's own next tokens. Step k scores Σ min(p, q_k) against the target's distribution at that position
     (exact, from the stored features) and whether argmax q_k = argmax p."""
     sequences = read_feature_shards(paths)
+    if keep is not None and len(keep) != len(sequences):
+        raise ValueError(f"keep has {len(keep)} flags for {len(sequences)} sequences in {[str(p) for p in paths]}.")
     generator = torch.Generator().manual_seed(seed)
     candidates = [
-        (i, t) for i, s in enumerate(sequences) for t in range(max(s.prompt_length - 2, 0), len(s.tokens) - steps - 1)
+        (i, t)
+        for i, s in enumerate(sequences)
+        if keep is None or keep[i]
+        for t in range(max(s.prompt_length - 2, 0), len(s.tokens) - steps - 1)
     ]
     picked = sorted(candidates[j] for j in torch.randperm(len(candidates), generator=generator)[:starts].tolist())
     weight = target.get_output_embeddings().weight.float()  # (V, d), once: exact target probabilities
@@ -861,6 +869,8 @@ def evaluate_until(
             name = f"{path.stem} ({', '.join(sorted({i.split(':')[0] for i in ids}))})"
             starts = max(cfg.eval_starts // len(paths), 1)
             result["per_source"][name] = per_step_acceptance(draft, target, [path], starts, cfg.eval_steps, cfg.seed)
+        if deadline is None:
+            result["per_kind"] = per_kind_acceptance(cfg, draft, target, paths)
         vocab_json = expand(cfg.work_dir) / "vocab.json"  # absent when fit continued an init_draft
         result["coverage"] = json.loads(vocab_json.read_text())["coverage"] if vocab_json.exists() else None
         result["heldout"] = {"work_dir": str(cfg.work_dir), "device": str(device)}
@@ -888,6 +898,38 @@ def evaluate_until(
     (folder / "eval.json").write_text(json.dumps(result, indent=2) + "\n")
     print(f"[evaluate] timing: {result['timing_with_head']}")
     return result
+
+
+def continuation_kinds(cfg: FeatureDraftRecipe, path: Path) -> list[str | None]:
+    """For each sequence of a feature shard, the kind of response it continues with: ``"greedy"`` or ``"sampled"``
+    (the responses shard's ``sample`` is -1 for a greedy row), matched by tokens — a feature row holds the prompt and
+    response, its last token dropped when the stage kept no feature for it. None where no row or both kinds match."""
+    shard = torch.load(_generations(cfg) / "shards" / f"{path.stem}.pt", weights_only=True)
+    kinds: dict[tuple, set] = {}
+    for prompt, response, sample in zip(shard["prompt_ids"], shard["response_ids"], shard["sample"].tolist()):
+        tokens = tuple(torch.cat([prompt, response]).tolist())
+        for key in (tokens, tokens[:-1]):
+            kinds.setdefault(key, set()).add("greedy" if sample < 0 else "sampled")
+    found = [kinds.get(tuple(s.tokens.tolist()), set()) for s in read_feature_shards([path])]
+    return [next(iter(k)) if len(k) == 1 else None for k in found]
+
+
+def per_kind_acceptance(cfg: FeatureDraftRecipe, draft: FeatureDraft, target: torch.nn.Module, paths: list[Path]):
+    """:func:`per_step_acceptance` on the held-out greedy continuations and on the sampled (T = 1) ones apart, half of
+    ``eval_starts`` each: greedy agreement where the target decodes greedily, T = 1 acceptance where it samples (the
+    mixed ``per_step`` reads both on both). Empty when the responses shards are not there."""
+    shards = [_generations(cfg) / "shards" / f"{p.stem}.pt" for p in paths]
+    if not all(s.exists() and "sample" in torch.load(s, weights_only=True) for s in shards):
+        return {}
+    kinds = [k for path in paths for k in continuation_kinds(cfg, path)]
+    starts = max(cfg.eval_starts // 2, 1)
+    return {
+        kind: per_step_acceptance(
+            draft, target, paths, starts, cfg.eval_steps, cfg.seed, keep=[k == kind for k in kinds]
+        )
+        for kind in ("greedy", "sampled")
+        if kind in kinds
+    }
 
 
 def run_all(cfg: FeatureDraftRecipe) -> dict:
@@ -1311,6 +1353,7 @@ tokens are the target's own; exact target distributions from the stored features
         plain_table(["step k", "expected acceptance", "greedy agreement", "positions"], steps),
         f"Mean expected acceptance over steps 1–4: {mean_1_4:.3f}.",
         *_per_source(ev),
+        *_per_kind(ev),
         f"""\
 Held-out coverage of the target's probability mass by the top-V tokens (V chosen = {ev["kept_vocab"]:,}; this bounds
 the acceptance at that V):"""
@@ -1340,6 +1383,21 @@ def _per_source(ev: dict) -> list[str]:
     return [
         "Per held-out shard (step 1 / step 2 / step 4 expected acceptance; greedy agreement at step 1):",
         plain_table(["shard", "step 1", "step 2", "step 4", "greedy, step 1", "positions"], rows),
+    ]
+
+
+def _per_kind(ev: dict) -> list[str]:
+    """The acceptance on greedy and on sampled held-out continuations apart (nothing when not measured)."""
+    if not ev.get("per_kind"):
+        return []
+    rows = []
+    for kind, per_step in ev["per_kind"].items():
+        a, first = [r["expected_accept"] for r in per_step], per_step[0]
+        mean_1_4 = sum(a[:4]) / len(a[:4])
+        rows.append([kind, f"{a[0]:.3f}", f"{first['greedy_agreement']:.3f}", f"{mean_1_4:.3f}", str(first["n"])])
+    return [
+        "Per kind of held-out continuation (the target's greedy responses, its T = 1 samples; half the starts each):",
+        plain_table(["continuation", "step 1", "greedy agreement, step 1", "mean, steps 1–4", "positions"], rows),
     ]
 
 
