@@ -430,3 +430,15 @@ def test_ddp_with_two_cpu_processes_trains_and_exports(setup, tmp_path):
     assert len(bundle.generate("write code", max_new_tokens=4, seed=0).new_token_ids) >= 1
     split = json.loads((tmp_path / "bundle" / "split.json").read_text())
     assert len(split["train"]) == 18 and len(split["val"]) == 6
+
+
+def test_the_model_card_names_a_draft_that_decodes_with_int8_weights(tmp_path) -> None:
+    from accept_head.models.pairs import ModelSpec
+    from accept_head.training.model_card import _spec
+
+    bundle = tmp_path / "checkpoints" / "bundle"
+    draft = {"path": str(tmp_path / "checkpoints" / "draft"), "dtype": "bfloat16"}
+    (tmp_path / "checkpoints" / "draft").mkdir(parents=True)  # a local draft: the card names it beside the bundle
+    assert _spec(ModelSpec(**draft), str(bundle)) == "`../draft` (bfloat16)"
+    quantized = _spec(ModelSpec(**draft, quantize="int8"), str(bundle))
+    assert quantized == "`../draft` (bfloat16, decoding with int8 weights)"

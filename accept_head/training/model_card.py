@@ -269,6 +269,7 @@ def _spec(spec, folder: str) -> str:
         return "(not recorded)"
     spec = portable_spec(spec, folder)
     extra = f", gguf_file {spec.gguf_file}" if spec.gguf_file else ""
+    extra += f", decoding with {spec.quantize} weights" if spec.quantize else ""
     return f"`{spec.path}` ({spec.dtype}{extra})"
 
 
