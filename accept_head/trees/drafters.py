@@ -162,7 +162,7 @@ class FeatureTreeDrafter(TreeDrafter):
         self.context_limit = draft.config.max_position_embeddings
         self.layout = attention_layout(draft.decoder, "draft")  # one Llama layer: full attention
         self.device = draft.kept_ids.device
-        self.dtype = draft.fc.weight.dtype
+        self.dtype = draft.decoder.norm.weight.dtype  # the draft's dtype (its linear layers may hold int8 weights)
         self.cache = DynamicCache()
         self.prefix = 0  # pairs in the cache read with the target's true features
         self.pending_features: torch.Tensor | None = None
