@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import groupby
+from itertools import groupby, pairwise
 from pathlib import Path
 from time import monotonic
 
@@ -900,28 +900,34 @@ def evaluate_until(
     return result
 
 
-def continuation_kinds(cfg: FeatureDraftRecipe, path: Path) -> list[str | None]:
+def continuation_kinds(cfg: FeatureDraftRecipe, path: Path) -> list[str | None] | None:
     """For each sequence of a feature shard, the kind of response it continues with: ``"greedy"`` or ``"sampled"``
     (the responses shard's ``sample`` is -1 for a greedy row), matched by tokens — a feature row holds the prompt and
-    response, its last token dropped when the stage kept no feature for it. None where no row or both kinds match."""
-    shard = torch.load(_generations(cfg) / "shards" / f"{path.stem}.pt", weights_only=True)
+    response, its last token dropped when the stage kept no feature for it. None where no row or both kinds match;
+    None for the whole shard when its responses shard (or its ``sample``) is not there."""
+    responses = _generations(cfg) / "shards" / f"{path.stem}.pt"
+    shard = torch.load(responses, weights_only=True) if responses.exists() else {}
+    if "sample" not in shard:
+        return None
     kinds: dict[tuple, set] = {}
     for prompt, response, sample in zip(shard["prompt_ids"], shard["response_ids"], shard["sample"].tolist()):
         tokens = tuple(torch.cat([prompt, response]).tolist())
         for key in (tokens, tokens[:-1]):
             kinds.setdefault(key, set()).add("greedy" if sample < 0 else "sampled")
-    found = [kinds.get(tuple(s.tokens.tolist()), set()) for s in read_feature_shards([path])]
+    with safe_open(str(path), "pt") as f:  # the tokens alone, not the features
+        tokens, offsets = f.get_tensor("tokens").tolist(), f.get_tensor("offsets").tolist()
+    found = [kinds.get(tuple(tokens[a:b]), set()) for a, b in pairwise(offsets)]
     return [next(iter(k)) if len(k) == 1 else None for k in found]
 
 
 def per_kind_acceptance(cfg: FeatureDraftRecipe, draft: FeatureDraft, target: torch.nn.Module, paths: list[Path]):
     """:func:`per_step_acceptance` on the held-out greedy continuations and on the sampled (T = 1) ones apart, half of
     ``eval_starts`` each: greedy agreement where the target decodes greedily, T = 1 acceptance where it samples (the
-    mixed ``per_step`` reads both on both). Empty when the responses shards are not there."""
-    shards = [_generations(cfg) / "shards" / f"{p.stem}.pt" for p in paths]
-    if not all(s.exists() and "sample" in torch.load(s, weights_only=True) for s in shards):
+    mixed ``per_step`` reads both on both). Empty when the responses shards (or their ``sample``) are not there."""
+    per_path = [continuation_kinds(cfg, path) for path in paths]
+    if any(k is None for k in per_path):
         return {}
-    kinds = [k for path in paths for k in continuation_kinds(cfg, path)]
+    kinds = [k for path_kinds in per_path for k in path_kinds]
     starts = max(cfg.eval_starts // 2, 1)
     return {
         kind: per_step_acceptance(
