@@ -6,7 +6,7 @@ import pytest
 import torch
 from transformers import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from accept_head.core.sampling import SamplingConfig, probabilities, sample, sample_one
+from accept_head.core.sampling import SamplingConfig, argmax, probabilities, sample, sample_one
 
 
 def hf_probabilities(logits: torch.Tensor, temperature: float, top_k: int | None, top_p: float | None) -> torch.Tensor:
@@ -81,3 +81,15 @@ def test_one_row_draws_what_the_batched_sampler_draws() -> None:
         assert draws == [int(sample(row[None], batched)[0]) for _ in range(300)]
         assert torch.equal(one.get_state(), batched.get_state())
         assert all(row[d] > 0 for d in draws) and len(set(draws)) > (1 if row is not rows[2] else 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_argmax_equals_torch_argmax_ties_included(dtype) -> None:
+    """The decoders' argmax (float32 compare for reduced-precision logits) picks what ``Tensor.argmax`` picks, the
+    first maximum on ties — rows with many exact ties, as bf16 logits have."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randint(0, 4, (64, 300), generator=generator).to(dtype)  # every row has tied maxima
+    logits[5] = 3  # a row of one value: index 0
+    assert torch.equal(argmax(logits), logits.argmax(-1))
+    assert int(argmax(logits[5])) == 0
+    assert torch.equal(argmax(logits, dim=0), logits.argmax(0))

@@ -17,7 +17,7 @@ from transformers import DynamicCache
 
 from ..acceptance.inputs import draft_step_stats
 from ..core.hf_compat import cache_kwargs, crop_cache
-from ..core.sampling import SamplingConfig, generator_device, probabilities, sample, sample_one
+from ..core.sampling import SamplingConfig, argmax, generator_device, probabilities, sample, sample_one
 from ..core.timing import device_timer
 from ..models.drafters import Drafter, as_drafter
 from ..models.features import capture_lm_head_input
@@ -346,7 +346,7 @@ def draw(logits: torch.Tensor, sampling: SamplingConfig, generator: torch.Genera
     """One candidate from ``logits`` (S,) under ``sampling``: its index and the transformed distribution (S,) it was
     drawn from (greedy: the argmax — the first maximum, as ``argmax`` breaks ties — and its one-hot)."""
     if sampling.greedy:
-        index = int(logits.argmax())
+        index = int(argmax(logits))
         q = torch.zeros(logits.shape[-1], device=logits.device)
         q[index] = 1.0
         return index, q

@@ -40,6 +40,15 @@ class SamplingConfig:
         return asdict(self)
 
 
+def argmax(logits: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """``logits.argmax(dim)`` — the same indices (the first maximum on ties) — compared in float32 when the logits
+    are bf16 or fp16: the conversion is exact, and PyTorch's CPU argmax over bf16 runs ~5x slower than over float32
+    (a (9, 49152) row block: 0.80 ms against 0.17 ms on an AMD EPYC, 2 threads)."""
+    if logits.dtype in (torch.bfloat16, torch.float16):
+        logits = logits.float()
+    return logits.argmax(dim)
+
+
 def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     """Apply the sampling transform to ``logits`` (..., V) and return float32 probabilities (..., V).
 
@@ -48,7 +57,7 @@ def probabilities(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
     """
     logits = logits.float()
     if config.greedy:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
+        return torch.nn.functional.one_hot(argmax(logits), logits.shape[-1]).float()
     if config.temperature != 1.0:  # x / 1.0 is x: the division is skipped, not changed
         logits = logits / config.temperature
     if config.top_k:

@@ -16,6 +16,7 @@ from ..chain.decoding import autoregressive_generate
 from ..core.hf_compat import cache_kwargs
 from ..core.prompts import PromptOptions, PromptSource, chat_prompt_ids
 from ..core.records import machine_info, write_json
+from ..core.sampling import argmax
 from ..core.tables import text_table
 from ..core.timing import device_timer, module_device
 from ..engine.pair_loading import Pair, PairOptions
@@ -34,7 +35,7 @@ def forward_loop(target: torch.nn.Module, ids: torch.Tensor, new_tokens: int) ->
     pending, out = ids, []
     for _ in range(new_tokens):
         logits = target(input_ids=pending, **cache_kwargs(target, cache), logits_to_keep=1).logits
-        pending = logits[:, -1].argmax(-1, keepdim=True)
+        pending = argmax(logits[:, -1])[:, None]  # float32 compare, as generate's logits
         out.append(int(pending[0, 0]))
     return out
 

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos
-from ..core.sampling import SamplingConfig, probabilities
+from ..core.sampling import SamplingConfig, argmax, probabilities
 from ..trees.attention import check_masked_attention
 from ..trees.verify import (
     RowOrigin,
@@ -209,9 +209,9 @@ def lookahead_generate(
             # 2. One target call: Jacobi step of the window and verification of the guesses.
             with _timed(stats, "target_time"):
                 logits = tree_forward(target, cache, tree, parents, keep, layout)
-                argmax = logits.argmax(-1).tolist()
+                greedy = argmax(logits).tolist()
                 if sampling.greedy:
-                    row, m, next_token = verify_greedy(argmax, guesses, nodes)
+                    row, m, next_token = verify_greedy(greedy, guesses, nodes)
                 else:
                     row, m, next_token = verify_sampled(probabilities(logits, sampling), guesses, nodes, generator)
                 commit_nodes(cache, len(tokens) - 1, [keep[n] for n in nodes[row][:m]] if m else [])
@@ -225,7 +225,7 @@ def lookahead_generate(
             if new[-1] in eos:
                 break
             with _timed(stats, "draft_time"):
-                predictions = [argmax[row_of[n]] for n in top]
+                predictions = [greedy[row_of[n]] for n in top]
                 _harvest(pool, jacobi, predictions, tokens, len(new), context_ngrams)
                 jacobi.advance(tokens[-1], predictions)
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)

@@ -30,7 +30,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos
-from ..core.sampling import SamplingConfig, probabilities
+from ..core.sampling import SamplingConfig, argmax, probabilities
 from ..models.feature_draft import model_fingerprint
 from ..trees.attention import check_masked_attention
 from ..trees.verify import (
@@ -274,7 +274,7 @@ def ngrammys_generate(
                 nodes = add_rows(tree, parents, 0, rows)
                 logits = tree_forward(target, cache, tree, parents, layout=layout)
                 if sampling.greedy:
-                    row, m, next_token = verify_greedy(logits.argmax(-1).tolist(), rows, nodes)
+                    row, m, next_token = verify_greedy(argmax(logits).tolist(), rows, nodes)
                 else:
                     row, m, next_token = verify_sampled(probabilities(logits, sampling), rows, nodes, generator)
                 commit_nodes(cache, len(tokens) - 1, nodes[row][:m] if m else [])

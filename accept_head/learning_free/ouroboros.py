@@ -54,7 +54,7 @@ from transformers import DynamicCache
 
 from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos, draft_room
 from ..core.hf_compat import crop_cache, keep_cache_positions
-from ..core.sampling import SamplingConfig, probabilities
+from ..core.sampling import SamplingConfig, argmax, probabilities
 from ..models.drafters import Drafter
 from ..models.pairs import check_same_vocab
 from ..trees.attention import AttentionLayout, attention_layout, check_masked_attention
@@ -257,8 +257,8 @@ class PhraseDraft:
         tokens, parents = list(pending), list(range(-1, root))
         nodes = add_rows(tokens, parents, root, rows)
         logits = tree_forward(self.model, self.cache, tokens, parents, range(root, len(tokens)), self.layout)
-        argmax = logits.argmax(-1).tolist()  # argmax[0]: after the root
-        row, m, next_token = verify_greedy(argmax, rows, [[n - root for n in row_nodes] for row_nodes in nodes])
+        greedy = argmax(logits).tolist()  # greedy[0]: after the root
+        row, m, next_token = verify_greedy(greedy, rows, [[n - root for n in row_nodes] for row_nodes in nodes])
         keep_cache_positions(self.cache, prefix + len(pending), [prefix + n for n in nodes[row][:m]] if m else [])
         self.calls += 1
         return [*rows[row][:m], next_token] if m else [next_token], phrases[row] if m else None
@@ -413,9 +413,9 @@ def ouroboros_generate(
             # 2. One target call verifies every candidate.
             with _timed(stats, "target_time"):
                 logits = tree_forward(target, cache, tree, parents, layout=layout)
-                argmax = logits.argmax(-1).tolist()
+                greedy = argmax(logits).tolist()
                 if sampling.greedy:
-                    row, m, next_token = verify_greedy(argmax, rows, nodes)
+                    row, m, next_token = verify_greedy(greedy, rows, nodes)
                 else:
                     row, m, next_token = verify_sampled(probabilities(logits, sampling), rows, nodes, generator)
                 commit_nodes(cache, len(tokens) - 1, nodes[row][:m] if m else [])
@@ -429,7 +429,7 @@ def ouroboros_generate(
             # 4. Refinement, then inspiration: the target's own continuations become phrases.
             with _timed(stats, "draft_time"):
                 refine_pool(pool, len(drafted), extensions, verified)
-                for phrase in inspiration_phrases(tree[0], argmax, nodes, phrase_length, row):
+                for phrase in inspiration_phrases(tree[0], greedy, nodes, phrase_length, row):
                     pool.add(phrase)
             if new[-1] in eos:
                 break

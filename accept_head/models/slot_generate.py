@@ -36,6 +36,7 @@ from transformers import Cache
 from transformers.cache_utils import CacheLayerMixin
 
 from ..core.hf_compat import cache_kwargs
+from ..core.sampling import argmax
 from .features import logits_from_decoder
 
 
@@ -150,7 +151,7 @@ def sample_rows(logits: torch.Tensor, temperature: float, greedy: torch.Tensor, 
     out = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
     greedy_rows, sampled_rows = greedy.nonzero().squeeze(-1), (~greedy).nonzero().squeeze(-1)
     if len(greedy_rows):
-        out[greedy_rows] = logits[greedy_rows].argmax(-1)
+        out[greedy_rows] = argmax(logits[greedy_rows])
     if len(sampled_rows):
         weights = logits[sampled_rows].float()
         if temperature != 1.0:

@@ -30,7 +30,7 @@ import torch
 from transformers import DynamicCache
 
 from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos, draft_room, prefill
-from ..core.sampling import SamplingConfig, draw_without_replacement, probabilities
+from ..core.sampling import SamplingConfig, argmax, draw_without_replacement, probabilities
 from ..models.features import capture_lm_head_input
 from .attention import attention_layout, check_masked_attention
 from .drafters import TreeDrafter, as_tree_drafter
@@ -68,7 +68,8 @@ def draft_tree(
     while step is not None:
         tree.forwards += 1
         stats.draft_calls += 1
-        proposed = propose_children(tree, rule, parents, draft_probs(step.logits, sampling), generator)
+        q = draft_probs(step.logits, sampling)
+        proposed = propose_children(tree, rule, parents, q, generator, step.support, drafter.vocab_size)
         if not proposed:  # nothing drawn (or q = 0 everywhere): the tree is final
             break
         with _timed(stats, "head_time"):
@@ -92,28 +93,37 @@ def draft_tree(
 
 
 def propose_children(
-    tree: DraftTree, rule: TreeRule, parents: Sequence[int], q: torch.Tensor, generator: torch.Generator | None
+    tree: DraftTree,
+    rule: TreeRule,
+    parents: Sequence[int],
+    q: torch.Tensor,
+    generator: torch.Generator | None,
+    support: torch.Tensor | None = None,
+    vocab_size: int | None = None,
 ) -> list[int]:
-    """Add children of ``parents`` (q: their draft distributions, (n, V)) to ``tree``, each scored by its draft
+    """Add children of ``parents`` (q: their draft distributions, (n, V), or (n, S) over the ascending ids
+    ``support`` of a pruned draft whose vocabulary has ``vocab_size`` ids) to ``tree``, each scored by its draft
     probability for now: the top ``rule.children`` of each, or — ``tree.sampled`` — as many as
     :meth:`~accept_head.trees.growth.CostTree.sibling_counts` decides from the parents, drawn without replacement in
-    draw order (each parent's q kept for verification). Returns the new nodes."""
+    draw order (each parent's q kept for verification, over the whole vocabulary). Returns the new nodes."""
     entropies = (-(q * q.clamp_min(1e-30).log()).sum(-1)).tolist()
     top = q.topk(min(rule.children(tree.depth + 1), q.shape[-1]), dim=-1)
-    top_probs, top_tokens = top.values.tolist(), top.indices.tolist()
+    top_probs, top_index = top.values.tolist(), top.indices.tolist()
     if tree.sampled:
-        support = [[prob for prob in probs if prob > 0] for probs in top_probs]  # q = 0 outside a pruned vocabulary
-        counts = rule.sibling_counts(tree, parents, support)
+        positive = [[prob for prob in probs if prob > 0] for probs in top_probs]  # q = 0 outside a pruned vocabulary
+        counts = rule.sibling_counts(tree, parents, positive)
         drawn = draw_without_replacement(q, max(counts), generator).tolist() if any(counts) else [[]] * len(parents)
         children = [[(t, float(q[i, t])) for t in row[:count]] for i, (row, count) in enumerate(zip(drawn, counts))]
     else:
-        children = [list(zip(tokens, probs)) for tokens, probs in zip(top_tokens, top_probs)]
+        children = [list(zip(index, probs)) for index, probs in zip(top_index, top_probs)]
+    ids = None if support is None else support.tolist()
     proposed = []
     for i, (parent, entropy) in enumerate(zip(parents, entropies)):
         if tree.sampled and children[i]:
-            tree.dists[parent] = q[i]
-        for token, prob in children[i]:
+            tree.dists[parent] = q[i] if support is None else q.new_zeros(vocab_size).index_copy_(0, support, q[i])
+        for index, prob in children[i]:
             if prob > 0:  # q = 0 outside a pruned vocabulary
+                token = index if ids is None else ids[index]
                 proposed.append(tree.add(token, parent, prob, prob, entropy, top1=top_probs[i][0]))
     return proposed
 
@@ -221,7 +231,7 @@ def verify_tree(
     the argmax; otherwise :func:`~accept_head.trees.verify.verify_sampled` on ``probabilities(logits, sampling)``.
     Returns (winning row or −1, accepted count m, the target's next token)."""
     if sampling.greedy:
-        return verify_greedy(logits.argmax(-1).tolist(), _row_tokens(tree, paths), rows)
+        return verify_greedy(argmax(logits).tolist(), _row_tokens(tree, paths), rows)
     if tree.sampled:  # every node verified, target index = node + 1 (tree_rows of range(len(tree.tokens)))
         probs = probabilities(logits, sampling)
         accepted, token = verify_recursive(probs, tree.children, tree.tokens, tree.dists, generator)
