@@ -198,6 +198,43 @@ def test_feature_draft_receives_the_teacher_forced_features(pair) -> None:
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_pruned_feature_draft_proposes_over_its_kept_ids_as_over_the_whole_vocabulary(pair, temperature) -> None:
+    """The feature tree drafter gives the tree its kept ids' logits alone (``TreeStep.support``, a third of the
+    vocabulary-wide work for the embedded pair): the tree it grows, the children it draws and the q rows verification
+    reads are those of whole-vocabulary logits (−inf outside the kept ids), token for token, greedy and at T = 1 with
+    drawn siblings."""
+    target, _ = pair
+    kept = torch.randperm(target.config.vocab_size, generator=torch.Generator().manual_seed(4))[:40]  # not ascending
+    draft = FeatureDraft.from_target(target, kept)
+
+    class WholeVocabulary(FeatureTreeDrafter):
+        def _run(self, *args):
+            return super()._run(*args).over_vocabulary(self.vocab_size)
+
+    drafter = FeatureTreeDrafter(draft, target)
+    drafter.start(PROMPTS[0], lm_head_input(target, torch.tensor([PROMPTS[0][:-1]]))[0])
+    step = drafter.root()
+    assert torch.equal(step.support, kept.sort().values) and step.logits.shape == (1, 40)
+    rule = CostTree(COST, width=2, top_k=3, max_depth=4, max_nodes=12, siblings="sampled" if temperature else "top")
+    sequences, trees = [], []
+    for make in (FeatureTreeDrafter, WholeVocabulary):
+        grown = []
+        out = tree_decoding.tree_generate(
+            target, make(draft, target), PROMPTS[0], rule, NEW, temperature,
+            generator=torch.Generator().manual_seed(0), observe=lambda tree, nodes, logits: grown.append(tree),
+        )  # fmt: skip
+        sequences.append(out.sequences)
+        trees.append(grown)
+    assert torch.equal(*sequences)
+    assert [t.tokens for t in trees[0]] == [t.tokens for t in trees[1]] and max(len(t.tokens) for t in trees[0]) > 2
+    for ours, whole in zip(*trees):
+        assert ours.dists.keys() == whole.dists.keys()
+        for node, q in ours.dists.items():
+            assert q.shape == (target.config.vocab_size,)
+            torch.testing.assert_close(q, whole.dists[node], atol=1e-7, rtol=1e-6)
+
+
 # --- sampling: the target's exact distribution ----------------------------------------------------------------------
 
 SAMPLES = 1500

@@ -220,13 +220,14 @@ class ProcessedTreeDrafter(TreeDrafter):
         step = self.inner.root()
         if step is None:
             return None
+        step = step.over_vocabulary(self.vocab_size)  # processors read whole-vocabulary scores
         scores = self.process.paths(step.logits, self.length, [[]])
         if self.process.processors and not bool(torch.isfinite(scores).any()):
             return None
         return TreeStep(scores, step.hidden)
 
     def expand(self, tokens: Sequence[int], parents: Sequence[int]) -> TreeStep:
-        step = self.inner.expand(tokens, parents)
+        step = self.inner.expand(tokens, parents).over_vocabulary(self.vocab_size)
         for token, parent in zip(tokens, parents):
             self.paths.append([*(self.paths[parent] if parent >= 0 else []), int(token)])
         return TreeStep(self.process.paths(step.logits, self.length, self.paths[-len(tokens) :]), step.hidden)

@@ -44,9 +44,21 @@ class TreeStep:
     """One batched draft forward over ``n`` tree nodes (n = 1 for the root step)."""
 
     logits: torch.Tensor
-    """(n, V) next-token logits after each node, over the target's whole vocabulary (−inf outside a pruned one)."""
+    """(n, V) next-token logits after each node over the target's whole vocabulary (−inf outside a pruned one) — or,
+    when ``support`` is given, (n, S) over those ids alone."""
     hidden: torch.Tensor
     """(n, d) the drafter's final hidden state at each node: the input of an acceptance head."""
+    support: torch.Tensor | None = None
+    """(S,) the ids ``logits`` covers, ascending (a pruned draft's kept vocabulary: q = 0 elsewhere), or None. In
+    ascending order a row's argmax tie-break and cumulative sum are those of the whole vocabulary's row, so children
+    are drawn as over the whole vocabulary, at a third of the cost for the embedded pair."""
+
+    def over_vocabulary(self, vocab_size: int) -> TreeStep:
+        """This step with ``logits`` over the whole vocabulary (−inf outside ``support``)."""
+        if self.support is None:
+            return self
+        full = self.logits.new_full((self.logits.shape[0], vocab_size), float("-inf"))
+        return TreeStep(full.index_copy_(1, self.support, self.logits), self.hidden)
 
 
 def slot_attention(
@@ -183,7 +195,8 @@ class FeatureTreeDrafter(TreeDrafter):
     def _run(self, features: torch.Tensor, tokens: Sequence[int], mask, positions) -> TreeStep:
         ids = torch.tensor([list(tokens)], device=self.device)
         predicted = self.model(features[None].to(self.device), ids, self.cache, mask, positions, use_cache=True)[0]
-        return TreeStep(self.model.full_logits(predicted), predicted)
+        support, logits = self.model.support_logits(predicted)
+        return TreeStep(logits, predicted, support)
 
     def root(self) -> TreeStep | None:
         if not self.pending_tokens:
@@ -194,7 +207,7 @@ class FeatureTreeDrafter(TreeDrafter):
         self.prefix += len(self.pending_tokens)
         self.pending_features, self.pending_tokens = None, []
         self.root_predicted = step.hidden[-1]
-        return TreeStep(step.logits[-1:], step.hidden[-1:])
+        return TreeStep(step.logits[-1:], step.hidden[-1:], step.support)
 
     def expand(self, tokens: Sequence[int], parents: Sequence[int]) -> TreeStep:
         self.slot_parents.extend(parents)
