@@ -116,14 +116,13 @@ def propose_children(
         children = [[(t, float(q[i, t])) for t in row[:count]] for i, (row, count) in enumerate(zip(drawn, counts))]
     else:
         children = [list(zip(index, probs)) for index, probs in zip(top_index, top_probs)]
-    ids = None if support is None else support.tolist()
     proposed = []
     for i, (parent, entropy) in enumerate(zip(parents, entropies)):
         if tree.sampled and children[i]:
             tree.dists[parent] = q[i] if support is None else q.new_zeros(vocab_size).index_copy_(0, support, q[i])
         for index, prob in children[i]:
             if prob > 0:  # q = 0 outside a pruned vocabulary
-                token = index if ids is None else ids[index]
+                token = index if support is None else int(support[index])
                 proposed.append(tree.add(token, parent, prob, prob, entropy, top1=top_probs[i][0]))
     return proposed
 
