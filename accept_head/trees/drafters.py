@@ -13,6 +13,7 @@ The life of one generation::
     drafter.start(prompt, features)          # features: (L-1, d) target states (feature drafts only) or None
     every round:
         step = drafter.root()                # read the committed tokens not read yet: logits (1, V) at the root
+                                             # (or (1, S) over step.support, a pruned draft's kept ids)
         step = drafter.expand(tokens, parents)   # n nodes (parents: slot indices, −1 = root): logits/hidden (n, ·)
         ...
         drafter.commit(tokens, features, slots)  # accepted tokens + the target's; the accepted nodes' slots
