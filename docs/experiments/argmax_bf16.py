@@ -6,23 +6,11 @@ the feature draft's 16,384 kept ids; medians of 200 calls, 2 threads.
     python docs/experiments/argmax_bf16.py
 """
 
-import statistics
-import time
-
 import torch
+from cpu_decode_profile import median_ms
 
 from accept_head.core.records import machine_info
 from accept_head.core.sampling import argmax
-
-
-def median_us(fn, repeats: int = 200) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return 1e6 * statistics.median(times)
 
 
 def main() -> None:
@@ -34,8 +22,8 @@ def main() -> None:
         for rows in (1, 4, 9, 16):
             logits = torch.randn(rows, vocab, generator=generator).to(torch.bfloat16)
             assert torch.equal(argmax(logits), logits.argmax(-1))
-            bf16 = median_us(lambda: logits.argmax(-1))
-            f32 = median_us(lambda: argmax(logits))
+            bf16 = 1e3 * median_ms(lambda: logits.argmax(-1), 200)
+            f32 = 1e3 * median_ms(lambda: argmax(logits), 200)
             print(
                 f"V={vocab:>6} rows={rows:>2}: argmax over bf16 {bf16:7.1f} us, float32 compare {f32:6.1f} us "
                 f"({bf16 / f32:.1f}x)"
