@@ -7,11 +7,14 @@ Python per layer and per token; on a CPU that overhead, not arithmetic, is most 
 can hand the decoder to ``torch.compile`` — whose graphs need exactly that: fixed shapes.
 
 Shapes. A pass of T tokens is padded to the smallest of :data:`WIDTHS` that holds it (T = 1 for autoregressive
-decoding, K + 1 for a verification pass; a compiled target pads one token to two), so a compiled decoder sees a
-handful of shapes, each compiled once per process; longer passes (the prompt) run eagerly through the same cache.
-Padding is exact: the pad tokens sit *after* the real ones, which never attend to them (causal mask), and their keys
-and values, written past the kept length, are overwritten before any later query can see them — every pass writes
-from the kept length on.
+decoding, K + 1 for a verification pass), so a compiled decoder sees a handful of shapes, each compiled once per
+process; longer passes (the prompt) run eagerly through the same cache. Padding is exact: the pad tokens sit *after*
+the real ones, which never attend to them (causal mask), and their keys and values, written past the kept length, are
+overwritten before any later query can see them — every pass writes from the kept length on.
+
+Compiled, a pass runs the decoder and the LM head as one graph through
+:func:`~accept_head.models.row_linear.backend`: its linears fed one or two rows become a multiply and a float32 sum
+(1.5–3× oneDNN's bf16 matrix-vector product on the CPUs measured), the rest is inductor's.
 
 Rolling back a rejected speculation is :meth:`StaticTarget.crop`: only the kept length moves (``StaticCache`` writes
 each pass at its running length, which ``crop`` moves back). Targets with sliding-window layers are refused (their
@@ -26,11 +29,10 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from ..core.hf_compat import cache_kwargs
+from .row_linear import backend
 
 WIDTHS = (1, 2, 4, 8, 16)
-"""Pass widths a static target pads to (each compiled on first use when compiled). A compiled target skips width 1
-and pads a one-token pass to two: on the EPYC of docs/measurements.md the compiled one-token pass took 46.8 ms and
-the compiled two-token pass 33.4 ms (eager: 39.0 ms for one token)."""
+"""Pass widths a static target pads to (each compiled on first use when compiled)."""
 LENGTH_STEP = 256
 """Cache lengths are multiples of this, so requests of similar length share compiled graphs. Every pass attends over
 the whole preallocated cache (masked past the kept length): on the EPYC a one-token pass spent 7 ms of its 32 ms in
@@ -50,6 +52,12 @@ def _decoder_pass(decoder: torch.nn.Module, cache: dict, ids: torch.Tensor, posi
     return out.last_hidden_state
 
 
+def _logits_pass(decoder: torch.nn.Module, head: torch.nn.Module, cache: dict, ids: torch.Tensor, positions):
+    """:func:`_decoder_pass`, then the LM head on every position: (logits (T, V), final hidden states (T, d))."""
+    hidden = _decoder_pass(decoder, cache, ids, positions)[0]
+    return head(hidden), hidden
+
+
 INDUCTOR_OPTIONS: dict = {"cpp_wrapper": True}
 """Inductor options of the compiled pass (``torch.compile(options=...)``). ``cpp_wrapper`` calls the generated
 kernels from C++ instead of Python: on the EPYC of docs/measurements.md compiled autoregressive decoding ran 1.29× and
@@ -58,13 +66,13 @@ nothing."""
 _compiled_pass = None
 
 
-def compiled_decoder_pass():
-    """:func:`_decoder_pass` under ``torch.compile`` (inductor, static shapes, :data:`INDUCTOR_OPTIONS`), built once
-    per process."""
+def compiled_logits_pass():
+    """:func:`_logits_pass` under ``torch.compile`` (static shapes; :func:`~accept_head.models.row_linear.backend`
+    with :data:`INDUCTOR_OPTIONS`), built once per process."""
     global _compiled_pass
     if _compiled_pass is None:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _compiled_pass = torch.compile(_decoder_pass, dynamic=False, options=dict(INDUCTOR_OPTIONS) or None)
+        _compiled_pass = torch.compile(_logits_pass, dynamic=False, backend=backend(INDUCTOR_OPTIONS))
     return _compiled_pass
 
 
@@ -103,7 +111,7 @@ class StaticTarget:
             _decoder_pass(decoder, self._cache_kwargs, one, torch.zeros(1, dtype=torch.long, device=parameter.device))
         self.cache.crop(-1)
         self.length = 0
-        self._pass = compiled_decoder_pass() if compile else _decoder_pass
+        self._compiled = compiled_logits_pass() if compile else None
 
     def reset(self) -> None:
         """Forget every kept position (the buffers stay allocated; the next pass overwrites them)."""
@@ -118,17 +126,22 @@ class StaticTarget:
                 f"a pass of {width} tokens after {self.length} kept positions exceeds this StaticTarget's "
                 f"{self.capacity} positions: build it with a larger max_length."
             )
-        widths = WIDTHS[1:] if self.compiled else WIDTHS
-        padded = widths[bisect.bisect_left(widths, width)] if width <= WIDTHS[-1] else width
-        run = self._pass if padded <= WIDTHS[-1] else _decoder_pass  # the prompt: eager, any length
+        padded = WIDTHS[bisect.bisect_left(WIDTHS, width)] if width <= WIDTHS[-1] else width
         if padded > width:
             ids = torch.cat([ids, ids[:, -1:].expand(1, padded - width)], dim=1)
         positions = torch.arange(self.length, self.length + padded, device=ids.device)
-        hidden = run(self.decoder, self._cache_kwargs, ids, positions)[0, :width]
+        if self._compiled is not None and padded <= WIDTHS[-1]:
+            logits, hidden = self._compiled(self.decoder, self.head, self._cache_kwargs, ids, positions)
+            logits, hidden = logits[:width], hidden[:width]
+        else:  # eager, or the prompt: any length
+            hidden = _decoder_pass(self.decoder, self._cache_kwargs, ids, positions)[0, :width]
+            logits = None
         if padded > width:
             self.cache.crop(width - padded)  # the pads' keys and values are overwritten by the next pass
         self.length += width
-        return self.head(hidden[-1:] if last_only else hidden), hidden
+        if logits is None:
+            return self.head(hidden[-1:] if last_only else hidden), hidden
+        return (logits[-1:] if last_only else logits), hidden
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` positions (what a rejected speculation rolls back to)."""

@@ -1,0 +1,98 @@
+"""Linears fed one or two rows compiled as a multiply and a float32 sum (:mod:`accept_head.models.row_linear`).
+
+* :func:`rowwise_linear` equals ``torch.nn.functional.linear`` (float32 to rounding, bf16 within its rounding, bias or
+  not, any leading shape), eager and compiled through the backend.
+* The rewrite touches exactly the half-precision linears fed at most two rows on the CPU, and a broken rewrite (the
+  weight read transposed) is caught by the same comparison.
+* A compiled :class:`StaticTarget` whose every linear is rewritten (float32 admitted) decodes the eager greedy text.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tiny_models import make_llama
+
+import accept_head.models.row_linear as row_linear
+import accept_head.models.static_target as static_target
+from accept_head import autoregressive_generate
+from accept_head.models.row_linear import backend, rewrite_linears, rowwise_linear
+
+
+@pytest.mark.parametrize("shape", [(1, 16), (2, 16), (1, 1, 16), (1, 2, 16), (3, 16)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_rowwise_linear_equals_linear(shape, bias) -> None:
+    generator = torch.Generator().manual_seed(len(shape) + shape[-2])
+    x = torch.randn(shape, generator=generator)
+    weight = torch.randn(24, 16, generator=generator)
+    b = torch.randn(24, generator=generator) if bias else None
+    torch.testing.assert_close(rowwise_linear(x, weight, b), torch.nn.functional.linear(x, weight, b))
+    half = rowwise_linear(x.bfloat16(), weight.bfloat16(), None if b is None else b.bfloat16())
+    assert half.dtype == torch.bfloat16
+    want = torch.nn.functional.linear(x.bfloat16(), weight.bfloat16(), None if b is None else b.bfloat16())
+    torch.testing.assert_close(half.float(), want.float(), atol=0.05, rtol=0.02)
+
+
+class _Two(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(16, 40, bias=False), torch.nn.Linear(40, 16, bias=True)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.silu(self.up(x)))
+
+
+def _rewritten(module: torch.nn.Module, x: torch.Tensor) -> int:
+    counts = []
+
+    def capture(graph_module, example_inputs):
+        counts.append(rewrite_linears(graph_module))
+        return graph_module.forward
+
+    with torch.no_grad():
+        torch.compile(module, backend=capture, dynamic=False)(x)
+    return counts[0]
+
+
+def test_the_rewrite_takes_half_precision_linears_fed_at_most_two_rows() -> None:
+    module = _Two().bfloat16()
+    assert _rewritten(module, torch.randn(1, 1, 16, dtype=torch.bfloat16)) == 2
+    assert _rewritten(module, torch.randn(1, 2, 16, dtype=torch.bfloat16)) == 2
+    assert _rewritten(module, torch.randn(1, 4, 16, dtype=torch.bfloat16)) == 0  # the GEMM is faster from 4 rows on
+    assert _rewritten(_Two(), torch.randn(1, 1, 16)) == 0  # float32 keeps its GEMM
+
+
+def _compiled(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return torch.compile(module, backend=backend(), dynamic=False)(x).float()
+
+
+def test_the_compiled_backend_computes_the_linears(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    module, x = _Two().bfloat16(), torch.randn(1, 2, 16, dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = module(x).float()
+    torch.testing.assert_close(_compiled(module, x), want, atol=0.05, rtol=0.02)
+    # The control: a rewrite that reads the weight's rows in reverse order fails the same comparison.
+    monkeypatch.setattr(row_linear, "rowwise_linear", lambda x, w, b=None: rowwise_linear(x, w.flip(0), b))
+    torch._dynamo.reset()  # compile anew, through the broken rewrite
+    assert not torch.allclose(_compiled(module, x), want, atol=0.05, rtol=0.02)
+    torch._dynamo.reset()
+
+
+def test_a_compiled_target_with_every_linear_rewritten_decodes_the_eager_greedy_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    target = make_llama(seed=0, num_layers=2)
+    reference = autoregressive_generate(target, [2, 10, 11, 12], 10, temperature=0).sequences
+    monkeypatch.setattr(row_linear, "DTYPES", (torch.float32,))  # every linear of the float32 model fed <= 2 rows
+    monkeypatch.setattr(static_target, "_compiled_pass", None)  # a fresh compiled pass, not one cached by another test
+    counts = []
+    rewrite = row_linear.rewrite_linears
+    monkeypatch.setattr(row_linear, "rewrite_linears", lambda gm: counts.append(rewrite(gm)) or counts[-1])
+    monkeypatch.setitem(target.__dict__, "_accept_head_static_targets", {})
+    out = autoregressive_generate(target, [2, 10, 11, 12], 10, temperature=0, target_runtime="compiled")
+    assert torch.equal(out.sequences, reference)
+    # The prompt's 4-token pass keeps its GEMMs; the one-token passes ran seven linears a layer and the LM head as
+    # rowwise_linear.
+    assert counts == [0, 2 * 7 + 1], counts
