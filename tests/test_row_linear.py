@@ -2,9 +2,12 @@
 
 * :func:`rowwise_linear` equals ``torch.nn.functional.linear`` (float32 to rounding, bf16 within its rounding, bias or
   not, any leading shape), eager and compiled through the backend.
-* The rewrite touches exactly the half-precision linears fed at most two rows on the CPU, and a broken rewrite (the
+* The rewrite touches exactly the half-precision linears fed one row on the CPU, and a broken rewrite (the
   weight read transposed) is caught by the same comparison.
-* A compiled :class:`StaticTarget` whose every linear is rewritten (float32 admitted) decodes the eager greedy text.
+* Linears fed more rows get oneDNN-packed weights: the same outputs as ``linear``; a graph refuses to run once a
+  packed weight changed in place.
+* A compiled :class:`StaticTarget` whose every linear is rewritten or packed (float32 admitted) decodes the eager
+  greedy text.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from tiny_models import make_llama
 import accept_head.models.row_linear as row_linear
 import accept_head.models.static_target as static_target
 from accept_head import autoregressive_generate
-from accept_head.models.row_linear import backend, rewrite_linears, rowwise_linear
+from accept_head.models.row_linear import backend, pack_linears, rewrite_linears, rowwise_linear
 
 
 @pytest.mark.parametrize("shape", [(1, 16), (2, 16), (1, 1, 16), (1, 2, 16), (3, 16)])
@@ -54,11 +57,11 @@ def _rewritten(module: torch.nn.Module, x: torch.Tensor) -> int:
     return counts[0]
 
 
-def test_the_rewrite_takes_half_precision_linears_fed_at_most_two_rows() -> None:
+def test_the_rewrite_takes_half_precision_linears_fed_one_row() -> None:
     module = _Two().bfloat16()
     assert _rewritten(module, torch.randn(1, 1, 16, dtype=torch.bfloat16)) == 2
-    assert _rewritten(module, torch.randn(1, 2, 16, dtype=torch.bfloat16)) == 2
-    assert _rewritten(module, torch.randn(1, 4, 16, dtype=torch.bfloat16)) == 0  # the GEMM is faster from 4 rows on
+    assert _rewritten(module, torch.randn(1, 2, 16, dtype=torch.bfloat16)) == 0  # the GEMM is as fast or faster
+    assert _rewritten(module, torch.randn(2, 16, dtype=torch.bfloat16)) == 0
     assert _rewritten(_Two(), torch.randn(1, 1, 16)) == 0  # float32 keeps its GEMM
 
 
@@ -69,7 +72,7 @@ def _compiled(module: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 def test_the_compiled_backend_computes_the_linears(monkeypatch: pytest.MonkeyPatch) -> None:
     torch.manual_seed(0)
-    module, x = _Two().bfloat16(), torch.randn(1, 2, 16, dtype=torch.bfloat16)
+    module, x = _Two().bfloat16(), torch.randn(1, 1, 16, dtype=torch.bfloat16)
     with torch.no_grad():
         want = module(x).float()
     torch.testing.assert_close(_compiled(module, x), want, atol=0.05, rtol=0.02)
@@ -80,12 +83,46 @@ def test_the_compiled_backend_computes_the_linears(monkeypatch: pytest.MonkeyPat
     torch._dynamo.reset()
 
 
+def test_linears_fed_more_rows_run_on_packed_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.manual_seed(0)
+    module, x = _Two().bfloat16(), torch.randn(1, 4, 16, dtype=torch.bfloat16)
+    counts = []
+    pack = row_linear.pack_linears
+    monkeypatch.setattr(row_linear, "pack_linears", lambda gm, inputs: counts.append(pack(gm, inputs)) or counts[-1])
+    with torch.no_grad():
+        want = module(x).float()
+        torch.testing.assert_close(_compiled(module, x), want, atol=0.05, rtol=0.02)
+    assert [len(packed) for packed in counts] == [2]
+    # A packed weight is a copy: once the model's weight changes in place the compiled graph refuses to run.
+    torch._dynamo.reset()
+    compiled = torch.compile(module, backend=backend(), dynamic=False)
+    with torch.no_grad():
+        compiled(x)
+        module.up.weight.mul_(2)
+        with pytest.raises(RuntimeError, match="a weight changed in place since this pass was compiled"):
+            compiled(x)
+    torch._dynamo.reset()
+
+
+def test_packed_linear_equals_linear() -> None:
+    module, x = _Two().bfloat16(), torch.randn(3, 16, dtype=torch.bfloat16)
+
+    def capture(graph_module, example_inputs):
+        assert len(pack_linears(graph_module, example_inputs)) == 2
+        return graph_module.forward
+
+    with torch.no_grad():
+        got = torch.compile(module, backend=capture, dynamic=False)(x)  # the rewritten graph run eagerly
+        assert torch.equal(got, module(x))  # oneDNN's products with packed weights: bit for bit
+    torch._dynamo.reset()
+
+
 def test_a_compiled_target_with_every_linear_rewritten_decodes_the_eager_greedy_text(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     target = make_llama(seed=0, num_layers=2)
     reference = autoregressive_generate(target, [2, 10, 11, 12], 10, temperature=0).sequences
-    monkeypatch.setattr(row_linear, "DTYPES", (torch.float32,))  # every linear of the float32 model fed <= 2 rows
+    monkeypatch.setattr(row_linear, "DTYPES", (torch.float32,))  # every linear of the float32 model fed one row
     monkeypatch.setattr(static_target, "_compiled_pass", None)  # a fresh compiled pass, not one cached by another test
     counts = []
     rewrite = row_linear.rewrite_linears
@@ -93,6 +130,6 @@ def test_a_compiled_target_with_every_linear_rewritten_decodes_the_eager_greedy_
     monkeypatch.setitem(target.__dict__, "_accept_head_static_targets", {})
     out = autoregressive_generate(target, [2, 10, 11, 12], 10, temperature=0, target_runtime="compiled")
     assert torch.equal(out.sequences, reference)
-    # The prompt's 4-token pass keeps its GEMMs; the one-token passes ran seven linears a layer and the LM head as
-    # rowwise_linear.
+    # The prompt's 4-token pass runs on packed weights; the one-token passes ran seven linears a layer and the LM head
+    # as rowwise_linear.
     assert counts == [0, 2 * 7 + 1], counts

@@ -1,23 +1,28 @@
-"""Linears fed one or two rows, compiled as a multiply and a float32 sum: the compiler backend of CPU decode passes.
+"""Decode passes' linears for CPU: a ``torch.compile`` backend that rewrites them where oneDNN's GEMM is slow.
 
-A decode step feeds every linear of the target one row (a verification pass a few): a matrix-vector product, whose
-time is the time to read the weights. On the CPUs of docs/measurements.md the bf16 GEMM PyTorch calls for it (oneDNN)
-reads them at 15–28 GB/s while two cores stream memory at ~60 GB/s. The same product written as an elementwise
-multiply and a sum over the input dimension in float32 — ``(W[:, None, :] · x[None]).sum(-1)``, each weight row read
-once for all rows of ``x`` — is a reduction inductor compiles into one vectorised loop: 33–46 GB/s for one row, ~1.5–2×
-oneDNN's speed; for four rows and more it is slower than the GEMM, so only passes of up to :data:`ROW_LIMIT` rows are
-rewritten.
+A decode step feeds every linear of the target one row (a verification pass a few): its time is the time to read the
+weights. On the CPUs of docs/measurements.md the bf16 GEMM PyTorch calls (oneDNN, re-laying the weight out every
+call) reads them at 15–28 GB/s while two cores stream memory at ~60 GB/s. Two rewrites, each measured on a whole pass
+of the 135M target (AMD EPYC, 2 threads):
 
-:func:`backend` is a ``torch.compile`` backend: it rewrites every such ``linear`` of the captured graph into
-:func:`rowwise_linear` and hands the graph to inductor. The sum runs in float32 and rounds once, like the GEMM's float32
-accumulation, but in another order: outputs differ from the GEMM's by rounding (bf16: about one unit in the last place).
+* fed one row, a linear becomes an elementwise multiply and a float32 sum over the input dimension
+  (:func:`rowwise_linear`), a reduction inductor compiles into one vectorised loop: 33–46 GB/s alone, a one-token pass
+  2.2× the eager one. Fed two rows the same rewrite made a whole pass 5× slower, so only one-row linears
+  (:data:`ROW_LIMIT`) take it;
+* fed more rows, a linear runs oneDNN's GEMM on a copy of its weight packed once when the graph compiles
+  (:func:`pack_linears`, bit for bit the same products as ``linear``): passes of 2–8 tokens 1.3–1.6× faster than the
+  GEMM over the plain weight.
+
+The sum runs in float32 and rounds once, like the GEMM's float32 accumulation, in another order: its outputs differ
+from the GEMM's by rounding (bf16: about one unit in the last place).
 """
 
 from __future__ import annotations
 
 import torch
+from torch._dynamo.source import ConstantSource
 
-ROW_LIMIT = 2
+ROW_LIMIT = 1
 """Linears fed at most this many rows are rewritten (the product of the input's leading dimensions)."""
 DTYPES = (torch.bfloat16, torch.float16)
 """Weight dtypes rewritten: the half-precision ones, whose small-M GEMMs were measured slow. float32 linears keep
@@ -56,15 +61,74 @@ def rewrite_linears(graph_module: torch.fx.GraphModule) -> int:
     return rewritten
 
 
-def backend(options: dict | None = None):
-    """A ``torch.compile`` backend: :func:`rewrite_linears`, then inductor with ``options`` (its config patches, as
-    ``torch.compile(options=...)`` takes them)."""
+def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``linear`` with a weight oneDNN packed beforehand (``torch.ops.mkldnn._reorder_linear_weight``)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+
+
+def pack_linears(graph_module: torch.fx.GraphModule, example_inputs) -> list[tuple[torch.Tensor, int]]:
+    """Hand every remaining ``linear`` of a :data:`DTYPES` weight on the CPU a copy of its weight packed by oneDNN
+    (kept in the graph module), for the rows it is fed: the same products as ``linear``'s GEMM, bit for bit, without
+    re-laying out the weight every call. ``example_inputs``: the graph's real inputs, the weights among them. Returns
+    each packed weight with its version counter (what :func:`backend` checks before every call)."""
+    real = dict(zip((node for node in graph_module.graph.nodes if node.op == "placeholder"), example_inputs))
+    packed = []
+    for node in list(graph_module.graph.nodes):
+        if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
+            continue
+        x, weight = node.args[0].meta.get("example_value"), real.get(node.args[1])
+        if x is None or weight is None or x.device.type != "cpu" or weight.dtype not in DTYPES or x.dim() < 2:
+            continue
+        name = f"_accept_head_packed_{len(packed)}"
+        graph_module.register_buffer(
+            name, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), x.numel() // x.shape[-1])
+        )
+        sources = getattr(graph_module, "_param_name_to_source", None)
+        if sources is not None:  # a graph from Dynamo: AOTAutograd looks every buffer up there
+            sources[name] = ConstantSource(name)
+        with graph_module.graph.inserting_before(node):
+            attribute = graph_module.graph.get_attr(name)
+        bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+        node.target, node.args, node.kwargs = packed_linear, (node.args[0], attribute, bias), {}
+        packed.append((weight, _version(weight)))
+    if packed:
+        graph_module.recompile()
+    return packed
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    return None if tensor.is_inference() else tensor._version
+
+
+def backend(options: dict | None = None, pack: bool = True):
+    """A ``torch.compile`` backend: :func:`rewrite_linears`, then (``pack``) :func:`pack_linears` for the linears fed
+    more rows, then inductor with ``options`` (its config patches, as ``torch.compile(options=...)`` takes them). A
+    graph with packed weights refuses to run once any of them changed in place (train, then build a new compiled
+    target)."""
     from torch._inductor.compile_fx import compile_fx
 
     patches = dict(options or {})
 
     def compile_graph(graph_module: torch.fx.GraphModule, example_inputs):
         rewrite_linears(graph_module)
-        return compile_fx(graph_module, example_inputs, config_patches=patches)
+        packed = pack_linears(graph_module, example_inputs) if pack else []
+        # freezing: inductor takes the packed copies (buffers of the graph module) as constants, which its oneDNN
+        # linear requires; the model's own weights reach the graph as inputs (Dynamo lifts them), not constants.
+        compiled = compile_fx(
+            graph_module, example_inputs, config_patches=patches | ({"freezing": True} if packed else {})
+        )
+        if not packed:
+            return compiled
+        weights = packed + [(t, _version(t)) for t in example_inputs if isinstance(t, torch.nn.Parameter)]
+
+        def run(*args):
+            if any(_version(weight) != version for weight, version in weights):
+                raise RuntimeError(
+                    "a weight changed in place since this pass was compiled with packed copies of the weights: "
+                    "compile anew (torch._dynamo.reset(), or a new process) before decoding with the changed model."
+                )
+            return compiled(*args)
+
+        return run
 
     return compile_graph
