@@ -133,3 +133,19 @@ def test_a_compiled_target_with_every_linear_rewritten_decodes_the_eager_greedy_
     # The prompt's 4-token pass runs on packed weights; the one-token passes ran seven linears a layer and the LM head
     # as rowwise_linear.
     assert counts == [0, 2 * 7 + 1], counts
+
+
+def test_one_packed_copy_serves_every_graph_that_reads_a_weight() -> None:
+    weight = torch.randn(40, 16, dtype=torch.bfloat16)
+    first = row_linear._packed_copy(weight)
+    assert row_linear._packed_copy(weight) is first  # widths compiled later share it
+    x = torch.randn(5, 16, dtype=torch.bfloat16)
+    assert torch.equal(row_linear.packed_linear(x, first), torch.nn.functional.linear(x, weight))  # any row count
+    weight.mul_(2)  # changed in place: packed anew
+    second = row_linear._packed_copy(weight)
+    assert second is not first and torch.equal(
+        row_linear.packed_linear(x, second), torch.nn.functional.linear(x, weight)
+    )
+    key = id(weight)
+    del weight
+    assert key not in row_linear._PACKED  # dropped with its weight

@@ -19,6 +19,8 @@ from the GEMM's by rounding (bf16: about one unit in the last place).
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch._dynamo.source import ConstantSource
 
@@ -68,9 +70,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def pack_linears(graph_module: torch.fx.GraphModule, example_inputs) -> list[tuple[torch.Tensor, int]]:
     """Hand every remaining ``linear`` of a :data:`DTYPES` weight on the CPU a copy of its weight packed by oneDNN
-    (kept in the graph module), for the rows it is fed: the same products as ``linear``'s GEMM, bit for bit, without
-    re-laying out the weight every call. ``example_inputs``: the graph's real inputs, the weights among them. Returns
-    each packed weight with its version counter (what :func:`backend` checks before every call)."""
+    (kept in the graph module; one copy per weight, shared by every graph that reads it): the same products as
+    ``linear``'s GEMM, bit for bit, without re-laying out the weight every call. ``example_inputs``: the graph's real
+    inputs, the weights among them. Returns each packed weight with its version counter (what :func:`backend` checks
+    before every call)."""
     real = dict(zip((node for node in graph_module.graph.nodes if node.op == "placeholder"), example_inputs))
     packed = []
     for node in list(graph_module.graph.nodes):
@@ -80,9 +83,7 @@ def pack_linears(graph_module: torch.fx.GraphModule, example_inputs) -> list[tup
         if x is None or weight is None or x.device.type != "cpu" or weight.dtype not in DTYPES or x.dim() < 2:
             continue
         name = f"_accept_head_packed_{len(packed)}"
-        graph_module.register_buffer(
-            name, torch.ops.mkldnn._reorder_linear_weight(weight.detach(), x.numel() // x.shape[-1])
-        )
+        graph_module.register_buffer(name, _packed_copy(weight))
         sources = getattr(graph_module, "_param_name_to_source", None)
         if sources is not None:  # a graph from Dynamo: AOTAutograd looks every buffer up there
             sources[name] = ConstantSource(name)
@@ -98,6 +99,22 @@ def pack_linears(graph_module: torch.fx.GraphModule, example_inputs) -> list[tup
 
 def _version(tensor: torch.Tensor) -> int | None:
     return None if tensor.is_inference() else tensor._version
+
+
+_PACKED: dict[int, tuple[weakref.ref, int | None, torch.Tensor]] = {}
+"""Packed copies by ``id`` of the weight (tensors compare by value, so no ``WeakKeyDictionary``), each dropped with
+its weight."""
+
+
+def _packed_copy(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` packed by oneDNN, one copy per weight (and version) for every graph that reads it: the packed
+    layout does not depend on the rows fed (bf16: the same products bit for bit for any number of rows)."""
+    key = id(weight)
+    kept = _PACKED.get(key)
+    if kept is None or kept[0]() is not weight or kept[1] != _version(weight):
+        owner = weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None))
+        kept = _PACKED[key] = (owner, _version(weight), torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+    return kept[2]
 
 
 def backend(options: dict | None = None, pack: bool = True):

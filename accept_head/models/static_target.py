@@ -15,8 +15,8 @@ overwritten before any later query can see them — every pass writes from the k
 Compiled, a pass runs the decoder and the LM head as one graph through
 :func:`~accept_head.models.row_linear.backend`: in a one-token pass its bf16 linears become a multiply and a float32
 sum (faster than oneDNN's matrix-vector product on the CPUs measured), in wider passes they run on oneDNN-packed
-copies of the weights (each compiled width keeps its own copies: memory for the weights once more per width), the
-rest is inductor's. The compiled graphs check before every call that no weight changed in place since.
+copies of the weights (one copy, shared by every compiled width: memory for the weights once more), the rest is
+inductor's. The compiled graphs check before every call that no weight changed in place since.
 
 Rolling back a rejected speculation is :meth:`StaticTarget.crop`: only the kept length moves (``StaticCache`` writes
 each pass at its running length, which ``crop`` moves back). Targets with sliding-window layers are refused (their
