@@ -13,31 +13,19 @@ nothing.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 
 import torch
+from cpu_decode_profile import median_ms
 
 from accept_head.core.records import machine_info, write_json
-from accept_head.models.row_linear import rowwise_linear
+from accept_head.models.row_linear import packed_linear, rowwise_linear
 
 SHAPES = ((1536, 576), (576, 1536), (49152, 576))
 ROWS = (1, 2, 4, 8)
 
 
 def median_s(fn, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        began = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - began)
-    return statistics.median(times)
-
-
-def packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
-    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
+    return median_ms(fn, repeats, warmup=3) / 1e3
 
 
 @torch.inference_mode()
