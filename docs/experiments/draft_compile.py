@@ -10,7 +10,11 @@ alternates them, interleaved, medians of ``--repeats``:
 
 * ``eager``: what decoding runs, :meth:`FeatureDraft.step` over a ``DynamicCache`` then ``support_logits``;
 * ``static``: the same maths over a preallocated ``StaticCache`` (fixed shapes, the whole cache attended, masked);
-* ``compiled``: that static step under ``torch.compile`` (inductor, the target runtime's options).
+* ``compiled``: that static step under ``torch.compile`` (the target runtime's backend,
+  :func:`accept_head.models.row_linear.backend`: one-row bf16 linears summed; int8 linears stay int8 products).
+
+``--draft_weights bf16`` decodes the draft as trained instead of the bundle's int8 (whose products the backend does not
+rewrite).
 
 The logits of the static and compiled steps are compared with the eager step's (bf16: they differ in the last bits;
 decoding would stay lossless either way, since verification uses the q the draft computed).
@@ -28,6 +32,8 @@ from transformers import DynamicCache, StaticCache
 from accept_head.core.hf_compat import cache_kwargs, crop_cache
 from accept_head.core.prompts import chat_prompt_ids
 from accept_head.core.records import machine_info, write_json
+from accept_head.models.loading import load_model
+from accept_head.models.row_linear import backend
 from accept_head.models.static_target import INDUCTOR_OPTIONS
 from accept_head.specdecpp.bundle import SpecDecPP
 from accept_head.specdecpp.chat import DEFAULT_PROMPTS
@@ -46,11 +52,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--bundle", default="checkpoints/smollm2-135m-specdecpp")
     ap.add_argument("--repeats", type=int, default=70)
+    ap.add_argument("--draft_weights", choices=["bundle", "bf16"], default="bundle")
     ap.add_argument("--output", default="eval_out/draft_compile.json")
     args = ap.parse_args()
     torch.set_num_threads(2)
     bundle = SpecDecPP.from_pretrained(args.bundle)
-    target, draft = bundle.target, bundle.draft.bind(bundle.target)
+    draft = bundle.draft
+    if args.draft_weights == "bf16":
+        draft = load_model({**bundle.draft_spec.to_dict(), "quantize": None})
+    target, draft = bundle.target, draft.bind(bundle.target)
     dtype = draft.decoder.norm.weight.dtype
     prompt = torch.tensor([chat_prompt_ids(bundle.tokenizer, DEFAULT_PROMPTS[0])])
     ids = target.generate(prompt, max_new_tokens=64, do_sample=False)
@@ -64,7 +74,7 @@ def main() -> None:
     static = cache_kwargs(draft.decoder, StaticCache(config=draft.decoder.config, max_cache_len=256))
     static_step(draft, static, features[None, :-1], ids[:, 1:], torch.arange(n - 1))
     base, feature, token = dynamic.get_seq_length(), features[-1], torch.tensor([[123]])
-    compiled = torch.compile(static_step, dynamic=False, options=dict(INDUCTOR_OPTIONS) or None)
+    compiled = torch.compile(static_step, dynamic=False, backend=backend(INDUCTOR_OPTIONS))
 
     def run(kind: str) -> torch.Tensor:
         if kind == "eager":
@@ -94,6 +104,7 @@ def main() -> None:
     result = {
         "machine": machine_info(),
         "bundle": args.bundle,
+        "draft_weights": args.draft_weights,
         "repeats": args.repeats,
         "compile_s": compile_s,
         "max_logit_difference_vs_eager": differences,
