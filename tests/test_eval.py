@@ -318,6 +318,28 @@ def test_costs_command_times_a_fresh_head_of_a_given_depth_without_a_bundle(tiny
     assert without["cost_model"]["measured"]["head"]["median"] == 0 and without["head_over_draft_step"] == 0
 
 
+def test_costs_command_times_the_target_as_its_runtime_decodes(tiny, tmp_path, monkeypatch) -> None:
+    """``--target_runtime static`` times every target pass through a :class:`StaticTarget` (what ``eval bench
+    --target_runtime`` decodes with) and records the runtime; an unknown runtime is refused naming it."""
+    from accept_head.models import static_target
+
+    calls = []
+    forward = static_target.StaticTarget.forward
+    monkeypatch.setattr(
+        static_target.StaticTarget, "forward", lambda self, *a, **k: calls.append(1) or forward(self, *a, **k)
+    )
+    root = tiny["root"]
+    pair = ["--target.path", str(root / "target"), "--draft.path", str(root / "draft"), "--dtype", "float32"]
+    timing = ["--ks", "[1, 2]", "--repeats", "2", "--warmup", "1", "--context", "8"]
+    payload = main(["costs", *pair, *timing, "--target_runtime", "static", "--output_dir", str(tmp_path / "static")])
+    assert payload["settings"]["target_runtime"] == "static"
+    assert len(calls) >= 1 + 3 * 3  # the prompt, then (warm-up + repeats) x (K = 1, K = 2, the one-token pass)
+    from accept_head.evaluation.costs import costs
+
+    with pytest.raises(ValueError, match=r"target_runtime='jit' must be one of \['eager', 'static', 'compiled'\]"):
+        costs(target_runtime="jit", output_dir=str(tmp_path / "bad"))
+
+
 def test_sweep_command_runs_every_family_and_plots_pareto(tiny, tmp_path, capsys) -> None:
     out = tmp_path / "sweep"
     config = {

@@ -12,12 +12,13 @@ import torch
 from transformers import DynamicCache
 
 from ..acceptance.inputs import draft_step_stats
-from ..chain.decoding import prefill
+from ..chain.decoding import _crop, _forward, prefill
 from ..chain.policies import RoundState, round_inputs
 from ..core.costs import CostModel, TreeCost, fit_linear
 from ..core.hf_compat import cache_kwargs, crop_cache
 from ..core.timing import device_timer
 from ..models.drafters import as_drafter
+from ..models.static_target import target_cache as runtime_cache
 from ..trees.verify import tree_forward
 
 
@@ -47,19 +48,21 @@ def measure_costs(
     repeats: int = 15,
     warmup: int = 3,
     seed: int = 0,
+    target_runtime: str = "eager",
 ) -> CostModel:
     """Measure t_draft (one cached draft step, plus the head when given), t_target(K) for each K and the one-token
     pass (``t_single``, an autoregressive step) on this machine.
 
     Each timing is a median over ``repeats`` after ``warmup`` runs, on a cache holding ``context`` tokens that is
-    cropped back after every call, exactly as the decoder does.
+    cropped back after every call, exactly as the decoder does — the target run the way ``target_runtime`` decodes
+    it (:data:`~accept_head.models.static_target.RUNTIMES`; a compiled target compiles each pass width in the warm-up).
     """
     device = next(target.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     vocab = target.config.vocab_size
     prefix = torch.randint(0, vocab, (1, context), generator=gen).to(device)
     drafter = as_drafter(draft, target)
-    target_cache = DynamicCache()
+    target_cache = runtime_cache(target, target_runtime, context + max(ks) + 1)
     prefill(target, drafter, prefix, target_cache)
     last = {"step": drafter.propose(None)}
     token = int(prefix[0, -1])
@@ -84,16 +87,16 @@ def measure_costs(
     for k in dict.fromkeys(int(k) for k in ks):
         ids = torch.randint(0, vocab, (1, k + 1), generator=gen).to(device)
 
-        def target_step(ids=ids):
-            target(input_ids=ids, **cache_kwargs(target, target_cache))
-            crop_cache(target_cache, context - 1)
+        def target_step(ids=ids):  # a verification pass: every position's logits
+            _forward(target, ids, target_cache, last_only=False)
+            _crop(target_cache, context - 1)
 
         steps[k] = target_step
     one = torch.randint(0, vocab, (1, 1), generator=gen).to(device)
 
     def single_step():  # a one-token pass: an autoregressive step
-        target(input_ids=one, **cache_kwargs(target, target_cache))
-        crop_cache(target_cache, context - 1)
+        _forward(target, one, target_cache, last_only=True)
+        _crop(target_cache, context - 1)
 
     steps["single"] = single_step
     # Round-robin (draft, head, K = 1..20, then again): a burst of load from elsewhere on a shared machine hits every

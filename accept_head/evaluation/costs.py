@@ -8,6 +8,7 @@ from ..core.records import machine_info, write_json
 from ..core.tables import text_table
 from ..engine.measure import measure_costs
 from ..engine.pair_loading import PairOptions
+from ..models.static_target import check_runtime
 from .common import fmt, output_folder
 from .plots import costs_plot
 
@@ -20,6 +21,7 @@ def costs(
     warmup: int = 3,
     seed: int = 0,
     head_depth: int | None = None,
+    target_runtime: str = "eager",
     output_dir: str = "eval_out/costs",
 ) -> dict:
     """Measure the cost model of a pair: one cached draft step (plus the head's scoring when a bundle is given), one
@@ -37,6 +39,8 @@ def costs(
         seed: Seed of the random token ids used as inputs.
         head_depth: Without a bundle, time a fresh head of this depth (its weights do not change its cost), so the
             head's overhead per draft step is measured before any head is trained.
+        target_runtime: How the target runs (``eager``, ``static`` or ``compiled``, as ``eval bench
+            --target_runtime``): price rounds for the runtime you decode with.
         output_dir: Folder for costs.json and costs.png.
     """
     ks = list(range(1, 21)) if ks is None else [int(k) for k in ks]
@@ -44,17 +48,27 @@ def costs(
         raise ValueError(f"ks={ks} must be a non-empty list of K >= 1.")
     if repeats < 1 or warmup < 0 or context < 1:
         raise ValueError(f"need repeats >= 1, warmup >= 0 and context >= 1 (got {repeats}, {warmup}, {context}).")
+    check_runtime(target_runtime)
     folder = output_folder(output_dir)
     pair = (pair or PairOptions()).load()
     head = pair.bundle.head if pair.bundle is not None else None
     if head is None and head_depth is not None:
         head = AcceptanceHead(pair.draft.config.hidden_size, depth=head_depth).to(pair.draft.device).eval()
-    model: CostModel = measure_costs(pair.target, pair.draft, head, ks, context, repeats, warmup, seed)
+    model: CostModel = measure_costs(
+        pair.target, pair.draft, head, ks, context, repeats, warmup, seed, target_runtime=target_runtime
+    )
     payload = {
         "command": "costs",
         "machine": machine_info(),
         "pair": pair.describe(),
-        "settings": {"ks": ks, "context": context, "repeats": repeats, "warmup": warmup, "seed": seed},
+        "settings": {
+            "ks": ks,
+            "context": context,
+            "repeats": repeats,
+            "warmup": warmup,
+            "seed": seed,
+            "target_runtime": target_runtime,
+        },
         "cost_model": model.to_dict(),
         "t_draft_over_t_target": model.t_draft / model.t_target(1),
         "head_over_draft_step": model.measured["head"]["median"] / model.measured["draft"]["median"],
