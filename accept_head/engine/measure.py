@@ -54,9 +54,8 @@ def measure_costs(
     pass (``t_single``, an autoregressive step) on this machine.
 
     Each timing is a median over ``repeats`` after ``warmup`` runs, on a cache holding ``context`` tokens that is
-    cropped back after every call, exactly as the decoder does — the target run the way ``target_runtime`` decodes
-    it (:data:`~accept_head.models.static_target.RUNTIMES`; a compiled target compiles each pass width in the warm-up).
-    """
+    cropped back after every call, as the decoder does with ``target_runtime`` (a compiled target compiles in the
+    warm-up)."""
     device = next(target.parameters()).device
     gen = torch.Generator().manual_seed(seed)
     vocab = target.config.vocab_size
@@ -105,12 +104,8 @@ def measure_costs(
     draft_times, head_times = times.pop("draft"), times.pop("head", [0.0])
     single = times.pop("single")
     per_k = {k: _summary(k_times) for k, k_times in times.items()}
-    measured: dict = {
-        "draft": _summary(draft_times),
-        "head": _summary(head_times),
-        "single": _summary(single),
-        "target": per_k,
-    }
+    measured: dict = {"draft": _summary(draft_times), "head": _summary(head_times), "single": _summary(single)}
+    measured["target"] = per_k
     a, b, r2 = fit_linear(list(per_k), [summary["median"] for summary in per_k.values()])
     t_draft = statistics.median(draft_times) + statistics.median(head_times)
     return CostModel(

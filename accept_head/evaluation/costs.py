@@ -61,14 +61,8 @@ def costs(
         "command": "costs",
         "machine": machine_info(),
         "pair": pair.describe(),
-        "settings": {
-            "ks": ks,
-            "context": context,
-            "repeats": repeats,
-            "warmup": warmup,
-            "seed": seed,
-            "target_runtime": target_runtime,
-        },
+        "settings": {"ks": ks, "context": context, "repeats": repeats, "warmup": warmup, "seed": seed}
+        | {"target_runtime": target_runtime},
         "cost_model": model.to_dict(),
         "t_draft_over_t_target": model.t_draft / model.t_target(1),
         "head_over_draft_step": model.measured["head"]["median"] / model.measured["draft"]["median"],
