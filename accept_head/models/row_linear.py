@@ -31,6 +31,10 @@ DTYPES = (torch.bfloat16, torch.float16)
 PyTorch's GEMM (a test may widen this to exercise the rewrite exactly)."""
 
 
+_LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
+"""What a captured graph calls for ``nn.Linear`` / ``F.linear``."""
+
+
 def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``torch.nn.functional.linear(x, weight, bias)`` as a multiply and a float32 sum over the input dimension, each
     weight row read once for every row of ``x``; the result in ``x``'s dtype."""
@@ -42,7 +46,7 @@ def rowwise_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | N
 
 
 def _rewritable(node: torch.fx.Node) -> bool:
-    if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
+    if node.op != "call_function" or node.target not in _LINEARS:
         return False
     x, weight = (arg.meta.get("example_value") if isinstance(arg, torch.fx.Node) else None for arg in node.args[:2])
     if x is None or weight is None or x.device.type != "cpu" or weight.dtype not in DTYPES:
@@ -77,7 +81,7 @@ def pack_linears(graph_module: torch.fx.GraphModule, example_inputs) -> list[tup
     real = dict(zip((node for node in graph_module.graph.nodes if node.op == "placeholder"), example_inputs))
     packed = []
     for node in list(graph_module.graph.nodes):
-        if node.op != "call_function" or node.target not in (torch._C._nn.linear, torch.nn.functional.linear):
+        if node.op != "call_function" or node.target not in _LINEARS:
             continue
         x, weight = node.args[0].meta.get("example_value"), real.get(node.args[1])
         if x is None or weight is None or x.device.type != "cpu" or weight.dtype not in DTYPES or x.dim() < 2:
