@@ -615,14 +615,18 @@ def test_unrolled_step_k_equals_the_drafters_kth_candidate(padded: bool) -> None
     assert checked == 3 * sum(len(r) - 4 for r in rows)
 
 
+@pytest.mark.parametrize("quantize", [None, "int8"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_drafting_step_is_the_forward_pass_of_one_position(dtype) -> None:
-    """FeatureDraft.step (the drafter's one-token path, its layer called without the model's mask building) gives
+def test_a_drafting_step_is_the_forward_pass_of_one_position(dtype, quantize) -> None:
+    """FeatureDraft.step (the drafter's one-token path: fused projections, a RoPE table, no mask building) gives
     the same f̂ as :meth:`FeatureDraft.forward` on that position, bit for bit, and leaves the same cache behind."""
     from transformers import DynamicCache
 
     target = small_llama(seed=5).to(dtype)
     draft = lively_feature_draft(target).to(dtype).eval()
+    if quantize:
+        draft.quantize_(quantize)
+    assert draft._lean_step() is not None  # the fused path is the one compared
     generator = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, VOCAB, (1, 7), generator=generator)
     features = torch.randn(1, 7, target.config.hidden_size, generator=generator).to(dtype)
@@ -636,6 +640,46 @@ def test_a_drafting_step_is_the_forward_pass_of_one_position(dtype) -> None:
     assert caches[1].get_seq_length() == 7
     for a, b in zip(caches[0].layers, caches[1].layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+
+
+def test_a_drafting_step_follows_weight_changes_and_positions_past_its_rope_table() -> None:
+    """The fused projections are copies: after an in-place update of the weights the step must use the new ones
+    (the stale copy, kept on purpose, is the broken control), and positions past the RoPE table's first size read
+    the rotary embedding of that position."""
+    from transformers import DynamicCache
+
+    target = small_llama(seed=6)
+    draft = lively_feature_draft(target).eval()
+    generator = torch.Generator().manual_seed(3)
+    features = torch.randn(1, 4, target.config.hidden_size, generator=generator)
+    tokens = torch.randint(0, VOCAB, (1, 4), generator=generator)
+
+    def step_and_forward(lean):
+        caches = [DynamicCache(), DynamicCache()]
+        with torch.no_grad():
+            for cache in caches:
+                draft(features[:, :3], tokens[:, :3], cache, position_ids=torch.arange(3)[None], use_cache=True)
+            whole = draft(features[:, 3:], tokens[:, 3:], caches[0], position_ids=torch.tensor([[3]]), use_cache=True)
+            emb = draft.embed.weight[int(tokens[0, 3])]
+            x = draft.fc(torch.cat([features[0, 3], emb])[None, None])
+            return lean(x, caches[1], 3), whole[0, -1]
+
+    stale = draft._lean_step()
+    with torch.no_grad():
+        draft.decoder.layers[0].self_attn.k_proj.weight.mul_(1.5)
+        draft.decoder.layers[0].mlp.up_proj.weight.add_(0.25)
+    fresh = draft._lean_step()
+    assert fresh is not stale
+    one, whole = step_and_forward(fresh)
+    assert torch.equal(one, whole)
+    one, whole = step_and_forward(stale)
+    assert not torch.allclose(one, whole, atol=1e-4)
+
+    x = torch.zeros(1, 1, target.config.hidden_size)
+    for position in (0, 255, 256, 700):
+        cos, sin = fresh.rope(x, position)
+        expected = draft.decoder.rotary_emb(x, torch.tensor([[position]]))
+        assert torch.equal(cos.flatten(), expected[0].flatten()) and torch.equal(sin.flatten(), expected[1].flatten())
 
 
 # --- 6. int8 weights for decoding -----------------------------------------------------------------------------------

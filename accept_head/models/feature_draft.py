@@ -30,7 +30,9 @@ from torch import nn
 from transformers import DynamicCache
 
 from ..core.hf_compat import cache_kwargs, crop_cache
+from .draft_step import LeanStep, lean_step_applies, weights_key
 from .drafters import Drafter, DraftStep, check_kept_ids
+from .int8_linear import Int8Linear
 
 FORMAT = "accept_head.feature_draft"
 FORMAT_VERSION = 2
@@ -114,30 +116,6 @@ def _full_attention_rope(rope: dict | None) -> dict | None:
 
 QUANTIZE_MODES = ("int8",)
 """Weight formats a feature draft can decode with (:meth:`FeatureDraft.quantize_`; ``ModelSpec.quantize``)."""
-
-
-class Int8Linear(nn.Module):
-    """A decoding-only ``nn.Linear`` with weight-only int8: one scale per output row (symmetric, round to nearest),
-    the product by ``torch._weight_int8pack_mm`` in the input's dtype. Half the bytes of bf16 weights — on a CPU, where
-    a drafting step streams its weights from memory after every target pass evicted them, half its matmul time."""
-
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        super().__init__()
-        w = weight.detach().float()
-        scale = w.abs().amax(dim=1).clamp(min=torch.finfo(torch.float32).tiny) / 127
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(weight.dtype))
-        self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self.out_features, self.in_features = weight.shape
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        scale = self.scale.to(x.dtype)
-        if x.dtype != torch.float32 and self.in_features % 32:  # the CPU kernel's reduced-precision path reads
-            y = nn.functional.linear(x, self.qweight.to(x.dtype) * scale[:, None])  # 32 columns at a time
-        else:
-            flat = x.reshape(-1, self.in_features).contiguous()
-            y = torch._weight_int8pack_mm(flat, self.qweight, scale).reshape(*x.shape[:-1], -1)
-        return y if self.bias is None else y + self.bias.to(y.dtype)
 
 
 class _Rows(nn.Module):
@@ -270,20 +248,39 @@ class FeatureDraft(nn.Module):
         )
         return out.last_hidden_state
 
-    def step(self, feature: torch.Tensor, token: int, cache: DynamicCache, position: int) -> torch.Tensor:
+    def step(
+        self, feature: torch.Tensor, token: int, cache: DynamicCache, position: int, lean: LeanStep | None = None
+    ) -> torch.Tensor:
         """One drafting step: f (d,) and the next token at sequence ``position`` → f̂ (d,), that position appended to
-        ``cache``. The maths of :meth:`forward` for a single position, its decoder layers called directly: one query
-        attends to every cached position, so no mask is built — bit-identical, ~0.15 ms less a step on a CPU."""
+        ``cache``. The maths of :meth:`forward` for a single position, bit for bit, in fewer kernel calls: one query
+        attends to every cached position, so no mask is built, and the layer runs as a
+        :class:`~accept_head.models.draft_step.LeanStep` where that computes it exactly (on the EPYC of
+        docs/measurements.md ~0.2 ms less a step than the modules called one by one, right after a target pass).
+        ``lean``: the one to use, built from the current weights (a :class:`FeatureDrafter` builds it once);
+        by default it is looked up, and built again when a weight changed."""
         device = feature.device
-        positions = torch.tensor([[position]], device=device)
         with torch.no_grad():
-            emb = self.embed(torch.tensor([[token]], device=device))
+            emb = self.embed.weight[token]
         dtype = self.decoder.norm.weight.dtype
-        x = self.fc(torch.cat([feature.to(dtype)[None, None], emb.to(dtype)], dim=-1))
+        x = self.fc(torch.cat([feature.to(dtype), emb.to(device=device, dtype=dtype)])[None, None])
+        lean = lean or self._lean_step()
+        if lean is not None:
+            return lean(x, cache, position)
+        positions = torch.tensor([[position]], device=device)
         rotary = self.decoder.rotary_emb(x, positions)
         for layer in self.decoder.layers:
             x = layer(x, position_ids=positions, position_embeddings=rotary, **cache_kwargs(layer, cache))
         return self.decoder.norm(x)[0, -1]
+
+    def _lean_step(self) -> LeanStep | None:
+        """The :class:`LeanStep` of the current weights (built again after any change), or None where it does not
+        apply (:func:`lean_step_applies`)."""
+        if not lean_step_applies(self.decoder):
+            return None
+        kept = self.__dict__.get("_lean_step_cache")
+        if kept is None or kept.key != weights_key(self.decoder):
+            kept = self.__dict__["_lean_step_cache"] = LeanStep(self.decoder)
+        return kept
 
     def kept_logits(self, predicted: torch.Tensor) -> torch.Tensor:
         """(…, d) predicted features → (…, kept_vocab_size) logits over ``kept_ids``."""
@@ -295,8 +292,13 @@ class FeatureDraft(nn.Module):
         """(…, d) predicted features → ``kept_ids`` in ascending order (S,) and the logits over them (…, S): rows in
         that order keep a full-vocabulary argmax's tie-break (the smallest id) and a cumulative sum's order, so
         sampling there draws what sampling over the whole vocabulary draws."""
-        support, rows = self._head_rows(sort=True)
+        support, rows = self.support_rows()
         return support, rows(predicted)
+
+    def support_rows(self) -> tuple[torch.Tensor, nn.Module]:
+        """``kept_ids`` ascending (S,) and the linear map from predicted features to their logits
+        (:meth:`support_logits`), built from the current LM head."""
+        return self._head_rows(sort=True)
 
     def _head_rows(self, sort: bool) -> tuple[torch.Tensor, nn.Module]:
         """The kept ids (ascending if ``sort``) and a linear map to their logits: the LM head's rows, in int8 when the
@@ -447,7 +449,8 @@ def _final_norm_weight(target: torch.nn.Module) -> torch.Tensor | None:
 
 class FeatureDrafter(Drafter):
     """Drafts with a :class:`FeatureDraft`: the target's true features for committed positions, its own for the
-    candidates of the current round."""
+    candidates of the current round. Reads the draft's weights as they are when it is made: make a new drafter after
+    training the draft further."""
 
     needs_target_features = True
 
@@ -462,6 +465,10 @@ class FeatureDrafter(Drafter):
         self.pending_tokens: list[int] = []
         self.committed_length = 0  # pairs in the cache that carry the target's true features
         self.last_predicted: torch.Tensor | None = None
+        # Built once from the draft's current weights (re-create the drafter if the draft is trained further): a
+        # drafting step then spends nothing on checking them.
+        self.lean = draft._lean_step()
+        self.support, self.rows = draft.support_rows()
 
     def start(self, prompt: Sequence[int], features: torch.Tensor | None) -> None:
         if features is None or features.shape[0] != len(prompt) - 1:
@@ -477,15 +484,17 @@ class FeatureDrafter(Drafter):
     def _run(self, features: torch.Tensor, tokens: list[int]) -> DraftStep:
         start = self.cache.get_seq_length()
         if len(tokens) == 1:  # a drafting step
-            self.last_predicted = self.model.step(features[0].to(self.device), tokens[0], self.cache, start)
+            self.last_predicted = self.model.step(features[0].to(self.device), tokens[0], self.cache, start, self.lean)
         else:
             positions = torch.arange(start, start + len(tokens), device=self.device)[None]
             ids = torch.tensor([tokens], device=self.device)
             features = features[None].to(self.device)
             predicted = self.model(features, ids, self.cache, position_ids=positions, use_cache=True)
             self.last_predicted = predicted[0, -1]
-        support, logits = self.model.support_logits(self.last_predicted)
-        return DraftStep(None, self.last_predicted, support=support, support_logits=logits, vocab_size=self.vocab_size)
+        logits = self.rows(self.last_predicted)
+        return DraftStep(
+            None, self.last_predicted, support=self.support, support_logits=logits, vocab_size=self.vocab_size
+        )
 
     def propose(self, token: int | None) -> DraftStep | None:
         if token is None:

@@ -1,0 +1,119 @@
+"""One drafting step of a feature draft in fewer kernel calls: the maths of its Llama layer, bit for bit.
+
+A drafting step feeds one token, so each of its kernels works on a single row and costs about what its launch costs.
+On a CPU it also runs right after a target pass has swept the caches, so each call pays again for the code and
+weights it pulls back in: on the AMD EPYC of docs/measurements.md the layer called through Hugging Face's modules
+took 0.87 ms a step right after a target pass (0.35 ms back to back). :class:`LeanStep` computes the same layer with
+the query, key and value projections as one product, gate and up as one, the rotary cosines read from a table and
+the normalisations as one fused call each — the same numbers (tests compare them bit for bit), 0.63 ms.
+
+It applies to the layer a :class:`~accept_head.models.feature_draft.FeatureDraft` builds (a Llama decoder layer on
+SDPA attention, RoPE without a length-dependent rescaling); :func:`lean_step_applies` says when, and the draft falls
+back to calling the layer otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from .int8_linear import Int8Linear
+
+
+def lean_step_applies(decoder: nn.Module) -> bool:
+    """Whether :class:`LeanStep` computes ``decoder``'s (a one-layer ``LlamaModel``) step exactly: SDPA attention (the
+    kernel it calls) and a RoPE whose frequencies do not depend on the sequence length (a table holds them)."""
+    rope_type = str(getattr(decoder.rotary_emb, "rope_type", "default"))
+    return (
+        len(decoder.layers) == 1
+        and decoder.config._attn_implementation == "sdpa"
+        and "dynamic" not in rope_type
+        and rope_type != "longrope"
+    )
+
+
+def fuse_linears(linears: list[nn.Module]) -> nn.Module:
+    """One linear map computing ``linears`` (same input width) side by side: their outputs concatenated. Each output
+    is the same dot product over the same input, so the numbers are those of the separate calls."""
+    if all(isinstance(linear, Int8Linear) for linear in linears):
+        return Int8Linear.concatenated(linears)
+    if all(type(linear) is nn.Linear for linear in linears):
+        has_bias = [linear.bias is not None for linear in linears]
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=any(has_bias), device=weight.device, dtype=weight.dtype)
+        with torch.no_grad():
+            fused.weight.copy_(weight)
+            if fused.bias is not None:
+                biases = [
+                    linear.bias.detach() if linear.bias is not None else weight.new_zeros(linear.out_features)
+                    for linear in linears
+                ]
+                fused.bias.copy_(torch.cat(biases))
+        return fused.requires_grad_(False)
+    raise TypeError(f"cannot fuse {[type(linear).__name__ for linear in linears]}: nn.Linear or Int8Linear only.")
+
+
+def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """Llama's RMSNorm (float32 statistics, the weight applied in the input's dtype) in one fused normalisation."""
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.variance_epsilon).to(x.dtype)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on (1, heads, 1, head_dim): x·cos + rotate_half(x)·sin."""
+    first, second = x.chunk(2, -1)
+    return x * cos + torch.cat((-second, first), -1) * sin
+
+
+class LeanStep:
+    """A drafting step through ``decoder``'s single Llama layer (:meth:`__call__`), built from its current weights.
+
+    Holds fused copies of the projections (``qkv``, ``gate_up``); :attr:`key` names the weights they were built from,
+    so the owner builds a new one when any changes (training, ``load_state_dict``, :meth:`FeatureDraft.quantize_`).
+    """
+
+    def __init__(self, decoder: nn.Module) -> None:
+        self.decoder = decoder
+        self.layer = layer = decoder.layers[0]
+        attention, mlp = layer.self_attn, layer.mlp
+        self.key = weights_key(decoder)
+        self.qkv = fuse_linears([attention.q_proj, attention.k_proj, attention.v_proj])
+        self.gate_up = fuse_linears([mlp.gate_proj, mlp.up_proj])
+        self.head_dim = attention.head_dim
+        self.heads = attention.q_proj.out_features // self.head_dim
+        self.kv_heads = attention.k_proj.out_features // self.head_dim
+        self.intermediate = mlp.gate_proj.out_features
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def rope(self, x: torch.Tensor, position: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (1, 1, 1, head_dim) of ``position``, from a table the rotary embedding computed (elementwise per
+        position, so the same numbers as computing that position alone); the table doubles when outgrown."""
+        table = self._rope
+        if table is None or table[0].shape[2] <= position or table[0].dtype != x.dtype:
+            length = max(256, 2 * position + 2)
+            cos, sin = self.decoder.rotary_emb(x, torch.arange(length, device=x.device)[None])
+            table = self._rope = (cos[:, None], sin[:, None])
+        return table[0][:, :, position : position + 1], table[1][:, :, position : position + 1]
+
+    def __call__(self, x: torch.Tensor, cache, position: int) -> torch.Tensor:
+        """x (1, 1, d), the layer's input at sequence ``position`` → the final-normed output (d,); the position's key
+        and value appended to ``cache`` (layer 0)."""
+        layer, attention, mlp = self.layer, self.layer.self_attn, self.layer.mlp
+        cos, sin = self.rope(x, position)
+        projected = self.qkv(rms_norm(layer.input_layernorm, x)).view(1, 1, -1, self.head_dim).transpose(1, 2)
+        query_key, value = projected.split([self.heads + self.kv_heads, self.kv_heads], 1)
+        query, key = _rotate(query_key, cos, sin).split([self.heads, self.kv_heads], 1)
+        key, value = cache.update(key, value, 0)
+        attended = F.scaled_dot_product_attention(
+            query, key, value, scale=attention.scaling, enable_gqa=self.heads != self.kv_heads
+        )
+        x = x + attention.o_proj(attended.transpose(1, 2).reshape(1, 1, -1))
+        gate, up = self.gate_up(rms_norm(layer.post_attention_layernorm, x)).split(self.intermediate, -1)
+        x = x + mlp.down_proj(mlp.act_fn(gate) * up)
+        return rms_norm(self.decoder.norm, x)[0, -1]
+
+
+def weights_key(decoder: nn.Module) -> tuple:
+    """The identity and version of every tensor of ``decoder``: changes when any is replaced or updated in place."""
+    tensors = [*decoder.parameters(), *decoder.buffers()]
+    return tuple((t.data_ptr(), t.dtype, None if t.is_inference() else t._version) for t in tensors)
