@@ -39,9 +39,9 @@ def fuse_linears(linears: list[nn.Module]) -> nn.Module:
     if all(isinstance(linear, Int8Linear) for linear in linears):
         return Int8Linear.concatenated(linears)
     if all(type(linear) is nn.Linear for linear in linears):
-        has_bias = [linear.bias is not None for linear in linears]
         weight = torch.cat([linear.weight.detach() for linear in linears])
-        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=any(has_bias), device=weight.device, dtype=weight.dtype)
+        has_bias = any(linear.bias is not None for linear in linears)
+        fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
         with torch.no_grad():
             fused.weight.copy_(weight)
             if fused.bias is not None:
