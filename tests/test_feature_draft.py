@@ -682,6 +682,24 @@ def test_a_drafting_step_follows_weight_changes_and_positions_past_its_rope_tabl
         assert torch.equal(cos.flatten(), expected[0].flatten()) and torch.equal(sin.flatten(), expected[1].flatten())
 
 
+@pytest.mark.parametrize("quantize", [False, True])
+def test_fused_linears_compute_each_linear_side_by_side(quantize) -> None:
+    """fuse_linears: the outputs of the separate layers, concatenated, bit for bit — biases where some layers have one
+    and others not; mixing kinds is refused."""
+    from accept_head.models.draft_step import fuse_linears
+
+    torch.manual_seed(0)
+    linears = [torch.nn.Linear(64, 8, bias=False), torch.nn.Linear(64, 5), torch.nn.Linear(64, 3, bias=False)]
+    if quantize:
+        linears = [Int8Linear(linear.weight, linear.bias) for linear in linears]
+    fused = fuse_linears(linears)
+    x = torch.randn(2, 1, 64)
+    with torch.no_grad():
+        assert torch.equal(fused(x), torch.cat([linear(x) for linear in linears], -1))
+    with pytest.raises(TypeError, match="nn.Linear or Int8Linear"):
+        fuse_linears([torch.nn.Linear(64, 8), Int8Linear(torch.randn(8, 64))])
+
+
 # --- 6. int8 weights for decoding -----------------------------------------------------------------------------------
 
 
