@@ -643,13 +643,13 @@ def test_a_drafting_step_is_the_forward_pass_of_one_position(dtype, quantize) ->
 
 
 def test_a_drafting_step_follows_weight_changes_and_positions_past_its_rope_table() -> None:
-    """The fused projections are copies: after an in-place update of the weights the step must use the new ones
+    """The fused int8 projections are copies: after an in-place update of the weights the step must use the new ones
     (the stale copy, kept on purpose, is the broken control), and positions past the RoPE table's first size read
     the rotary embedding of that position."""
     from transformers import DynamicCache
 
     target = small_llama(seed=6)
-    draft = lively_feature_draft(target).eval()
+    draft = lively_feature_draft(target).eval().quantize_("int8")
     generator = torch.Generator().manual_seed(3)
     features = torch.randn(1, 4, target.config.hidden_size, generator=generator)
     tokens = torch.randint(0, VOCAB, (1, 4), generator=generator)
@@ -666,8 +666,8 @@ def test_a_drafting_step_follows_weight_changes_and_positions_past_its_rope_tabl
 
     stale = draft._lean_step()
     with torch.no_grad():
-        draft.decoder.layers[0].self_attn.k_proj.weight.mul_(1.5)
-        draft.decoder.layers[0].mlp.up_proj.weight.add_(0.25)
+        draft.decoder.layers[0].self_attn.k_proj.qweight.neg_()
+        draft.decoder.layers[0].mlp.up_proj.qweight.div_(2, rounding_mode="trunc")
     fresh = draft._lean_step()
     assert fresh is not stale
     one, whole = step_and_forward(fresh)
