@@ -38,6 +38,7 @@ from accept_head.core.sampling import sample
 from accept_head.models.drafters import ModelDrafter
 from accept_head.models.feature_draft import FeatureDraft, FeatureDrafter, Int8Linear, model_fingerprint
 from accept_head.models.features import lm_head_input
+from accept_head.models.quantized_linear import Int4Linear
 
 # --- tiny models ----------------------------------------------------------------------------------------------------
 
@@ -722,19 +723,46 @@ def test_int8_linear_is_the_product_with_its_dequantized_weight(dtype, width) ->
     assert torch.allclose(layer(x.to(dtype)).float(), expected, atol=tolerance, rtol=0.02)
 
 
-def test_an_int8_feature_draft_decodes_greedy_output_exactly(greedy_settings) -> None:
-    """The int8 draft proposes from a q close to, but not equal to, the trained draft's; greedy decoding with it still
-    returns the target's own continuation, with most candidates accepted (the accept path runs)."""
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [32, 24])  # 32 rows run the 4-bit kernel, 24 (not a multiple of 16) the fallback
+def test_int4_linear_is_the_product_with_its_dequantized_weight(dtype, rows) -> None:
+    """Each weight within one level's step of the original (half a step of rounding, plus the scale and offset in
+    bf16), the product that of the dequantized weight and the bias; a width no group divides is refused."""
+    generator = torch.Generator().manual_seed(1)
+    weight, bias = torch.randn(rows, 64, generator=generator), torch.randn(rows, generator=generator)
+    layer = Int4Linear(weight.to(dtype), bias.to(dtype))
+    assert (layer.packed is not None) == (rows % 16 == 0)
+    dequantized = layer.dequantized()
+    groups = weight.to(dtype).float().reshape(rows, 2, 32)
+    step = ((groups.amax(-1) - groups.amin(-1)) / 15).repeat_interleave(32, 1)
+    slack = 0.5 if dtype == torch.float32 else 1.0
+    assert (dequantized - weight.to(dtype).float()).abs().le(slack * step + 1e-3).all()
+    assert not torch.allclose(dequantized, weight.to(dtype).float(), atol=1e-3)  # 16 levels: the weights moved
+    x = torch.randn(3, 5, 64, generator=generator)
+    expected = x @ dequantized.T + bias.to(dtype).float()
+    tolerance = 1e-4 if dtype == torch.float32 else 0.3
+    assert layer(x.to(dtype)).shape == (3, 5, rows) and layer(x.to(dtype)).dtype == dtype
+    assert torch.allclose(layer(x.to(dtype)).float(), expected, atol=tolerance, rtol=0.02)
+    with pytest.raises(ValueError, match="group=48 must be one of"):
+        Int4Linear(weight, group=48)
+
+
+@pytest.mark.parametrize(("mode", "head", "moved_at_most"), [("int8", Int8Linear, 0.05), ("int4", Int4Linear, 0.25)])
+def test_a_quantized_feature_draft_decodes_greedy_output_exactly(greedy_settings, mode, head, moved_at_most) -> None:
+    """The int8 (int4: its LM head in 4 bits) draft proposes from a q close to, but not equal to, the trained draft's;
+    greedy decoding with it still returns the target's own continuation, with most candidates accepted (the accept
+    path runs)."""
     target, make_draft, _ = greedy_settings["feature"]
     draft = make_draft()
-    quantized = copy.deepcopy(draft).quantize_("int8")
+    quantized = copy.deepcopy(draft).quantize_(mode)
     assert isinstance(quantized.fc, Int8Linear) and isinstance(quantized.decoder.layers[0].mlp.up_proj, Int8Linear)
+    assert isinstance(quantized.support_rows()[1], head)
     features = torch.randn(1, 6, target.config.hidden_size, generator=torch.Generator().manual_seed(0))
     tokens = torch.tensor([[2, 12, 40, 9, 5, 30]])
     with torch.no_grad():
         exact = draft.support_logits(draft(features, tokens))[1]
         moved = quantized.support_logits(quantized(features, tokens))[1]
-    assert 0 < (exact - moved).abs().max() < 0.05 * exact.abs().max()
+    assert 0 < (exact - moved).abs().max() < moved_at_most * exact.abs().max()
     accepted, proposed = 0, 0
     for prompt in GREEDY_PROMPTS:
         expected = autoregressive_generate(target, prompt, GREEDY_NEW, temperature=0).sequences
@@ -754,8 +782,8 @@ def test_int8_is_a_loading_option_of_feature_drafts_only(tmp_path, llama, kept) 
     draft = load_model({**spec, "quantize": "int8"})
     assert draft.quantized == "int8" and isinstance(draft.decoder.layers[0].self_attn.q_proj, Int8Linear)
     assert load_model(spec).quantized is None
-    with pytest.raises(ValueError, match=r"quantize='int4' is not a weight format .* use one of \['int8'\]"):
-        load_model({**spec, "quantize": "int4"})
+    with pytest.raises(ValueError, match=r"quantize='int2' is not a weight format .* use one of \['int8', 'int4'\]"):
+        load_model({**spec, "quantize": "int2"})
     with pytest.raises(ValueError, match=r"quantize='int8' applies to feature drafts only"):
         load_model({"path": str(tmp_path / "target"), "dtype": "float32", "quantize": "int8"})
     with pytest.raises(ValueError, match="save the draft as trained"):

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from .int8_linear import Int8Linear
+from .quantized_linear import Int8Linear
 
 
 def lean_step_applies(decoder: nn.Module) -> bool:

@@ -32,7 +32,7 @@ from transformers import DynamicCache
 from ..core.hf_compat import cache_kwargs, crop_cache
 from .draft_step import LeanStep, lean_step_applies, weights_key
 from .drafters import Drafter, DraftStep, check_kept_ids
-from .int8_linear import Int8Linear
+from .quantized_linear import Int4Linear, Int8Linear, int4_group
 
 FORMAT = "accept_head.feature_draft"
 FORMAT_VERSION = 2
@@ -114,8 +114,9 @@ def _full_attention_rope(rope: dict | None) -> dict | None:
     return rope
 
 
-QUANTIZE_MODES = ("int8",)
-"""Weight formats a feature draft can decode with (:meth:`FeatureDraft.quantize_`; ``ModelSpec.quantize``)."""
+QUANTIZE_MODES = ("int8", "int4")
+"""Weight formats a feature draft can decode with (:meth:`FeatureDraft.quantize_`; ``ModelSpec.quantize``): ``int8``
+every linear layer in int8; ``int4`` the same with the LM head — most of a drafting step's bytes — in 4 bits."""
 
 
 class _Rows(nn.Module):
@@ -310,16 +311,20 @@ class FeatureDraft(nn.Module):
         if cached is None or cached[0] != key:
             order = self.kept_ids.argsort() if sort else torch.arange(len(self.kept_ids), device=weight.device)
             rows = weight.detach()[order].contiguous()
-            linear = Int8Linear(rows) if self.quantized else _Rows(rows)
+            if self.quantized == "int4":
+                linear = Int4Linear(rows, group=int4_group(rows.shape[1]))
+            else:
+                linear = Int8Linear(rows) if self.quantized else _Rows(rows)
             cached = (key, self.kept_ids[order], linear)
             self.__dict__["_head_rows_cache"][sort] = cached
         return cached[1], cached[2]
 
     def quantize_(self, mode: str) -> FeatureDraft:
-        """Decode with ``mode`` weights (:data:`QUANTIZE_MODES`; ``int8``: :class:`Int8Linear` for the input projection,
-        the decoder layer's linear layers and the LM head), in place. Decoding stays lossless — verification uses the
-        q this draft computes — only q moves a little (docs/measurements.md); for decoding only: train and save the
-        draft as trained."""
+        """Decode with ``mode`` weights (:data:`QUANTIZE_MODES`), in place: ``int8``, :class:`Int8Linear` for the input
+        projection, the decoder layer's linear layers and the LM head; ``int4``, the same but the LM head an
+        :class:`Int4Linear` (groups of 32 inputs, or the largest size the hidden width allows). Decoding stays
+        lossless — verification uses the q this draft computes — only q moves a little (docs/measurements.md); for
+        decoding only: train and save the draft as trained."""
         if mode not in QUANTIZE_MODES:
             raise ValueError(
                 f"quantize={mode!r} is not a weight format a feature draft decodes with; use one of "
@@ -327,6 +332,8 @@ class FeatureDraft(nn.Module):
             )
         if self.quantized is not None:
             raise ValueError(f"This feature draft is already quantized ({self.quantized}).")
+        if mode == "int4":
+            int4_group(self.config.hidden_size)  # refuse before changing anything
         for parent in [self, *self.decoder.modules()]:
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and child is not self.lm_head:

@@ -509,10 +509,10 @@ class SpecDecPP:
         ``dtype`` (a ``torch.dtype``, its name, or ``"auto"`` for the dtype stored with each model), ``device`` (a
         string, ``torch.device`` or accelerator index) and ``device_map`` (accelerate's placement, e.g. ``"auto"``; not
         together with ``device``) override the specs, as in transformers' ``from_pretrained``. ``draft_quantize``
-        (``"int8"``): the feature draft decodes with int8 weights (``ModelSpec.quantize``; lossless, a cheaper
-        drafting step on a CPU — the bundle's cost model and h* still price the draft it was built with). A bundle
-        whose stored draft spec says ``quantize: int8`` (the embedded pair's) was labelled, trained and priced with
-        the int8 draft and loads it so; pass ``draft=`` to decode with another."""
+        (``"int8"`` or ``"int4"``): the feature draft decodes with those weights (``ModelSpec.quantize``; lossless,
+        a cheaper drafting step on a CPU — the bundle's cost model and h* still price the draft it was built with).
+        A bundle whose stored draft spec says ``quantize: int8`` (the embedded pair's) was labelled, trained and
+        priced with the int8 draft and loads it so; pass ``draft=`` to decode with another."""
         if device is not None and device_map is not None:
             raise ValueError("Pass device or device_map, not both (device_map places the weights itself).")
         if draft_quantize is not None and draft is not None:
