@@ -1,16 +1,22 @@
-"""Would a 4-bit LM head make the drafting step cheap enough? Its cost, and the acceptance it gives up.
+"""Would a 4-bit LM head make the drafting step cheap enough? Its cost, the acceptance it gives up, decoding speed.
 
     python docs/experiments/draft_head_int4.py --output docs/experiments/draft_head_int4-epyc.json
 
 The drafting step of the committed bundle streams 13.6 MB of int8 weights after every target pass, 9.4 MB of them
 the 16,384-row LM head (docs/measurements.md). Groupwise 4-bit weights (``torch._weight_int4pack_mm_for_cpu``,
-asymmetric, one scale and offset per group of 32 or 64 inputs) halve the head's bytes. Two measurements, 2 threads:
+asymmetric, one scale and offset per group of 32 or 64 inputs) halve the head's bytes; ``quantize: int4`` decodes
+with the head so (groups of 32), the rest of the draft in int8. Measurements, 2 threads:
 
 1. **Cost**: the head's product for one row — the bundle's int8 head, 4-bit heads, the bf16 rows — warm and right
    after 400 MB were written (what a target pass does to the caches), interleaved, medians of ``--repeats``.
 2. **Acceptance**: step-1 Σ_x min(p, q) over the response positions of the target's greedy continuations of the
    chat's built-in prompts (they choose nothing), the bundle's draft reading the target's true features, with each
    head; and each head's total variation from the bf16 head's q.
+3. **The whole draft**: the bundle's int8 draft against the same draft loaded with ``quantize: int4`` —
+   ``draft_int8.step_cost`` (a drafting step right after a one-token target pass, the forward alone and the whole step
+   with the head at T = 1, medians of ``--repeats``, the two drafts interleaved ``--rounds`` times) and
+   ``draft_int8.decode_speed`` (``bundle.generate`` at the bundle's h*, greedy and T = 1, the chat's built-in
+   prompts, the two drafts and autoregressive decoding interleaved prompt by prompt, ``--decode_repeats`` times).
 """
 
 from __future__ import annotations
@@ -20,8 +26,9 @@ import statistics
 import time
 
 import torch
+from draft_int8 import decode_speed, step_cost
 
-from accept_head import SpecDecPP
+from accept_head import SpecDecPP, load_model
 from accept_head.core.prompts import chat_prompt_ids
 from accept_head.core.records import machine_info, write_json
 from accept_head.specdecpp.chat import DEFAULT_PROMPTS
@@ -38,6 +45,12 @@ def int4_head(weight: torch.Tensor, group: int):
     packed = torch._convert_weight_to_int4pack_for_cpu(levels.reshape(rows, width), 1)
     scales_zeros = torch.stack([scale, low + 8 * scale], -1).transpose(0, 1).contiguous().to(torch.bfloat16)
     return lambda x: torch._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), packed, group, scales_zeros)
+
+
+def int4_bundle(path: str, bundle: SpecDecPP) -> SpecDecPP:
+    """The bundle at ``path`` with its draft loaded with ``quantize: int4`` (its target and tokenizer shared)."""
+    spec = {**bundle.draft_spec.to_dict(), "quantize": "int4"}
+    return SpecDecPP.from_pretrained(path, target=bundle.target, tokenizer=bundle.tokenizer, draft=load_model(spec))
 
 
 def head_costs(heads: dict, width: int, repeats: int) -> dict:
@@ -62,6 +75,9 @@ def main() -> None:
     parser.add_argument("--bundle", default="checkpoints/smollm2-135m-specdecpp")
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--new_tokens", type=int, default=96)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode_tokens", type=int, default=64)
+    parser.add_argument("--decode_repeats", type=int, default=3)
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
@@ -80,17 +96,28 @@ def main() -> None:
     result["head_us"] = head_costs(heads, weight.shape[1], args.repeats)
     accept: dict = {name: [] for name in heads}
     tv: dict = {name: [] for name in heads}
+    prompts = [chat_prompt_ids(bundle.tokenizer, text) for text in DEFAULT_PROMPTS]
     with torch.inference_mode():
-        for text in DEFAULT_PROMPTS:
-            prompt = chat_prompt_ids(bundle.tokenizer, text)
+        for prompt in prompts:
             ids = target.generate(torch.tensor([prompt]), max_new_tokens=args.new_tokens, do_sample=False)[0]
             out = target(input_ids=ids[None], output_hidden_states=True)
+            features = out.hidden_states[-1][0]
             p = out.logits[0].float().softmax(-1)[len(prompt) - 1 : -1][:, support]  # the target at response tokens
             predicted = draft(out.hidden_states[-1][:, :-1], ids[None, 1:])[0][len(prompt) - 2 : -1]
             qs = {name: head(predicted).float().softmax(-1) for name, head in heads.items()}
             for name, q in qs.items():
                 accept[name].append(torch.minimum(p, q).sum(-1))
                 tv[name].append(0.5 * (q - qs["bf16"]).abs().sum(-1))
+        drafts = {"int8": bundle, "int4": int4_bundle(args.bundle, bundle)}
+        result["step_cost"] = {name: [] for name in drafts}
+        for _ in range(args.rounds):
+            for name, each in drafts.items():
+                draft = each.draft.bind(target)
+                result["step_cost"][name].append(
+                    step_cost(target, draft, ids[None], features, args.repeats, each.policy())
+                )
+    if args.decode_repeats:
+        result["decode_tok_s"] = decode_speed(drafts, prompts, args.decode_tokens, args.decode_repeats)
     result["positions"] = sum(len(a) for a in accept["bf16"])
     result["step1_acceptance"] = {name: torch.cat(values).mean().item() for name, values in accept.items()}
     result["tv_vs_bf16"] = {name: torch.cat(values).mean().item() for name, values in tv.items()}
@@ -101,6 +128,17 @@ def main() -> None:
             f"{result['tv_vs_bf16'][name]:.4f}"
         )
     print(f"over {result['positions']} response positions")
+    for name, costs in result["step_cost"].items():
+        print(
+            f"{name} draft: forward "
+            + " / ".join(f"{c['draft_ms']:.3f}" for c in costs)
+            + " ms (c = "
+            + " / ".join(f"{c['c']:.4f}" for c in costs)
+            + "); whole step with the head "
+            + " / ".join(f"{c['step_ms']:.3f} ms, c = {c['c_step']:.4f}" for c in costs)
+        )
+    for mode, speeds in result.get("decode_tok_s", {}).items():
+        print(mode, {name: round(value, 1) for name, value in speeds.items()})
     if args.output:
         write_json(args.output, result)
 
