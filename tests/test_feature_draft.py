@@ -643,6 +643,46 @@ def test_a_drafting_step_is_the_forward_pass_of_one_position(dtype, quantize) ->
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
 
 
+@pytest.mark.parametrize("quantize", [None, "int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extending_by_several_positions_is_the_forward_pass(dtype, quantize, monkeypatch) -> None:
+    """FeatureDraft.extend (a round's first drafting call: the verified tokens fed at once; the lean layer computes
+    the last position's output only) gives the forward pass's f̂ at the last position (to the dtype's rounding) and
+    the same cache bit for bit; the modules' path (the lean step switched off) gives it bit for bit."""
+    from transformers import DynamicCache
+
+    import accept_head.models.feature_draft as feature_draft_module
+
+    target = small_llama(seed=7).to(dtype)
+    draft = lively_feature_draft(target).to(dtype).eval()
+    if quantize:
+        draft.quantize_(quantize)
+    generator = torch.Generator().manual_seed(4)
+    tokens = torch.randint(0, VOCAB, (1, 9), generator=generator)
+    features = torch.randn(1, 9, target.config.hidden_size, generator=generator).to(dtype)
+
+    def extend_after_prefix() -> tuple[torch.Tensor, DynamicCache]:
+        cache = DynamicCache()
+        with torch.no_grad():  # a prefix of 5 positions, then 4 more at once
+            draft(features[:, :5], tokens[:, :5], cache, position_ids=torch.arange(5)[None], use_cache=True)
+            return draft.extend(features[0, 5:], tokens[0, 5:].tolist(), cache, 5), cache
+
+    cache = DynamicCache()
+    with torch.no_grad():
+        draft(features[:, :5], tokens[:, :5], cache, position_ids=torch.arange(5)[None], use_cache=True)
+        whole = draft(features[:, 5:], tokens[:, 5:], cache, position_ids=torch.arange(5, 9)[None], use_cache=True)
+    assert draft._lean_step() is not None
+    lean, lean_cache = extend_after_prefix()
+    torch.testing.assert_close(lean, whole[0, -1])  # one row through o_proj and the MLP: last-bit rounding may move
+    for a, b in zip(cache.layers, lean_cache.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
+    monkeypatch.setattr(feature_draft_module, "lean_step_applies", lambda decoder: False)
+    assert draft._lean_step() is None
+    assert torch.equal(extend_after_prefix()[0], whole[0, -1])
+    first_query = whole[0, 0]  # what a step answering for the wrong position would return
+    assert not torch.allclose(lean.float(), first_query.float(), atol=1e-2)
+
+
 def test_a_drafting_step_follows_weight_changes_and_positions_past_its_rope_table() -> None:
     """The fused int8 projections are copies: after an in-place update of the weights the step must use the new ones
     (the stale copy, kept on purpose, is the broken control), and positions past the RoPE table's first size read

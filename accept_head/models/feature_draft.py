@@ -253,22 +253,39 @@ class FeatureDraft(nn.Module):
         self, feature: torch.Tensor, token: int, cache: DynamicCache, position: int, lean: LeanStep | None = None
     ) -> torch.Tensor:
         """One drafting step: f (d,) and the next token at sequence ``position`` → f̂ (d,), that position appended to
-        ``cache``. The maths of :meth:`forward` for a single position, bit for bit, in fewer kernel calls: one query
-        attends to every cached position, so no mask is built, and the layer runs as a
-        :class:`~accept_head.models.draft_step.LeanStep` where that computes it exactly (on the EPYC of
-        docs/measurements.md ~0.2 ms less a step than the modules called one by one, right after a target pass).
-        ``lean``: the one to use, built from the current weights (a :class:`FeatureDrafter` builds it once);
-        by default it is looked up, and built again when a weight changed."""
-        device = feature.device
+        ``cache`` (:meth:`extend` with one position)."""
+        return self.extend(feature[None], [token], cache, position, lean)
+
+    def extend(
+        self,
+        features: torch.Tensor,
+        tokens: Sequence[int],
+        cache: DynamicCache,
+        position: int,
+        lean: LeanStep | None = None,
+    ) -> torch.Tensor:
+        """Feed T positions on top of ``cache``: f (T, d) and the next tokens (T) at sequence positions ``position``..
+        → f̂ (d,) at the last, the T positions appended to ``cache``. The maths of :meth:`forward` in fewer kernel
+        calls: the layer runs as a :class:`~accept_head.models.draft_step.LeanStep` where that applies — bit for bit
+        for one position, and for several the last one's output computed from its row alone (a float32 product of one
+        row may round its last bit differently); on the EPYC of docs/measurements.md ~0.15 ms less a drafting step
+        and ~0.45 ms less a round's first call than the modules called one by one, right after a target pass.
+        ``lean``: the one to use, built from the current weights (a :class:`FeatureDrafter` builds it once); by
+        default it is looked up, and built again when a weight changed."""
+        device, count = features.device, len(tokens)
         with torch.no_grad():
-            emb = self.embed.weight[token]
+            rows = self.embed.weight
+            emb = rows[tokens[0]][None] if count == 1 else rows[torch.tensor(tokens, device=rows.device)]
         dtype = self.decoder.norm.weight.dtype
-        x = self.fc(torch.cat([feature.to(dtype), emb.to(device=device, dtype=dtype)])[None, None])
+        x = self.fc(torch.cat([features.to(dtype), emb.to(device=device, dtype=dtype)], -1)[None])
         lean = lean or self._lean_step()
         if lean is not None:
             return lean(x, cache, position)
-        positions = torch.tensor([[position]], device=device)
-        rotary = self.decoder.rotary_emb(x, positions)
+        positions = torch.arange(position, position + count, device=device)[None]
+        if count > 1:
+            out = self.decoder(inputs_embeds=x, position_ids=positions, **cache_kwargs(self.decoder, cache, True))
+            return out.last_hidden_state[0, -1]
+        rotary = self.decoder.rotary_emb(x, positions)  # one query attends to every cached position: no mask
         for layer in self.decoder.layers:
             x = layer(x, position_ids=positions, position_embeddings=rotary, **cache_kwargs(layer, cache))
         return self.decoder.norm(x)[0, -1]
@@ -490,14 +507,7 @@ class FeatureDrafter(Drafter):
 
     def _run(self, features: torch.Tensor, tokens: list[int]) -> DraftStep:
         start = self.cache.get_seq_length()
-        if len(tokens) == 1:  # a drafting step
-            self.last_predicted = self.model.step(features[0].to(self.device), tokens[0], self.cache, start, self.lean)
-        else:
-            positions = torch.arange(start, start + len(tokens), device=self.device)[None]
-            ids = torch.tensor([tokens], device=self.device)
-            features = features[None].to(self.device)
-            predicted = self.model(features, ids, self.cache, position_ids=positions, use_cache=True)
-            self.last_predicted = predicted[0, -1]
+        self.last_predicted = self.model.extend(features.to(self.device), tokens, self.cache, start, self.lean)
         logits = self.rows(self.last_predicted)
         return DraftStep(
             None, self.last_predicted, support=self.support, support_logits=logits, vocab_size=self.vocab_size

@@ -80,8 +80,11 @@ def main() -> None:
     for name in paths:
         costs = result["cost"][name]
         print(
-            f"{name}: draft forward " + " / ".join(f"{c['draft_ms']:.3f}" for c in costs) + " ms (c = "
-            + " / ".join(f"{c['c']:.4f}" for c in costs) + "); whole step with the head "
+            f"{name}: draft forward "
+            + " / ".join(f"{c['draft_ms']:.3f}" for c in costs)
+            + " ms (c = "
+            + " / ".join(f"{c['c']:.4f}" for c in costs)
+            + "); whole step with the head "
             + " / ".join(f"{c['step_ms']:.3f} ms, c = {c['c_step']:.4f}" for c in costs)
         )
     for mode, speeds in result.get("decode_tok_s", {}).items():
