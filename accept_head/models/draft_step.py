@@ -25,13 +25,21 @@ from .quantized_linear import Int8Linear
 
 def lean_step_applies(decoder: nn.Module) -> bool:
     """Whether :class:`LeanStep` computes ``decoder``'s (a one-layer ``LlamaModel``) step exactly: SDPA attention (the
-    kernel it calls) and a RoPE whose frequencies do not depend on the sequence length (a table holds them)."""
-    rope_type = str(getattr(decoder.rotary_emb, "rope_type", "default"))
+    kernel it calls, the way Hugging Face calls it for one query: grouped heads, head size ≤ 256), RoPE over the
+    whole head (an even head size, one frequency per pair) whose frequencies do not depend on the sequence length (a
+    table holds them)."""
+    rope = decoder.rotary_emb
+    rope_type = str(getattr(rope, "rope_type", "default"))
+    head_dim = decoder.layers[0].self_attn.head_dim if len(decoder.layers) == 1 else 0
+    frequencies = getattr(rope, "inv_freq", None)
     return (
         len(decoder.layers) == 1
         and decoder.config._attn_implementation == "sdpa"
         and "dynamic" not in rope_type
         and rope_type != "longrope"
+        and 0 < head_dim <= 256
+        and frequencies is not None
+        and 2 * frequencies.numel() == head_dim
     )
 
 
@@ -64,8 +72,9 @@ def rms_norm(norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on (1, heads, 1, head_dim): x·cos + rotate_half(x)·sin."""
-    first, second = x.chunk(2, -1)
+    """RoPE on (1, heads, T, head_dim): x·cos + rotate_half(x)·sin."""
+    half = x.shape[-1] // 2
+    first, second = x[..., :half], x[..., half:]
     return x * cos + torch.cat((-second, first), -1) * sin
 
 
