@@ -21,12 +21,11 @@ with the head so (groups of 32), the rest of the draft in int8. Measurements, 2 
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
 import torch
-from draft_int8 import decode_speed, step_cost
+from draft_int8 import comparison_arguments, decode_speed, step_cost, step_cost_summary
 
 from accept_head import SpecDecPP, load_model
 from accept_head.core.prompts import chat_prompt_ids
@@ -71,14 +70,8 @@ def head_costs(heads: dict, width: int, repeats: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bundle", default="checkpoints/smollm2-135m-specdecpp")
-    parser.add_argument("--repeats", type=int, default=30)
+    parser = comparison_arguments(__doc__.split("\n\n")[0], repeats=30)
     parser.add_argument("--new_tokens", type=int, default=96)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--decode_tokens", type=int, default=64)
-    parser.add_argument("--decode_repeats", type=int, default=3)
-    parser.add_argument("--output", default=None)
     args = parser.parse_args()
     torch.set_num_threads(2)
     bundle = SpecDecPP.from_pretrained(args.bundle)
@@ -129,14 +122,7 @@ def main() -> None:
         )
     print(f"over {result['positions']} response positions")
     for name, costs in result["step_cost"].items():
-        print(
-            f"{name} draft: forward "
-            + " / ".join(f"{c['draft_ms']:.3f}" for c in costs)
-            + " ms (c = "
-            + " / ".join(f"{c['c']:.4f}" for c in costs)
-            + "); whole step with the head "
-            + " / ".join(f"{c['step_ms']:.3f} ms, c = {c['c_step']:.4f}" for c in costs)
-        )
+        print(f"{name} draft: {step_cost_summary(costs)}")
     for mode, speeds in result.get("decode_tok_s", {}).items():
         print(mode, {name: round(value, 1) for name, value in speeds.items()})
     if args.output:

@@ -99,6 +99,28 @@ def step_cost(target, draft, ids: torch.Tensor, features: torch.Tensor, repeats:
     return {"draft_ms": d, "step_ms": s, "target_ms": t, "c": d / t, "c_step": s / t}
 
 
+def comparison_arguments(description: str, repeats: int) -> argparse.ArgumentParser:
+    """The options of a script comparing two ways of drafting with a bundle (this one's siblings): the bundle, the
+    medians' ``--repeats``, the interleaved ``--rounds`` of :func:`step_cost`, :func:`decode_speed`'s settings and
+    the JSON ``--output``."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("--bundle", default="checkpoints/smollm2-135m-specdecpp")
+    parser.add_argument("--repeats", type=int, default=repeats)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--decode_tokens", type=int, default=64)
+    parser.add_argument("--decode_repeats", type=int, default=3)
+    parser.add_argument("--output", default=None)
+    return parser
+
+
+def step_cost_summary(costs: list[dict]) -> str:
+    """:func:`step_cost` results of interleaved rounds on one line."""
+    forward = " / ".join(f"{c['draft_ms']:.3f}" for c in costs)
+    ratios = " / ".join(f"{c['c']:.4f}" for c in costs)
+    whole = " / ".join(f"{c['step_ms']:.3f} ms, c = {c['c_step']:.4f}" for c in costs)
+    return f"draft forward {forward} ms (c = {ratios}); whole step with the head {whole}"
+
+
 def step1_q(draft, features: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The draft's step-1 distribution over the whole vocabulary after each position but the last: row j reads f_j
     and x_(j+1) and predicts x_(j+2)."""

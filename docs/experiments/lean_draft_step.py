@@ -17,13 +17,12 @@ the committed bundle (its int8 draft), 2 threads:
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import statistics
 import time
 
 import torch
-from draft_int8 import decode_speed, drafting_context, step_cost
+from draft_int8 import comparison_arguments, decode_speed, drafting_context, step_cost, step_cost_summary
 
 import accept_head.models.feature_draft as feature_draft
 from accept_head import SpecDecPP
@@ -76,14 +75,7 @@ class Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--bundle", default="checkpoints/smollm2-135m-specdecpp")
-    parser.add_argument("--repeats", type=int, default=60)
-    parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--decode_tokens", type=int, default=64)
-    parser.add_argument("--decode_repeats", type=int, default=3)
-    parser.add_argument("--output", default=None)
-    args = parser.parse_args()
+    args = comparison_arguments(__doc__.split("\n\n")[0], repeats=60).parse_args()
     torch.set_num_threads(2)
     bundle = SpecDecPP.from_pretrained(args.bundle)
     target, draft = bundle.target, bundle.draft.bind(bundle.target)
@@ -103,15 +95,7 @@ def main() -> None:
         variants = {name: Path(bundle, lean) for name, lean in paths.items()}
         result["decode_tok_s"] = decode_speed(variants, prompts, args.decode_tokens, args.decode_repeats)
     for name in paths:
-        costs = result["cost"][name]
-        print(
-            f"{name}: draft forward "
-            + " / ".join(f"{c['draft_ms']:.3f}" for c in costs)
-            + " ms (c = "
-            + " / ".join(f"{c['c']:.4f}" for c in costs)
-            + "); whole step with the head "
-            + " / ".join(f"{c['step_ms']:.3f} ms, c = {c['c_step']:.4f}" for c in costs)
-        )
+        print(f"{name}: {step_cost_summary(result['cost'][name])}")
     for name, rounds in result["first_call_ms"].items():
         print(
             f"{name}: a round's first call, 1 / 2 / 3 / 4 tokens: "
