@@ -340,6 +340,30 @@ def test_costs_command_times_the_target_as_its_runtime_decodes(tiny, tmp_path, m
         costs(target_runtime="jit", output_dir=str(tmp_path / "bad"))
 
 
+def test_a_bench_prices_the_runtime_it_decodes_with(tiny, monkeypatch) -> None:
+    """The bundle's cost model (measured with the eager target) used for another runtime comes with a warning naming
+    the fix; ``measure`` times the passes through the runtime asked for."""
+    import warnings
+
+    import accept_head.evaluation.common as common
+    from accept_head.engine.pair_loading import PairOptions
+
+    pair = PairOptions(bundle=str(tiny["root"] / "bundle"), dtype="float32").load()
+    if not pair.bundle.cost_model:
+        pair.bundle.cost_model = CostModel(t_draft=1e-3, t_target_a=1e-2, t_target_b=1e-3).to_dict()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert common.resolve_cost_model("bundle", pair)[1] == "bundle"
+    with pytest.warns(UserWarning, match=r"--cost_model measure, or a costs.json from .*--target_runtime static"):
+        assert common.resolve_cost_model("bundle", pair, target_runtime="static")[1] == "bundle"
+    runtimes = []
+    monkeypatch.setattr(
+        common, "measure_costs", lambda *a, target_runtime, **k: runtimes.append(target_runtime) or "timed"
+    )
+    assert common.resolve_cost_model("measure", pair, target_runtime="compiled") == ("timed", "measured")
+    assert runtimes == ["compiled"]
+
+
 def test_sweep_command_runs_every_family_and_plots_pareto(tiny, tmp_path, capsys) -> None:
     out = tmp_path / "sweep"
     config = {

@@ -327,7 +327,8 @@ BENCH_ARGS = """
             ``measured`` tokens/s. Tree decoders are priced by the tokens their target calls read (see
             :func:`~accept_head.engine.runner.aggregate`); Ouroboros with a comparison draft, which the cost model does
             not price, is chosen by measured tokens/s, like FixedK with a comparison draft.
-        cost_model: ``bundle``, ``measure`` or a costs.json from ``python -m eval costs``.
+        cost_model: ``bundle``, ``measure`` (timed with ``target_runtime``) or a costs.json from ``python -m eval
+            costs``; the bundle's, measured with the eager target, warns when another runtime decodes.
         seed: Seed of the prompt shuffle and of every decoding generator.
         output_dir: Folder for bench.json and bench.png.
         progress: Show progress bars.
@@ -414,7 +415,7 @@ def load_bench(plan: BenchPlan) -> BenchSetup:
     test_set = plan.prompt_options.encode("test", plan.prompts, pair.tokenizer, plan.seed)
     val_set = plan.prompt_options.encode("validation", plan.validation_prompts, pair.tokenizer, plan.seed)
     check_disjoint(test_set, val_set)
-    cost, cost_source = resolve_cost_model(plan.cost_model, pair, plan.seed)
+    cost, cost_source = resolve_cost_model(plan.cost_model, pair, plan.seed, plan.target_runtime)
     dataset_tau = None
     if plan.confidence_tau is None and plan.confidence_dataset is not None:
         dataset_tau = roc_threshold(*confidence_pairs_from_dataset(plan.confidence_dataset))

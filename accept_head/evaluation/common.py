@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
@@ -43,16 +44,26 @@ def with_args_doc(section: str) -> Callable[[Command], Command]:
 # ---- cost model ----------------------------------------------------------------------------------------------------
 
 
-def resolve_cost_model(source: str, pair: Pair, seed: int = 0) -> tuple[CostModel, str]:
+def resolve_cost_model(source: str, pair: Pair, seed: int = 0, target_runtime: str = "eager") -> tuple[CostModel, str]:
     """The cost model ``source`` names: ``bundle`` (stored in the bundle; measured if absent), ``measure`` (measured
-    now on this machine, head included) or a path to a ``costs.json``. Returns it and where it came from."""
+    now on this machine, head included, the target running as ``target_runtime``) or a path to a ``costs.json``.
+    Returns it and where it came from. A bundle's stored model priced the eager target: for another runtime it is
+    used with a warning naming the fix."""
     if source == "bundle":
         if pair.bundle is not None and pair.bundle.cost_model:
+            if target_runtime != "eager":
+                warnings.warn(
+                    f"target_runtime={target_runtime!r}, but the bundle's cost model was measured with the eager "
+                    "target: the modeled figures (and any choice made by them) price the wrong passes. Pass "
+                    "--cost_model measure, or a costs.json from `python -m eval costs --target_runtime "
+                    f"{target_runtime}`.",
+                    stacklevel=2,
+                )
             return CostModel.from_dict(pair.bundle.cost_model), "bundle"
         source = "measure"
     if source == "measure":
         head = pair.bundle.head if pair.bundle is not None else None
-        return measure_costs(pair.target, pair.draft, head, seed=seed), "measured"
+        return measure_costs(pair.target, pair.draft, head, seed=seed, target_runtime=target_runtime), "measured"
     path = Path(source)
     if not path.is_file():
         raise FileNotFoundError(
