@@ -25,11 +25,11 @@ import statistics
 import time
 
 import torch
-from draft_int8 import comparison_arguments, decode_speed, step_cost, step_cost_summary
+from draft_int8 import comparison_arguments, decode_speed, finish, step_cost, step_cost_summary
 
 from accept_head import SpecDecPP, load_model
 from accept_head.core.prompts import chat_prompt_ids
-from accept_head.core.records import machine_info, write_json
+from accept_head.core.records import machine_info
 from accept_head.specdecpp.chat import DEFAULT_PROMPTS
 
 
@@ -123,10 +123,7 @@ def main() -> None:
     print(f"over {result['positions']} response positions")
     for name, costs in result["step_cost"].items():
         print(f"{name} draft: {step_cost_summary(costs)}")
-    for mode, speeds in result.get("decode_tok_s", {}).items():
-        print(mode, {name: round(value, 1) for name, value in speeds.items()})
-    if args.output:
-        write_json(args.output, result)
+    finish(result, args.output)
 
 
 if __name__ == "__main__":

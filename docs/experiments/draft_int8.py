@@ -209,10 +209,15 @@ def main() -> None:
             f"step-1 acceptance {result['acceptance'][name]:.4f}"
         )
     print(f"TV(q_int8, q_bf16) {result['tv_int8_vs_bf16']:.4f} over {result['positions']} positions")
+    finish(result, args.output)
+
+
+def finish(result: dict, output: str | None) -> None:
+    """Print the decoding speeds of ``result`` (if measured) and write it to ``output`` (if given)."""
     for mode, speeds in result.get("decode_tok_s", {}).items():
         print(mode, {name: round(v, 1) for name, v in speeds.items()})
-    if args.output:
-        write_json(args.output, result)
+    if output:
+        write_json(output, result)
 
 
 if __name__ == "__main__":

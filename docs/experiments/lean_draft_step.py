@@ -22,13 +22,13 @@ import statistics
 import time
 
 import torch
-from draft_int8 import comparison_arguments, decode_speed, drafting_context, step_cost, step_cost_summary
+from draft_int8 import comparison_arguments, decode_speed, drafting_context, finish, step_cost, step_cost_summary
 
 import accept_head.models.feature_draft as feature_draft
 from accept_head import SpecDecPP
 from accept_head.core.hf_compat import cache_kwargs, crop_cache
 from accept_head.core.prompts import chat_prompt_ids
-from accept_head.core.records import machine_info, write_json
+from accept_head.core.records import machine_info
 from accept_head.specdecpp.chat import DEFAULT_PROMPTS
 
 
@@ -101,10 +101,7 @@ def main() -> None:
             f"{name}: a round's first call, 1 / 2 / 3 / 4 tokens: "
             + "; ".join(" / ".join(f"{ms:.3f}" for ms in one.values()) + " ms" for one in rounds)
         )
-    for mode, speeds in result.get("decode_tok_s", {}).items():
-        print(mode, {name: round(value, 1) for name, value in speeds.items()})
-    if args.output:
-        write_json(args.output, result)
+    finish(result, args.output)
 
 
 if __name__ == "__main__":
