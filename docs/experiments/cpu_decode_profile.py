@@ -163,16 +163,19 @@ def method_clock(owner: object, name: str, spent: dict, key: str):
 
 def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int) -> dict:
     """Per decoding mode (chain, tree): model time vs the rest, per round (greedy). The draft's forward includes
-    its LM head, which the drafters call outside the module's ``forward`` (on the kept vocabulary)."""
+    its LM head, which the drafters call outside the module's ``forward`` (on the kept vocabulary), and a feature
+    draft's drafting calls (``FeatureDraft.extend``: the lean layer calls no module's ``forward``)."""
     draft_module = bundle.draft
     result = {}
     for mode in ("chain", "tree"):
         bundle.generate(prompts[0], max_new_tokens=8, temperature=0, tree=mode == "tree")  # warm-up
         total = rounds = generated = head = 0.0
-        modules = {"target": bundle.target, "draft": draft_module, "draft_head": draft_module.lm_head}
+        # The LM head over the kept ids, the module every drafter of this draft multiplies by.
+        rows = draft_module.support_rows()[1] if hasattr(draft_module, "support_rows") else draft_module.lm_head
+        modules = {"target": bundle.target, "draft": draft_module, "draft_head": rows}
         with forward_clock(modules) as spent, ExitStack() as stack:
-            if hasattr(draft_module, "support_logits"):  # the chain's LM head over the kept ids (not a module call)
-                stack.enter_context(method_clock(draft_module, "support_logits", spent, "draft_head"))
+            if hasattr(draft_module, "extend"):
+                stack.enter_context(method_clock(draft_module, "extend", spent, "draft"))
             for ids in prompts:
                 began = time.perf_counter()
                 out = bundle.generate(ids, max_new_tokens=tokens, temperature=0, tree=mode == "tree")
