@@ -183,6 +183,7 @@ class FeatureTreeDrafter(TreeDrafter):
         self.slot_parents: list[int] = []
         self.predicted: list[torch.Tensor] = []  # f̂ per slot
         self.root_predicted: torch.Tensor | None = None
+        self.lean = draft._lean_step()  # the root's call (built once: re-create the drafter after training the draft)
 
     def start(self, prompt: Sequence[int], features: torch.Tensor | None) -> None:
         if features is None or features.shape[0] != len(prompt) - 1:
@@ -202,13 +203,14 @@ class FeatureTreeDrafter(TreeDrafter):
     def root(self) -> TreeStep | None:
         if not self.pending_tokens:
             return None  # a one-token prompt: no target feature yet
+        # The verified tokens fed at once; only the last one's f̂ and logits are read (FeatureDraft.extend).
+        features = self.pending_features.to(self.device)
         start = self.cache.get_seq_length()
-        positions = torch.arange(start, start + len(self.pending_tokens), device=self.device)[None]
-        step = self._run(self.pending_features, self.pending_tokens, None, positions)
+        self.root_predicted = self.model.extend(features, self.pending_tokens, self.cache, start, self.lean)
         self.prefix += len(self.pending_tokens)
         self.pending_features, self.pending_tokens = None, []
-        self.root_predicted = step.hidden[-1]
-        return TreeStep(step.logits[-1:], step.hidden[-1:], step.support)
+        support, logits = self.model.support_logits(self.root_predicted[None])
+        return TreeStep(logits, self.root_predicted[None], support)
 
     def expand(self, tokens: Sequence[int], parents: Sequence[int]) -> TreeStep:
         self.slot_parents.extend(parents)
