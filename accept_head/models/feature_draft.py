@@ -320,7 +320,8 @@ class FeatureDraft(nn.Module):
 
     def _head_rows(self, sort: bool) -> tuple[torch.Tensor, nn.Module]:
         """The kept ids (ascending if ``sort``) and a linear map to their logits: the LM head's rows, in int8 when the
-        draft is quantized. Cached; built again when the head's weight changes (training, :meth:`bind`)."""
+        draft is quantized (4 bits with ``int4``). Cached; built again when the head's weight changes (training,
+        :meth:`bind`)."""
         weight = self.lm_head.weight
         version = None if weight.is_inference() else weight._version  # inference tensors keep no version counter
         key = (sort, weight.data_ptr(), version, weight.dtype, weight.device, self.kept_ids.data_ptr(), self.quantized)
