@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from ..core.tensor_keys import tensors_key
 from .inputs import HIDDEN, check_inputs
 
 RESIDUAL_ON = (None, "logq")
@@ -234,7 +235,7 @@ def _floats_head(head: AcceptanceHead, scalars: list[float]) -> float:
     weights are read out once and again whenever a parameter or buffer changes (training, ``load_state_dict``)."""
     linears = [block.linear for block in head.blocks] + [head.out]
     tensors = [t for linear in linears for t in (linear.weight, linear.bias)] + [head.scalar_mean, head.scalar_std]
-    key = tuple((t.data_ptr(), None if t.is_inference() else t._version) for t in tensors)
+    key = tensors_key(tensors)
     cached = head.__dict__.get("_floats_cache")
     if cached is None or cached[0] != key:
         blocks = [(block.linear.weight.tolist(), block.linear.bias.tolist()) for block in head.blocks]

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ..core.tensor_keys import tensors_key
 from .quantized_linear import Int8Linear
 
 
@@ -136,5 +137,4 @@ class LeanStep:
 
 def weights_key(decoder: nn.Module) -> tuple:
     """The identity and version of every tensor of ``decoder``: changes when any is replaced or updated in place."""
-    tensors = [*decoder.parameters(), *decoder.buffers()]
-    return tuple((t.data_ptr(), t.dtype, None if t.is_inference() else t._version) for t in tensors)
+    return tensors_key([*decoder.parameters(), *decoder.buffers()])

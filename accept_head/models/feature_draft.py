@@ -30,6 +30,7 @@ from torch import nn
 from transformers import DynamicCache
 
 from ..core.hf_compat import cache_kwargs, crop_cache
+from ..core.tensor_keys import tensors_key
 from .draft_step import LeanStep, lean_step_applies, weights_key
 from .drafters import Drafter, DraftStep, check_kept_ids
 from .quantized_linear import Int4Linear, Int8Linear, int4_group
@@ -323,8 +324,7 @@ class FeatureDraft(nn.Module):
         draft is quantized (4 bits with ``int4``). Cached; built again when the head's weight changes (training,
         :meth:`bind`)."""
         weight = self.lm_head.weight
-        version = None if weight.is_inference() else weight._version  # inference tensors keep no version counter
-        key = (sort, weight.data_ptr(), version, weight.dtype, weight.device, self.kept_ids.data_ptr(), self.quantized)
+        key = (sort, *tensors_key([weight, self.kept_ids]), weight.device, self.quantized)
         cached = self.__dict__.setdefault("_head_rows_cache", {}).get(sort)
         if cached is None or cached[0] != key:
             order = self.kept_ids.argsort() if sort else torch.arange(len(self.kept_ids), device=weight.device)

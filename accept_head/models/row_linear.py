@@ -24,6 +24,8 @@ import weakref
 import torch
 from torch._dynamo.source import ConstantSource
 
+from ..core.tensor_keys import version as tensor_version
+
 ROW_LIMIT = 1
 """Linears fed at most this many rows are rewritten (the product of the input's leading dimensions)."""
 DTYPES = (torch.bfloat16, torch.float16)
@@ -95,14 +97,10 @@ def pack_linears(graph_module: torch.fx.GraphModule, example_inputs) -> list[tup
             attribute = graph_module.graph.get_attr(name)
         bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
         node.target, node.args, node.kwargs = packed_linear, (node.args[0], attribute, bias), {}
-        packed.append((weight, _version(weight)))
+        packed.append((weight, tensor_version(weight)))
     if packed:
         graph_module.recompile()
     return packed
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    return None if tensor.is_inference() else tensor._version
 
 
 _PACKED: dict[int, tuple[weakref.ref, int | None, torch.Tensor]] = {}
@@ -115,9 +113,13 @@ def _packed_copy(weight: torch.Tensor) -> torch.Tensor:
     layout does not depend on the rows fed (bf16: the same products bit for bit for any number of rows)."""
     key = id(weight)
     kept = _PACKED.get(key)
-    if kept is None or kept[0]() is not weight or kept[1] != _version(weight):
+    if kept is None or kept[0]() is not weight or kept[1] != tensor_version(weight):
         owner = weakref.ref(weight, lambda _, key=key: _PACKED.pop(key, None))
-        kept = _PACKED[key] = (owner, _version(weight), torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1))
+        kept = _PACKED[key] = (
+            owner,
+            tensor_version(weight),
+            torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 1),
+        )
     return kept[2]
 
 
@@ -140,10 +142,10 @@ def backend(options: dict | None = None, pack: bool = True):
         )
         if not packed:
             return compiled
-        weights = packed + [(t, _version(t)) for t in example_inputs if isinstance(t, torch.nn.Parameter)]
+        weights = packed + [(t, tensor_version(t)) for t in example_inputs if isinstance(t, torch.nn.Parameter)]
 
         def run(*args):
-            if any(_version(weight) != version for weight, version in weights):
+            if any(tensor_version(weight) != version for weight, version in weights):
                 raise RuntimeError(
                     "a weight changed in place since this pass was compiled with packed copies of the weights: "
                     "compile anew (torch._dynamo.reset(), or a new process) before decoding with the changed model."
