@@ -627,7 +627,7 @@ def test_a_drafting_step_is_the_forward_pass_of_one_position(dtype, quantize) ->
     draft = lively_feature_draft(target).to(dtype).eval()
     if quantize:
         draft.quantize_(quantize)
-    assert draft._lean_step() is not None  # the fused path is the one compared
+    assert draft.lean_step() is not None  # the fused path is the one compared
     generator = torch.Generator().manual_seed(2)
     tokens = torch.randint(0, VOCAB, (1, 7), generator=generator)
     features = torch.randn(1, 7, target.config.hidden_size, generator=generator).to(dtype)
@@ -671,13 +671,13 @@ def test_extending_by_several_positions_is_the_forward_pass(dtype, quantize, mon
     with torch.no_grad():
         draft(features[:, :5], tokens[:, :5], cache, position_ids=torch.arange(5)[None], use_cache=True)
         whole = draft(features[:, 5:], tokens[:, 5:], cache, position_ids=torch.arange(5, 9)[None], use_cache=True)
-    assert draft._lean_step() is not None
+    assert draft.lean_step() is not None
     lean, lean_cache = extend_after_prefix()
     torch.testing.assert_close(lean, whole[0, -1])  # one row through o_proj and the MLP: last-bit rounding may move
     for a, b in zip(cache.layers, lean_cache.layers):
         assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     monkeypatch.setattr(feature_draft_module, "lean_step_applies", lambda decoder: False)
-    assert draft._lean_step() is None
+    assert draft.lean_step() is None
     assert torch.equal(extend_after_prefix()[0], whole[0, -1])
     first_query = whole[0, 0]  # what a step answering for the wrong position would return
     assert not torch.allclose(lean.float(), first_query.float(), atol=1e-2)
@@ -705,11 +705,11 @@ def test_a_drafting_step_follows_weight_changes_and_positions_past_its_rope_tabl
             x = draft.fc(torch.cat([features[0, 3], emb])[None, None])
             return lean(x, caches[1], 3), whole[0, -1]
 
-    stale = draft._lean_step()
+    stale = draft.lean_step()
     with torch.no_grad():
         draft.decoder.layers[0].self_attn.k_proj.qweight.neg_()
         draft.decoder.layers[0].mlp.up_proj.qweight.div_(2, rounding_mode="trunc")
-    fresh = draft._lean_step()
+    fresh = draft.lean_step()
     assert fresh is not stale
     one, whole = step_and_forward(fresh)
     assert torch.equal(one, whole)

@@ -279,7 +279,7 @@ class FeatureDraft(nn.Module):
             emb = rows[tokens[0]][None] if count == 1 else rows[torch.tensor(tokens, device=rows.device)]
         dtype = self.decoder.norm.weight.dtype
         x = self.fc(torch.cat([features.to(dtype), emb.to(device=device, dtype=dtype)], -1)[None])
-        lean = lean or self._lean_step()
+        lean = lean or self.lean_step()
         if lean is not None:
             return lean(x, cache, position)
         positions = torch.arange(position, position + count, device=device)[None]
@@ -291,7 +291,7 @@ class FeatureDraft(nn.Module):
             x = layer(x, position_ids=positions, position_embeddings=rotary, **cache_kwargs(layer, cache))
         return self.decoder.norm(x)[0, -1]
 
-    def _lean_step(self) -> LeanStep | None:
+    def lean_step(self) -> LeanStep | None:
         """The :class:`LeanStep` of the current weights (built again after any change), or None where it does not
         apply (:func:`lean_step_applies`)."""
         if not lean_step_applies(self.decoder):
@@ -492,7 +492,7 @@ class FeatureDrafter(Drafter):
         self.last_predicted: torch.Tensor | None = None
         # Built once from the draft's current weights (re-create the drafter if the draft is trained further): a
         # drafting step then spends nothing on checking them.
-        self.lean = draft._lean_step()
+        self.lean = draft.lean_step()
         self.support, self.rows = draft.support_rows()
 
     def start(self, prompt: Sequence[int], features: torch.Tensor | None) -> None:

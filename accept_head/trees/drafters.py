@@ -183,7 +183,7 @@ class FeatureTreeDrafter(TreeDrafter):
         self.slot_parents: list[int] = []
         self.predicted: list[torch.Tensor] = []  # f̂ per slot
         self.root_predicted: torch.Tensor | None = None
-        self.lean = draft._lean_step()  # the root's call (built once: re-create the drafter after training the draft)
+        self.lean = draft.lean_step()  # the root's call (built once: re-create the drafter after training the draft)
 
     def start(self, prompt: Sequence[int], features: torch.Tensor | None) -> None:
         if features is None or features.shape[0] != len(prompt) - 1:
