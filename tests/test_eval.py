@@ -71,6 +71,26 @@ def test_a_measured_one_token_pass_prices_k_zero_and_nothing_else() -> None:
         CostModel(t_draft=0.01, t_target_a=0.13, t_single=0.0)
 
 
+def test_a_rounds_later_draft_steps_are_priced_at_t_draft_next() -> None:
+    """Each round's first draft step follows a target pass (t_draft), the rest another draft step (t_draft_next)."""
+    from accept_head.engine.runner import aggregate
+
+    cost = CostModel(t_draft=0.010, t_target_a=0.100, t_target_b=0.002, t_draft_next=0.004)
+    # Rounds of 3, 1 and 2 candidates: three first steps, three later ones, three target calls.
+    seconds = 3 * 0.010 + 3 * 0.004 + (0.106 + 0.102 + 0.104)
+    assert cost.drafting(6, rounds=3) == pytest.approx(3 * 0.010 + 3 * 0.004)
+    assert cost.modeled_tokens_per_second(9, 6, [3, 1, 2]) == pytest.approx(9 / seconds)
+    stats = DecodeStats(generated=9, target_calls=3, draft_calls=6, proposed=[3, 1, 2])
+    assert aggregate("FixedK", [stats], cost).modeled_tokens_per_second == pytest.approx(9 / seconds)
+    # Without it (cost models saved before it was measured) every step costs t_draft, as eq. 2.1 prices them.
+    old = CostModel(t_draft=0.010, t_target_a=0.100, t_target_b=0.002)
+    assert old.t_step == 0.010 and old.drafting(6, rounds=3) == pytest.approx(0.060)
+    assert CostModel.from_dict(cost.to_dict()) == cost and CostModel.from_dict(old.to_dict()).t_draft_next is None
+    assert cost.drafting(0) == 0.0 and cost.drafting(1) == pytest.approx(0.010)
+    with pytest.raises(ValueError, match="t_draft_next=-0.001"):
+        CostModel(t_draft=0.01, t_target_a=0.1, t_draft_next=-0.001)
+
+
 def test_fit_decode_costs_recovers_per_round_and_per_candidate_costs() -> None:
     # Two prompt sets with different prefill overheads; 30 ms per target call, 4 ms per drafted candidate.
     runs = []
@@ -687,7 +707,10 @@ def test_the_cost_model_prices_a_scalar_head_as_decoding_calls_it(monkeypatch) -
     score = head.accept_prob_one
     monkeypatch.setattr(head, "accept_prob_one", lambda hidden, scalars: seen.append(scalars) or score(hidden, scalars))
     costs = measure_costs(target, draft, head, ks=[1], context=8, repeats=2, warmup=1)
-    assert costs.measured["head"]["n"] == 2 and costs.measured["head"]["median"] > 0 and len(seen) == 3
+    assert costs.measured["head"]["n"] == 2 and costs.measured["head"]["median"] > 0
+    assert costs.measured["head_next"]["n"] == 2 and len(seen) == 6  # after a round's first step and after a later one
+    step = costs.measured["draft_next"]["median"] + costs.measured["head_next"]["median"]
+    assert costs.t_draft_next == pytest.approx(step) and costs.t_step == costs.t_draft_next
     logq, entropy, depth = seen[0]  # the head's canonical order, whatever order it was configured in
     assert head.scalar_inputs == ("logq", "entropy", "depth") and depth == 1.0
     assert math.isfinite(logq) and logq <= 0 and entropy >= 0

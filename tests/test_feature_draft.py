@@ -580,6 +580,9 @@ def test_fixed_k_ceiling_counts_the_accepted_run_plus_the_targets_token() -> Non
     assert expected_fixed_k_speedup([1.0] * 4, 4, free) == pytest.approx(5.0)
     with pytest.raises(ValueError, match="k=5 needs 1..4"):
         expected_fixed_k_speedup([1.0] * 4, 5, free)
+    # A round's later steps priced apart: 0.1 + 0.04 + 1.1 = 1.24 s for the same 1.75 tokens.
+    warm = CostModel(t_draft=0.1, t_target_a=1.0, t_target_b=0.05, t_draft_next=0.04)
+    assert expected_fixed_k_speedup([0.5, 0.5, 0.9], 2, warm) == pytest.approx(1.75 / 1.24)
 
 
 # --- 5. training unrolls the steps as decoding runs them --------------------------------------------------------------

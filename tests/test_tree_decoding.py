@@ -360,15 +360,21 @@ def brute_force(parents, values, cost, max_nodes, floor=0.0, forwards=None) -> f
                 continue  # not ancestor-closed
             if any(values[n] < floor for n in subset):
                 continue
-            draft = (max(depths[n] for n in subset) if forwards is None else forwards) * cost.t_draft
+            steps = max(depths[n] for n in subset) if forwards is None else forwards
+            draft = cost.t_draft + (steps - 1) * (cost.t_draft_next or cost.t_draft)  # the first after a target pass
             best = max(best, (1 + sum(values[n] for n in subset)) / (draft + cost.t_target(size)))
     return best
 
 
 @pytest.mark.parametrize(
     "cost",
-    [COST, CostModel(t_draft=0.03, t_target_a=0.04, t_target_b=0.01), CostModel(0.001, 0.01, 0.02)],
-    ids=["cpu-like", "expensive-draft", "expensive-width"],
+    [
+        COST,
+        CostModel(t_draft=0.03, t_target_a=0.04, t_target_b=0.01),
+        CostModel(0.001, 0.01, 0.02),
+        CostModel(t_draft=0.03, t_target_a=0.04, t_target_b=0.01, t_draft_next=0.005),
+    ],
+    ids=["cpu-like", "expensive-draft", "expensive-width", "cheaper-later-steps"],
 )
 @pytest.mark.parametrize("max_nodes,floor,forwards", [(9, 0.0, None), (4, 0.0, None), (9, 0.25, None), (9, 0.0, 4)])
 def test_best_subtree_equals_brute_force(cost, max_nodes, floor, forwards) -> None:

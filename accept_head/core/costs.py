@@ -1,6 +1,7 @@
 """The cost model of speculative decoding (SpecDec++ §2, eq. 2.1–2.3); measured by :mod:`accept_head.engine.measure`.
 
-Total time T = t_draft · N_draft + Σ_rounds t_target(K_r). With a constant t_target this is eq. 2.3 per generated
+Total time T = t_draft · N_draft + Σ_rounds t_target(K_r), where a step after the first of a round may cost less
+(t_draft_next: the draft's weights are still in the caches). With a constant t_target this is eq. 2.3 per generated
 token: latency = t_draft + t_draft · N_discarded/N + (t_target − t_draft) · N_target/N. Where verifying K
 candidates costs more than one token (CPU fp32, large batches) t_target grows with K: t_target(K) = a + b·K.
 The tree decoders price a call by the tokens it is fed, through a measured curve (:class:`TreeCost`).
@@ -26,6 +27,10 @@ class CostModel:
     """R² of the linear fit of t_target(K), when measured."""
     measured: dict = field(default_factory=dict)
     """Raw medians/min/max per K, when measured."""
+    t_draft_next: float | None = None
+    """Seconds of a draft step (head included) that follows another in the same round, when measured; None: t_draft.
+    A round's first step follows a target pass that pushed the draft's weights out of the CPU's caches; the steps
+    after it find them there and cost less (about half, with a small draft on a CPU)."""
     t_single: float | None = None
     """Seconds of a one-token target pass (an autoregressive step, or a round that verifies no candidate), when
     measured; None: the line's intercept. The line is fitted over K ≥ 1 and need not pass through it: on a CPU a
@@ -36,6 +41,8 @@ class CostModel:
             raise ValueError(
                 f"cost model needs t_draft >= 0 and t_target_a > 0, got {self.t_draft}, {self.t_target_a}."
             )
+        if self.t_draft_next is not None and self.t_draft_next < 0:
+            raise ValueError(f"t_draft_next={self.t_draft_next} must be >= 0 seconds (or None: t_draft).")
         if self.t_single is not None and not self.t_single > 0:
             raise ValueError(f"t_single={self.t_single} must be > 0 seconds (or None: the line's intercept).")
 
@@ -45,9 +52,22 @@ class CostModel:
             return self.t_single
         return self.t_target_a + self.t_target_b * k
 
+    @property
+    def t_step(self) -> float:
+        """Seconds of a draft step after the first of a round (t_draft_next, else t_draft)."""
+        return self.t_draft if self.t_draft_next is None else self.t_draft_next
+
+    def drafting(self, steps: int | float, rounds: int | float = 1) -> float:
+        """Seconds of ``steps`` draft steps spread over ``rounds`` rounds: each round's first step at t_draft (after
+        a target pass), the rest at t_draft_next."""
+        first = min(steps, rounds)
+        return self.t_draft * first + self.t_step * (steps - first)
+
     def modeled_tokens_per_second(self, generated: int, draft_calls: int, proposed: Sequence[int]) -> float:
-        """Tokens per second of the counted passes, timed by eq. 2.1 with t_target(K)."""
-        seconds = self.t_draft * draft_calls + sum(self.t_target(k) for k in proposed)
+        """Tokens per second of the counted passes, timed by eq. 2.1 with t_target(K) and a round's first draft step
+        priced apart from the rest (:meth:`drafting`)."""
+        rounds = sum(1 for k in proposed if k > 0)
+        seconds = self.drafting(draft_calls, rounds) + sum(self.t_target(k) for k in proposed)
         return generated / seconds if seconds > 0 else 0.0
 
     def to_dict(self) -> dict:
@@ -70,8 +90,8 @@ def expected_fixed_k_speedup(step_acceptance: Sequence[float], k: int, cost: Cos
     accepted with probability ``step_acceptance[j-1]`` given the earlier ones were (independent across rounds).
 
     Tokens per round: 1 + Σ_{j≤k} Π_{i≤j} α_i (accepted run plus the target's own token); seconds per round:
-    k·t_draft + t_target(k); the target alone writes one token per t_target(0). This is the ceiling the measured α
-    and c allow a fixed-K rule, to print beside a measured speed-up.
+    t_draft + (k − 1)·t_draft_next + t_target(k); the target alone writes one token per t_target(0). This is the
+    ceiling the measured α and c allow a fixed-K rule, to print beside a measured speed-up.
     """
     if not 1 <= k <= len(step_acceptance):
         raise ValueError(f"k={k} needs 1..{len(step_acceptance)} per-step acceptance values.")
@@ -79,7 +99,7 @@ def expected_fixed_k_speedup(step_acceptance: Sequence[float], k: int, cost: Cos
     for alpha in step_acceptance[:k]:
         run *= alpha
         tokens += run
-    return (tokens / (k * cost.t_draft + cost.t_target(k))) * cost.t_target(0)
+    return (tokens / (cost.drafting(k) + cost.t_target(k))) * cost.t_target(0)
 
 
 def latency_per_token(t_draft: float, t_target: float, verification_rate: float, discard_rate: float) -> float:

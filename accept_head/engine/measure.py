@@ -50,8 +50,9 @@ def measure_costs(
     seed: int = 0,
     target_runtime: str = "eager",
 ) -> CostModel:
-    """Measure t_draft (one cached draft step, plus the head when given), t_target(K) for each K and the one-token
-    pass (``t_single``, an autoregressive step) on this machine.
+    """Measure t_draft (one cached draft step right after a target pass, plus the head when given), t_draft_next (the
+    same right after another draft step: the rest of a round), t_target(K) for each K and the one-token pass
+    (``t_single``, an autoregressive step) on this machine.
 
     Each timing is a median over ``repeats`` after ``warmup`` runs, on a cache holding ``context`` tokens that is
     cropped back after every call, as the decoder does with ``target_runtime`` (a compiled target compiles in the
@@ -69,20 +70,17 @@ def measure_costs(
     def draft_step():  # one candidate (the drafter's cache grows by one position per call: negligible here)
         last["step"] = drafter.propose(token)
 
-    def head_step():  # the head's share of a drafting step, as decoding spends it (chain.decoding.draft_round)
-        step = last["step"]
-        if getattr(head, "scalar_inputs", ()):  # its inputs from the drawn step's q (over the draft's support), a score
-            logits = step.logits if step.support is None else step.support_logits
-            q = logits.float().softmax(-1)
-            logq, entropy, top1 = draft_step_stats(logits, q, int(q.argmax()), greedy=False)
-            state = RoundState(n=1, draft_logps=[logq], entropies=[entropy], top1s=[top1])
-            head.accept_prob_one(step.hidden, round_inputs(state, head.scalar_inputs))
-        else:
-            head.accept_prob_one(step.hidden)
+    def head_step():
+        _score(head, last["step"])
 
+    # A round's first step follows a target pass that evicted the draft's weights from the caches; the steps after it
+    # in the same round follow another step (t_draft_next): time both, as decoding alternates them.
     steps: dict = {"draft": draft_step}
     if head is not None:
         steps["head"] = head_step  # right after the draft step whose hidden state it reads
+    steps["draft_next"] = draft_step
+    if head is not None:
+        steps["head_next"] = head_step
     for k in dict.fromkeys(int(k) for k in ks):
         ids = torch.randint(0, vocab, (1, k + 1), generator=gen).to(device)
 
@@ -101,21 +99,33 @@ def measure_costs(
     # Round-robin (draft, head, K = 1..20, then again): a burst of load from elsewhere on a shared machine hits every
     # measurement alike instead of bending the line fitted through them.
     times = _timed_interleaved(steps, repeats, warmup, {device, getattr(drafter, "device", device)})
-    draft_times, head_times = times.pop("draft"), times.pop("head", [0.0])
-    single = times.pop("single")
+    parts = {name: times.pop(name, [0.0]) for name in ("draft", "head", "draft_next", "head_next", "single")}
     per_k = {k: _summary(k_times) for k, k_times in times.items()}
-    measured: dict = {"draft": _summary(draft_times), "head": _summary(head_times), "single": _summary(single)}
-    measured["target"] = per_k
+    measured: dict = {name: _summary(part) for name, part in parts.items()} | {"target": per_k}
     a, b, r2 = fit_linear(list(per_k), [summary["median"] for summary in per_k.values()])
-    t_draft = statistics.median(draft_times) + statistics.median(head_times)
+    median = {name: statistics.median(part) for name, part in parts.items()}
     return CostModel(
-        t_draft=t_draft,
+        t_draft=median["draft"] + median["head"],
+        t_draft_next=median["draft_next"] + median["head_next"],
         t_target_a=max(a, 1e-9),
         t_target_b=b,
         r2=r2,
         measured=measured,
-        t_single=statistics.median(single),
+        t_single=median["single"],
     )
+
+
+def _score(head: torch.nn.Module, step) -> None:
+    """The head's share of a drafting step, as decoding spends it (``chain.decoding.draft_round``): for a head that
+    reads the draft's numbers, its inputs from the drawn step's q (over the draft's support), then one score."""
+    if getattr(head, "scalar_inputs", ()):
+        logits = step.logits if step.support is None else step.support_logits
+        q = logits.float().softmax(-1)
+        logq, entropy, top1 = draft_step_stats(logits, q, int(q.argmax()), greedy=False)
+        state = RoundState(n=1, draft_logps=[logq], entropies=[entropy], top1s=[top1])
+        head.accept_prob_one(step.hidden, round_inputs(state, head.scalar_inputs))
+    else:
+        head.accept_prob_one(step.hidden)
 
 
 def _summary(times: Sequence[float]) -> dict:

@@ -72,6 +72,7 @@ def _fit_args(
             "t_draft": cost_model["t_draft"],
             "t_target_a": cost_model["t_target_a"],
             "t_target_b": cost_model.get("t_target_b", 0.0),
+            "t_draft_next": cost_model.get("t_draft_next"),
         },
         "sweep": {
             "enabled": True,
@@ -265,7 +266,8 @@ def _cost_model(bundle: str | None, cost_model: str | None) -> tuple[dict, str]:
         model, source = CostModel.from_dict(stored), f"{bundle} (config.json)"
     else:
         raise ValueError("ablate needs a fixed cost model: give --bundle or --cost_model (a costs.json).")
-    return {"t_draft": model.t_draft, "t_target_a": model.t_target_a, "t_target_b": model.t_target_b}, source
+    keys = ("t_draft", "t_target_a", "t_target_b", "t_draft_next")
+    return {key: getattr(model, key) for key in keys}, source
 
 
 def _baselines(results: list[dict]) -> tuple[dict | None, dict | None]:

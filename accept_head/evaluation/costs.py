@@ -24,11 +24,11 @@ def costs(
     target_runtime: str = "eager",
     output_dir: str = "eval_out/costs",
 ) -> dict:
-    """Measure the cost model of a pair: one cached draft step (plus the head's scoring when a bundle is given), one
-    target pass verifying K candidates for every K and a one-token pass (the autoregressive step the speculative rows
-    are compared with), each a median over ``repeats`` after ``warmup`` runs on a ``context``-token KV cache; fit
-    t_target(K) = a + b·K over the K. Writes costs.json (load it with ``--cost_model``) and
-    costs.png, and prints the table.
+    """Measure the cost model of a pair: one cached draft step (plus the head's scoring when a bundle is given) right
+    after a target pass and right after another draft step (the rest of a round), one target pass verifying K
+    candidates for every K and a one-token pass (the autoregressive step the speculative rows are compared with),
+    each a median over ``repeats`` after ``warmup`` runs on a ``context``-token KV cache; fit t_target(K) = a + b·K
+    over the K. Writes costs.json (load it with ``--cost_model``) and costs.png, and prints the table.
 
     Args:
         pair: The pair (a bundle's pair and head, or a target and a draft).
@@ -65,6 +65,7 @@ def costs(
         | {"target_runtime": target_runtime},
         "cost_model": model.to_dict(),
         "t_draft_over_t_target": model.t_draft / model.t_target(1),
+        "t_draft_next_over_t_target": model.t_step / model.t_target(1),
         "head_over_draft_step": model.measured["head"]["median"] / model.measured["draft"]["median"],
     }
     write_json(folder / "costs.json", payload)
@@ -75,6 +76,7 @@ def costs(
         return [name, *(fmt(seconds[stat] * 1e3, digits) for stat in ("median", "min", "max")), fit]
 
     rows = [row("draft step", measured["draft"], 2), row("head", measured["head"], 3)]
+    rows += [row("next draft step", measured["draft_next"], 2), row("its head", measured["head_next"], 3)]
     rows += [row("target, 1 token", measured["single"], 2)]
     rows += [row(f"target K={k}", measured["target"][k], 2, fmt(model.t_target(k) * 1e3, 2)) for k in ks]
     print(
@@ -82,7 +84,8 @@ def costs(
             ["pass", "median ms", "min ms", "max ms", "fit ms"],
             rows,
             title=f"t_target(K) = {model.t_target_a * 1e3:.2f} + {model.t_target_b * 1e3:.3f}·K ms "
-            f"(R² {fmt(model.r2, 3)}), t_draft = {model.t_draft * 1e3:.2f} ms, one-token pass "
+            f"(R² {fmt(model.r2, 3)}), t_draft = {model.t_draft * 1e3:.2f} ms (the round's next steps "
+            f"{model.t_step * 1e3:.2f} ms), one-token pass "
             f"{model.t_target(0) * 1e3:.2f} ms",
         )
     )

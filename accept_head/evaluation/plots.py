@@ -41,7 +41,8 @@ def pareto_plot(summaries: Sequence[MethodSummary], path: str | Path, title: str
 
 
 def costs_plot(cost_model: CostModel, path: str | Path, title: str = "measured costs") -> Path:
-    """t_target(K) medians with min/max bars and the fitted a + b·K, against t_draft (per draft step, head incl.)."""
+    """t_target(K) medians with min/max bars and the fitted a + b·K, against t_draft (per draft step, head incl.) and
+    t_draft_next (a step after the first of a round)."""
     fig = new_figure()
     ax = fig.subplots()
     measured = {int(k): v for k, v in cost_model.measured.get("target", {}).items()}  # JSON keys are strings
@@ -66,6 +67,9 @@ def costs_plot(cost_model: CostModel, path: str | Path, title: str = "measured c
     ax.axhline(
         cost_model.t_draft * 1e3, color="tab:red", linestyle="--", label=f"t_draft {cost_model.t_draft * 1e3:.2f} ms"
     )
+    if cost_model.t_draft_next is not None:
+        label = f"t_draft_next {cost_model.t_draft_next * 1e3:.2f} ms (a round's later steps)"
+        ax.axhline(cost_model.t_draft_next * 1e3, color="tab:orange", linestyle=":", label=label)
     if ks and len(ks) <= 20:
         ax.set_xticks(ks)
     finish_axes(ax, title, xlabel="candidates verified per target pass  K", ylabel="milliseconds", ylim=(0, None))

@@ -138,7 +138,9 @@ def _cost_model(payload: dict) -> list[str]:
     return [
         "## Cost model",
         "",
-        f"Source: {cost['source']}. t_draft = {cost['t_draft'] * 1e3:.2f} ms per draft step (head included); "
+        f"Source: {cost['source']}. t_draft = {cost['t_draft'] * 1e3:.2f} ms per draft step (head included)"
+        + (f", {cost['t_draft_next'] * 1e3:.2f} ms after a round's first" if cost.get("t_draft_next") else "")
+        + "; "
         f"t_target(K) = {cost['t_target_a'] * 1e3:.2f} + {cost['t_target_b'] * 1e3:.3f}·K ms"
         + (f" (R² {cost['r2']:.3f})" if cost.get("r2") is not None else "")
         + f"; t_draft / t_target(1) = {cost['t_draft'] / (cost['t_target_a'] + cost['t_target_b']):.3f}. "
@@ -546,12 +548,13 @@ def _cost_check(payload: dict) -> list[str]:
     fit, cost = decode_cost_check(payload), payload["cost_model"]
     if fit is None:
         return []
+    step = cost.get("t_draft_next") or cost["t_draft"]  # a round's later steps (older cost models: every step alike)
     return [
         "Check against real decoding: a least-squares fit of the wall time of every decoding run on this page "
         f"(our own loop, {fit.runs} runs, an intercept per prompt set and temperature for prefill) gives "
         f"{fit.per_round * 1e3:.2f} ms per target call and {fit.per_candidate * 1e3:.2f} ms per drafted candidate "
-        f"(R² {fit.r2:.3f}); the model above prices them at t_target(1) = "
-        f"{(cost['t_target_a'] + cost['t_target_b']) * 1e3:.2f} ms and t_draft + b = "
-        f"{(cost['t_draft'] + cost['t_target_b']) * 1e3:.2f} ms.",
+        f"(R² {fit.r2:.3f}); the model above prices them at a + t_draft − t_draft_next = "
+        f"{(cost['t_target_a'] + cost['t_draft'] - step) * 1e3:.2f} ms and t_draft_next + b = "
+        f"{(step + cost['t_target_b']) * 1e3:.2f} ms.",
         "",
     ]

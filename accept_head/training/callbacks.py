@@ -190,6 +190,7 @@ class MeasureCosts(EndOfFitStage):
         t_draft: float | None = None,
         t_target_a: float | None = None,
         t_target_b: float = 0.0,
+        t_draft_next: float | None = None,
         ks: list[int] = list(range(1, 21)),
         context: int = 128,
         repeats: int = 15,
@@ -203,6 +204,8 @@ class MeasureCosts(EndOfFitStage):
             t_draft: Seconds per draft step including the head (when ``measure`` is False).
             t_target_a: Seconds per target call, constant part (when ``measure`` is False).
             t_target_b: Seconds per verified candidate (when ``measure`` is False).
+            t_draft_next: Seconds per draft step after the first of a round (when ``measure`` is False; None:
+                ``t_draft``).
             ks: Candidate counts K to time the target at.
             context: Tokens in the KV cache during the timings.
             repeats: Timed calls per measurement (the median is kept).
@@ -218,6 +221,7 @@ class MeasureCosts(EndOfFitStage):
             raise ValueError(f"cost_model.ks={ks} must be a non-empty list of K >= 1.")
         self.enabled, self.measure = enabled, measure
         self.t_draft, self.t_target_a, self.t_target_b = t_draft, t_target_a, t_target_b
+        self.t_draft_next = t_draft_next
         self.ks, self.context, self.repeats, self.warmup, self.seed = list(ks), context, repeats, warmup, seed
 
     def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport, folder: Path) -> None:
@@ -230,14 +234,21 @@ class MeasureCosts(EndOfFitStage):
             )
             report.cost_model_source = f"measured on {next(target.parameters()).device} ({os.cpu_count()} CPUs)"
         else:
-            cost = CostModel(t_draft=self.t_draft, t_target_a=self.t_target_a, t_target_b=self.t_target_b)
+            cost = CostModel(
+                t_draft=self.t_draft,
+                t_target_a=self.t_target_a,
+                t_target_b=self.t_target_b,
+                t_draft_next=self.t_draft_next,
+            )
             report.cost_model_source = "config"
         report.cost_model = cost
-        metrics = {f"cost/{name}_ms": 1e3 * getattr(cost, name) for name in ("t_draft", "t_target_a", "t_target_b")}
+        names = ("t_draft", "t_step", "t_target_a", "t_target_b")
+        metrics = {f"cost/{name}_ms": 1e3 * getattr(cost, name) for name in names}
         _log(trainer, metrics | ({"cost/r2": cost.r2} if cost.r2 is not None else {}))
         r2 = f", R² {cost.r2:.3f}" if cost.r2 is not None else ""
         print(
-            f"cost model ({report.cost_model_source}): t_draft {1e3 * cost.t_draft:.2f} ms, "
+            f"cost model ({report.cost_model_source}): t_draft {1e3 * cost.t_draft:.2f} ms "
+            f"({1e3 * cost.t_step:.2f} after a round's first), "
             f"t_target(K) = {1e3 * cost.t_target_a:.2f} + {1e3 * cost.t_target_b:.3f}·K ms{r2}",
             flush=True,
         )

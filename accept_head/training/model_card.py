@@ -220,7 +220,8 @@ def _cost_model(report: FitReport) -> str:
     r2 = f", R² {cost.r2:.3f}" if cost.r2 is not None else ""
     return section(
         "Cost model",
-        f"t_draft = {1e3 * cost.t_draft:.2f} ms (draft step + head), t_target(K) = {1e3 * cost.t_target_a:.2f} + "
+        f"t_draft = {1e3 * cost.t_draft:.2f} ms (draft step + head; {1e3 * cost.t_step:.2f} ms after a round's first), "
+        f"t_target(K) = {1e3 * cost.t_target_a:.2f} + "
         f"{1e3 * cost.t_target_b:.3f}·K ms{r2} — {report.cost_model_source}.",
     )
 

@@ -258,7 +258,7 @@ def price_trees(rounds: list[LabelledRound], score, cost: CostModel, max_nodes: 
         for i, p in enumerate(parents):
             depths[i] = 1 if p < 0 else depths[p] + 1
         tokens += 1 + sum(truth[i] for i in chosen)
-        seconds += max((depths[i] for i in chosen), default=0) * cost.t_draft + cost.t_target(len(chosen))
+        seconds += cost.drafting(max((depths[i] for i in chosen), default=0)) + cost.t_target(len(chosen))
         size += len(chosen)
     n = max(len(rounds), 1)
     return {

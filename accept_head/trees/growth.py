@@ -4,7 +4,7 @@ A round's draft tree (:class:`DraftTree`) holds every proposed node with a *scor
 P(n accepted | its parent accepted), and a *value* v(n) = ∏ s along its path: the probability that n is reached and
 accepted. A tree T then yields 1 + Σ_{n∈T} v(n) tokens in expectation (the accepted nodes plus the target's own
 token), and costs depth(T) draft forwards and one target call over |T| candidates:
-cost(T) = depth(T)·t_draft + t_target(|T|) with t_target(n) = a + b·n (:class:`~accept_head.core.costs.CostModel`).
+cost(T) = drafting(depth(T)) + t_target(|T|) with t_target(n) = a + b·n (:class:`~accept_head.core.costs.CostModel`).
 
 Rules (:class:`TreeRule`), compared like with like by the same tree round:
 
@@ -172,12 +172,12 @@ def best_subtree(
 ) -> tuple[list[int], float]:
     """The ancestor-closed subset T of a tree that maximises expected tokens per second (1 + Σ_T v) / cost(T).
 
-    ``values`` must not rise from a parent to its child (v = ∏ s, s ≤ 1). Draft cost: ``forwards``·t_draft when the
-    draft forwards are already spent (then only |T| matters), else depth(T)·t_draft. Nodes with v < ``floor`` are
-    left out, and |T| ≤ ``max_nodes``. Exact: for each depth cap D the best T of size n is the n best nodes by value
-    (ancestor-closed, because values fall along paths; ties go to the earlier node, a parent), so scanning every
-    (D, n) covers the optimum. Returns (nodes in creation order, expected tokens per second; the empty tree's
-    1 / t_target(0) when nothing pays).
+    ``values`` must not rise from a parent to its child (v = ∏ s, s ≤ 1). Draft cost: ``forwards`` draft steps
+    when the draft forwards are already spent (then only |T| matters), else depth(T) (:meth:`CostModel.drafting`).
+    Nodes with v < ``floor`` are left out, and |T| ≤ ``max_nodes``. Exact: for each depth cap D the best T of size n
+    is the n best nodes by value (ancestor-closed, because values fall along paths; ties go to the earlier node, a
+    parent), so scanning every (D, n) covers the optimum. Returns (nodes in creation order, expected tokens per
+    second; the empty tree's 1 / t_target(0) when nothing pays).
     """
     depths: list[int] = []
     for parent in parents:
@@ -186,7 +186,7 @@ def best_subtree(
     caps = range(1, max(depths, default=0) + 1) if forwards is None else [max(depths, default=0)]
     for cap in caps:
         ranked = sorted((n for n, d in enumerate(depths) if d <= cap and values[n] >= floor), key=lambda n: -values[n])
-        draft = cap * cost.t_draft if forwards is None else forwards * cost.t_draft
+        draft = cost.drafting(cap if forwards is None else forwards)
         expected = 1.0
         for size, node in enumerate(ranked[:max_nodes], start=1):
             expected += values[node]
@@ -338,7 +338,7 @@ class CostTree(TreeRule):
         """Draft one more depth iff the best tree after it could beat the best tree now, both priced with one
         estimate per frontier node n (the nodes the next forward feeds): n is accepted as often as its parent was
         (the parent's score — the head's, once the parent was fed; at depth 1, n's own draft probability), and so
-        is its best child, which the next depth adds. The cost counts the extra forward (depth(T)·t_draft)."""
+        is its best child, which the next depth adds. The cost counts the extra forward (a round's later step)."""
         frontier = self.frontier(tree)
         if tree.depth >= self.max_depth or not frontier:
             return False
@@ -366,7 +366,7 @@ class CostTree(TreeRule):
             parent = tree.parents[node]
             gain += tree.values[node] * tree.accepts[node if parent < 0 else parent]
         expected, seconds = self._tree_rate(tree)
-        after = seconds + self.cost.t_draft + self.cost.t_target_b * len(frontier)
+        after = seconds + self.cost.t_step + self.cost.t_target_b * len(frontier)
         rate_now, rate_after = expected / seconds, (expected + gain) / after
         return rate_after > rate_now and not math.isclose(rate_after, rate_now)
 
@@ -394,7 +394,7 @@ class CostTree(TreeRule):
 
     def _tree_rate(self, tree: DraftTree) -> tuple[float, float]:
         """(expected tokens, seconds) of verifying every node of ``tree`` after its draft forwards."""
-        return 1.0 + sum(tree.values), tree.forwards * self.cost.t_draft + self.cost.t_target(len(tree.tokens))
+        return 1.0 + sum(tree.values), self.cost.drafting(tree.forwards) + self.cost.t_target(len(tree.tokens))
 
     def select(self, tree: DraftTree) -> list[int]:
         if tree.sampled:  # drawn siblings: every drawn node is verified (dropping one by its own value is not exact)
