@@ -96,8 +96,8 @@ def measure_costs(
         _crop(target_cache, context - 1)
 
     steps["single"] = single_step
-    # Round-robin (draft, head, K = 1..20, then again): a burst of load from elsewhere on a shared machine hits every
-    # measurement alike instead of bending the line fitted through them.
+    # Round-robin (draft, head, draft_next, head_next, K = 1..20, single, then again): a burst of load from elsewhere
+    # on a shared machine hits every measurement alike instead of bending the line fitted through them.
     times = _timed_interleaved(steps, repeats, warmup, {device, getattr(drafter, "device", device)})
     parts = {name: times.pop(name, [0.0]) for name in ("draft", "head", "draft_next", "head_next", "single")}
     per_k = {k: _summary(k_times) for k, k_times in times.items()}
