@@ -2,7 +2,14 @@
 
 from .acceptance.calibration import Calibration
 from .acceptance.head import AcceptanceHead, from_official_state_dict
-from .chain.baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle, roc_threshold
+from .chain.baselines import (
+    ConfidenceThreshold,
+    EntropyStop,
+    Heuristic,
+    Oracle,
+    PathConfidenceStop,
+    roc_threshold,
+)
 from .chain.decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate, verify
 from .chain.hf_assisted import AssistedSettings, HFAssisted
 from .chain.policies import FixedK, HeadThreshold, RoundState, StopPolicy
@@ -42,6 +49,7 @@ __all__ = [
     "NgramPool",
     "Oracle",
     "OuroborosStats",
+    "PathConfidenceStop",
     "PhrasePool",
     "RoundState",
     "SamplingConfig",

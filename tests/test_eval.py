@@ -502,6 +502,7 @@ def test_bench_command_end_to_end(tiny, tmp_path, capsys) -> None:
         "warmup": 1,
         "fixed_k": [1, 2, 4],
         "entropy_thresholds": [0.3, 0.6],
+        "path_confidence_thresholds": [0.5, 0.9],
         "cost_model": "measure",
         "output_dir": str(out),
         "progress": False,
@@ -511,15 +512,20 @@ def test_bench_command_end_to_end(tiny, tmp_path, capsys) -> None:
     assert (out / "bench.png").is_file()
     greedy, sampled = stored["results"]["greedy"], stored["results"]["T=1"]
     kinds = [m["kind"] for m in greedy["methods"]]
-    assert kinds == ["autoregressive", "fixed_k", "specdecpp", "heuristic", "confidence", "confidence", "entropy"] + [
-        "hf_assisted"
-    ] * 3 + ["oracle"]
+    stop_rules = ["heuristic", "confidence", "confidence", "entropy", "path_confidence"]
+    assert kinds == ["autoregressive", "fixed_k", "specdecpp", *stop_rules] + ["hf_assisted"] * 3 + ["oracle"]
     assert "oracle" not in [m["kind"] for m in sampled["methods"]]
     best_k = greedy["validation"]["best_k"]
     assert greedy["methods"][1]["params"] == {"k": best_k}
     assert greedy["methods"][4]["params"] == {"tau": greedy["validation"]["confidence"]["tau"]}  # ROC on validation
     assert greedy["methods"][5]["params"] == {"tau": 0.4, "auto_tune": True}  # HF's online rule
-    assert greedy["methods"][7]["params"]["num_assistant_tokens"] == best_k  # HF constant at the best K
+    # SpecDec++'s rule with the head ablated, at the h whose validation run priced best.
+    chosen = greedy["validation"]["best_path_confidence_threshold"]
+    grid = [m for m in greedy["validation"]["methods"] if m["kind"] == "path_confidence"]
+    assert [m["params"]["threshold"] for m in grid] == [0.5, 0.9]
+    assert chosen == max(grid, key=lambda m: m["selection_tokens_per_second"])["params"]["threshold"]
+    assert greedy["methods"][7]["params"] == {"threshold": chosen}
+    assert greedy["methods"][8]["params"]["num_assistant_tokens"] == best_k  # HF constant at the best K
     for method in greedy["methods"] + sampled["methods"]:
         tps = method["tokens_per_second"]
         assert len(tps["per_repeat"]) == 2 and tps["min"] <= tps["median"] <= tps["max"]

@@ -17,6 +17,7 @@ from accept_head.chain.baselines import (
     EntropyStop,
     Heuristic,
     Oracle,
+    PathConfidenceStop,
     entropy_lower_bound,
     roc_threshold,
 )
@@ -218,6 +219,43 @@ def test_entropy_stop_on_stub_models_reads_the_drafts_entropy() -> None:
     assert result.stats.proposed == [5, 5, 0]  # up to token 5 (drawn after 4); the budget leaves no candidate
 
 
+# ---- PathConfidenceStop ---------------------------------------------------------------------------------------------
+
+
+def test_path_confidence_stops_once_the_path_probability_falls_below_one_minus_h() -> None:
+    policy = PathConfidenceStop(threshold=0.3)
+    assert not policy.should_stop(RoundState(n=0))
+    assert not policy.should_stop(RoundState(n=1, token_probs=[0.9]))  # 1 - 0.9 = 0.1
+    assert not policy.should_stop(RoundState(n=3, token_probs=[0.9, 0.9, 0.9]))  # 1 - 0.729 = 0.271
+    assert policy.should_stop(RoundState(n=4, token_probs=[0.9, 0.9, 0.9, 0.9]))  # 1 - 0.656 = 0.344
+    assert policy.should_stop(RoundState(n=1, token_probs=[0.5]))
+    assert not PathConfidenceStop(0.3, min_candidates=2).should_stop(RoundState(n=1, token_probs=[0.5]))
+    for bad in (0.0, 1.0, 1.5):
+        with pytest.raises(ValueError, match="threshold"):
+            PathConfidenceStop(threshold=bad)
+
+
+def test_path_confidence_on_stub_models_multiplies_the_rounds_draft_probabilities() -> None:
+    """Greedy, draft == target (all accepted), q = 0.9 everywhere: at h = 0.3 a round stops at its fourth candidate
+    (0.9^3 = 0.729 stays above 0.7, 0.9^4 = 0.656 does not); a product of the last q alone would never stop."""
+    vocab = 6
+    table = bigram_table(vocab, [(t + 1) % vocab for t in range(vocab)], [0.9] * vocab)
+    target, draft = TableLM.bigram(table, 64), TableLM.bigram(table, 64)
+    result = speculative_generate(target, draft, [0], PathConfidenceStop(0.3), 13, temperature=0.0)
+    assert result.sequences[0].tolist() == [t % vocab for t in range(14)]
+    assert result.stats.proposed == [4, 4, 2]  # the budget cuts the last round
+    assert result.stats.accepted == result.stats.proposed
+
+
+def test_the_chat_names_path_confidence_and_refuses_a_bad_h() -> None:
+    from accept_head.specdecpp.chat import parse_policy
+
+    assert parse_policy("path:0.7", None).threshold == 0.7
+    assert parse_policy("path", None).threshold == 0.8
+    with pytest.raises(ValueError, match="--policy 'path:1.5'.*threshold=1.5"):
+        parse_policy("path:1.5", None)
+
+
 # ---- Oracle --------------------------------------------------------------------------------------------------------
 
 
@@ -299,6 +337,7 @@ NEW_POLICIES = {
     "ConfidenceThreshold(auto)": lambda: ConfidenceThreshold(tau=0.4, auto_tune=True),
     "EntropyStop(0.3)": lambda: EntropyStop(threshold=0.3),
     "EntropyStop(0.8)": lambda: EntropyStop(threshold=0.8, gamma=0.5),
+    "PathConfidenceStop(0.7)": lambda: PathConfidenceStop(threshold=0.7),
 }
 
 
@@ -342,7 +381,9 @@ def sampled_counts(target, draft, policy, runs: int) -> tuple[torch.Tensor, set[
     return counts, rounds
 
 
-@pytest.mark.parametrize("policy_name", ["Heuristic", "ConfidenceThreshold(0.5)", "EntropyStop(0.8)"])
+@pytest.mark.parametrize(
+    "policy_name", ["Heuristic", "ConfidenceThreshold(0.5)", "EntropyStop(0.8)", "PathConfidenceStop(0.7)"]
+)
 def test_sampled_tokens_follow_the_target_distribution(sampled_pair, policy_name: str) -> None:
     """Losslessness at temperature 1: the empirical law of the first three tokens matches p (χ² goodness of fit
     against the law computed exactly from the target's table)."""

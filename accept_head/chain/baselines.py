@@ -5,6 +5,9 @@
 * :class:`ConfidenceThreshold` — HF's ``assistant_confidence_threshold`` (DISCO's unsupervised variant): stop once
   the draft's probability of the token it just proposed falls below τ; τ can be tuned on (q(y), accepted) pairs with
   HF's ROC rule (:func:`roc_threshold`), offline or online during decoding.
+* :class:`PathConfidenceStop` — SpecDec++'s stopping rule with the head ablated: stop once the probability that
+  some candidate is rejected, estimated by the draft's own path probability 1 − Π q(y_j), exceeds h (EAGLE-2's path
+  confidence, applied to a chain). Training-free.
 * :class:`EntropyStop` — AdaEDL (Agrawal, Jeon, Lee 2024): stop once the entropy lower bound on the acceptance
   probability, 1 − sqrt(γ · H(q)), falls below λ. Training-free.
 * :class:`Oracle` — the greedy hindsight oracle of SpecDec++ Lemma 2.1: with the target's greedy continuation known,
@@ -186,6 +189,32 @@ class ConfidenceThreshold(StopPolicy):
 
     def describe(self) -> str:
         return f"ConfidenceThreshold(tau={self.initial_tau:g}{', auto' if self.auto_tune else ''})"
+
+
+class PathConfidenceStop(StopPolicy):
+    """SpecDec++'s rule (:class:`~accept_head.chain.policies.HeadThreshold`) with the head ablated: stop once
+    1 − Π_{j≤n} q(y_j) > h, the draft's own probabilities of the round's candidates standing in for the head's.
+
+    The product is EAGLE-2's path confidence; as a chain stop rule it is what a trained head has to beat, and it
+    needs no head call. Under greedy decoding q(y) is the draft's untempered softmax probability (``uses_confidence``).
+    Training-free; tune h on validation prompts.
+    """
+
+    uses_confidence = True
+
+    def __init__(self, threshold: float = 0.8, min_candidates: int = 1, max_candidates: int = 20) -> None:
+        if not 0.0 < threshold < 1.0:
+            raise ValueError(f"threshold={threshold} must be in (0, 1): it bounds P(some candidate is rejected).")
+        self.min_candidates, self.max_candidates = _check_candidates(min_candidates, max_candidates)
+        self.threshold = float(threshold)
+
+    def should_stop(self, state: RoundState) -> bool:
+        if state.n < max(self.min_candidates, 1):
+            return False
+        return 1.0 - math.prod(state.token_probs[: state.n]) > self.threshold
+
+    def describe(self) -> str:
+        return f"PathConfidenceStop(h={self.threshold:g})"
 
 
 def entropy_lower_bound(entropy: float, gamma: float) -> float:

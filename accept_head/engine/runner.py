@@ -26,7 +26,7 @@ from transformers import PreTrainedModel
 
 from ..acceptance.calibration import Calibration
 from ..acceptance.head import AcceptanceHead
-from ..chain.baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle
+from ..chain.baselines import ConfidenceThreshold, EntropyStop, Heuristic, Oracle, PathConfidenceStop
 from ..chain.decoding import DecodeStats, GenerationResult, autoregressive_generate, speculative_generate
 from ..chain.hf_assisted import AssistedSettings, HFAssisted
 from ..chain.policies import FixedK, HeadThreshold, StopPolicy
@@ -52,6 +52,7 @@ FAMILIES = {
     "heuristic": "Heuristic",
     "confidence": "ConfidenceThreshold",
     "entropy": "EntropyStop",
+    "path_confidence": "path confidence",
     "hf_assisted": "HF assisted",
     "ngrammys": "N-Grammys",
     "lookahead": "Lookahead",
@@ -75,7 +76,15 @@ from the runner's ``tree_models``) and the head tree's ablation (:class:`~accept
 same growth by expected tokens per second, every node scored by its draft probability); params are those classes'
 keyword arguments."""
 
-CHAIN_RUNTIME_KINDS = ("autoregressive", "fixed_k", "specdecpp", "heuristic", "confidence", "entropy")
+CHAIN_RUNTIME_KINDS = (
+    "autoregressive",
+    "fixed_k",
+    "specdecpp",
+    "heuristic",
+    "confidence",
+    "entropy",
+    "path_confidence",
+)
 """Methods whose target can run over a preallocated, optionally compiled cache (``target_runtime``, :data:`RUNTIMES
 <accept_head.models.static_target.RUNTIMES>`): the target alone and the chain rules."""
 
@@ -104,6 +113,7 @@ _SHORT_BY_KIND = {
     ("c2t_tree", "threshold"): "h",
     ("cost_tree", "threshold"): "h",
     ("entropy", "threshold"): "λ",
+    ("path_confidence", "threshold"): "h",
     ("lookahead", "window"): "W",
     ("lookahead", "ngram"): "N",
     ("lookahead", "guess_set"): "G",
@@ -121,13 +131,14 @@ class MethodSpec:
     """One decoding method: a kind from :data:`FAMILIES` and the keyword arguments of its policy."""
 
     kind: str
-    """autoregressive, fixed_k, specdecpp, heuristic, confidence, entropy, hf_assisted, ngrammys, lookahead,
-    ouroboros, oracle, head_tree, confidence_tree, static_tree, c2t_tree or cost_tree."""
+    """autoregressive, fixed_k, specdecpp, heuristic, confidence, entropy, path_confidence, hf_assisted, ngrammys,
+    lookahead, ouroboros, oracle, head_tree, confidence_tree, static_tree, c2t_tree or cost_tree."""
     params: dict[str, Any] = field(default_factory=dict)
     """fixed_k: k. specdecpp: threshold (default: the bundle's h*), min_candidates, max_candidates, calibrated,
     unscored (``confidence``: see :class:`~accept_head.chain.policies.HeadThreshold`).
     heuristic: initial_k, persistent, max_candidates. confidence: tau, auto_tune, min/max_candidates.
-    entropy: threshold (λ), gamma, min/max_candidates. hf_assisted: num_assistant_tokens, schedule,
+    entropy: threshold (λ), gamma, min/max_candidates. path_confidence: threshold (h), min/max_candidates.
+    hf_assisted: num_assistant_tokens, schedule,
     confidence_threshold. ngrammys: k rows of w tokens, q (context n-gram query length), strategy (model, context,
     mixed). lookahead: window (W), ngram (N), guess_set (G), context_ngrams, seed. ouroboros: gamma (sentence-draft
     length), phrase_length (β), phrases_per_token (W), candidates (K), prompt_phrases. Keyword arguments of
@@ -478,6 +489,8 @@ class Runner:
                 return ConfidenceThreshold(**params)
             if spec.kind == "entropy":
                 return EntropyStop(**params)
+            if spec.kind == "path_confidence":
+                return PathConfidenceStop(**params)
         except (KeyError, TypeError) as err:
             raise ValueError(f"bad parameters {spec.params} for method {spec.kind!r}: {err}") from err
         if params:

@@ -198,6 +198,7 @@ class BenchPlan:
     fixed_k: list[int]
     entropy_thresholds: list[float]
     entropy_gamma: float
+    path_confidence_thresholds: list[float]
     confidence_tau: float | None
     confidence_dataset: str | None
     heuristic_initial_k: int
@@ -235,6 +236,16 @@ class BenchPlan:
             if self.entropy_thresholds is None
             else [float(x) for x in self.entropy_thresholds]
         )
+        self.path_confidence_thresholds = (
+            [0.5, 0.7, 0.8, 0.9, 0.95, 0.98]
+            if self.path_confidence_thresholds is None
+            else [float(h) for h in self.path_confidence_thresholds]
+        )
+        if not all(0 < h < 1 for h in self.path_confidence_thresholds):
+            raise ValueError(
+                f"path_confidence_thresholds={self.path_confidence_thresholds} must hold values in (0, 1): each "
+                "bounds P(some candidate is rejected)."
+            )
         given = DEFAULT_HF_SETTINGS if self.hf_settings is None else self.hf_settings
         self.hf_settings = [HFSetting(**s) if isinstance(s, dict) else s for s in given]
         if self.select_by not in ("modeled", "measured"):
@@ -291,6 +302,8 @@ BENCH_ARGS = """
         fixed_k: K grid searched on validation (default 1, 2, 3, 4, 6, 8, 10, 12).
         entropy_thresholds: λ grid for EntropyStop searched on validation (default 0.1 … 0.8).
         entropy_gamma: AdaEDL's entropy scale γ.
+        path_confidence_thresholds: h grid for PathConfidenceStop, SpecDec++'s rule on the draft's own path
+            probability (the head ablated), searched on validation (default 0.5 … 0.98); [] leaves it out.
         confidence_tau: Fixed τ for ConfidenceThreshold; None tunes it by HF's ROC rule (fpr + 3·fnr).
         confidence_dataset: A data_gen dataset to tune τ on (its draft_logp / accept_prob) instead of validation.
         heuristic_initial_k: Start K of the Heuristic schedule (HF used 5 before transformers 4.45).
@@ -320,8 +333,9 @@ BENCH_ARGS = """
             needed by c2t_tree and ``head: tree``.
         bigram_cache: Folder of N-Grammys' model-bigram tables, keyed by the target's fingerprint; a table missing
             there is computed once (before any timing) and written. Default ``$ACCEPT_HEAD_CACHE/bigram``.
-        stop_rules: Include the other stop rules (Heuristic, ConfidenceThreshold, EntropyStop) and their tuning;
-            False keeps the bench to the target, FixedK, SpecDec++, HF and the tree decoders (e.g. a tree bench).
+        stop_rules: Include the other stop rules (Heuristic, ConfidenceThreshold, EntropyStop, PathConfidenceStop)
+            and their tuning; False keeps the bench to the target, FixedK, SpecDec++, HF and the tree decoders (e.g.
+            a tree bench).
         oracle: Include the greedy hindsight oracle (greedy only).
         select_by: Choose the validation winners by ``modeled`` (cost model; robust to machine noise) or
             ``measured`` tokens/s. Tree decoders are priced by the tokens their target calls read (see
@@ -360,6 +374,7 @@ def bench(
     fixed_k: list[int] | None = None,
     entropy_thresholds: list[float] | None = None,
     entropy_gamma: float = 0.2,
+    path_confidence_thresholds: list[float] | None = None,
     confidence_tau: float | None = None,
     confidence_dataset: str | None = None,
     heuristic_initial_k: int = 5,
@@ -386,7 +401,8 @@ def bench(
 
     Methods: the autoregressive target; FixedK at the K best on the validation set; SpecDec++ at the bundle's h*;
     Heuristic (HF's schedule); ConfidenceThreshold at HF's ROC-tuned τ and with HF's online auto-tuning from
-    τ = 0.4; EntropyStop (AdaEDL) at the λ best on validation; HF transformers' own assisted generation
+    τ = 0.4; EntropyStop (AdaEDL) at the λ best on validation; SpecDec++'s rule with the head ablated
+    (PathConfidenceStop) at the h best on validation; HF transformers' own assisted generation
     (``hf_settings``); the learning-free tree decoders N-Grammys, Lookahead and Ouroboros, each at the setting of its
     grid best on validation; and the greedy hindsight Oracle. Writes bench.json and bench.png and prints one table
     per temperature. Needs a bundle (``--bundle``: the pair, the head and h*).
@@ -427,17 +443,19 @@ def load_bench(plan: BenchPlan) -> BenchSetup:
 
 
 def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float) -> dict:
-    """Run the FixedK, EntropyStop and tree-decoder grids on the validation prompts and pick the best of each, then τ;
-    the ``validation`` record of bench.json.
+    """Run the FixedK, EntropyStop, PathConfidenceStop and tree-decoder grids on the validation prompts and pick the
+    best of each, then τ; the ``validation`` record of bench.json.
 
     Every winner is chosen by ``select_by``, except those that decode with a comparison draft (FixedK, Ouroboros):
     the cost model prices the pair's own draft only, so they are chosen by measured tokens/s.
     """
     pair, select_by = setup.pair, plan.select_by
     entropy_thresholds = plan.entropy_thresholds if plan.stop_rules else []
+    path_thresholds = plan.path_confidence_thresholds if plan.stop_rules else []
     specs = [MethodSpec("fixed_k", {"k": k}) for k in plan.fixed_k]
     specs += [MethodSpec("fixed_k", {"k": k, "draft": name}) for name in pair.comparison_drafts for k in plan.fixed_k]
     specs += [MethodSpec("entropy", {"threshold": lam, "gamma": plan.entropy_gamma}) for lam in entropy_thresholds]
+    specs += [MethodSpec("path_confidence", {"threshold": h}) for h in path_thresholds]
     specs += specdec_grid(plan, setup, temperature)
     # run_sweep leaves out, with the reason, what this pair cannot run (only tree decoders can be refused).
     summaries, skipped = run_sweep(
@@ -456,6 +474,7 @@ def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float)
     own = [s for s in summaries if "draft" not in s.spec.params]
     best_k = best_of(own, select_by, "fixed_k")
     best_entropy = best_of(own, select_by, "entropy") if entropy_thresholds else None
+    best_path = best_of(own, select_by, "path_confidence") if path_thresholds else None
     by_draft = {}
     for name in pair.comparison_drafts:  # by measured tok/s: the cost model prices the pair's own draft only
         theirs = [s for s in summaries if s.spec.params.get("draft") == name]
@@ -465,6 +484,7 @@ def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float)
         "best_k": int(best_k.spec.params["k"]),
         "best_k_by_draft": by_draft,
         "best_entropy_threshold": None if best_entropy is None else float(best_entropy.spec.params["threshold"]),
+        "best_path_confidence_threshold": None if best_path is None else float(best_path.spec.params["threshold"]),
         "best_specdec_threshold": (
             float(best_of(own, select_by, "specdecpp").spec.params["threshold"]) if plan.specdec_thresholds else None
         ),
@@ -543,6 +563,8 @@ def bench_methods(plan: BenchPlan, setup: BenchSetup, temperature: float, valida
             MethodSpec("confidence", {"tau": 0.4, "auto_tune": True}),
             MethodSpec("entropy", {"threshold": validation["best_entropy_threshold"], "gamma": plan.entropy_gamma}),
         ]
+        if validation.get("best_path_confidence_threshold") is not None:
+            specs.append(MethodSpec("path_confidence", {"threshold": validation["best_path_confidence_threshold"]}))
     specs += hf_assisted_specs(plan.hf_settings, setup.pair, validation)
     # Each tree decoder at the setting its grid chose on validation.
     specs += [MethodSpec(kind, chosen["params"]) for kind, chosen in validation["tree_decoders"].items()]
@@ -657,6 +679,7 @@ def write_bench(plan: BenchPlan, setup: BenchSetup, results: dict) -> dict:
             "entropy_thresholds": plan.entropy_thresholds,
             "specdec_thresholds": plan.specdec_thresholds,
             "entropy_gamma": plan.entropy_gamma,
+            "path_confidence_thresholds": plan.path_confidence_thresholds,
             "hf_settings": [s.__dict__ for s in plan.hf_settings],
             "tree_decoders": plan.tree_grids,
             "draft_trees": {

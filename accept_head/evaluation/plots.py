@@ -16,6 +16,7 @@ _STYLE = {
     "heuristic": ("^", "tab:green"),
     "confidence": ("v", "tab:purple"),
     "entropy": ("D", "tab:orange"),
+    "path_confidence": ("h", "tab:pink"),
     "hf_assisted": ("P", "tab:brown"),
     "oracle": ("*", "gold"),
     "autoregressive": ("X", "black"),

@@ -14,10 +14,10 @@ from .calibration import CALIBRATION_HEADER, calibration_rows, position_rows
 from .common import fmt, ratio
 from .sweep import temperature_key
 
-TRAINING_FREE = ("heuristic", "confidence", "entropy")
+TRAINING_FREE = ("heuristic", "confidence", "entropy", "path_confidence")
+"""The training-free stop rules for the draft (HF's schedule, confidence, entropy and path-confidence stopping)."""
 BASELINE_TREES = tuple(kind for kind in DRAFT_TREES if kind != "head_tree")
 """The draft trees other than SpecDec++'s own (EAGLE-2, static, C2T): baselines beside the stop rules."""
-"""The training-free stop rules for the draft (HF's schedule, confidence and entropy stopping)."""
 
 
 def in_page_order(payload: dict) -> dict:
@@ -526,7 +526,7 @@ def _near_ties(payload: dict) -> list[str]:
 
 # Families whose decoding loop is this package's (HF assisted generation has its own overheads; the oracle's counts
 # are Lemma 2.1's, not its decoding's).
-_OWN_LOOP = ("autoregressive", "fixed_k", "specdecpp", "heuristic", "confidence", "entropy")
+_OWN_LOOP = ("autoregressive", "fixed_k", "specdecpp", "heuristic", "confidence", "entropy", "path_confidence")
 
 
 def decode_cost_check(payload: dict) -> DecodeCostFit | None:

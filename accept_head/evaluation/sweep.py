@@ -22,6 +22,7 @@ DEFAULT_GRIDS: list[dict] = [
     {"kind": "heuristic"},
     {"kind": "confidence", "grid": {"tau": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]}},
     {"kind": "entropy", "grid": {"threshold": [0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7]}},
+    {"kind": "path_confidence", "grid": {"threshold": [0.5, 0.7, 0.8, 0.9, 0.95, 0.98]}},
     {"kind": "oracle"},
 ]
 """The grid ``sweep`` runs when no ``--policies`` are given (SpecDec++'s needs a bundle and is skipped without)."""
@@ -115,8 +116,8 @@ def sweep(
         pair: The pair; its bundle is needed for the ``specdecpp`` policies.
         prompt_options: How prompts are encoded.
         policies: Method grids, e.g. ``[{kind: fixed_k, grid: {k: [2, 4]}}, {kind: entropy, grid: {threshold:
-            [0.3, 0.5]}}]``; kinds: autoregressive, fixed_k, specdecpp, heuristic, confidence, entropy, hf_assisted,
-            oracle. Default: :data:`DEFAULT_GRIDS`.
+            [0.3, 0.5]}}]``; kinds: autoregressive, fixed_k, specdecpp, heuristic, confidence, entropy,
+            path_confidence, hf_assisted, oracle. Default: :data:`DEFAULT_GRIDS`.
         temperatures: Sampling temperatures (0 = greedy; the oracle runs only there). Default [0, 1].
         max_new_tokens: Tokens generated per prompt (at most).
         cost_model: ``bundle``, ``measure`` or a costs.json from ``python -m eval costs``.

@@ -26,14 +26,14 @@ from typing import TextIO
 import torch
 from transformers import TextStreamer
 
-from ..chain.baselines import ConfidenceThreshold, EntropyStop, Heuristic
+from ..chain.baselines import ConfidenceThreshold, EntropyStop, Heuristic, PathConfidenceStop
 from ..chain.decoding import speculative_generate
 from ..chain.policies import FixedK, StopPolicy
 from ..core.timing import device_timer
 from .bundle import SpecDecPP
 from .hf_generate import make_custom_generate
 
-POLICIES = "head[:h], fixed:K, heuristic[:K0], confidence[:tau], entropy[:lambda]"
+POLICIES = "head[:h], fixed:K, heuristic[:K0], confidence[:tau], entropy[:lambda], path[:h]"
 
 DEFAULT_PROMPTS = (
     "What is the capital of France?",
@@ -56,6 +56,8 @@ def parse_policy(text: str, specdec: SpecDecPP) -> StopPolicy:
             return ConfidenceThreshold(float(arg) if arg else 0.4)
         if name == "entropy":
             return EntropyStop(float(arg) if arg else 0.5)
+        if name == "path":
+            return PathConfidenceStop(float(arg) if arg else 0.8)
     except ValueError as err:
         raise ValueError(f"--policy {text!r}: {err}") from None
     raise ValueError(f"--policy {text!r} is not one of {POLICIES}.")
