@@ -61,7 +61,7 @@ def test_ablate_trains_one_head_per_variant_and_scores_them_alike(ablation) -> N
     assert payload["cost_model"] == {"t_draft": 0.002, "t_target_a": 0.02, "t_target_b": 0.001, "t_draft_next": None}
     # Only the reference run decodes the baselines; every run sweeps its own head over the same h grid.
     families = {name: {row["family"] for row in r["rows"]} for name, r in results.items()}
-    assert families["recipe"] == {"autoregressive", "fixed_k", "threshold"}
+    assert families["recipe"] == {"autoregressive", "fixed_k", "threshold", "ablated"}  # ablated: the head removed
     assert all(families[name] == {"threshold"} for name in ("depth0-alg2", "half"))
     for r in results.values():
         assert {row["param"] for row in r["rows"] if row["family"] == "threshold"} == {0.3, 0.7}
@@ -83,6 +83,11 @@ def test_ablate_trains_one_head_per_variant_and_scores_them_alike(ablation) -> N
     assert (
         "| depth0-alg2 | D = 0, Alg. 2 |" in page and "![modeled throughput per variant](ablations/ablate.png)" in page
     )
+    best_ablated = max(
+        (row for row in results["recipe"]["rows"] if row["family"] == "ablated"),
+        key=lambda row: row["modeled_tokens_per_second"],
+    )
+    assert f"| {best_ablated['label']} | baseline (reference run): the head removed, its rule on q |" in page
     assert (root / "docs" / "ablations" / "ablate.png").is_file()
     assert not (root / "base-run" / "bundle").exists()  # the export stage is off in ablations
 

@@ -41,7 +41,7 @@ def metrics_csv(log_dir: str | Path) -> dict[str, float]:
 
 
 def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_generates(setup, tmp_path, capsys):
-    cli = fit(train_config(setup, tmp_path), tmp_path, "--sweep.greedy=true")
+    cli = fit(train_config(setup, tmp_path), tmp_path, "--sweep.greedy=true", "--sweep.ablated=true")
     out = capsys.readouterr().out
     bundle_dir = tmp_path / "bundle"
     for name in ("config.json", "head.safetensors", "README.md", "split.json", "reliability.png", "pareto.png"):
@@ -49,7 +49,15 @@ def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_genera
 
     report = cli.model.fit_report
     assert report.threshold in (0.3, 0.7) and report.cost_model is not None and report.calibration_choice is not None
-    assert [row.family for row in report.closing] == ["autoregressive", "fixed_k", "threshold"]
+    assert [row.family for row in report.closing] == ["autoregressive", "fixed_k", "threshold", "ablated"]
+    # sweep.ablated: the head's rule on the draft's own q decoded every h; the closing table holds it at its best h,
+    # with the head's candidate bounds.
+    ablated = report.sweep.family("ablated")
+    assert [row.param for row in ablated] == [0.3, 0.7]
+    assert report.closing[-1].param == report.sweep.best("ablated").param
+    assert report.closing[-1].method.kind == "path_confidence"
+    stage = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "ThresholdSweep")
+    assert report.closing[-1].candidates == (stage.min_candidates, stage.max_candidates)
     # The closing table's prompts chose nothing: calibration left them out (and only them) of its validation labels.
     sweep_stage = next(cb for cb in cli.trainer.callbacks if type(cb).__name__ == "ThresholdSweep")
     closing_ids = [pid for pid, _ in sweep_stage.held_out(cli.datamodule)]
@@ -64,6 +72,7 @@ def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_genera
         assert math.isfinite(logged[key]), key
     for key in ("specdecpp/tokens_per_second", "specdecpp/modeled_tokens_per_second", "specdecpp/verification_rate"):
         assert key in logged
+    assert logged["head_ablated/threshold"] == report.closing[-1].param and "head_ablated/speedup" in logged
 
     config = json.loads((bundle_dir / "config.json").read_text())
     provenance = config["provenance"]
@@ -72,7 +81,7 @@ def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_genera
     # Both HeadThreshold variants were swept with every h; the bundle keeps the chosen one.
     swept = {(row.param, row.variant) for row in report.sweep.family("threshold")}
     assert swept == {(0.3, None), (0.7, None), (0.3, "confidence"), (0.7, "confidence")}
-    assert config["unscored"] == report.unscored and report.closing[-1].variant == report.unscored
+    assert config["unscored"] == report.unscored and report.closing[2].variant == report.unscored
     # sweep.greedy: the same grid decoded greedily chose the bundle's greedy h*.
     assert "greedy threshold sweep" in out and report.greedy_threshold in (0.3, 0.7)
     assert (config["greedy_threshold"], config["greedy_unscored"]) == (report.greedy_threshold, report.greedy_unscored)
@@ -81,6 +90,7 @@ def test_fit_trains_calibrates_sweeps_and_exports_a_bundle_that_loads_and_genera
     assert len(split["val"]) == 6 and set(split["val"]).isdisjoint(split["train"])
     card = (bundle_dir / "README.md").read_text()
     assert f"h\\* = {report.threshold:g}" in card and "ECE" in card and "| FixedK K=1 |" in card
+    assert f"| head ablated (path confidence) h={report.closing[-1].param:g} |" in card
 
     # The bundle stands alone: models are loaded from the specs it stores (paths relative to the bundle).
     bundle = SpecDecPP.from_pretrained(bundle_dir)

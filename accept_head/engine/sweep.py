@@ -4,7 +4,10 @@ Thm 3.1 makes a constant threshold on P(some candidate is rejected) the optimal 
 depending on the cost ratio and the pair; it is found by decoding held-out prompts for a grid of h (and of K for the
 fixed-K baseline) and keeping the h with the lowest modeled latency per token (eq. 2.3, or eq. 2.1 with
 t_target(K) = a + b·K). The sweep decodes through :mod:`accept_head.engine.runner`, as ``python -m eval``'s comparisons
-do: every policy decodes the same prompts with the same per-prompt seeds, interleaved prompt by prompt.
+do: every policy decodes the same prompts with the same per-prompt seeds, interleaved prompt by prompt. With
+``ablated`` thresholds it also decodes the same rule with the head ablated
+(:class:`~accept_head.chain.baselines.PathConfidenceStop`: the draft's own 1 − Π q(y_j) in the head's place), so that
+a fit can say whether its head pays over what the draft already knows.
 """
 
 from __future__ import annotations
@@ -55,12 +58,14 @@ class SweepRow:
     """One policy of the sweep and its aggregate over the prompts."""
 
     family: str
-    """``autoregressive``, ``fixed_k`` or ``threshold``."""
+    """``autoregressive``, ``fixed_k``, ``threshold`` or ``ablated`` (the threshold rule on the draft's own q)."""
     param: float | None
-    """K for ``fixed_k``, h for ``threshold``, None for ``autoregressive``."""
+    """K for ``fixed_k``, h for ``threshold`` and ``ablated``, None for ``autoregressive``."""
     result: PolicyResult
     variant: str | None = None
     """For ``threshold``: HeadThreshold's ``unscored`` setting (None: Alg. 2 as in the paper)."""
+    candidates: tuple[int, int] = (1, 20)
+    """For ``ablated``: (min_candidates, max_candidates), those of the head's rule it is compared with."""
 
     @property
     def label(self) -> str:
@@ -68,6 +73,8 @@ class SweepRow:
             return "autoregressive"
         if self.family == "fixed_k":
             return f"FixedK K={int(self.param)}"
+        if self.family == "ablated":
+            return f"head ablated (path confidence) h={self.param:g}"
         return f"SpecDec++ h={self.param:g}" + (f" unscored={self.variant}" if self.variant else "")
 
     @property
@@ -77,6 +84,10 @@ class SweepRow:
             return MethodSpec("autoregressive", label=self.label)
         if self.family == "fixed_k":
             return MethodSpec("fixed_k", {"k": int(self.param)}, label=self.label)
+        if self.family == "ablated":
+            low, high = self.candidates
+            params = {"threshold": self.param, "min_candidates": low, "max_candidates": high}
+            return MethodSpec("path_confidence", params, label=self.label)
         return MethodSpec("specdecpp", {"threshold": self.param, "unscored": self.variant}, label=self.label)
 
     def latency(self, by: str = "modeled") -> float:
@@ -134,6 +145,7 @@ def run_sweep(
     max_candidates: int = 20,
     calibration: Calibration | None = None,
     unscored: Sequence[str | None] = (None,),
+    ablated: Sequence[float] = (),
     autoregressive: bool = True,
     seed: int = 0,
     progress: bool = False,
@@ -143,16 +155,20 @@ def run_sweep(
 
     Policies: the target alone (if ``autoregressive``), FixedK for each K in ``fixed_k`` and SpecDec++'s
     HeadThreshold for each h in ``thresholds`` and each ``unscored`` setting (with ``calibration`` applied to the
-    head's probabilities). They run through :func:`~accept_head.engine.runner.run_interleaved` (prompt ``i`` seeded with
-    ``seeded_generator(seed, 0, i)`` in every policy) and are priced by :func:`~accept_head.engine.runner.summarize`.
+    head's probabilities), then the same rule with the head ablated for each h in ``ablated`` (``ablated`` rows:
+    :class:`~accept_head.chain.baselines.PathConfidenceStop` with the same candidate bounds). They run through
+    :func:`~accept_head.engine.runner.run_interleaved` (prompt ``i`` seeded with ``seeded_generator(seed, 0, i)`` in
+    every policy) and are priced by :func:`~accept_head.engine.runner.summarize`.
     ``progress`` shows a bar labelled ``desc``.
     """
-    thresholds, fixed_k = check_thresholds(thresholds), check_fixed_k(fixed_k)
+    thresholds, fixed_k, ablated = check_thresholds(thresholds), check_fixed_k(fixed_k), check_thresholds(ablated)
     if not prompts:
         raise ValueError("The sweep needs at least one prompt; raise --sweep.prompts or the validation split size.")
     rows = [SweepRow("autoregressive", None, None)] if autoregressive else []  # type: ignore[arg-type]
     rows += [SweepRow("fixed_k", k, None) for k in fixed_k]  # type: ignore[arg-type]
     rows += [SweepRow("threshold", h, None, u) for u in unscored for h in thresholds]  # type: ignore[arg-type]
+    bounds = (min_candidates, max_candidates)
+    rows += [SweepRow("ablated", h, None, candidates=bounds) for h in ablated]  # type: ignore[arg-type]
     methods = [row.method for row in rows]
     head.eval()
     stop_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id

@@ -80,6 +80,7 @@ def _fit_args(
             "unscored": list(sweep.unscored),
             "fixed_k": [int(k) for k in sweep.fixed_k] if baselines else [],
             "autoregressive": baselines,
+            "ablated": baselines,  # the head's rule on the draft's own q: the head removed altogether
             "prompts": sweep.prompts,
             "eval_prompts": 0,
             "max_new_tokens": sweep.max_new_tokens,
@@ -270,17 +271,21 @@ def _cost_model(bundle: str | None, cost_model: str | None) -> tuple[dict, str]:
     return {key: getattr(model, key) for key in keys}, source
 
 
-def _baselines(results: list[dict]) -> tuple[dict | None, dict | None]:
-    """The autoregressive row and the best fixed-K row (by modeled tokens/s) of the reference run."""
+def _baselines(results: list[dict]) -> tuple[dict | None, dict | None, dict | None]:
+    """The autoregressive row, the best fixed-K row and the best head-ablated row (the threshold rule on the draft's
+    own q; by modeled tokens/s) of the reference run."""
     rows = results[0]["rows"] if results else []
     ar = next((r for r in rows if r["family"] == "autoregressive"), None)
-    ks = [r for r in rows if r["family"] == "fixed_k"]
-    best_k = max(ks, key=lambda r: r["modeled_tokens_per_second"] or 0.0) if ks else None
-    return ar, best_k
+
+    def best(family: str) -> dict | None:
+        grid = [r for r in rows if r["family"] == family]
+        return max(grid, key=lambda r: r["modeled_tokens_per_second"] or 0.0) if grid else None
+
+    return ar, best("fixed_k"), best("ablated")
 
 
 def _table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
-    ar, best_k = _baselines(results)
+    ar, best_k, ablated = _baselines(results)
     header = [
         "variant",
         "change",
@@ -318,14 +323,14 @@ def _table(results: list[dict]) -> tuple[list[str], list[list[str]]]:
                 fmt(best["tokens_per_second"], 1),
             ]
         )
-    for base in (ar, best_k):
+    for base in (ar, best_k, ablated):
         if base is not None:
             rows.append(
                 [
                     base["label"],
-                    "baseline (reference run)",
+                    "baseline (reference run)" + (": the head removed, its rule on q" if base is ablated else ""),
                     *[""] * 5,  # no head: no training prompts, AUC, ECEs or h*
-                    fmt(base["mean_proposed"], 2) if base["family"] == "fixed_k" else "–",
+                    fmt(base["mean_proposed"], 2) if base["family"] != "autoregressive" else "–",
                     fmt(base["modeled_tokens_per_second"], 1),
                     vs_best_k(base),
                     fmt(base["tokens_per_second"], 1),
@@ -373,19 +378,19 @@ def ablate_plot(results: list[dict], path: str | Path) -> Path:
     """Horizontal bars: SpecDec++'s modeled tokens/s per variant, with the reference run's baselines as lines."""
     from ..acceptance.plots import new_figure, save_figure
 
-    ar, best_k = _baselines(results)
+    ar, best_k, ablated = _baselines(results)
     fig = new_figure(6.4, 0.45 * len(results) + 1.6)
     ax = fig.subplots()
     values = [r["best"]["modeled_tokens_per_second"] or 0.0 for r in results]
     ax.barh(range(len(results)), values, color="tab:red")
     ax.set_yticks(range(len(results)), [r["name"] for r in results])
     ax.invert_yaxis()
-    for base, style in ((best_k, "--"), (ar, ":")):
+    for base, style in ((best_k, "--"), (ablated, "-."), (ar, ":")):
         if base is not None and base["modeled_tokens_per_second"]:
             ax.axvline(base["modeled_tokens_per_second"], color="black", linestyle=style, label=base["label"])
     finite = [v for v in values if v and math.isfinite(v)]
     if finite:
-        shown = finite + [b["modeled_tokens_per_second"] for b in (ar, best_k) if b]
+        shown = finite + [b["modeled_tokens_per_second"] for b in (ar, best_k, ablated) if b]
         ax.set_xlim(0.9 * min(shown), 1.05 * max(shown))
     ax.set_xlabel("SpecDec++ modeled tokens/s at its best h")
     ax.legend(loc="lower right", fontsize=8)

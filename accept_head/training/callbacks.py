@@ -258,8 +258,9 @@ class ThresholdSweep(EndOfFitStage):
     """Decode held-out validation prompts with SpecDec++ for every h and with FixedK for every K; pick h*.
 
     Logs the table (``sweep.csv`` / ``sweep.json`` next to the logs, a W&B table when a WandbLogger is attached),
-    saves the Pareto plot and records the closing comparison (autoregressive, best fixed K, SpecDec++ at h*) in the
-    report; :func:`closing_table` formats it (``python -m train fit`` prints it last).
+    saves the Pareto plot and records the closing comparison (autoregressive, best fixed K, SpecDec++ at h* and, with
+    ``ablated``, its rule with the head ablated at that rule's best h) in the report; :func:`closing_table` formats it
+    (``python -m train fit`` prints it last).
     """
 
     def __init__(
@@ -273,6 +274,7 @@ class ThresholdSweep(EndOfFitStage):
         min_candidates: int = 2,
         max_candidates: int = 20,
         unscored: list[str | None] = [None],  # noqa: B006 (jsonargparse reads the default)
+        ablated: bool = False,
         select: Literal["modeled", "measured"] = "modeled",
         autoregressive: bool = True,
         greedy: bool = False,
@@ -293,6 +295,10 @@ class ThresholdSweep(EndOfFitStage):
             unscored: HeadThreshold variants swept with every h: ``null`` is Alg. 2 (the newest, unscored candidate
                 is ignored, so rounds submit at least two); ``confidence`` counts its draft probability instead.
                 h* and the variant are chosen together.
+            ablated: Also decode every h with the head ablated — the same threshold on the draft's own path
+                probability 1 − Π q(y_j) (:class:`~accept_head.chain.baselines.PathConfidenceStop`), no head call —
+                and add that rule at its best h to the closing comparison: whether the head pays over what the draft
+                already knows. It chooses nothing for the bundle.
             select: Pick h* (and the best K) by ``modeled`` latency (cost model, eq. 2.3) or ``measured`` tokens/s.
             autoregressive: Decode with the target alone too (the reference of the speed-ups; False saves its time
                 when only the thresholds are compared, e.g. in ``python -m eval ablate``).
@@ -315,6 +321,7 @@ class ThresholdSweep(EndOfFitStage):
         self.prompts, self.max_new_tokens, self.eval_prompts = prompts, max_new_tokens, eval_prompts
         self.min_candidates, self.max_candidates = min_candidates, max_candidates
         self.unscored = list(unscored) or [None]
+        self.ablated = ablated
         self.select, self.autoregressive, self.seed, self.progress = select, autoregressive, seed, progress
         self.greedy = greedy
 
@@ -336,8 +343,14 @@ class ThresholdSweep(EndOfFitStage):
         calibration: Calibration | None = None,
         **grid: Any,
     ):
-        """:func:`run_sweep` of ``prompts``; ``grid`` overrides the stage's thresholds, fixed_k and unscored."""
-        grid = {"thresholds": self.thresholds, "fixed_k": self.fixed_k, "unscored": self.unscored} | grid
+        """:func:`run_sweep` of ``prompts``; ``grid`` overrides the stage's grids (thresholds, fixed_k, unscored,
+        ablated)."""
+        grid = {
+            "thresholds": self.thresholds,
+            "fixed_k": self.fixed_k,
+            "unscored": self.unscored,
+            "ablated": self.thresholds if self.ablated else [],
+        } | grid
         target = dm.target()
         _check_same_device(target, pl_module.draft)
         return run_sweep(
@@ -383,6 +396,7 @@ class ThresholdSweep(EndOfFitStage):
             self._greedy_h_star(dm, pl_module, report, prompts, by)
 
         best_k = result.best("fixed_k", by) if result.family("fixed_k") else None
+        ablated = result.best("ablated", by) if result.family("ablated") else None
         held = self.held_out(dm)
         if self.eval_prompts and not held:
             print(f"sweep: no validation prompts left after the sweep's {len(prompts)} for sweep.eval_prompts")
@@ -396,6 +410,7 @@ class ThresholdSweep(EndOfFitStage):
                 thresholds=[report.threshold],
                 unscored=[report.unscored],
                 fixed_k=[int(best_k.param)] if best_k is not None else [],
+                ablated=[ablated.param] if ablated is not None else [],
             )
             report.closing = closing.rows
             report.closing_prompts = (
@@ -403,7 +418,7 @@ class ThresholdSweep(EndOfFitStage):
                 f"up to {self.max_new_tokens} new tokens"
             )
         else:
-            report.closing = [row for row in (baseline, best_k, best) if row is not None]
+            report.closing = [row for row in (baseline, best_k, best, ablated) if row is not None]
             report.closing_prompts = (
                 f"the {len(prompts)} validation prompts of the sweep (held out from training; h* and K were chosen "
                 f"on them), up to {self.max_new_tokens} new tokens"
@@ -441,9 +456,11 @@ class ThresholdSweep(EndOfFitStage):
 
     @staticmethod
     def _log_closing(trainer: Trainer, report: FitReport) -> None:
-        """Scalars for dashboards and W&B sweeps: ``specdecpp/*`` (at h*), ``fixed_k/*`` and ``autoregressive/*``."""
+        """Scalars for dashboards and W&B sweeps: ``specdecpp/*`` (at h*), ``fixed_k/*``, ``autoregressive/*`` and
+        ``head_ablated/*`` (the rule on the draft's own q, when swept)."""
         metrics: dict[str, float] = {"specdecpp/threshold": float(report.threshold)}
         names = {"threshold": "specdecpp", "fixed_k": "fixed_k", "autoregressive": "autoregressive"}
+        names["ablated"] = "head_ablated"
         base = next((r.result for r in report.closing if r.family == "autoregressive"), None)
         for row in report.closing:
             prefix, r = names[row.family], row.result
@@ -454,6 +471,8 @@ class ThresholdSweep(EndOfFitStage):
                 metrics[f"{prefix}/modeled_tokens_per_second"] = r.modeled_tokens_per_second
             if row.family == "fixed_k":
                 metrics["fixed_k/k"] = float(row.param)
+            if row.family == "ablated":
+                metrics["head_ablated/threshold"] = float(row.param)
             if base is not None and base.tokens_per_second > 0 and row.family != "autoregressive":
                 metrics[f"{prefix}/speedup"] = r.tokens_per_second / base.tokens_per_second
                 if r.modeled_tokens_per_second and base.modeled_tokens_per_second:
@@ -471,7 +490,8 @@ def _print_sweep(result, best, prompts: int, by: str, prefix: str = ""):
 
 
 def closing_table(report: FitReport) -> str:
-    """The closing comparison (autoregressive, best fixed K, SpecDec++ at h*) as a terminal table; '' if none."""
+    """The closing comparison (autoregressive, best fixed K, SpecDec++ at h*, the head ablated) as a terminal table;
+    '' if none."""
     if not report.closing:
         return ""
     baseline = next((r for r in report.closing if r.family == "autoregressive"), None)

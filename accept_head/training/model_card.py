@@ -252,7 +252,14 @@ def _closing(report: FitReport) -> str:
     if not report.closing:
         return ""
     base = next((r for r in report.closing if r.family == "autoregressive"), None)
-    return section("SpecDec++ vs. baselines", f"On {report.closing_prompts}.", sweep_table(report.closing, base))
+    parts = [f"On {report.closing_prompts}.", sweep_table(report.closing, base)]
+    if any(row.family == "ablated" for row in report.closing):
+        parts.append(
+            "*head ablated*: the same stopping rule on the draft's own path probability 1 − Π q(y_j) instead of the "
+            "head's, at its best h on the sweep's prompts, and no head call: what the head adds over what the draft "
+            "already knows."
+        )
+    return section("SpecDec++ vs. baselines", *parts)
 
 
 def _fmt(value: Any) -> str:
