@@ -58,7 +58,8 @@ def test_ablate_trains_one_head_per_variant_and_scores_them_alike(ablation) -> N
     payload = json.loads((root / "out" / "ablate.json").read_text())
     results = {r["name"]: r for r in payload["results"]}
     assert list(results) == [v["name"] for v in VARIANTS]
-    assert payload["cost_model"] == {"t_draft": 0.002, "t_target_a": 0.02, "t_target_b": 0.001, "t_draft_next": None}
+    fixed = {"t_draft": 0.002, "t_target_a": 0.02, "t_target_b": 0.001}
+    assert payload["cost_model"] == fixed | {"t_draft_next": None, "t_head": None, "t_head_next": None}
     # Only the reference run decodes the baselines; every run sweeps its own head over the same h grid.
     families = {name: {row["family"] for row in r["rows"]} for name, r in results.items()}
     assert families["recipe"] == {"autoregressive", "fixed_k", "threshold", "ablated"}  # ablated: the head removed

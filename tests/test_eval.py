@@ -296,6 +296,30 @@ def test_oracle_method_decodes_greedily_and_counts_what_decoding_with_the_oracle
     assert result.stats.total_time > 0 and result.stats.target_time > 0
 
 
+def test_rules_that_never_call_the_head_are_priced_without_its_measured_share() -> None:
+    from accept_head.engine.runner import MethodSpec, summarize
+
+    cost = CostModel(
+        t_draft=0.010, t_target_a=0.100, t_target_b=0.002, t_draft_next=0.004, t_head=0.003, t_head_next=0.001
+    )
+    headless = cost.without_head()
+    assert (headless.t_draft, headless.t_draft_next) == pytest.approx((0.007, 0.003))
+    assert headless.t_target(2) == cost.t_target(2) and headless.without_head() == headless
+    # Rounds of 3, 1 and 2 candidates (three first steps, three later ones): a rule without the head saves its calls.
+    stats = DecodeStats(generated=9, target_calls=3, draft_calls=6, proposed=[3, 1, 2])
+    verify = 0.106 + 0.102 + 0.104
+    specs = [MethodSpec(kind, params) for kind, params in [("specdecpp", {"threshold": 0.5}), ("fixed_k", {"k": 3})]]
+    runs = {spec.name: [[stats]] for spec in specs}
+    head, fixed = (m.pooled.modeled_tokens_per_second for m in summarize(specs, runs, cost))
+    assert head == pytest.approx(9 / (3 * 0.010 + 3 * 0.004 + verify))
+    assert fixed == pytest.approx(9 / (3 * 0.007 + 3 * 0.003 + verify))
+    # A cost model that never split the head off (older bundles) prices every rule with it, as before.
+    old = CostModel(t_draft=0.010, t_target_a=0.100, t_target_b=0.002, t_draft_next=0.004)
+    assert old.without_head() is old and CostModel.from_dict(cost.to_dict()) == cost
+    with pytest.raises(ValueError, match="t_head=0.02 must lie in"):
+        CostModel(t_draft=0.01, t_target_a=0.1, t_head=0.02)
+
+
 def test_costs_command_writes_json_and_plot(tiny, tmp_path) -> None:
     out = tmp_path / "costs"
     payload = main(
@@ -717,6 +741,9 @@ def test_the_cost_model_prices_a_scalar_head_as_decoding_calls_it(monkeypatch) -
     assert costs.measured["head_next"]["n"] == 2 and len(seen) == 6  # after a round's first step and after a later one
     step = costs.measured["draft_next"]["median"] + costs.measured["head_next"]["median"]
     assert costs.t_draft_next == pytest.approx(step) and costs.t_step == costs.t_draft_next
+    # The head's share is kept apart, for the rules that never call it.
+    assert costs.t_head == costs.measured["head"]["median"]
+    assert costs.t_head_next == costs.measured["head_next"]["median"]
     logq, entropy, depth = seen[0]  # the head's canonical order, whatever order it was configured in
     assert head.scalar_inputs == ("logq", "entropy", "depth") and depth == 1.0
     assert math.isfinite(logq) and logq <= 0 and entropy >= 0

@@ -5,13 +5,17 @@ Total time T = t_draft · N_draft + Σ_rounds t_target(K_r), where a step after 
 token: latency = t_draft + t_draft · N_discarded/N + (t_target − t_draft) · N_target/N. Where verifying K
 candidates costs more than one token (CPU fp32, large batches) t_target grows with K: t_target(K) = a + b·K.
 The tree decoders price a call by the tokens it is fed, through a measured curve (:class:`TreeCost`).
+
+A draft step's time includes the acceptance head's call; where the head's share was measured (``t_head``,
+``t_head_next``) a rule that never calls the head (FixedK, the training-free rules) is priced without it
+(:meth:`CostModel.without_head`).
 """
 
 from __future__ import annotations
 
 import bisect
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import numpy as np
 
@@ -35,6 +39,11 @@ class CostModel:
     """Seconds of a one-token target pass (an autoregressive step, or a round that verifies no candidate), when
     measured; None: the line's intercept. The line is fitted over K ≥ 1 and need not pass through it: on a CPU a
     one-row matrix product runs a matrix-vector kernel, and two rows can cost twice as much."""
+    t_head: float | None = None
+    """Seconds of t_draft spent in the acceptance head (its inputs included), when measured; None: unknown, and every
+    rule pays the whole t_draft (cost models measured before 2026-11-29 did not split it)."""
+    t_head_next: float | None = None
+    """The head's share of t_draft_next, when measured (None: t_head)."""
 
     def __post_init__(self) -> None:
         if self.t_draft < 0 or self.t_target_a <= 0:
@@ -45,6 +54,12 @@ class CostModel:
             raise ValueError(f"t_draft_next={self.t_draft_next} must be >= 0 seconds (or None: t_draft).")
         if self.t_single is not None and not self.t_single > 0:
             raise ValueError(f"t_single={self.t_single} must be > 0 seconds (or None: the line's intercept).")
+        for name, share, whole in (
+            ("t_head", self.t_head, self.t_draft),
+            ("t_head_next", self.t_head_next, self.t_step),
+        ):
+            if share is not None and not 0 <= share <= whole:
+                raise ValueError(f"{name}={share} must lie in [0, {whole}] seconds: it is the head's share of a step.")
 
     def t_target(self, k: int | float) -> float:
         """Seconds of a target call verifying ``k`` candidates (k + 1 tokens); k = 0 is a one-token pass."""
@@ -56,6 +71,20 @@ class CostModel:
     def t_step(self) -> float:
         """Seconds of a draft step after the first of a round (t_draft_next, else t_draft)."""
         return self.t_draft if self.t_draft_next is None else self.t_draft_next
+
+    def without_head(self) -> CostModel:
+        """The same model for a rule that never calls the acceptance head: each step less the head's measured share
+        (this model unchanged when the share was not measured)."""
+        if self.t_head is None:
+            return self
+        head_next = self.t_head if self.t_head_next is None else self.t_head_next
+        return replace(
+            self,
+            t_draft=self.t_draft - self.t_head,
+            t_draft_next=None if self.t_draft_next is None else self.t_draft_next - head_next,
+            t_head=0.0,
+            t_head_next=0.0,
+        )
 
     def drafting(self, steps: int | float, rounds: int | float = 1) -> float:
         """Seconds of ``steps`` draft steps spread over ``rounds`` rounds: each round's first step at t_draft (after

@@ -112,6 +112,8 @@ def measure_costs(
         r2=r2,
         measured=measured,
         t_single=median["single"],
+        t_head=median["head"] if head is not None else None,  # priced apart: rules that never call it skip it
+        t_head_next=median["head_next"] if head is not None else None,
     )
 
 

@@ -88,6 +88,11 @@ CHAIN_RUNTIME_KINDS = (
 """Methods whose target can run over a preallocated, optionally compiled cache (``target_runtime``, :data:`RUNTIMES
 <accept_head.models.static_target.RUNTIMES>`): the target alone and the chain rules."""
 
+HEAD_KINDS = ("specdecpp", "head_tree", "c2t_tree")
+"""Methods that call a trained acceptance model while drafting (the head, or C2T's classifier): the cost model prices
+their draft steps whole; every other method's without the head's measured share (:meth:`~accept_head.core.costs.
+CostModel.without_head`)."""
+
 TREE_DECODERS = {"ngrammys": ngrammys_generate, "lookahead": lookahead_generate, "ouroboros": ouroboros_generate}
 """The learning-free decoders that verify many guesses in one target call (:mod:`accept_head.trees.verify`): kind →
 decoding function. Their statistics are :class:`~accept_head.trees.verify.TreeDecodeStats`."""
@@ -764,13 +769,17 @@ def _tree_means(stats: Sequence[DecodeStats]) -> dict[str, float] | None:
 def summarize(
     specs: Sequence[MethodSpec], runs: dict[str, list[list[DecodeStats]]], cost_model: CostModel | TreeCost | None
 ) -> list[MethodSummary]:
-    """Aggregate each method's runs (per repeat and pooled) under ``cost_model`` (see :func:`aggregate`)."""
+    """Aggregate each method's runs (per repeat and pooled) under ``cost_model`` (see :func:`aggregate`), a method
+    that calls no acceptance head (not in :data:`HEAD_KINDS`) priced without the head's measured share."""
     out = []
     for spec in specs:
+        priced = cost_model
+        if isinstance(cost_model, CostModel) and spec.kind not in HEAD_KINDS:
+            priced = cost_model.without_head()
         repeats = runs[spec.name]
-        per_repeat = [aggregate(spec.name, stats, cost_model) for stats in repeats]
+        per_repeat = [aggregate(spec.name, stats, priced) for stats in repeats]
         every = [s for stats in repeats for s in stats]
-        out.append(MethodSummary(spec, aggregate(spec.name, every, cost_model), per_repeat, _tree_means(every)))
+        out.append(MethodSummary(spec, aggregate(spec.name, every, priced), per_repeat, _tree_means(every)))
     return out
 
 

@@ -73,6 +73,8 @@ def _fit_args(
             "t_target_a": cost_model["t_target_a"],
             "t_target_b": cost_model.get("t_target_b", 0.0),
             "t_draft_next": cost_model.get("t_draft_next"),
+            "t_head": cost_model.get("t_head"),
+            "t_head_next": cost_model.get("t_head_next"),
         },
         "sweep": {
             "enabled": True,
@@ -267,7 +269,7 @@ def _cost_model(bundle: str | None, cost_model: str | None) -> tuple[dict, str]:
         model, source = CostModel.from_dict(stored), f"{bundle} (config.json)"
     else:
         raise ValueError("ablate needs a fixed cost model: give --bundle or --cost_model (a costs.json).")
-    keys = ("t_draft", "t_target_a", "t_target_b", "t_draft_next")
+    keys = ("t_draft", "t_target_a", "t_target_b", "t_draft_next", "t_head", "t_head_next")
     return {key: getattr(model, key) for key in keys}, source
 
 

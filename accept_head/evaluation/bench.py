@@ -719,7 +719,7 @@ def fixed_k_ceiling(pair: Pair, temperature: float, k: int, cost: CostModel) -> 
         "source": f"{path} ({column})",
         "alphas": alphas,
         "k": k,
-        "expected_speedup": expected_fixed_k_speedup(alphas, k, cost),
+        "expected_speedup": expected_fixed_k_speedup(alphas, k, cost.without_head()),  # FixedK calls no head
     }
 
 

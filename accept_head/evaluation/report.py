@@ -22,6 +22,7 @@ from ..core.records import machine_info, write_json
 from ..core.tables import text_table
 from ..engine.pair_loading import Pair, PairOptions
 from ..engine.runner import (
+    CHAIN_RUNTIME_KINDS,
     DRAFT_TREES,
     TREE_DECODERS,
     MethodSpec,
@@ -173,13 +174,7 @@ def _modeled_headroom(s: MethodSummary, fixed: MethodSummary, oracle: MethodSumm
 
 
 _ORDER = (
-    "autoregressive",
-    "fixed_k",
-    "specdecpp",
-    "heuristic",
-    "confidence",
-    "entropy",
-    "path_confidence",
+    *CHAIN_RUNTIME_KINDS,  # the target alone, then the chain rules
     "hf_assisted",
     *TREE_DECODERS,
     *DRAFT_TREES,

@@ -9,7 +9,7 @@ from collections.abc import Sequence
 
 from ..core.costs import DecodeCostFit, fit_decode_costs
 from ..core.tables import markdown_table
-from ..engine.runner import DRAFT_TREES, TREE_DECODERS
+from ..engine.runner import CHAIN_RUNTIME_KINDS, DRAFT_TREES, TREE_DECODERS
 from .calibration import CALIBRATION_HEADER, calibration_rows, position_rows
 from .common import fmt, ratio
 from .sweep import temperature_key
@@ -526,7 +526,7 @@ def _near_ties(payload: dict) -> list[str]:
 
 # Families whose decoding loop is this package's (HF assisted generation has its own overheads; the oracle's counts
 # are Lemma 2.1's, not its decoding's).
-_OWN_LOOP = ("autoregressive", "fixed_k", "specdecpp", "heuristic", "confidence", "entropy", "path_confidence")
+_OWN_LOOP = CHAIN_RUNTIME_KINDS
 
 
 def decode_cost_check(payload: dict) -> DecodeCostFit | None:

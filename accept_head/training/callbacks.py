@@ -191,6 +191,8 @@ class MeasureCosts(EndOfFitStage):
         t_target_a: float | None = None,
         t_target_b: float = 0.0,
         t_draft_next: float | None = None,
+        t_head: float | None = None,
+        t_head_next: float | None = None,
         ks: list[int] = list(range(1, 21)),
         context: int = 128,
         repeats: int = 15,
@@ -206,6 +208,8 @@ class MeasureCosts(EndOfFitStage):
             t_target_b: Seconds per verified candidate (when ``measure`` is False).
             t_draft_next: Seconds per draft step after the first of a round (when ``measure`` is False; None:
                 ``t_draft``).
+            t_head, t_head_next: The head's share of ``t_draft`` / ``t_draft_next`` (when ``measure`` is False; None:
+                not known, and the rules that never call the head are priced with it too).
             ks: Candidate counts K to time the target at.
             context: Tokens in the KV cache during the timings.
             repeats: Timed calls per measurement (the median is kept).
@@ -221,7 +225,7 @@ class MeasureCosts(EndOfFitStage):
             raise ValueError(f"cost_model.ks={ks} must be a non-empty list of K >= 1.")
         self.enabled, self.measure = enabled, measure
         self.t_draft, self.t_target_a, self.t_target_b = t_draft, t_target_a, t_target_b
-        self.t_draft_next = t_draft_next
+        self.t_draft_next, self.t_head, self.t_head_next = t_draft_next, t_head, t_head_next
         self.ks, self.context, self.repeats, self.warmup, self.seed = list(ks), context, repeats, warmup, seed
 
     def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport, folder: Path) -> None:
@@ -239,6 +243,8 @@ class MeasureCosts(EndOfFitStage):
                 t_target_a=self.t_target_a,
                 t_target_b=self.t_target_b,
                 t_draft_next=self.t_draft_next,
+                t_head=self.t_head,
+                t_head_next=self.t_head_next,
             )
             report.cost_model_source = "config"
         report.cost_model = cost
@@ -246,9 +252,10 @@ class MeasureCosts(EndOfFitStage):
         metrics = {f"cost/{name}_ms": 1e3 * getattr(cost, name) for name in names}
         _log(trainer, metrics | ({"cost/r2": cost.r2} if cost.r2 is not None else {}))
         r2 = f", R² {cost.r2:.3f}" if cost.r2 is not None else ""
+        head = f", the head {1e3 * cost.t_head:.2f} ms of it" if cost.t_head is not None else ""
         print(
             f"cost model ({report.cost_model_source}): t_draft {1e3 * cost.t_draft:.2f} ms "
-            f"({1e3 * cost.t_step:.2f} after a round's first), "
+            f"({1e3 * cost.t_step:.2f} after a round's first{head}), "
             f"t_target(K) = {1e3 * cost.t_target_a:.2f} + {1e3 * cost.t_target_b:.3f}·K ms{r2}",
             flush=True,
         )

@@ -218,10 +218,15 @@ def _cost_model(report: FitReport) -> str:
     if cost is None:
         return section("Cost model", "No cost model; h\\* was chosen by measured tokens/s.")
     r2 = f", R² {cost.r2:.3f}" if cost.r2 is not None else ""
+    head = (
+        f"; the head {1e3 * cost.t_head:.2f} ms of it, which the rules that never call it do not pay"
+        if cost.t_head is not None
+        else ""
+    )
     return section(
         "Cost model",
-        f"t_draft = {1e3 * cost.t_draft:.2f} ms (draft step + head; {1e3 * cost.t_step:.2f} ms after a round's first), "
-        f"t_target(K) = {1e3 * cost.t_target_a:.2f} + "
+        f"t_draft = {1e3 * cost.t_draft:.2f} ms (draft step + head; {1e3 * cost.t_step:.2f} ms after a round's first"
+        f"{head}), t_target(K) = {1e3 * cost.t_target_a:.2f} + "
         f"{1e3 * cost.t_target_b:.3f}·K ms{r2} — {report.cost_model_source}.",
     )
 
