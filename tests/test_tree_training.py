@@ -349,6 +349,11 @@ def test_runner_decodes_c2t_and_tree_head_trees_losslessly_and_refuses_them_with
         # Under that cost no second depth pays: every round drafts one depth (one root forward each).
         assert result.stats.draft_calls == result.stats.target_calls
     assert runner.tree_rule(specs[1]).head is models.head(True)
+    # The cost tree calls no head: where the head's share was measured it plans without it; the head's tree pays it.
+    headed = CostModel(t_draft=0.5, t_target_a=0.039, t_target_b=0.002, t_head=0.1)
+    runner = Runner(pair, max_new_tokens=12, temperature=0.0, tree_models=models, tree_cost=headed)
+    assert runner.tree_rule(specs[2]).cost.t_draft == pytest.approx(0.4)
+    assert runner.tree_rule(MethodSpec("head_tree", dict(TREE))).cost is headed
     with pytest.raises(ValueError, match="head='draft' must be 'chain'"):
         runner.tree_rule(MethodSpec("head_tree", {"head": "draft"}))
 

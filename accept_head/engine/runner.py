@@ -521,8 +521,9 @@ class Runner:
                 return HeadTree(self.head.head, self._tree_cost(), calibration=calibration, **settings)
             if spec.kind == "c2t_tree":
                 return C2TTree(self.tree_models.classifier(greedy), self._tree_cost(), **params)
-            if spec.kind == "cost_tree":
-                return CostTree(self._tree_cost(), **params)
+            if spec.kind == "cost_tree":  # it calls no head: it plans with the steps it pays for
+                cost = self._tree_cost()
+                return CostTree(cost.without_head() if cost is not None else None, **params)
             if spec.kind == "confidence_tree":
                 return ConfidenceTree(**params)
             if spec.kind == "static_tree":
