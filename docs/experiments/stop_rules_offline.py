@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from accept_head.chain.baselines import entropy_lower_bound
+from accept_head.chain.baselines import ConfidenceThreshold, EntropyStop, PathConfidenceStop
 from accept_head.chain.decoding import autoregressive_generate, speculative_generate
 from accept_head.chain.policies import HeadThreshold, RoundState
 from accept_head.core.costs import CostModel
@@ -88,17 +88,22 @@ def specdec_raw(h: float):
     return lambda n, r: 1.0 - math.prod(r["raw_score"][: n - 1]) * r["q"][n - 1] > h
 
 
+def by_policy(policy):
+    """A training-free stop policy of the library asked about a recorded round after its candidate n."""
+    return lambda n, r: policy.should_stop(RoundState(n=n, token_probs=r["q"][:n], entropies=r["entropy"][:n]))
+
+
 def path_confidence(h: float):
-    """The same product of the draft's own probabilities alone (EAGLE-2's path confidence)."""
-    return lambda n, r: 1.0 - math.prod(r["q"][:n]) > h
+    """The same product of the draft's own probabilities alone (EAGLE-2's path confidence: the head ablated)."""
+    return by_policy(PathConfidenceStop(h, max_candidates=K_MAX))
 
 
 def entropy_stop(lam: float, gamma: float = 0.2):
-    return lambda n, r: entropy_lower_bound(r["entropy"][n - 1], gamma) < lam
+    return by_policy(EntropyStop(lam, gamma, max_candidates=K_MAX))
 
 
 def confidence(tau: float):
-    return lambda n, r: r["q"][n - 1] < tau
+    return by_policy(ConfidenceThreshold(tau, max_candidates=K_MAX))
 
 
 def specdec_or_entropy(h: float, lam: float):
