@@ -431,3 +431,47 @@ def test_a_drafter_support_draws_what_the_whole_vocabulary_draws(settings) -> No
     torch.testing.assert_close(qa, qb, rtol=1e-6, atol=1e-7)
     for name in ("token_probs", "entropies", "draft_logps", "top1s"):
         torch.testing.assert_close(torch.tensor(getattr(a, name)), torch.tensor(getattr(b, name)), rtol=1e-5, atol=1e-5)
+
+
+class _Counting(_Scripted):
+    """Counts the draft forwards asked of it."""
+
+    def __init__(self, steps: list[DraftStep]) -> None:
+        super().__init__(steps)
+        self.calls = 0
+
+    def propose(self, token):
+        self.calls += 1
+        return super().propose(token)
+
+
+def test_a_head_of_the_drafts_numbers_scores_each_candidate_as_it_is_drawn() -> None:
+    """A head that reads no hidden state scores y_n as soon as y_n is drawn, from the numbers the round recorded:
+    every stop decision reads every drafted candidate's score, so a round can end after its first candidate on the
+    head's word alone, without the draft forward a hidden-state head would wait for."""
+    from accept_head.chain.decoding import DecodeStats, draft_round
+    from accept_head.core.sampling import SamplingConfig
+
+    head = AcceptanceHead(8, 1, ["logq", "entropy", "depth"])
+    with torch.no_grad():
+        for param in head.parameters():
+            param.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(4))
+    rows = torch.randn(5, 30, generator=torch.Generator().manual_seed(2)) * 2
+    sampling = SamplingConfig(1.0)
+
+    def run(threshold: float):
+        policy = HeadThreshold(head, threshold, min_candidates=1)
+        assert policy.scores_at_draw and not policy.uses_hidden
+        policy.reset()
+        drafter = _Counting([DraftStep(row, None) for row in rows])  # no hidden state at all
+        state, _ = draft_round(drafter, policy, sampling, 5, 0, torch.Generator().manual_seed(9), DecodeStats())
+        return state, drafter.calls
+
+    state, calls = run(0.999999)
+    assert state.n == 5 and calls == 5 and len(state.accept_probs) == 5
+    for k, score in enumerate(state.accept_probs):
+        inputs = [state.draft_logps[k], state.entropies[k], float(k + 1)]
+        assert score == pytest.approx(head.accept_prob_one(None, inputs), abs=1e-12)
+    first = state.accept_probs[0]
+    state, calls = run(1.0 - first - 1e-6)  # y_1's own score already says stop
+    assert state.n == 1 and calls == 1 and state.accept_probs == [first]

@@ -279,6 +279,39 @@ def test_a_scalar_head_scores_one_candidate_in_floats_as_its_batch_path_does(res
     agrees()
 
 
+def test_a_scalar_heads_float_scorer_is_a_snapshot_a_policy_takes_per_generation() -> None:
+    """The scorer a decoder takes once per generation gives the head's probability, keeps the weights it was made
+    from (so no drafted token re-checks them), and ``HeadThreshold.reset`` takes a new one; a head that reads the
+    hidden state has none."""
+    from accept_head import HeadThreshold, RoundState
+
+    head = head_with_inputs(["logq", "entropy", "top1", "depth", "path_logq"], residual_on="logq")
+    with torch.no_grad():
+        for param in head.parameters():
+            param.normal_(0.0, 0.5)
+    row = scalar_rows(1)[0].tolist()
+    scorer = head.scalar_scorer()
+    with torch.no_grad():
+        assert scorer(row) == pytest.approx(float(head.accept_prob(None, torch.tensor([row]))[0]), abs=1e-6)
+    before = scorer(row)
+    with torch.no_grad():
+        head.out.bias += 1.0
+    assert scorer(row) == before  # a snapshot
+    after = head.accept_prob_one(None, row)
+    assert after != pytest.approx(before)
+    policy = HeadThreshold(head, 0.5)
+    state = RoundState(n=1, draft_logps=[row[0]], entropies=[row[1]], top1s=[row[2]])
+    state_row = [row[0], row[1], row[2], 1.0, row[0]]  # depth 1; the path of a first candidate is its log q
+    policy.reset()
+    assert policy.score(None, state) == pytest.approx(head.accept_prob_one(None, state_row), abs=1e-12)
+    with torch.no_grad():
+        head.out.bias -= 2.0
+    policy.reset()
+    assert policy.score(None, state) == pytest.approx(head.accept_prob_one(None, state_row), abs=1e-12)
+    with pytest.raises(ValueError, match="needs the hidden state"):
+        AcceptanceHead(8, 1, ["hidden", "logq"]).scalar_scorer()
+
+
 def test_the_residual_logit_is_finite_where_q_rounds_to_one() -> None:
     head = head_with_inputs(["hidden", "logq"], residual_on="logq")
     probs = head.accept_prob(torch.randn(2, 8), torch.tensor([[0.0], [-1e-9]]))

@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Sequence
+from operator import mul
 from pathlib import Path
 
 import torch
@@ -161,7 +162,7 @@ class AcceptanceHead(nn.Module):
         """
         weight = self.out.weight
         if not self.reads_hidden and weight.device.type == "cpu":  # a few dozen multiply-adds: plain floats
-            return _floats_head(self, [float(value) for value in scalars])
+            return _floats_head(self, scalars)
         raw = None if not self.scalar_inputs else torch.tensor(scalars, dtype=weight.dtype, device=weight.device)
         x = self._input(None if hidden is None else hidden.reshape(-1), raw)
         for block in self.blocks:
@@ -170,6 +171,11 @@ class AcceptanceHead(nn.Module):
         if self.residual_on is not None:
             logit = logit + self._residual(raw).to(logit.dtype)
         return float(torch.sigmoid(logit))
+
+    def scalar_scorer(self) -> ScalarHeadScorer:
+        """:meth:`accept_prob_one` of a head that reads scalars only, frozen as Python floats (a snapshot of the
+        weights now: take another after changing them). ValueError for a head that reads the hidden state."""
+        return ScalarHeadScorer(self)
 
     @property
     def config(self) -> dict:
@@ -229,29 +235,46 @@ class AcceptanceHead(nn.Module):
         return head
 
 
-def _floats_head(head: AcceptanceHead, scalars: list[float]) -> float:
-    """:meth:`AcceptanceHead.accept_prob_one` of a head that reads scalars only, in Python floats: at width S ≈ 5 the
-    whole head is ~100 multiply-adds, which tensor calls would spend ~0.1 ms of dispatch on per drafted token. The
-    weights are read out once and again whenever a parameter or buffer changes (training, ``load_state_dict``)."""
+class ScalarHeadScorer:
+    """A head that reads scalars only, read out as Python floats: at width S ≈ 5 the whole head is ~100
+    multiply-adds, which tensor calls would spend ~0.1 ms of dispatch on per drafted token. Calling it with the S raw
+    scalar inputs gives :meth:`AcceptanceHead.accept_prob_one`'s probability.
+
+    It is a snapshot: the weights as they were when it was made (:meth:`AcceptanceHead.scalar_scorer`). A decoder
+    takes one when a generation starts, so that no drafted token pays for checking the weights are unchanged."""
+
+    def __init__(self, head: AcceptanceHead) -> None:
+        if head.reads_hidden:
+            raise ValueError(f"a head reading {list(head.inputs)} needs the hidden state: it has no float scorer.")
+        with torch.no_grad():
+            self.mean = head.scalar_mean.tolist()
+            self.std = head.scalar_std.tolist()
+            self.blocks = [(block.linear.weight.tolist(), block.linear.bias.tolist()) for block in head.blocks]
+            self.out_weight = head.out.weight[0].tolist()
+            self.out_bias = float(head.out.bias[0])
+        self.residual = None if head.residual_on is None else head.scalar_inputs.index(head.residual_on)
+
+    def __call__(self, scalars: Sequence[float]) -> float:
+        x = [(float(value) - m) / s for value, m, s in zip(scalars, self.mean, self.std)]
+        for weight, bias in self.blocks:  # map(mul, ...) keeps the multiply-adds in C
+            x = [v + _silu(b + sum(map(mul, row, x))) for v, row, b in zip(x, weight, bias)]
+        logit = self.out_bias + sum(map(mul, self.out_weight, x))
+        if self.residual is not None:
+            logq = min(max(float(scalars[self.residual]), math.log(LOGQ_CLIP)), math.log1p(-LOGQ_CLIP))
+            logit += logq - math.log(-math.expm1(logq))
+        return _sigmoid(logit)
+
+
+def _floats_head(head: AcceptanceHead, scalars: Sequence[float]) -> float:
+    """:class:`ScalarHeadScorer`'s probability, its snapshot taken again whenever a parameter or buffer changes
+    (training, ``load_state_dict``)."""
     linears = [block.linear for block in head.blocks] + [head.out]
     tensors = [t for linear in linears for t in (linear.weight, linear.bias)] + [head.scalar_mean, head.scalar_std]
     key = tensors_key(tensors)
     cached = head.__dict__.get("_floats_cache")
     if cached is None or cached[0] != key:
-        blocks = [(block.linear.weight.tolist(), block.linear.bias.tolist()) for block in head.blocks]
-        numbers = (head.scalar_mean.tolist(), head.scalar_std.tolist(), blocks, head.out.weight[0].tolist())
-        cached = head.__dict__["_floats_cache"] = (key, numbers, head.out.bias.tolist()[0])
-    (mean, std, blocks, out_weight), out_bias = cached[1], cached[2]
-    x = [(value - m) / s for value, m, s in zip(scalars, mean, std)]
-    for weight, bias in blocks:
-        z = [b + sum(w * v for w, v in zip(row, x)) for row, b in zip(weight, bias)]
-        x = [v + _silu(zi) for v, zi in zip(x, z)]
-    logit = out_bias + sum(w * v for w, v in zip(out_weight, x))
-    if head.residual_on is not None:
-        logq = scalars[head.scalar_inputs.index(head.residual_on)]
-        logq = min(max(logq, math.log(LOGQ_CLIP)), math.log1p(-LOGQ_CLIP))
-        logit += logq - math.log(-math.expm1(logq))
-    return _sigmoid(logit)
+        cached = head.__dict__["_floats_cache"] = (key, ScalarHeadScorer(head))
+    return cached[1](scalars)
 
 
 def _silu(z: float) -> float:

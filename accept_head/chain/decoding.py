@@ -368,7 +368,8 @@ def draft_round(
     q_1..q_K (each (V,)) the candidates were sampled from.
 
     The policy is asked once before the first candidate (it may submit none) and then after each candidate y_n,
-    when the scores of y_1..y_{n-1} are known: the score of y_n arrives with the step that drafts y_{n+1}.
+    when the scores of y_1..y_{n-1} are known: the score of y_n arrives with the step that drafts y_{n+1} — or at
+    once, for a policy that ``scores_at_draw`` (a head of the draft's numbers alone).
     """
     # A one-hot q carries no confidence: greedy confidence/entropy rules read the draft's untempered softmax.
     untempered = sampling.greedy and (policy.uses_confidence or policy.uses_entropy)
@@ -396,6 +397,9 @@ def draft_round(
             state.draft_logps.append(logq)
             state.entropies.append(entropy)
             state.top1s.append(top1)
+            if policy.scores_at_draw:  # a head of the draft's numbers: y_n's score needs no further forward
+                with _timed(stats, "head_time", getattr(drafter, "device", None)):
+                    state.accept_probs.append(policy.score(None, state))
         elif policy.uses_entropy:
             state.entropies.append(float(-(confidence * confidence.clamp_min(1e-30).log()).sum()))
         if state.n >= limit or policy.should_stop(state):

@@ -5,10 +5,11 @@ decoder treats them alike and benchmarks compare like with like:
 
 * ``should_stop(state)`` is asked before each new candidate, with ``state.n`` candidates drafted so far (0 first);
   returning True submits the current candidates to the target.
-* ``score(hidden, state)`` (only for policies with ``uses_hidden``) turns the draft's final hidden state at the
-  position whose input is the latest candidate y_n (and, for heads that read them, y_n's scalar inputs from ``state``,
-  :func:`round_inputs`) into that candidate's predicted acceptance probability. It arrives one step late: after
-  feeding y_n to the draft, the same forward pass yields q_{n+1} and e_n.
+* ``score(hidden, state)`` (only for policies with ``uses_hidden`` or ``scores_at_draw``) turns the draft's final
+  hidden state at the position whose input is the latest candidate y_n (and, for heads that read them, y_n's scalar
+  inputs from ``state``, :func:`round_inputs`) into that candidate's predicted acceptance probability. From the hidden
+  state it arrives one step late: after feeding y_n to the draft, the same forward pass yields q_{n+1} and e_n. A
+  head that reads the scalars only scores y_n as it is drawn (``scores_at_draw``; ``hidden`` is None).
 * ``update(state, accepted)`` is called after verification with the round as it was drafted (``state.n`` candidates
   proposed, their ``token_probs``, ...) and how many of them the target accepted; adaptive schedules learn from it, so
   no policy needs to remember the round itself.
@@ -76,6 +77,9 @@ class StopPolicy:
     """Reads ``token_probs`` as a confidence (the decoder then takes it from the untempered softmax when greedy)."""
     uses_draft_stats: bool = False
     """Reads ``draft_logps``, ``entropies`` and ``top1s`` (the decoder records them only for policies that do)."""
+    scores_at_draw: bool = False
+    """Scores each candidate y_n as soon as it is drawn, from its scalar inputs alone (``score(None, state)``):
+    a head that reads no hidden state needs no further draft forward, so no candidate is left unscored."""
     requires_greedy: bool = False
     """Only valid for greedy decoding (the decoder raises otherwise)."""
 
@@ -140,10 +144,10 @@ class HeadThreshold(StopPolicy):
     one candidate when the draft is unsure.
 
     A head that reads scalar inputs besides the hidden state (:mod:`accept_head.acceptance.inputs`) gets those of the
-    candidate it scores from the round (:func:`round_inputs`): the decoder records them (``uses_draft_stats``).
+    candidate it scores from the round (:func:`round_inputs`): the decoder records them (``uses_draft_stats``). A
+    head that reads the scalars only needs nothing of the next draft forward: it scores each candidate as it is drawn
+    (``scores_at_draw``), every decision reads every candidate's score, and ``unscored`` changes nothing.
     """
-
-    uses_hidden = True
 
     def __init__(
         self,
@@ -165,6 +169,16 @@ class HeadThreshold(StopPolicy):
         self.unscored = unscored
         self.uses_confidence = unscored == "confidence"
         self.uses_draft_stats = bool(head.scalar_inputs)
+        self.uses_hidden = head.reads_hidden
+        self.scores_at_draw = not head.reads_hidden
+        self._scorer = None
+
+    def reset(self) -> None:
+        """A head that reads scalars only is read out as floats (:meth:`AcceptanceHead.scalar_scorer`) once per
+        generation: its weights cannot change while the decoder drafts, so no token pays for checking them."""
+        head = self.head
+        cpu = head.out.weight.device.type == "cpu"
+        self._scorer = head.scalar_scorer() if cpu and not head.reads_hidden else None
 
     def head_inputs(self, state: RoundState | None) -> list[float] | None:
         """The scalar inputs of ``state``'s latest candidate the head reads (None for the paper's head)."""
@@ -174,12 +188,16 @@ class HeadThreshold(StopPolicy):
             raise ValueError(f"The head reads {list(self.head.scalar_inputs)}: score(hidden, state) needs the round.")
         return round_inputs(state, self.head.scalar_inputs)
 
-    def score(self, hidden: torch.Tensor, state: RoundState | None = None) -> float:
+    def raw_score(self, hidden: torch.Tensor, state: RoundState | None = None) -> float:
+        """The head's probability for the latest candidate of ``state``, before calibration."""
+        if self._scorer is not None:  # since reset(): the head as floats
+            return self._scorer(self.head_inputs(state))
         with torch.inference_mode():
-            prob = self.head.accept_prob_one(hidden, self.head_inputs(state))
-        if self.calibration is not None:
-            prob = float(self.calibration(prob))
-        return prob
+            return self.head.accept_prob_one(hidden, self.head_inputs(state))
+
+    def score(self, hidden: torch.Tensor, state: RoundState | None = None) -> float:
+        prob = self.raw_score(hidden, state)
+        return float(self.calibration(prob)) if self.calibration is not None else prob
 
     def should_stop(self, state: RoundState) -> bool:
         if state.n < max(self.min_candidates, 1):

@@ -70,8 +70,10 @@ def measure_costs(
     def draft_step():  # one candidate (the drafter's cache grows by one position per call: negligible here)
         last["step"] = drafter.propose(token)
 
+    scorer = head.scalar_scorer() if head is not None and not head.reads_hidden else None
+
     def head_step():
-        _score(head, last["step"])
+        _score(head, last["step"], scorer)
 
     # A round's first step follows a target pass that evicted the draft's weights from the caches; the steps after it
     # in the same round follow another step (t_draft_next): time both, as decoding alternates them.
@@ -117,15 +119,17 @@ def measure_costs(
     )
 
 
-def _score(head: torch.nn.Module, step) -> None:
+def _score(head: torch.nn.Module, step, scorer=None) -> None:
     """The head's share of a drafting step, as decoding spends it (``chain.decoding.draft_round``): for a head that
-    reads the draft's numbers, its inputs from the drawn step's q (over the draft's support), then one score."""
+    reads the draft's numbers, its inputs from the drawn step's q (over the draft's support), then one score — by
+    ``scorer``, the head read out as floats, for a head that reads scalars only (as ``HeadThreshold`` scores)."""
     if getattr(head, "scalar_inputs", ()):
         logits = step.logits if step.support is None else step.support_logits
         q = logits.float().softmax(-1)
         logq, entropy, top1 = draft_step_stats(logits, q, int(q.argmax()), greedy=False)
         state = RoundState(n=1, draft_logps=[logq], entropies=[entropy], top1s=[top1])
-        head.accept_prob_one(step.hidden, round_inputs(state, head.scalar_inputs))
+        inputs = round_inputs(state, head.scalar_inputs)
+        scorer(inputs) if scorer is not None else head.accept_prob_one(step.hidden, inputs)
     else:
         head.accept_prob_one(step.hidden)
 

@@ -155,7 +155,8 @@ def run_sweep(
 
     Policies: the target alone (if ``autoregressive``), FixedK for each K in ``fixed_k`` and SpecDec++'s
     HeadThreshold for each h in ``thresholds`` and each ``unscored`` setting (with ``calibration`` applied to the
-    head's probabilities), then the same rule with the head ablated for each h in ``ablated`` (``ablated`` rows:
+    head's probabilities; the first setting only for a head that reads no hidden state, which leaves no candidate
+    unscored), then the same rule with the head ablated for each h in ``ablated`` (``ablated`` rows:
     :class:`~accept_head.chain.baselines.PathConfidenceStop` with the same candidate bounds). They run through
     :func:`~accept_head.engine.runner.run_interleaved` (prompt ``i`` seeded with ``seeded_generator(seed, 0, i)`` in
     every policy) and are priced by :func:`~accept_head.engine.runner.summarize`.
@@ -166,6 +167,8 @@ def run_sweep(
         raise ValueError("The sweep needs at least one prompt; raise --sweep.prompts or the validation split size.")
     rows = [SweepRow("autoregressive", None, None)] if autoregressive else []  # type: ignore[arg-type]
     rows += [SweepRow("fixed_k", k, None) for k in fixed_k]  # type: ignore[arg-type]
+    if not head.reads_hidden:  # it scores every candidate as drawn: ``unscored`` changes nothing, decode h once
+        unscored = list(unscored)[:1]
     rows += [SweepRow("threshold", h, None, u) for u in unscored for h in thresholds]  # type: ignore[arg-type]
     bounds = (min_candidates, max_candidates)
     rows += [SweepRow("ablated", h, None, candidates=bounds) for h in ablated]  # type: ignore[arg-type]

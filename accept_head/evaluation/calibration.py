@@ -164,8 +164,7 @@ class RecordingHeadThreshold(HeadThreshold):
         """The raw scores of the round being drafted (``RoundState.accept_probs`` holds the calibrated ones)."""
 
     def score(self, hidden: torch.Tensor, state: RoundState | None = None) -> float:
-        with torch.inference_mode():
-            raw = self.head.accept_prob_one(hidden, self.head_inputs(state))
+        raw = self.raw_score(hidden, state)
         self._raw.append(raw)
         return float(self.calibration(raw)) if self.calibration is not None else raw
 
