@@ -389,9 +389,10 @@ class ThresholdSweep(EndOfFitStage):
         best = result.best("threshold", by)
         report.sweep, report.threshold, report.unscored = result, float(best.param), best.variant
         report.min_candidates, report.max_candidates = self.min_candidates, self.max_candidates
+        decoded = list(dict.fromkeys(row.variant for row in result.family("threshold")))  # one: a scalars-only head
         report.threshold_selection = (
             f"lowest {by} latency per token over h in {self.thresholds}"
-            + (f" × unscored in {self.unscored}" if self.unscored != [None] else "")
+            + (f" × unscored in {decoded}" if decoded != [None] else "")
             + f" on {len(prompts)} held-out validation "
             f"prompts, up to {self.max_new_tokens} new tokens each"
         )
