@@ -356,3 +356,33 @@ def test_cosine_schedule_follows_the_steps_or_a_deadline_whichever_is_further() 
     assert got[5] == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))  # t = 50 s of 100
     assert got[10] == pytest.approx(0.0, abs=1e-12) and got[11] == pytest.approx(0.0, abs=1e-12)
     assert all(a >= b for a, b in zip(got[2:], got[3:]))
+
+
+@pytest.mark.parametrize("inputs", [["logq", "entropy", "depth"], ["hidden", "logq"]])
+def test_the_sweep_decodes_each_unscored_setting_only_for_a_head_that_scores_late(inputs) -> None:
+    """A head of the draft's numbers scores every candidate as it is drawn, so ``unscored`` changes nothing: the
+    sweep decodes its thresholds once. A head reading the hidden state leaves the newest candidate unscored: every
+    setting is decoded."""
+    from tiny_models import make_llama, perturbed_copy
+
+    from accept_head import AcceptanceHead
+    from accept_head.core.sampling import SamplingConfig
+    from accept_head.engine.sweep import run_sweep
+
+    target = make_llama(seed=0).eval()
+    head = AcceptanceHead(target.config.hidden_size, 1, inputs).eval()
+    result = run_sweep(
+        target,
+        perturbed_copy(target, seed=1).eval(),
+        head,
+        [[1, 5, 9, 4]],
+        thresholds=[0.5],
+        fixed_k=[1],
+        max_new_tokens=3,
+        sampling=SamplingConfig(1.0),
+        eos_token_id=None,
+        unscored=[None, "confidence"],
+        autoregressive=False,
+    )
+    variants = [row.variant for row in result.family("threshold")]
+    assert variants == ([None] if "hidden" not in inputs else [None, "confidence"])
