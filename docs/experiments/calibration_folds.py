@@ -38,8 +38,8 @@ def _predictions(bundle: Path, config: dict, greedy: bool) -> tuple[torch.Tensor
     dm = AcceptanceDataModule(**{key: data[key] for key in keys if key in data}, greedy_path=data.get("greedy_path"))
     dm.setup("fit")
     sweep = config.get("sweep", {})
-    sweep_prompts = sweep.get("prompts", 8)
-    closing = {pid for pid, _ in dm.val_prompts(sweep.get("eval_prompts", 0), offset=len(dm.val_prompts(sweep_prompts)))}
+    offset = len(dm.val_prompts(sweep.get("prompts", 8)))
+    closing = {pid for pid, _ in dm.val_prompts(sweep.get("eval_prompts", 0), offset=offset)}
     head = AcceptanceHead.from_pretrained(bundle, json.loads((bundle / "config.json").read_text())["head"])
     module = AcceptanceHeadModule(dm.draft, head.hidden_size, head.depth, 1.0, 1e-3, inputs=list(head.inputs))
     module.head = head.eval()
