@@ -475,3 +475,27 @@ def test_a_head_of_the_drafts_numbers_scores_each_candidate_as_it_is_drawn() -> 
     first = state.accept_probs[0]
     state, calls = run(1.0 - first - 1e-6)  # y_1's own score already says stop
     assert state.n == 1 and calls == 1 and state.accept_probs == [first]
+
+
+def test_a_head_that_reads_no_spread_costs_the_decoder_no_pass_over_the_vocabulary() -> None:
+    """A head on log q, depth and path log q (no entropy, no top-1) gets from the decoder the log q the full
+    computation gives, bit for bit, while the entropy and top-1 it never reads are not computed (NaN)."""
+    from accept_head.acceptance.inputs import draft_stats
+    from accept_head.chain.decoding import DecodeStats, draft_round
+    from accept_head.core.sampling import SamplingConfig, probabilities
+
+    head = AcceptanceHead(8, 1, ["logq", "depth", "path_logq"])
+    rows = torch.randn(4, 30, generator=torch.Generator().manual_seed(6)) * 2
+    for sampling in (SamplingConfig(1.0), SamplingConfig(0.0)):
+        policy = HeadThreshold(head, 0.999999, min_candidates=1)
+        assert policy.scores_at_draw and not policy.uses_spread
+        policy.reset()
+        drafter = _Counting([DraftStep(row, None) for row in rows])
+        state, _ = draft_round(drafter, policy, sampling, 4, 0, torch.Generator().manual_seed(1), DecodeStats())
+        assert state.n == 4 and all(math.isnan(x) for x in state.entropies + state.top1s)
+        logq, _, _ = draft_stats(rows, probabilities(rows, sampling), torch.tensor(state.candidates), sampling.greedy)
+        assert state.draft_logps == logq.tolist()
+        path = 0.0
+        for k, score in enumerate(state.accept_probs):
+            path += state.draft_logps[k]
+            assert score == pytest.approx(head.accept_prob_one(None, [state.draft_logps[k], k + 1.0, path]), abs=1e-12)

@@ -13,6 +13,8 @@ with scalar inputs), on tiny random models.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from tiny_models import make_llama, perturbed_copy
@@ -171,4 +173,7 @@ def test_the_chains_one_step_numbers_are_the_batched_ones(settings) -> None:
     for row in range(6):
         one = draft_step_stats(logits[row], q[row], int(tokens[row]), sampling.greedy)
         torch.testing.assert_close(torch.tensor(one), batched[row], rtol=1e-6, atol=1e-6)
+        # Without the spread (a head reading neither entropy nor top-1): log q alone, the same number bit for bit.
+        logq, entropy, top1 = draft_step_stats(logits[row], q[row], int(tokens[row]), sampling.greedy, spread=False)
+        assert logq == one[0] and math.isnan(entropy) and math.isnan(top1)
     assert not torch.allclose(batched[0], batched[1])  # rows differ: a mix-up of rows would be seen

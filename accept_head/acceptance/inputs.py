@@ -26,6 +26,7 @@ Token-level datasets (teacher-forced labels with token mixing) have no rounds, s
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 
 import torch
@@ -80,17 +81,29 @@ def draft_stats(
     return q.gather(-1, tokens).squeeze(-1).log(), torch.special.entr(q).sum(-1), q.max(-1).values
 
 
-def draft_step_stats(logits: torch.Tensor, q: torch.Tensor, token: int, greedy: bool) -> tuple[float, float, float]:
+def draft_step_stats(
+    logits: torch.Tensor, q: torch.Tensor, token: int, greedy: bool, spread: bool = True
+) -> tuple[float, float, float]:
     """:func:`draft_stats` of one draft step: its logits (V,), the transformed distribution q (V,) and the candidate
-    drawn from it → (log q(y), entropy, top-1 probability) as floats."""
+    drawn from it → (log q(y), entropy, top-1 probability) as floats. Without ``spread`` only log q(y) is computed
+    and the entropy and top-1 are NaN: a caller whose head reads neither skips their passes over the vocabulary."""
     # :func:`draft_stats` on one row, in fewer kernel calls (a step pays each call's dispatch): the same numbers.
     if greedy:
         log_q = logits.float().log_softmax(-1)
+        if not spread:
+            return float(log_q[token]), math.nan, math.nan
         numbers = torch.stack((log_q[token], torch.special.entr(log_q.exp()).sum(-1), log_q.max().exp()))
     else:
+        if not spread:
+            return float(q[token].log()), math.nan, math.nan
         numbers = torch.stack((q[token].log(), torch.special.entr(q).sum(-1), q.max()))
     logq, entropy, top1 = numbers.tolist()  # one read back to the host
     return logq, entropy, top1
+
+
+SPREAD_INPUTS = ("entropy", "top1")
+"""The inputs that read q's whole distribution (a pass over the draft's vocabulary per step): a head reading neither
+needs only log q(y) of the candidate."""
 
 
 def path_logq(logq: torch.Tensor, step: torch.Tensor) -> torch.Tensor:

@@ -393,7 +393,7 @@ def draft_round(
         state.token_probs.append(float(confidence[index]))
         if policy.uses_draft_stats:  # the head's scalar inputs, computed as the labels' draft_* columns are
             with _timed(stats, "head_time", getattr(drafter, "device", None)):
-                logq, entropy, top1 = draft_step_stats(logits, q, index, sampling.greedy)
+                logq, entropy, top1 = draft_step_stats(logits, q, index, sampling.greedy, policy.uses_spread)
             state.draft_logps.append(logq)
             state.entropies.append(entropy)
             state.top1s.append(top1)

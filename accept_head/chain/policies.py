@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..acceptance.head import AcceptanceHead
+from ..acceptance.inputs import SPREAD_INPUTS
 
 
 @dataclass
@@ -77,6 +78,9 @@ class StopPolicy:
     """Reads ``token_probs`` as a confidence (the decoder then takes it from the untempered softmax when greedy)."""
     uses_draft_stats: bool = False
     """Reads ``draft_logps``, ``entropies`` and ``top1s`` (the decoder records them only for policies that do)."""
+    uses_spread: bool = True
+    """With ``uses_draft_stats``: reads ``entropies`` or ``top1s`` too, numbers of q's whole distribution (a pass
+    over the draft's vocabulary per step); when False the decoder records them as NaN."""
     scores_at_draw: bool = False
     """Scores each candidate y_n as soon as it is drawn, from its scalar inputs alone (``score(None, state)``):
     a head that reads no hidden state needs no further draft forward, so no candidate is left unscored."""
@@ -169,6 +173,7 @@ class HeadThreshold(StopPolicy):
         self.unscored = unscored
         self.uses_confidence = unscored == "confidence"
         self.uses_draft_stats = bool(head.scalar_inputs)
+        self.uses_spread = any(name in SPREAD_INPUTS for name in head.scalar_inputs)
         self.uses_hidden = head.reads_hidden
         self.scores_at_draw = not head.reads_hidden
         self._scorer = None

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..acceptance.inputs import draft_step_stats
+from ..acceptance.inputs import SPREAD_INPUTS, draft_step_stats
 from ..chain.decoding import _crop, _forward, prefill
 from ..chain.policies import RoundState, round_inputs
 from ..core.costs import CostModel, TreeCost, fit_linear
@@ -126,7 +126,8 @@ def _score(head: torch.nn.Module, step, scorer=None) -> None:
     if getattr(head, "scalar_inputs", ()):
         logits = step.logits if step.support is None else step.support_logits
         q = logits.float().softmax(-1)
-        logq, entropy, top1 = draft_step_stats(logits, q, int(q.argmax()), greedy=False)
+        spread = any(name in SPREAD_INPUTS for name in head.scalar_inputs)
+        logq, entropy, top1 = draft_step_stats(logits, q, int(q.argmax()), greedy=False, spread=spread)
         state = RoundState(n=1, draft_logps=[logq], entropies=[entropy], top1s=[top1])
         inputs = round_inputs(state, head.scalar_inputs)
         scorer(inputs) if scorer is not None else head.accept_prob_one(step.hidden, inputs)
