@@ -726,7 +726,8 @@ def test_a_command_that_needs_a_bundle_names_the_flag_in_one_line(command: str, 
 
 def test_the_cost_model_prices_a_scalar_head_as_decoding_calls_it(monkeypatch) -> None:
     """measure_costs times the head of a bundle that reads the draft's numbers the way a drafting step pays for them:
-    one candidate's inputs computed from the step's q, in the head's own order, then one score."""
+    one candidate's inputs computed from the step's q, in the head's own order, then one score by the float scorer
+    a decoder takes per generation."""
     from accept_head import AcceptanceHead
     from accept_head.engine.measure import measure_costs
 
@@ -734,8 +735,13 @@ def test_the_cost_model_prices_a_scalar_head_as_decoding_calls_it(monkeypatch) -
     draft = perturbed_copy(target, relative_noise=0.2, seed=1)
     head = AcceptanceHead(target.config.hidden_size, 1, ["depth", "logq", "entropy"], residual_on="logq").eval()
     seen = []
-    score = head.accept_prob_one
-    monkeypatch.setattr(head, "accept_prob_one", lambda hidden, scalars: seen.append(scalars) or score(hidden, scalars))
+    make_scorer = head.scalar_scorer
+
+    def recording_scorer():
+        scorer = make_scorer()
+        return lambda scalars: seen.append(scalars) or scorer(scalars)
+
+    monkeypatch.setattr(head, "scalar_scorer", recording_scorer)
     costs = measure_costs(target, draft, head, ks=[1], context=8, repeats=2, warmup=1)
     assert costs.measured["head"]["n"] == 2 and costs.measured["head"]["median"] > 0
     assert costs.measured["head_next"]["n"] == 2 and len(seen) == 6  # after a round's first step and after a later one
