@@ -26,7 +26,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from ..core.tensor_keys import tensors_key
-from .inputs import HIDDEN, check_inputs
+from .inputs import HIDDEN, SPREAD_INPUTS, check_inputs
 
 RESIDUAL_ON = (None, "logq")
 """What the head's logit may be a correction of: nothing (the paper's head) or logit(q(y)) (``residual_on="logq"``)."""
@@ -161,7 +161,7 @@ class AcceptanceHead(nn.Module):
         drafted token and Python/kernel-launch overhead, not arithmetic, dominates at this size.
         """
         weight = self.out.weight
-        if not self.reads_hidden and weight.device.type == "cpu":  # a few dozen multiply-adds: plain floats
+        if self.scores_in_floats:  # a few dozen multiply-adds: plain floats
             return _floats_head(self, scalars)
         raw = None if not self.scalar_inputs else torch.tensor(scalars, dtype=weight.dtype, device=weight.device)
         x = self._input(None if hidden is None else hidden.reshape(-1), raw)
@@ -171,6 +171,18 @@ class AcceptanceHead(nn.Module):
         if self.residual_on is not None:
             logit = logit + self._residual(raw).to(logit.dtype)
         return float(torch.sigmoid(logit))
+
+    @property
+    def scores_in_floats(self) -> bool:
+        """Whether one candidate is scored in Python floats (:class:`ScalarHeadScorer`): a head on the CPU that reads
+        scalars only."""
+        return not self.reads_hidden and self.out.weight.device.type == "cpu"
+
+    @property
+    def reads_spread(self) -> bool:
+        """Whether the head reads an input of q's whole distribution (:data:`~accept_head.acceptance.inputs.
+        SPREAD_INPUTS`): a pass over the draft's vocabulary per drafted token."""
+        return any(name in SPREAD_INPUTS for name in self.scalar_inputs)
 
     def scalar_scorer(self) -> ScalarHeadScorer:
         """:meth:`accept_prob_one` of a head that reads scalars only, frozen as Python floats (a snapshot of the

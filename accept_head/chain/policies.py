@@ -25,7 +25,6 @@ from dataclasses import dataclass, field
 import torch
 
 from ..acceptance.head import AcceptanceHead
-from ..acceptance.inputs import SPREAD_INPUTS
 
 
 @dataclass
@@ -173,7 +172,7 @@ class HeadThreshold(StopPolicy):
         self.unscored = unscored
         self.uses_confidence = unscored == "confidence"
         self.uses_draft_stats = bool(head.scalar_inputs)
-        self.uses_spread = any(name in SPREAD_INPUTS for name in head.scalar_inputs)
+        self.uses_spread = head.reads_spread
         self.uses_hidden = head.reads_hidden
         self.scores_at_draw = not head.reads_hidden
         self._scorer = None
@@ -181,9 +180,7 @@ class HeadThreshold(StopPolicy):
     def reset(self) -> None:
         """A head that reads scalars only is read out as floats (:meth:`AcceptanceHead.scalar_scorer`) once per
         generation: its weights cannot change while the decoder drafts, so no token pays for checking them."""
-        head = self.head
-        cpu = head.out.weight.device.type == "cpu"
-        self._scorer = head.scalar_scorer() if cpu and not head.reads_hidden else None
+        self._scorer = self.head.scalar_scorer() if self.head.scores_in_floats else None
 
     def head_inputs(self, state: RoundState | None) -> list[float] | None:
         """The scalar inputs of ``state``'s latest candidate the head reads (None for the paper's head)."""

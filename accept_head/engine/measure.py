@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from ..acceptance.inputs import SPREAD_INPUTS, draft_step_stats
+from ..acceptance.inputs import draft_step_stats
 from ..chain.decoding import _crop, _forward, prefill
 from ..chain.policies import RoundState, round_inputs
 from ..core.costs import CostModel, TreeCost, fit_linear
@@ -70,7 +70,7 @@ def measure_costs(
     def draft_step():  # one candidate (the drafter's cache grows by one position per call: negligible here)
         last["step"] = drafter.propose(token)
 
-    scorer = head.scalar_scorer() if head is not None and not head.reads_hidden else None
+    scorer = head.scalar_scorer() if head is not None and head.scores_in_floats else None
 
     def head_step():
         _score(head, last["step"], scorer)
@@ -126,8 +126,7 @@ def _score(head: torch.nn.Module, step, scorer=None) -> None:
     if getattr(head, "scalar_inputs", ()):
         logits = step.logits if step.support is None else step.support_logits
         q = logits.float().softmax(-1)
-        spread = any(name in SPREAD_INPUTS for name in head.scalar_inputs)
-        logq, entropy, top1 = draft_step_stats(logits, q, int(q.argmax()), greedy=False, spread=spread)
+        logq, entropy, top1 = draft_step_stats(logits, q, int(q.argmax()), greedy=False, spread=head.reads_spread)
         state = RoundState(n=1, draft_logps=[logq], entropies=[entropy], top1s=[top1])
         inputs = round_inputs(state, head.scalar_inputs)
         scorer(inputs) if scorer is not None else head.accept_prob_one(step.hidden, inputs)
