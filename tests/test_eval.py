@@ -320,6 +320,47 @@ def test_rules_that_never_call_the_head_are_priced_without_its_measured_share() 
         CostModel(t_draft=0.01, t_target_a=0.1, t_head=0.02)
 
 
+def _prompt_runs(seconds: list[float], tokens: int = 10) -> list[DecodeStats]:
+    """One decode per prompt, ``tokens`` long, taking ``seconds[i]`` on prompt i (rounds of one accepted token)."""
+    return [
+        DecodeStats(generated=tokens, target_calls=tokens // 2, total_time=t, proposed=[1] * (tokens // 2))
+        for t in seconds
+    ]
+
+
+def test_ratio_intervals_resample_prompts_in_pairs() -> None:
+    from accept_head.engine.runner import MethodSpec, summarize
+    from accept_head.evaluation.common import paired_ratio_interval, ratios
+
+    cost = CostModel(t_draft=0.01, t_target_a=0.1)
+    base_seconds = [1.0, 2.0, 0.5, 1.5, 1.0, 3.0]
+    specs = [MethodSpec("fixed_k", {"k": 1}), MethodSpec("specdecpp", {"threshold": 0.5})]
+
+    def summaries(other: list[float], repeats: int = 1) -> tuple:
+        runs = {specs[0].name: [_prompt_runs(base_seconds)] * repeats, specs[1].name: [_prompt_runs(other)] * repeats}
+        return tuple(summarize(specs, runs, cost))
+
+    # 10% faster on every prompt, however hard: every resample reads 1.1x, so the interval is a point.
+    base, faster = summaries([t / 1.1 for t in base_seconds])
+    assert paired_ratio_interval(faster, base, modeled=False) == pytest.approx([1.1, 1.1])
+    # The same counts price the same under the cost model (a point at 1.0), and a method against itself is 1.0.
+    assert paired_ratio_interval(faster, base, modeled=True) == pytest.approx([1.0, 1.0])
+    assert ratios(base, None, base)["ratio_to_best_fixed_k_ci95"] == pytest.approx([1.0, 1.0])
+    assert ratios(base, None, base)["ratio_to_autoregressive_ci95"] is None
+    # Twice as fast on one prompt of six, the same elsewhere: the pooled ratio lies inside the interval, whose low end
+    # is 1.0 (a third of the resamples leave that prompt out).
+    _, lucky = summaries([base_seconds[0] / 2, *base_seconds[1:]])
+    low, high = paired_ratio_interval(lucky, base, modeled=False)
+    pooled = sum(base_seconds) / (sum(base_seconds) - base_seconds[0] / 2)
+    assert low == pytest.approx(1.0) and low < pooled < high < 2.0
+    # Pooled over repeats per prompt, in prompt order; one prompt gives no interval.
+    base, faster = summaries([t / 1.1 for t in base_seconds], repeats=3)
+    assert [r.generated for r in base.per_prompt] == [30] * 6
+    assert base.to_dict()["per_prompt_tokens_per_second"] == pytest.approx([10 / t for t in base_seconds])
+    one = summarize(specs[:1], {specs[0].name: [_prompt_runs([1.0])]}, cost)[0]
+    assert paired_ratio_interval(one, one, modeled=False) is None
+
+
 def test_costs_command_writes_json_and_plot(tiny, tmp_path) -> None:
     out = tmp_path / "costs"
     payload = main(
@@ -554,9 +595,11 @@ def test_bench_command_end_to_end(tiny, tmp_path, capsys) -> None:
         tps = method["tokens_per_second"]
         assert len(tps["per_repeat"]) == 2 and tps["min"] <= tps["median"] <= tps["max"]
         assert method["ratio_to_autoregressive"] > 0 and method["ratio_to_best_fixed_k"] > 0
+        low, high = method["ratio_to_best_fixed_k_ci95"]  # two test prompts: a paired prompt bootstrap
+        assert 0 < low <= high and len(method["per_prompt_tokens_per_second"]) == 2
     assert greedy["methods"][0]["ratio_to_autoregressive"] == pytest.approx(1.0)
     assert greedy["validation"]["confidence"]["source"].startswith("ROC on validation")
-    assert "vs best K" in capsys.readouterr().out
+    assert "vs best K" in (printed := capsys.readouterr().out) and "95% (prompts)" in printed
 
 
 @pytest.mark.slow

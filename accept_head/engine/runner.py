@@ -716,6 +716,8 @@ class MethodSummary:
     """Tree decoders only: ``mean_fed`` (tokens fed to the target per call: the root, every guessed row and, for
     Lookahead, the Jacobi window) and ``mean_rows`` (rows verified per call); Ouroboros adds ``mean_drafted``
     (sentence-draft tokens per round, before lengthening)."""
+    per_prompt: list[PolicyResult] = field(default_factory=list)
+    """Each test prompt's runs pooled over the repeats, in prompt order (what a prompt bootstrap resamples)."""
 
     @property
     def tokens_per_target_call(self) -> float:
@@ -753,6 +755,7 @@ class MethodSummary:
             "discarded": self.pooled.discarded,
             "rounds": self.pooled.rounds,
             "seconds": self.pooled.seconds,
+            "per_prompt_tokens_per_second": [r.tokens_per_second for r in self.per_prompt],
             **(self.tree or {}),
         }
 
@@ -780,7 +783,8 @@ def summarize(
         repeats = runs[spec.name]
         per_repeat = [aggregate(spec.name, stats, priced) for stats in repeats]
         every = [s for stats in repeats for s in stats]
-        out.append(MethodSummary(spec, aggregate(spec.name, every, priced), per_repeat, _tree_means(every)))
+        per_prompt = [aggregate(spec.name, list(runs_of_prompt), priced) for runs_of_prompt in zip(*repeats)]
+        out.append(MethodSummary(spec, aggregate(spec.name, every, priced), per_repeat, _tree_means(every), per_prompt))
     return out
 
 

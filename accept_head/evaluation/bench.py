@@ -40,7 +40,15 @@ from ..engine.runner import (
 )
 from ..models.pairs import ModelSpec
 from ..trees.labels import TreeModels
-from .common import fmt, output_folder, ratios, resolve_cost_model, tokens_per_second_cells, with_args_doc
+from .common import (
+    fmt,
+    interval_cell,
+    output_folder,
+    ratios,
+    resolve_cost_model,
+    tokens_per_second_cells,
+    with_args_doc,
+)
 from .plots import bench_plot
 from .sweep import run_sweep, temperature_key
 
@@ -156,6 +164,7 @@ def _method_rows(methods: Sequence[dict]) -> list[list[str]]:
             *tokens_per_second_cells(m),
             fmt(m["ratio_to_autoregressive"], 2, "x"),
             fmt(m["ratio_to_best_fixed_k"], 2, "x"),
+            interval_cell(m.get("ratio_to_best_fixed_k_ci95")),
             fmt(m["modeled_tokens_per_second"]),
             fmt(m.get("generated_per_repeat")),
             fmt(m["tokens_per_target_call"], 2),
@@ -173,6 +182,7 @@ BENCH_HEADER = [
     "min–max",
     "vs AR",
     "vs best K",
+    "95% (prompts)",
     "modeled",
     "tokens",
     "tok/call",

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+import torch
+
 from ..core.costs import CostModel
 from ..engine.measure import measure_costs
 from ..engine.pair_loading import Pair, PairOptions, load_pair
@@ -88,16 +90,51 @@ def ratio(a: float | None, b: float | None) -> float | None:
     return a / b if a is not None and b else None
 
 
+BOOTSTRAP_RESAMPLES = 2000
+"""Prompt resamples behind each ratio's 95% interval (:func:`paired_ratio_interval`)."""
+
+
 def ratios(summary: MethodSummary, autoregressive: MethodSummary | None, fixed_k: MethodSummary | None) -> dict:
     """``ratio_to_autoregressive`` / ``ratio_to_best_fixed_k`` of ``summary``'s median measured tokens/s, and the
-    ``modeled_ratio_to_...`` of its modeled tokens/s (None where the baseline is missing)."""
+    ``modeled_ratio_to_...`` of its modeled tokens/s (None where the baseline is missing); each with a ``..._ci95``
+    from :func:`paired_ratio_interval` (None with fewer than two prompts)."""
     out = {}
     for name, base in (("autoregressive", autoregressive), ("best_fixed_k", fixed_k)):
         out[f"ratio_to_{name}"] = ratio(summary.median_tokens_per_second, base and base.median_tokens_per_second)
         out[f"modeled_ratio_to_{name}"] = ratio(
             summary.pooled.modeled_tokens_per_second, base and base.pooled.modeled_tokens_per_second
         )
+        out[f"ratio_to_{name}_ci95"] = base and paired_ratio_interval(summary, base, modeled=False)
+        out[f"modeled_ratio_to_{name}_ci95"] = base and paired_ratio_interval(summary, base, modeled=True)
     return out
+
+
+def paired_ratio_interval(
+    summary: MethodSummary, base: MethodSummary, modeled: bool, resamples: int = BOOTSTRAP_RESAMPLES, seed: int = 0
+) -> list[float] | None:
+    """95% interval of ``summary``'s tokens/s over ``base``'s from resampling the test prompts with replacement —
+    both methods on the same resample (a paired bootstrap: a hard prompt is hard for every method), each resample's
+    ratio pooled over its prompts (Σ tokens / Σ seconds, measured or ``modeled``). The spread between prompts, not
+    the timing noise within one, is what it measures. None with fewer than two prompts or a prompt without a price."""
+    a, b = summary.per_prompt, base.per_prompt
+    if len(a) < 2 or len(a) != len(b):
+        return None
+
+    def totals(rows: list) -> tuple[torch.Tensor, torch.Tensor] | None:
+        rates = [r.modeled_tokens_per_second if modeled else r.tokens_per_second for r in rows]
+        if any(not rate for rate in rates):
+            return None
+        tokens = torch.tensor([float(r.generated) for r in rows], dtype=torch.float64)
+        return tokens, tokens / torch.tensor(rates, dtype=torch.float64)
+
+    ta, tb = totals(a), totals(b)
+    if ta is None or tb is None:
+        return None
+    picks = torch.randint(len(a), (resamples, len(a)), generator=torch.Generator().manual_seed(seed))
+    rate_a = ta[0][picks].sum(1) / ta[1][picks].sum(1)
+    rate_b = tb[0][picks].sum(1) / tb[1][picks].sum(1)
+    low, high = torch.quantile(rate_a / rate_b, torch.tensor([0.025, 0.975], dtype=torch.float64)).tolist()
+    return [low, high]
 
 
 def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
@@ -105,6 +142,11 @@ def fmt(value: float | None, digits: int = 1, suffix: str = "") -> str:
     if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "–"
     return f"{value:.{digits}f}{suffix}"
+
+
+def interval_cell(interval: list[float] | None) -> str:
+    """A ratio's 95% interval for a table ("–" for none)."""
+    return "–" if interval is None else f"{interval[0]:.2f}–{interval[1]:.2f}"
 
 
 def tokens_per_second_cells(method: dict) -> list[str]:
