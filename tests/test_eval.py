@@ -571,6 +571,7 @@ def test_bench_command_end_to_end(tiny, tmp_path, capsys) -> None:
         "cost_model": "measure",
         "output_dir": str(out),
         "progress": False,
+        "hindsight_k": True,
     }
     main(["bench", "--config", write_config(tmp_path / "bench.yaml", config)])
     stored = json.loads((out / "bench.json").read_text())
@@ -578,10 +579,26 @@ def test_bench_command_end_to_end(tiny, tmp_path, capsys) -> None:
     greedy, sampled = stored["results"]["greedy"], stored["results"]["T=1"]
     kinds = [m["kind"] for m in greedy["methods"]]
     stop_rules = ["heuristic", "confidence", "confidence", "entropy", "path_confidence"]
-    assert kinds == ["autoregressive", "fixed_k", "specdecpp", *stop_rules] + ["hf_assisted"] * 3 + ["oracle"]
+    # The K grid's other settings decode on the test prompts too (hindsight_k), after everything else.
+    assert (
+        kinds
+        == ["autoregressive", "fixed_k", "specdecpp", *stop_rules] + ["hf_assisted"] * 3 + ["oracle"] + ["fixed_k"] * 2
+    )
     assert "oracle" not in [m["kind"] for m in sampled["methods"]]
     best_k = greedy["validation"]["best_k"]
     assert greedy["methods"][1]["params"] == {"k": best_k}
+    assert sorted(m["params"]["k"] for m in greedy["methods"] if m["kind"] == "fixed_k") == [1, 2, 4]
+    # Ratios to the best K stay against validation's K; the hindsight K is the test rows' best by modeled tok/s.
+    assert greedy["methods"][1]["ratio_to_best_fixed_k"] == pytest.approx(1.0)
+    fixed_rows = [m for m in greedy["methods"] if m["kind"] == "fixed_k"]
+    hindsight = max(fixed_rows, key=lambda m: m["modeled_tokens_per_second"])
+    assert greedy["hindsight_k"] == {"k": hindsight["params"]["k"], "select_by": "modeled"}
+    assert hindsight["ratio_to_hindsight_fixed_k"] == pytest.approx(1.0)
+    for m in greedy["methods"]:
+        assert m["modeled_ratio_to_hindsight_fixed_k"] == pytest.approx(
+            m["modeled_tokens_per_second"] / hindsight["modeled_tokens_per_second"]
+        )
+        assert m["modeled_ratio_to_hindsight_fixed_k"] <= 1.0 + 1e-9 or m["kind"] != "fixed_k"
     assert greedy["methods"][4]["params"] == {"tau": greedy["validation"]["confidence"]["tau"]}  # ROC on validation
     assert greedy["methods"][5]["params"] == {"tau": 0.4, "auto_tune": True}  # HF's online rule
     # SpecDec++'s rule with the head ablated, at the h whose validation run priced best.
@@ -599,7 +616,8 @@ def test_bench_command_end_to_end(tiny, tmp_path, capsys) -> None:
         assert 0 < low <= high and len(method["per_prompt_tokens_per_second"]) == 2
     assert greedy["methods"][0]["ratio_to_autoregressive"] == pytest.approx(1.0)
     assert greedy["validation"]["confidence"]["source"].startswith("ROC on validation")
-    assert "vs best K" in (printed := capsys.readouterr().out) and "95% (prompts)" in printed
+    printed = capsys.readouterr().out
+    assert "vs best K" in printed and "95% (prompts)" in printed and "in hindsight: K=" in printed
 
 
 @pytest.mark.slow

@@ -230,6 +230,7 @@ class BenchPlan:
     ignore_eos: bool
     target_runtime: str
     specdec_thresholds: list[float] | None
+    hindsight_k: bool
     tree_grids: dict[str, list[dict]] = field(init=False)
     """The learning-free tree decoders' grids, each setting completed (:func:`tree_settings`)."""
     draft_tree_grid: list[MethodSpec] = field(init=False)
@@ -310,6 +311,9 @@ BENCH_ARGS = """
         repeats: Timed passes over the test prompts (tokens/s is reported as min / median / max over them).
         warmup: Test prompts decoded once by every method before timing (not recorded).
         fixed_k: K grid searched on validation (default 1, 2, 3, 4, 6, 8, 10, 12).
+        hindsight_k: Also decode every K of ``fixed_k`` on the test prompts and add each method's ratio to the K
+            best there (``ratio_to_hindsight_fixed_k``) — a bound no rule can use, since it is chosen on the
+            prompts reported; ``ratio_to_best_fixed_k`` stays against the K validation chose.
         entropy_thresholds: λ grid for EntropyStop searched on validation (default 0.1 … 0.8).
         entropy_gamma: AdaEDL's entropy scale γ.
         path_confidence_thresholds: h grid for PathConfidenceStop, SpecDec++'s rule on the draft's own path
@@ -406,6 +410,7 @@ def bench(
     ignore_eos: bool = True,
     target_runtime: str = "eager",
     specdec_thresholds: list[float] | None = None,
+    hindsight_k: bool = False,
 ) -> dict:
     """Benchmark SpecDec++ against every simpler way of choosing the candidate length, on the same prompts.
 
@@ -565,6 +570,10 @@ def bench_methods(plan: BenchPlan, setup: BenchSetup, temperature: float, valida
         *[MethodSpec("fixed_k", {"k": k, "draft": name}) for name, k in validation["best_k_by_draft"].items()],
         specdec_method(setup, temperature, validation),
     ]
+    if plan.hindsight_k:  # the K grid on the test prompts too, after the rules (the chosen K's row stays second)
+        later = [MethodSpec("fixed_k", {"k": k}) for k in plan.fixed_k if k != best_k]
+    else:
+        later = []
     if plan.stop_rules:
         specs += [
             MethodSpec("heuristic", {"initial_k": plan.heuristic_initial_k}),
@@ -580,7 +589,7 @@ def bench_methods(plan: BenchPlan, setup: BenchSetup, temperature: float, valida
     specs += [MethodSpec(kind, chosen["params"]) for kind, chosen in validation["tree_decoders"].items()]
     if plan.oracle and temperature == 0:
         specs.append(MethodSpec("oracle"))
-    return list({s.name: s for s in specs}.values())
+    return list({s.name: s for s in specs + later}.values())
 
 
 def hf_assisted_specs(settings: Sequence[HFSetting], pair: Pair, validation: dict) -> list[MethodSpec]:
@@ -631,8 +640,11 @@ def decode_test_prompts(
         desc=f"bench {key}",
         outputs=outputs,
     )
-    methods = _with_ratios(summarize(specs, runs, setup.cost))
+    summaries = summarize(specs, runs, setup.cost)
+    methods = _with_ratios(summaries, validation["best_k"])
     result = {"temperature": temperature, "validation": validation, "methods": methods}
+    if plan.hindsight_k:
+        result["hindsight_k"] = add_hindsight_ratios(summaries, methods, plan.select_by)
     if temperature == 0:
         result["greedy_identity"] = greedy_identity(outputs, specs[0].name)
         print(_identity_line(result["greedy_identity"]))
@@ -645,7 +657,20 @@ def decode_test_prompts(
             f"{ceiling['expected_speedup']:.2f}x autoregressive (from {ceiling['source']})"
         )
     print(text_table(BENCH_HEADER, _method_rows(methods), title=_title(key, setup.test_set, plan.repeats, validation)))
+    if plan.hindsight_k:
+        print(_hindsight_line(result["hindsight_k"], methods))
     return result
+
+
+def _hindsight_line(hindsight: dict, methods: Sequence[dict]) -> str:
+    """The fixed K best on the test prompts in hindsight, and each stop rule's ratio to it (measured, 95%)."""
+    parts = [
+        f"{m['name']} {fmt(m['ratio_to_hindsight_fixed_k'], 2, 'x')}"
+        f" ({interval_cell(m['ratio_to_hindsight_fixed_k_ci95'])})"
+        for m in methods
+        if m["kind"] not in ("autoregressive", "fixed_k")
+    ]
+    return f"the best fixed K on these test prompts in hindsight: K={hindsight['k']}; against it: " + "; ".join(parts)
 
 
 def _identity_line(identity: dict[str, dict]) -> str:
@@ -688,6 +713,7 @@ def write_bench(plan: BenchPlan, setup: BenchSetup, results: dict) -> dict:
             "fixed_k": plan.fixed_k,
             "entropy_thresholds": plan.entropy_thresholds,
             "specdec_thresholds": plan.specdec_thresholds,
+            "hindsight_k": plan.hindsight_k,
             "entropy_gamma": plan.entropy_gamma,
             "path_confidence_thresholds": plan.path_confidence_thresholds,
             "hf_settings": [s.__dict__ for s in plan.hf_settings],
@@ -759,11 +785,21 @@ def _title(key: str, test_set: PromptSet, repeats: int, validation: dict) -> str
     return title
 
 
-def _with_ratios(summaries: Sequence[MethodSummary]) -> list[dict]:
-    """Method dicts with ratios of median measured (and modeled) tokens/s to the autoregressive and fixed-K rows."""
-    by_kind = {
-        s.spec.kind: s
-        for s in summaries
-        if s.spec.kind in ("autoregressive", "fixed_k") and "draft" not in s.spec.params
-    }
-    return [s.to_dict() | ratios(s, by_kind.get("autoregressive"), by_kind.get("fixed_k")) for s in summaries]
+def _with_ratios(summaries: Sequence[MethodSummary], best_k: int | None = None) -> list[dict]:
+    """Method dicts with ratios of median measured (and modeled) tokens/s to the autoregressive and fixed-K rows
+    (the fixed-K row at ``best_k`` when several ran: the K chosen on validation)."""
+    own = [s for s in summaries if "draft" not in s.spec.params]
+    ar = next((s for s in own if s.spec.kind == "autoregressive"), None)
+    fixed = [s for s in own if s.spec.kind == "fixed_k" and (best_k is None or s.spec.params["k"] == best_k)]
+    return [s.to_dict() | ratios(s, ar, fixed[-1] if fixed else None) for s in summaries]
+
+
+def add_hindsight_ratios(summaries: Sequence[MethodSummary], methods: list[dict], select_by: str) -> dict:
+    """Give each method dict its ratios to the fixed K best on the test prompts themselves (by ``select_by``):
+    ``ratio_to_hindsight_fixed_k``, ``modeled_ratio_to_hindsight_fixed_k`` and their ``_ci95``. Returns that K."""
+    own = [s for s in summaries if s.spec.kind == "fixed_k" and "draft" not in s.spec.params]
+    best = best_of(own, select_by)
+    for summary, method in zip(summaries, methods):
+        found = ratios(summary, None, best)
+        method.update({key.replace("best_fixed_k", "hindsight_fixed_k"): found[key] for key in found if "best" in key})
+    return {"k": int(best.spec.params["k"]), "select_by": select_by}
