@@ -361,6 +361,30 @@ def test_ratio_intervals_resample_prompts_in_pairs() -> None:
     assert paired_ratio_interval(one, one, modeled=False) is None
 
 
+def test_the_head_tree_is_compared_with_the_chain_and_each_other_tree_in_pairs() -> None:
+    from accept_head.engine.runner import MethodSpec, summarize
+    from accept_head.evaluation.bench import head_tree_ratios
+
+    cost = CostModel(t_draft=0.01, t_target_a=0.1)
+    chain_seconds = [1.0, 2.0, 0.5, 1.5]
+    specs = [
+        MethodSpec("fixed_k", {"k": 2}),
+        MethodSpec("specdecpp", {"threshold": 0.5}, role="h_star"),
+        MethodSpec("head_tree", {}),
+        MethodSpec("cost_tree", {}),
+    ]
+    seconds = [chain_seconds, chain_seconds, [t / 1.2 for t in chain_seconds], [t / 1.5 for t in chain_seconds]]
+    runs = {spec.name: [_prompt_runs(times)] for spec, times in zip(specs, seconds)}
+    found = head_tree_ratios(summarize(specs, runs, cost))
+    # Only the rivals that ran, each by name: 1.2x the chain on every prompt, 1.2 / 1.5 the cost tree.
+    assert list(found) == ["specdecpp", "cost_tree"] and found["specdecpp"]["name"] == specs[1].name
+    assert found["specdecpp"]["ratio"] == pytest.approx(1.2)
+    assert found["specdecpp"]["ratio_ci95"] == pytest.approx([1.2, 1.2])
+    assert found["cost_tree"]["ratio_ci95"] == pytest.approx([0.8, 0.8])
+    assert found["cost_tree"]["modeled_ratio"] == pytest.approx(1.0)  # the same counts, the same price
+    assert head_tree_ratios(summarize(specs[:2], {k: runs[k] for k in list(runs)[:2]}, cost)) == {}
+
+
 def test_costs_command_writes_json_and_plot(tiny, tmp_path) -> None:
     out = tmp_path / "costs"
     payload = main(

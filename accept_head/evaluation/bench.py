@@ -645,6 +645,9 @@ def decode_test_prompts(
     result = {"temperature": temperature, "validation": validation, "methods": methods}
     if plan.hindsight_k:
         result["hindsight_k"] = add_hindsight_ratios(summaries, methods, plan.select_by)
+    head_tree = head_tree_ratios(summaries)
+    if head_tree:
+        result["head_tree_ratios"] = head_tree
     if temperature == 0:
         result["greedy_identity"] = greedy_identity(outputs, specs[0].name)
         print(_identity_line(result["greedy_identity"]))
@@ -659,7 +662,37 @@ def decode_test_prompts(
     print(text_table(BENCH_HEADER, _method_rows(methods), title=_title(key, setup.test_set, plan.repeats, validation)))
     if plan.hindsight_k:
         print(_hindsight_line(result["hindsight_k"], methods))
+    if head_tree:
+        print(_head_tree_line(head_tree))
     return result
+
+
+HEAD_TREE_RIVALS = ("specdecpp", "c2t_tree", "cost_tree", "confidence_tree", "static_tree")
+"""What the head's tree is compared with, each by name in bench.json ``head_tree_ratios``: the chain the same head
+stops, and the trees grown or scored without it."""
+
+
+def head_tree_ratios(summaries: Sequence[MethodSummary]) -> dict[str, dict]:
+    """The head tree's measured and modeled tokens/s over each rival of :data:`HEAD_TREE_RIVALS` that ran (the
+    chain: SpecDec++ at h*), each with its paired prompt-bootstrap 95% interval; {} without a head tree."""
+    tree = next((s for s in summaries if s.spec.kind == "head_tree"), None)
+    if tree is None:
+        return {}
+    out = {}
+    for kind in HEAD_TREE_RIVALS:
+        rival = next((s for s in summaries if s.spec.kind == kind), None)
+        if rival is not None:
+            found = ratios(tree, None, rival)
+            out[kind] = {"name": rival.spec.name} | {
+                key.replace("_to_best_fixed_k", ""): value for key, value in found.items() if "best" in key
+            }
+    return out
+
+
+def _head_tree_line(found: dict[str, dict]) -> str:
+    """The head tree against each rival (measured, 95%)."""
+    parts = [f"{r['name']} {fmt(r['ratio'], 2, 'x')} ({interval_cell(r['ratio_ci95'])})" for r in found.values()]
+    return "the head's tree against: " + "; ".join(parts)
 
 
 def _hindsight_line(hindsight: dict, methods: Sequence[dict]) -> str:
