@@ -41,10 +41,12 @@ from ..engine.runner import (
 from ..models.pairs import ModelSpec
 from ..trees.labels import TreeModels
 from .common import (
+    compare,
     fmt,
     interval_cell,
     output_folder,
     ratios,
+    ratios_to,
     resolve_cost_model,
     tokens_per_second_cells,
     with_args_doc,
@@ -682,10 +684,7 @@ def head_tree_ratios(summaries: Sequence[MethodSummary]) -> dict[str, dict]:
     for kind in HEAD_TREE_RIVALS:
         rival = next((s for s in summaries if s.spec.kind == kind), None)
         if rival is not None:
-            found = ratios(tree, None, rival)
-            out[kind] = {"name": rival.spec.name} | {
-                key.replace("_to_best_fixed_k", ""): value for key, value in found.items() if "best" in key
-            }
+            out[kind] = {"name": rival.spec.name} | compare(tree, rival)
     return out
 
 
@@ -833,6 +832,5 @@ def add_hindsight_ratios(summaries: Sequence[MethodSummary], methods: list[dict]
     own = [s for s in summaries if s.spec.kind == "fixed_k" and "draft" not in s.spec.params]
     best = best_of(own, select_by)
     for summary, method in zip(summaries, methods):
-        found = ratios(summary, None, best)
-        method.update({key.replace("best_fixed_k", "hindsight_fixed_k"): found[key] for key in found if "best" in key})
+        method.update(ratios_to(summary, best, "hindsight_fixed_k"))
     return {"k": int(best.spec.params["k"]), "select_by": select_by}

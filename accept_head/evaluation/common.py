@@ -98,15 +98,26 @@ def ratios(summary: MethodSummary, autoregressive: MethodSummary | None, fixed_k
     """``ratio_to_autoregressive`` / ``ratio_to_best_fixed_k`` of ``summary``'s median measured tokens/s, and the
     ``modeled_ratio_to_...`` of its modeled tokens/s (None where the baseline is missing); each with a ``..._ci95``
     from :func:`paired_ratio_interval` (None with fewer than two prompts)."""
-    out = {}
-    for name, base in (("autoregressive", autoregressive), ("best_fixed_k", fixed_k)):
-        out[f"ratio_to_{name}"] = ratio(summary.median_tokens_per_second, base and base.median_tokens_per_second)
-        out[f"modeled_ratio_to_{name}"] = ratio(
+    return ratios_to(summary, autoregressive, "autoregressive") | ratios_to(summary, fixed_k, "best_fixed_k")
+
+
+def ratios_to(summary: MethodSummary, base: MethodSummary | None, name: str) -> dict:
+    """:func:`compare`'s four numbers under the keys ``ratio_to_<name>``, ``modeled_ratio_to_<name>`` and their
+    ``_ci95``."""
+    return {key.replace("ratio", f"ratio_to_{name}", 1): value for key, value in compare(summary, base).items()}
+
+
+def compare(summary: MethodSummary, base: MethodSummary | None) -> dict:
+    """``summary`` over ``base``: ``ratio`` of median measured tokens/s, ``modeled_ratio`` of modeled tokens/s, and
+    each one's ``_ci95`` (:func:`paired_ratio_interval`); None where there is no base."""
+    return {
+        "ratio": ratio(summary.median_tokens_per_second, base and base.median_tokens_per_second),
+        "modeled_ratio": ratio(
             summary.pooled.modeled_tokens_per_second, base and base.pooled.modeled_tokens_per_second
-        )
-        out[f"ratio_to_{name}_ci95"] = base and paired_ratio_interval(summary, base, modeled=False)
-        out[f"modeled_ratio_to_{name}_ci95"] = base and paired_ratio_interval(summary, base, modeled=True)
-    return out
+        ),
+        "ratio_ci95": base and paired_ratio_interval(summary, base, modeled=False),
+        "modeled_ratio_ci95": base and paired_ratio_interval(summary, base, modeled=True),
+    }
 
 
 def paired_ratio_interval(
