@@ -385,6 +385,30 @@ def test_the_head_tree_is_compared_with_the_chain_and_each_other_tree_in_pairs()
     assert head_tree_ratios(summarize(specs[:2], {k: runs[k] for k in list(runs)[:2]}, cost)) == {}
 
 
+def test_trees_with_a_copied_row_are_chosen_and_compared_apart() -> None:
+    from accept_head.engine.runner import MethodSpec, choose_settings, summarize
+    from accept_head.evaluation.bench import context_row_ratios, head_tree_ratios
+
+    cost = CostModel(t_draft=0.01, t_target_a=0.1)
+    base = [1.0, 2.0, 0.5]
+    specs = [
+        MethodSpec("specdecpp", {"threshold": 0.5}, role="h_star"),
+        MethodSpec("head_tree", {"threshold": 0.5}),
+        MethodSpec("head_tree", {"threshold": 0.5, "context_row": 4}),
+        MethodSpec("head_tree", {"threshold": 0.7, "context_row": 4}),
+    ]
+    seconds = [base, [t / 1.1 for t in base], [t / 1.3 for t in base], [t / 1.2 for t in base]]
+    summaries = summarize(specs, {s.name: [_prompt_runs(t)] for s, t in zip(specs, seconds)}, cost)
+    # The best head tree without a copied row and the best with one are both reported.
+    assert choose_settings(summaries, "measured") == [specs[0], specs[1], specs[2]]
+    # The head tree's rivals are met without copies; the copy's gain is its own ratio, over the same kind without.
+    assert head_tree_ratios(summaries)["specdecpp"]["ratio"] == pytest.approx(1.1)
+    found = context_row_ratios(summaries)
+    assert list(found) == ["head_tree"] and found["head_tree"]["without"] == specs[1].name
+    assert found["head_tree"]["name"] == specs[2].name and found["head_tree"]["ratio"] == pytest.approx(1.3 / 1.1)
+    assert context_row_ratios(summaries[:2]) == {}
+
+
 def test_costs_command_writes_json_and_plot(tiny, tmp_path) -> None:
     out = tmp_path / "costs"
     payload = main(

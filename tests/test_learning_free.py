@@ -27,8 +27,8 @@ from accept_head import (
 )
 from accept_head.core.hf_compat import cache_kwargs, keep_cache_positions
 from accept_head.learning_free.lookahead import JacobiWindow, lookahead_tree
-from accept_head.learning_free.ngrammys import ContextNgrams
 from accept_head.trees.attention import check_masked_attention
+from accept_head.trees.context import ContextNgrams
 from accept_head.trees.verify import add_rows, commit_nodes, tree_forward, tree_mask
 
 # Prompts repeat themselves so that context n-grams have something to match.

@@ -64,7 +64,8 @@ from ..chain.decoding import _check_int
 from ..core.costs import TreeCost
 from ..core.prompts import EncodedPrompt
 from ..core.sampling import SamplingConfig, probabilities
-from ..learning_free.ngrammys import ContextNgrams, ModelBigram
+from ..learning_free.ngrammys import ModelBigram
+from ..trees.context import ContextNgrams
 from ..trees.verify import RowOrigin
 from .runner import MethodSpec, Runner
 

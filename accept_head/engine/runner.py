@@ -503,8 +503,8 @@ class Runner:
         raise ValueError(f"method {spec.kind!r} has no stop policy.")
 
     def tree_rule(self, spec: MethodSpec) -> TreeRule:
-        """The growth rule of a draft-tree method (:data:`DRAFT_TREES`)."""
-        params = dict(spec.params)
+        """The growth rule of a draft-tree method (:data:`DRAFT_TREES`); its ``context_row`` is the decoder's."""
+        params = {name: value for name, value in spec.params.items() if name != "context_row"}
         try:
             greedy = self.temperature == 0
             if spec.kind == "head_tree":
@@ -592,8 +592,10 @@ class Runner:
         if spec.kind == "oracle":
             return lambda ids, gen: self._decode_oracle(ids, gen, common)
         if spec.kind in DRAFT_TREES:
-            rule, budget = self.tree_rule(spec), self.max_new_tokens
-            return lambda ids, gen: tree_generate(target, draft, ids, rule, budget, generator=gen, **common)
+            rule, budget, copy = self.tree_rule(spec), self.max_new_tokens, spec.params.get("context_row", 0)
+            return lambda ids, gen: tree_generate(
+                target, draft, ids, rule, budget, generator=gen, context_row=copy, **common
+            )
         policy = self.policy(spec)
         return lambda ids, gen: speculative_generate(
             target, draft, ids, policy, self.max_new_tokens, generator=gen, **common
@@ -814,12 +816,14 @@ def selection_basis(spec: MethodSpec, select_by: str) -> str:
 
 def choose_settings(summaries: Sequence[MethodSummary], select_by: str) -> list[MethodSpec]:
     """The methods a comparison reports, chosen on validation runs: the best setting of each kind (and, within a kind,
-    of each draft it decodes with) by :func:`selection_basis`, plus every method with a role (SpecDec++ at h*),
-    which is kept whatever its rank. Order follows ``summaries``."""
-    groups: dict[tuple[str, Any], list[MethodSummary]] = {}
+    of each draft it decodes with, and apart for tree settings with and without a ``context_row``, so a bench shows
+    what copying adds) by :func:`selection_basis`, plus every method with a role (SpecDec++ at h*), which is kept
+    whatever its rank. Order follows ``summaries``."""
+    groups: dict[tuple[str, Any, bool], list[MethodSummary]] = {}
     for s in summaries:
         if s.spec.role is None:
-            groups.setdefault((s.spec.kind, s.spec.params.get("draft")), []).append(s)
+            key = (s.spec.kind, s.spec.params.get("draft"), bool(s.spec.params.get("context_row")))
+            groups.setdefault(key, []).append(s)
     winners = {id(max(g, key=lambda s: throughput(s, selection_basis(s.spec, select_by)))) for g in groups.values()}
     return [s.spec for s in summaries if s.spec.role is not None or id(s) in winners]
 

@@ -647,9 +647,11 @@ def decode_test_prompts(
     result = {"temperature": temperature, "validation": validation, "methods": methods}
     if plan.hindsight_k:
         result["hindsight_k"] = add_hindsight_ratios(summaries, methods, plan.select_by)
-    head_tree = head_tree_ratios(summaries)
+    head_tree, copying = head_tree_ratios(summaries), context_row_ratios(summaries)
     if head_tree:
         result["head_tree_ratios"] = head_tree
+    if copying:
+        result["context_row_ratios"] = copying
     if temperature == 0:
         result["greedy_identity"] = greedy_identity(outputs, specs[0].name)
         print(_identity_line(result["greedy_identity"]))
@@ -666,6 +668,8 @@ def decode_test_prompts(
         print(_hindsight_line(result["hindsight_k"], methods))
     if head_tree:
         print(_head_tree_line(head_tree))
+    for r in copying.values():
+        print(f"{r['name']} against {r['without']}: {fmt(r['ratio'], 2, 'x')} ({interval_cell(r['ratio_ci95'])})")
     return result
 
 
@@ -676,15 +680,29 @@ stops, and the trees grown or scored without it."""
 
 def head_tree_ratios(summaries: Sequence[MethodSummary]) -> dict[str, dict]:
     """The head tree's measured and modeled tokens/s over each rival of :data:`HEAD_TREE_RIVALS` that ran (the
-    chain: SpecDec++ at h*), each with its paired prompt-bootstrap 95% interval; {} without a head tree."""
-    tree = next((s for s in summaries if s.spec.kind == "head_tree"), None)
+    chain: SpecDec++ at h*), each with its paired prompt-bootstrap 95% interval; {} without a head tree. Trees
+    without a copied row (``context_row``) are compared with each other (:func:`context_row_ratios` for the rest)."""
+    plain = [s for s in summaries if not s.spec.params.get("context_row")]
+    tree = next((s for s in plain if s.spec.kind == "head_tree"), None)
     if tree is None:
         return {}
     out = {}
     for kind in HEAD_TREE_RIVALS:
-        rival = next((s for s in summaries if s.spec.kind == kind), None)
+        rival = next((s for s in plain if s.spec.kind == kind), None)
         if rival is not None:
             out[kind] = {"name": rival.spec.name} | compare(tree, rival)
+    return out
+
+
+def context_row_ratios(summaries: Sequence[MethodSummary]) -> dict[str, dict]:
+    """For each tree kind that ran with and without a copied row (``context_row``): the one with over the one without,
+    measured and modeled, with paired prompt-bootstrap 95% intervals; {} when no kind ran both."""
+    out = {}
+    for copied in (s for s in summaries if s.spec.params.get("context_row")):
+        kind = copied.spec.kind
+        plain = next((s for s in summaries if s.spec.kind == kind and not s.spec.params.get("context_row")), None)
+        if plain is not None and kind not in out:
+            out[kind] = {"name": copied.spec.name, "without": plain.spec.name} | compare(copied, plain)
     return out
 
 

@@ -8,8 +8,8 @@ in ONE target call and keeps the longest accepted row plus the target's own next
   in batches (:class:`ModelBigram`, cached on disk as safetensors keyed by the model's fingerprint); row r starts
   with the r-th most likely successor of the last token and is extended to w tokens by following each token's top-1
   successor through the table (the paper's extension to w > 1);
-- *context n-grams* (:class:`ContextNgrams`): the last q tokens are looked up among earlier positions
-  of the prompt and output, and the w tokens that followed each match (most recent first) become rows;
+- *context n-grams* (:class:`~accept_head.trees.context.ContextNgrams`): the last q tokens are looked up among
+  earlier positions of the prompt and output, and the w tokens that followed each match (most recent first) become rows;
 - the *mixed* strategy: context rows first, then model-bigram rows until there are k.
 
 The rows share the committed prefix's KV cache and the last token as their root: they are laid out as one token
@@ -33,6 +33,7 @@ from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _un
 from ..core.sampling import SamplingConfig, argmax, probabilities
 from ..models.feature_draft import model_fingerprint
 from ..trees.attention import check_masked_attention
+from ..trees.context import ContextNgrams
 from ..trees.verify import (
     RowOrigin,
     RowStop,
@@ -157,34 +158,6 @@ class ModelBigram:
         for _ in range(w - 1):
             chain.append(self.next_tokens[chain[-1], 0])
         return torch.stack(chain, dim=1).tolist()
-
-
-class ContextNgrams:
-    """Index of the q-grams of a growing token sequence (prompt and output) to the positions that follow them."""
-
-    def __init__(self, q: int) -> None:
-        self.q = q
-        self.follows: dict[tuple[int, ...], list[int]] = {}
-        self.indexed = 0
-
-    def update(self, tokens: Sequence[int]) -> None:
-        """Index the q-grams ending at positions not indexed yet (``tokens`` only ever grows)."""
-        for end in range(max(self.indexed, self.q), len(tokens) + 1):
-            self.follows.setdefault(tuple(tokens[end - self.q : end]), []).append(end)
-        self.indexed = len(tokens) + 1
-
-    def matches(self, tokens: Sequence[int], k: int, w: int) -> list[tuple[int, list[int]]]:
-        """Up to k distinct continuations (up to w tokens each) of earlier occurrences of the last q tokens, most
-        recent first, as (start, row) pairs: ``start`` is the index in ``tokens`` where the continuation starts."""
-        self.update(tokens)
-        matches: list[tuple[int, list[int]]] = []
-        for start in reversed(self.follows.get(tuple(tokens[-self.q :]), [])):
-            row = list(tokens[start : start + w])
-            if row and all(row != other for _, other in matches):
-                matches.append((start, row))
-                if len(matches) == k:
-                    break
-        return matches
 
 
 def check_ngrammys_params(k: int, w: int, q: int, strategy: str) -> None:

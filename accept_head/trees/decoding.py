@@ -33,6 +33,7 @@ from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _un
 from ..core.sampling import SamplingConfig, argmax, draw_without_replacement, probabilities
 from ..models.features import capture_lm_head_input
 from .attention import attention_layout, check_masked_attention
+from .context import ContextRow
 from .drafters import TreeDrafter, as_tree_drafter
 from .growth import DraftTree, TreeRule
 from .verify import (
@@ -151,6 +152,7 @@ def tree_generate(
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     observe: Callable[[DraftTree, list[int], torch.Tensor], None] | None = None,
+    context_row: int = 0,
 ) -> GenerationResult:
     """Lossless speculative decoding over draft trees grown by ``rule`` (see the module docstring).
 
@@ -162,16 +164,23 @@ def tree_generate(
     nodes and the target's logits (1 + len(nodes), V) at the root and at each of them (for tree labels,
     :mod:`~accept_head.trees.labels`).
 
+    ``context_row`` > 0 adds to every round's verified nodes up to that many tokens copied from the text itself
+    (:class:`~accept_head.trees.context.ContextRow`: what followed the latest earlier occurrence of the last three,
+    else two, tokens), merged into the tree where the draft proposed the same tokens. The copies are fixed by the
+    committed text, so decoding stays exact (:func:`add_copied_row`).
+
     The target must be one a tree mask serves (:func:`~accept_head.trees.attention.check_masked_attention`: sliding
     windows get their window per layer type, ALiBi is refused). A request past its context warns
     (:class:`~accept_head.chain.decoding.ContextLimitWarning`) and returns the tokens that fit.
     """
     _check_int("max_new_tokens", max_new_tokens, low=0)
+    _check_int("context_row", context_row, low=0)
     sampling = SamplingConfig(temperature, top_k, top_p)
     drafter = tree_drafter_for(draft, target, rule)
     layout = attention_layout(target)  # checked by tree_drafter_for
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats, tokens = TreeDecodeStats(), ids[0].tolist()
+    copy = ContextRow(context_row) if context_row else None
     with _timed(stats, "total_time"):
         cache = DynamicCache()  # the target's: it lacks the last committed token, each round's root
         with _timed(stats, "target_time"):
@@ -182,6 +191,8 @@ def tree_generate(
             with _timed(stats, "draft_time"):
                 tree = draft_tree(drafter, rule, sampling, depth, stats, generator)
                 nodes = rule.select(tree)
+                if copy is not None:
+                    nodes = add_copied_row(tree, nodes, copy(tokens, depth))
             with _timed(stats, "target_time"):  # 2. Verify the root (the last token) and the nodes in one pass
                 tree_tokens, parents, paths, rows = tree_rows(tree, nodes)
                 with capture_lm_head_input(target) as box:
@@ -201,6 +212,29 @@ def tree_generate(
             if new[-1] in eos:
                 break
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)
+
+
+def add_copied_row(tree: DraftTree, nodes: list[int], row: Sequence[int]) -> list[int]:
+    """The verified ``nodes`` with the copied ``row`` merged in: its tokens follow the verified nodes that already
+    hold them from the root down, and the rest hang below as new nodes of ``tree`` (probability and score 0, marked in
+    ``tree.copied``), appended in creation order so that the nodes stay ancestor-closed.
+
+    Exact at every temperature: the row is a function of the committed text alone. Greedy verification accepts a
+    copied node iff it is the target's argmax; at T > 0 it is a point-mass guess, tried after the draft's own
+    children (:func:`~accept_head.trees.verify.verify_sampled`, :func:`~accept_head.trees.verify.verify_recursive`).
+    """
+    if not row:
+        return nodes
+    chosen, out, parent = set(nodes), list(nodes), -1
+    for token in row:
+        same = [n for n in tree.children.get(parent, []) if n in chosen and tree.tokens[n] == token]
+        if same:
+            parent = same[0]
+            continue
+        parent = tree.add(token, parent, 0.0, 0.0)
+        tree.copied.add(parent)
+        out.append(parent)
+    return out
 
 
 def tree_drafter_for(draft, target: torch.nn.Module, rule: TreeRule) -> TreeDrafter:
@@ -231,9 +265,9 @@ def verify_tree(
     Returns (winning row or −1, accepted count m, the target's next token)."""
     if sampling.greedy:
         return verify_greedy(argmax(logits).tolist(), _row_tokens(tree, paths), rows)
-    if tree.sampled:  # every node verified, target index = node + 1 (tree_rows of range(len(tree.tokens)))
+    if tree.sampled:  # every node verified, target index = node + 1 (rows of all nodes; copies come last)
         probs = probabilities(logits, sampling)
-        accepted, token = verify_recursive(probs, tree.children, tree.tokens, tree.dists, generator)
+        accepted, token = verify_recursive(probs, tree.children, tree.tokens, tree.dists, generator, tree.copied)
         row = next((r for r, path in enumerate(paths) if path[: len(accepted)] == accepted), -1)
         return row, len(accepted), token
     return verify_sampled(probabilities(logits, sampling), _row_tokens(tree, paths), rows, generator)

@@ -78,6 +78,9 @@ verify_recursive`), in draw order: a node's score is then its estimated acceptan
     """Each parent's children (−1: the root's), in creation order (draw order when ``sampled``)."""
     dists: dict[int, torch.Tensor] = field(default_factory=dict)
     """``sampled`` only: the draft distribution (V,) each parent's children were drawn from (−1: the root's)."""
+    copied: set[int] = field(default_factory=set)
+    """Nodes copied from the text rather than proposed by the draft
+    (:func:`~accept_head.trees.decoding.add_copied_row`): point-mass guesses, verified after the drawn siblings."""
 
     def add(self, token: int, parent: int, prob: float, score: float, entropy: float = 0.0, top1: float = 1.0) -> int:
         """Append a childless node; ``score`` is its a(n) (its s(n) follows, see :attr:`sampled`)."""

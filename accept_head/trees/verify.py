@@ -19,7 +19,7 @@ accepted row's positions.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -243,6 +243,7 @@ def verify_recursive(
     tokens: Sequence[int],
     dists: dict[int, torch.Tensor],
     generator: torch.Generator | None,
+    copied: Container[int] = (),
 ) -> tuple[list[int], int]:
     """Lossless verification of siblings *drawn without replacement* from the draft (recursive rejection sampling
     without replacement; Jeon et al. 2024, "Recursive Speculative Decoding").
@@ -254,17 +255,41 @@ def verify_recursive(
     p_{i+1} ∝ max(0, p_i − q_i) and q_{i+1} ∝ q_i without x_i (the law of the next draw given the earlier ones). If
     none is accepted the token is drawn from what remains of p. By induction over the siblings every emitted token
     follows p whatever q is — provided how many siblings are tried was fixed before they were drawn. The first
-    sibling is accepted exactly as a chain's candidate is. Returns (accepted nodes from depth 1, next token).
+    sibling is accepted exactly as a chain's candidate is.
+
+    Nodes in ``copied`` are point-mass guesses fixed by the committed text (a copied row), not draws: when every
+    drawn sibling was rejected, each is tried on what remains of p as :func:`verify_sampled` tries a guess — accepted
+    with probability r(c) / Σ r, else its mass removed — which draws from r exactly. Returns (accepted nodes from
+    depth 1, next token).
     """
     node, accepted = -1, []
     while True:
-        kids = children.get(node, [])
+        kids = [k for k in children.get(node, []) if k not in copied]
         drawn = [tokens[k] for k in kids]
         kid, residual = try_siblings(probs[node + 1], dists[node] if kids else None, drawn, generator)
         if kid is None:
-            return accepted, sample_one(residual, generator)
+            guesses = [k for k in children.get(node, []) if k in copied]
+            kid, residual = try_guesses(residual, [tokens[k] for k in guesses], generator)
+            if kid is None:
+                return accepted, sample_one(residual, generator)
+            kids = guesses
         node = kids[kid]
         accepted.append(node)
+
+
+def try_guesses(
+    residual: torch.Tensor, guesses: Sequence[int], generator: torch.Generator | None
+) -> tuple[int | None, torch.Tensor]:
+    """Try distinct point-mass ``guesses`` in turn against the distribution ``residual`` (V,): guess c is accepted with
+    probability r(c) / Σ r, else its mass is removed. Returns (index of the accepted guess or None, what remains of
+    the distribution). Emitting the accepted guess, or a draw from what remains, draws from ``residual`` exactly."""
+    residual = residual.double().clone() if guesses else residual
+    for i, token in enumerate(guesses):
+        u = float(torch.rand(1, generator=generator, dtype=torch.float64, device=generator_device(generator)))
+        if u * float(residual.sum()) < float(residual[token]):  # r = 0 never passes
+            return i, residual
+        residual[token] = 0.0
+    return None, residual  # a guess holding all that remained was accepted: the rest keeps mass
 
 
 def try_siblings(

@@ -1,0 +1,79 @@
+"""Guesses copied from the text itself: the continuation of an earlier occurrence of the text's last few tokens.
+
+Code, arithmetic and tool calls repeat their own text (a variable name, a number carried into the next line, a
+quoted argument), and a one-layer draft copies poorly. :class:`ContextNgrams` indexes every q-gram of the growing
+text (prompt and output) to the positions that follow it; :class:`ContextRow` asks it for the longest recurring
+suffix and returns what followed its latest earlier occurrence. Such a row is a deterministic function of the
+committed text, so it can join any round's candidates without touching exactness: greedy verification accepts a
+token iff it is the target's argmax, and sampled verification tries it as a point-mass guess
+(:func:`~accept_head.trees.verify.verify_sampled`, :func:`~accept_head.trees.verify.verify_recursive`).
+N-Grammys' context rows (:mod:`~accept_head.learning_free.ngrammys`) use the same index.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class ContextNgrams:
+    """Index of the q-grams of a growing token sequence (prompt and output) to the positions that follow them."""
+
+    def __init__(self, q: int) -> None:
+        self.q = q
+        self.follows: dict[tuple[int, ...], list[int]] = {}
+        self.indexed = 0
+
+    def update(self, tokens: Sequence[int]) -> None:
+        """Index the q-grams ending at positions not indexed yet (``tokens`` only ever grows)."""
+        for end in range(max(self.indexed, self.q), len(tokens) + 1):
+            self.follows.setdefault(tuple(tokens[end - self.q : end]), []).append(end)
+        self.indexed = len(tokens) + 1
+
+    def matches(self, tokens: Sequence[int], k: int, w: int) -> list[tuple[int, list[int]]]:
+        """Up to k distinct continuations (up to w tokens each) of earlier occurrences of the last q tokens, most
+        recent first, as (start, row) pairs: ``start`` is the index in ``tokens`` where the continuation starts."""
+        self.update(tokens)
+        matches: list[tuple[int, list[int]]] = []
+        for start in reversed(self.follows.get(tuple(tokens[-self.q :]), [])):
+            row = list(tokens[start : start + w])
+            if row and all(row != other for _, other in matches):
+                matches.append((start, row))
+                if len(matches) == k:
+                    break
+        return matches
+
+
+class ContextRow:
+    """Up to ``length`` tokens that followed the latest earlier occurrence of the text's longest recurring suffix of
+    ``longest`` down to ``shortest`` tokens (none when no suffix that long recurs).
+
+    One object follows one growing text (the prompt, then every committed token): build a new one per sequence.
+    """
+
+    def __init__(self, length: int, shortest: int = 2, longest: int = 3) -> None:
+        for name, value in (("length", length), ("shortest", shortest), ("longest", longest)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"context row {name}={value!r} must be an integer >= 1.")
+        if shortest > longest:
+            raise ValueError(f"context row shortest={shortest} must be <= longest={longest}.")
+        self.length = length
+        self.indices = [ContextNgrams(q) for q in range(longest, shortest - 1, -1)]
+
+    def __call__(self, tokens: Sequence[int], length: int | None = None) -> list[int]:
+        """The copied row after ``tokens`` (at most ``length`` tokens, default the row's own), or []."""
+        length = self.length if length is None else min(length, self.length)
+        if length < 1:
+            return []
+        for index in self.indices:
+            start = self._latest(index, tokens)
+            if start is not None:
+                return list(tokens[start : start + length])
+        return []
+
+    @staticmethod
+    def _latest(index: ContextNgrams, tokens: Sequence[int]) -> int | None:
+        """Where the continuation of the latest earlier occurrence of the last ``index.q`` tokens starts."""
+        index.update(tokens)
+        ends = index.follows.get(tuple(tokens[-index.q :]), [])
+        earlier = [end for end in ends if end < len(tokens)]
+        return earlier[-1] if earlier else None

@@ -1,0 +1,159 @@
+"""Rows copied from the text itself joining a draft tree (:mod:`accept_head.trees.context`,
+``tree_generate(context_row=...)``), on tiny random models.
+
+* :class:`ContextRow` returns what followed the latest earlier occurrence of the longest recurring suffix.
+* :func:`add_copied_row` merges a row into the verified nodes, ancestor-closed, and reuses nodes holding its tokens.
+* Greedy tree decoding with a copied row still returns exactly the target's greedy text in float32, and the copies are
+  accepted (the draft is an unrelated random model, so nearly every accepted token was copied).
+* At temperature 1 the output follows the target's exact distribution (χ²) with top-k and with drawn siblings;
+  a point-mass guess tried on a residual emits exactly that residual, and accepting the guess outright does not.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from stats_helpers import ALPHA, SMALL_PROMPT, goodness_of_fit, pair_p_values, sampled_tokens, small_vocab_pair
+from test_tree_decoding import COST, NEW, PROMPTS, rules
+from tiny_models import make_llama
+
+import accept_head.trees.decoding as tree_decoding
+import accept_head.trees.verify as tree_verify
+from accept_head import autoregressive_generate
+from accept_head.trees.context import ContextRow
+from accept_head.trees.growth import ConfidenceTree, CostTree, DraftTree
+from accept_head.trees.verify import try_guesses
+
+
+def test_context_row_copies_what_followed_the_latest_longest_match() -> None:
+    def copy(tokens, length=None):  # one ContextRow follows one growing text
+        return ContextRow(3)(tokens, length)
+
+    #            0  1  2  3  4  5  6  7  8  9
+    assert copy([7, 1, 2, 8, 1, 2, 9, 4, 1, 2]) == [9, 4, 1]  # [1, 2] last seen at 4-5, followed by 9 4 1
+    assert copy([5, 1, 2, 3, 6, 7, 1, 2, 4, 1, 2, 3]) == [6, 7, 1]  # the three-token match beats the later [1, 2]
+    assert copy([1, 2, 3, 4]) == []  # no suffix of two tokens recurs
+    assert copy([1, 2, 3, 1, 2], length=1) == [3]
+    growing, text = ContextRow(2), [1, 2, 3, 1]
+    assert growing(text) == []
+    text += [2]
+    assert growing(text) == [3, 1]
+    assert ContextRow(4, shortest=1, longest=1)([4, 5, 6, 5]) == [6, 5]  # up to the end of the text
+    with pytest.raises(ValueError, match="length=0"):
+        ContextRow(0)
+    with pytest.raises(ValueError, match="shortest=3 must be <= longest=2"):
+        ContextRow(2, shortest=3, longest=2)
+
+
+def test_a_copied_row_follows_verified_nodes_and_hangs_the_rest_below() -> None:
+    tree = DraftTree()
+    a = tree.add(5, -1, 0.6, 0.6)
+    b = tree.add(6, a, 0.5, 0.5)
+    c = tree.add(9, -1, 0.2, 0.2)  # proposed, not verified
+    nodes = tree_decoding.add_copied_row(tree, [a, b], [5, 7, 8])
+    assert nodes == [a, b, 3, 4] and tree.parents[3:] == [a, 3] and tree.tokens[3:] == [7, 8]
+    assert tree.copied == {3, 4}
+    nodes = tree_decoding.add_copied_row(tree, [a, b], [9, 1])  # 9 exists but was not chosen: a new node
+    assert nodes == [a, b, 5, 6] and tree.parents[5] == -1 and c not in nodes
+
+
+class FutureRow:
+    """Stands in for :class:`ContextRow`: copies the target's own greedy continuation (``right``) or that text with
+    every token shifted (``wrong``), so the test knows which copies verification must accept."""
+
+    def __init__(self, reference: list[int], shift: int, vocab_size: int) -> None:
+        self.reference, self.shift, self.vocab_size = reference, shift, vocab_size
+
+    def __call__(self, tokens, length):
+        future = self.reference[len(tokens) : len(tokens) + min(length, 4)]
+        return [(t + self.shift) % self.vocab_size for t in future]
+
+
+@pytest.mark.parametrize("copies", ["right", "wrong", "context"])
+def test_greedy_decoding_with_a_copied_row_equals_autoregressive(copies: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right copies are accepted whole (4 a round), wrong ones change nothing, the real :class:`ContextRow` neither;
+    the draft, a random model sharing the vocabulary, rarely guesses right on its own."""
+    target, draft = make_llama(seed=0, num_layers=2), make_llama(seed=11, num_layers=1)
+    for name in ("head", "confidence", "cost"):
+        rule = rules(draft.config.hidden_size)[name]
+        for prompt in PROMPTS:
+            reference = autoregressive_generate(target, prompt, NEW, temperature=0).sequences
+            if copies != "context":
+                row = FutureRow(reference[0].tolist(), int(copies == "wrong"), target.config.vocab_size)
+                monkeypatch.setattr(tree_decoding, "ContextRow", lambda length, row=row: row)
+            out = tree_decoding.tree_generate(target, draft, prompt, rule, NEW, temperature=0, context_row=4)
+            assert torch.equal(out.sequences, reference), (name, prompt)
+            if copies == "right":  # every round but the last accepts the 4 copied tokens
+                assert out.stats.accepted[:-1] == [4] * (len(out.stats.accepted) - 1), out.stats.accepted
+
+
+def test_bad_context_row_is_refused() -> None:
+    target = make_llama(seed=0, num_layers=2)
+    with pytest.raises(ValueError, match="context_row"):
+        tree_decoding.tree_generate(target, target, PROMPTS[0], rules(64)["confidence"], 4, context_row=-1)
+
+
+SAMPLES = 1200
+
+
+def copied_decode(siblings: str, target, draft):
+    rule = CostTree(COST, width=2, top_k=2, max_depth=3, max_nodes=6, siblings=siblings)
+    if siblings == "top":
+        rule = ConfidenceTree(width=2, top_k=2, max_depth=2, max_nodes=6)
+    return lambda g: tree_decoding.tree_generate(
+        target, draft, SMALL_PROMPT, rule, 4, temperature=1.0, generator=g, context_row=3
+    )
+
+
+@pytest.mark.parametrize("siblings", ["top", "sampled"])
+def test_sampled_decoding_with_a_copied_row_keeps_the_target_distribution(
+    siblings: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    target, draft, joint = small_vocab_pair()
+    copies, original = [], tree_decoding.add_copied_row
+
+    def counted(tree, nodes, row):
+        out = original(tree, nodes, row)
+        copies.append(len(out) - len(nodes))
+        return out
+
+    monkeypatch.setattr(tree_decoding, "add_copied_row", counted)
+    tokens, _ = sampled_tokens(copied_decode(siblings, target, draft), SAMPLES, len(SMALL_PROMPT))
+    assert sum(copies) > SAMPLES // 2  # copied nodes joined the trees: their verification is under test
+    p_first, p_second = pair_p_values(tokens, joint)
+    assert p_first > ALPHA and p_second > ALPHA, (p_first, p_second)
+
+
+def test_accepting_a_copied_guess_outright_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Drawn siblings then a copy: a copy accepted whenever the draws were rejected must fail the same check."""
+    target, draft, joint = small_vocab_pair()
+    monkeypatch.setattr(
+        tree_verify, "try_guesses", lambda residual, guesses, g: (0, residual) if guesses else (None, residual)
+    )
+    tokens, _ = sampled_tokens(copied_decode("sampled", target, draft), SAMPLES // 2, len(SMALL_PROMPT))
+    assert min(pair_p_values(tokens, joint)) < ALPHA
+
+
+P_RESIDUAL = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])
+
+
+def guessed_tokens(n: int, guesses: list[int], try_them=try_guesses) -> torch.Tensor:
+    generator, counts = torch.Generator().manual_seed(0), torch.zeros(len(P_RESIDUAL))
+    for _ in range(n):
+        i, residual = try_them(P_RESIDUAL, guesses, generator)
+        counts[guesses[i] if i is not None else int(torch.multinomial(residual.float(), 1, generator=generator))] += 1
+    return counts
+
+
+def test_point_mass_guesses_emit_the_residual_and_a_greedy_acceptance_does_not() -> None:
+    assert goodness_of_fit(guessed_tokens(4000, [3, 0]), P_RESIDUAL) > ALPHA
+
+    def accept_twice_as_often(residual, guesses, generator):  # broken: min(1, 2 r(c)/Σr)
+        u = float(torch.rand(1, generator=generator, dtype=torch.float64))
+        if u < min(1.0, 2 * float(residual[guesses[0]] / residual.sum())):
+            return 0, residual
+        residual = residual.double().clone()
+        residual[guesses[0]] = 0.0
+        return None, residual
+
+    assert goodness_of_fit(guessed_tokens(1000, [3], accept_twice_as_often), P_RESIDUAL) < ALPHA
