@@ -342,9 +342,11 @@ BENCH_ARGS = """
             head_tree, confidence_tree, static_tree, c2t_tree, cost_tree; params: the keyword arguments of
             :class:`~accept_head.trees.growth.HeadTree` (``head: tree`` for the tree-trained head),
             :class:`~accept_head.trees.growth.ConfidenceTree`, :class:`~accept_head.trees.growth.StaticTree`,
-            :class:`~accept_head.trees.labels.C2TTree`, :class:`~accept_head.trees.growth.CostTree`). The head's grid
-            over ``threshold`` is its h* sweep for trees, per temperature. The cost-priced trees (head, C2T, cost)
-            plan with the bench's ``cost_model``.
+            :class:`~accept_head.trees.labels.C2TTree`, :class:`~accept_head.trees.growth.CostTree`), and for every
+            kind ``context_row``, tokens copied from the text into each round's tree
+            (:func:`~accept_head.trees.decoding.tree_generate`); settings with and without it are chosen apart and
+            compared (``context_row_ratios``). The head's grid over ``threshold`` is its h* sweep for trees, per
+            temperature. The cost-priced trees (head, C2T, cost) plan with the bench's ``cost_model``.
         tree_models: Folder written by ``python -m train.trees`` (C2T classifiers and tree-trained heads per mode),
             needed by c2t_tree and ``head: tree``.
         bigram_cache: Folder of N-Grammys' model-bigram tables, keyed by the target's fingerprint; a table missing

@@ -294,6 +294,7 @@ class SpecDecPP:
         generator: torch.Generator | None = None,
         tree: bool = False,
         target_runtime: str = "eager",
+        context_row: int = 0,
     ) -> SpecDecOutput:
         """Generate a continuation of ``prompt`` (a string, chat messages, or token ids).
 
@@ -303,10 +304,13 @@ class SpecDecPP:
         fed to the target per call (``stats.fed``) and the tree's leaves (``stats.rows``). ``target_runtime`` (chain
         decoding): ``eager``, ``static`` (a preallocated KV cache) or ``compiled`` (that cache under
         ``torch.compile``, each pass width compiled on its first use: slow first calls;
-        :mod:`~accept_head.models.static_target`).
+        :mod:`~accept_head.models.static_target`). ``context_row`` (trees): up to that many tokens copied from the
+        text itself join each round's tree (:class:`~accept_head.trees.context.ContextRow`), still exact.
         """
         if tree and target_runtime != "eager":
             raise ValueError(f"target_runtime={target_runtime!r} serves chain decoding; pass tree=False or 'eager'.")
+        if context_row and not tree:
+            raise ValueError(f"context_row={context_row} joins draft trees: pass tree=True, or context_row=0.")
         ids = self.encode(prompt)
         if generator is None:
             generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**63)
@@ -328,7 +332,7 @@ class SpecDecPP:
             top_p=top_p,
             eos_token_id=eos,
             generator=generator,
-            **({} if tree else {"target_runtime": target_runtime}),
+            **({"context_row": context_row} if tree else {"target_runtime": target_runtime}),
         )
         new = result.sequences[0, len(ids) :].tolist()
         text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None

@@ -1,0 +1,133 @@
+"""What copying from the text would add to the draft's guesses, read from the rollout labels `make demo` writes.
+
+The rollout labels (``python -m data_gen --config configs/data_gen/instructions-rollout.yaml``) hold, per prompt, the
+target's response and every FixedK(4) round the bundle's draft ran on it: the drafted tokens, which were accepted
+and the draft's numbers at each. Two questions, answered offline on those rounds (no model is run):
+
+1. Rounds: how many tokens a round would accept from a row copied from the text itself
+   (:class:`~accept_head.trees.context.ContextRow`, the continuation of the latest earlier occurrence of the last
+   three, else two, tokens; ``--length`` tokens), against the draft's own four, and from the better of the two — a
+   tree verifying both. Greedy labels only: there a token is accepted iff it is the target's argmax, which the
+   response holds.
+2. Ranking: does whether the candidate continues a recurring n-gram of the text rank acceptance beyond the draft's own
+   log-probability? A logistic regression over log q alone against one that also reads copy features (for n = 1..4:
+   the latest occurrence of the last n tokens was followed by the candidate / by another token; the share of
+   occurrences followed by it), five folds grouped by prompt, AUC on the held-out folds.
+
+    python docs/experiments/context_copies.py --labels data/labels/smollm2-feature-rollout-greedy
+    python docs/experiments/context_copies.py --labels data/labels/smollm2-feature-rollout --rounds false
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+from pathlib import Path
+
+import datasets
+import numpy as np
+from sklearn.linear_model import LogisticRegression
+from sklearn.metrics import roc_auc_score
+from sklearn.model_selection import GroupKFold
+
+from accept_head.trees.context import ContextRow
+
+
+def round_starts(rounds: list[int], accepted: list[bool]) -> dict[int, int]:
+    """Response index at which each round starts: a round commits its accepted candidates and the target's token."""
+    starts, position = {}, 0
+    for index in sorted(set(rounds)):
+        starts[index] = position
+        position += sum(a for r, a in zip(rounds, accepted) if r == index) + 1
+    return starts
+
+
+def copy_rounds(labels: datasets.Dataset, length: int) -> dict[str, collections.Counter]:
+    """Per source (and ``all``): rounds, tokens the draft's round accepted, tokens a copied row would have, and the
+    better of the two per round."""
+    out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for row in labels:
+        response, starts = row["response_ids"], round_starts(row["round"], row["accepted"])
+        copy = ContextRow(length)
+        for index, start in starts.items():
+            drafted = sum(a for r, a in zip(row["round"], row["accepted"]) if r == index)
+            guess = copy(row["prompt_ids"] + response[:start])
+            copied = 0
+            while copied < len(guess) and start + copied < len(response) and guess[copied] == response[start + copied]:
+                copied += 1
+            for key in (row["source"], "all"):
+                counts = out[key]
+                counts["rounds"] += 1
+                counts["draft"] += drafted
+                counts["copy"] += copied
+                counts["best"] += max(drafted, copied)
+                counts["with_copy"] += bool(guess)
+    return out
+
+
+def ngram_features(context: list[int], candidate: int) -> list[float]:
+    """For n = 1..4: the latest earlier occurrence of the last n tokens was followed by ``candidate`` (1/0), by another
+    token (1/0), and the share of all its earlier occurrences followed by ``candidate``."""
+    features = []
+    for n in (1, 2, 3, 4):
+        suffix, latest, hits, total = context[-n:], 0, 0, 0
+        for end in range(len(context) - 1, n - 1, -1):  # an occurrence ending before position ``end``
+            if context[end - n : end] == suffix:
+                total += 1
+                hits += context[end] == candidate
+                latest = latest or (1 if context[end] == candidate else -1)
+        features += [float(latest == 1), float(latest == -1), hits / total if total else 0.0]
+    return features
+
+
+def ranking(labels: datasets.Dataset, greedy: bool, seed: int = 0) -> dict[str, float]:
+    """Held-out AUC of log q alone and of log q with the copy features (five folds grouped by prompt)."""
+    rng = np.random.default_rng(seed)
+    rows, targets, groups = [], [], []
+    for prompt, row in enumerate(labels):
+        starts = round_starts(row["round"], row["accepted"])
+        for j, (index, step) in enumerate(zip(row["round"], row["step"])):
+            drafted = row["draft_ids"][j - step + 1 : j]  # the round's earlier candidates: the context it was drawn in
+            context = row["prompt_ids"] + row["response_ids"][: starts[index]] + drafted
+            rows.append([row["draft_logp"][j], *ngram_features(context, row["draft_ids"][j])])
+            label = row["accept_prob"][j]  # greedy: 0/1; T = 1: min(1, p/q), drawn to a 0/1 outcome
+            targets.append(label > 0.5 if greedy else label > rng.random())
+            groups.append(prompt)
+    x, y, g = np.array(rows), np.array(targets, dtype=int), np.array(groups)
+    out = {"candidates": len(y), "accepted": float(y.mean())}
+    for name, columns in (("logq", [0]), ("logq+copy", list(range(x.shape[1])))):
+        scores = np.zeros(len(y))
+        for train, test in GroupKFold(5).split(x, y, g):
+            model = LogisticRegression(max_iter=3000).fit(x[train][:, columns], y[train])
+            scores[test] = model.decision_function(x[test][:, columns])
+        out[name] = float(roc_auc_score(y, scores))
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--labels", required=True, help="a rollout-label dataset folder (data_gen, label_mode rollout)")
+    parser.add_argument("--length", type=int, default=4, help="tokens of the copied row")
+    parser.add_argument("--rounds", type=lambda s: s.lower() == "true", default=True, help="part 1 (greedy labels)")
+    args = parser.parse_args()
+    labels = datasets.load_from_disk(args.labels).remove_columns(["hidden"])
+    meta = json.loads((Path(args.labels) / "meta.json").read_text())
+    greedy = meta["config"]["temperature"] == 0
+    print(f"{args.labels}: {len(labels)} prompts, {'greedy' if greedy else 'T = 1'}")
+    if args.rounds:
+        for source, c in sorted(copy_rounds(labels, args.length).items()):
+            per = {k: c[k] / c["rounds"] for k in ("draft", "copy", "best", "with_copy")}
+            print(
+                f"  {source:12s} {c['rounds']:5d} rounds; accepted a round: draft {per['draft']:.3f}, copy "
+                f"{per['copy']:.3f}, better of both {per['best']:.3f}; rounds with a copy {per['with_copy']:.2f}"
+            )
+    found = ranking(labels, greedy)
+    print(
+        f"  ranking over {found['candidates']} candidates ({found['accepted']:.3f} accepted): AUC log q "
+        f"{found['logq']:.4f}, log q + copy features {found['logq+copy']:.4f}"
+    )
+
+
+if __name__ == "__main__":
+    main()
