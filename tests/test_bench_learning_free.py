@@ -231,7 +231,7 @@ def test_bench_reports_each_tree_decoder_at_the_setting_chosen_on_validation(tin
             assert all(m["selected_by"] == "modeled" for m in validated)
             best = max(validated, key=lambda m: m["selection_tokens_per_second"])
             chosen = validation["tree_decoders"][kind]
-            assert chosen == {"name": best["name"], "params": best["params"], "select_by": "modeled"}
+            assert chosen == {"kind": kind, "name": best["name"], "params": best["params"], "select_by": "modeled"}
             (row,) = [m for m in methods if m["kind"] == kind]  # only the chosen setting reaches the test prompts
             assert row["params"] == chosen["params"] and row["name"] == chosen["name"]
             assert row["tokens_per_target_call"] == pytest.approx(row["generated"] / row["target_calls"])

@@ -542,14 +542,17 @@ def specdec_method(setup: BenchSetup, temperature: float, validation: dict) -> M
 
 
 def best_tree_settings(summaries: Sequence[MethodSummary], trees: Sequence[MethodSpec], select_by: str) -> dict:
-    """Per tree kind searched on validation, its best setting (name, params) and the criterion it was chosen by."""
+    """Per tree kind searched on validation, its best setting (kind, name, params) and the criterion it was chosen by;
+    settings with a copied row (``context_row``) are chosen apart, under ``"<kind> context_row"``."""
     chosen = {}
     for kind in dict.fromkeys(spec.kind for spec in trees):
-        grid = [s for s in summaries if s.spec.kind == kind]
-        if grid:  # one draft per kind, so one criterion
-            by = selection_basis(grid[0].spec, select_by)
-            best = best_of(grid, by)
-            chosen[kind] = {"name": best.spec.name, "params": dict(best.spec.params), "select_by": by}
+        for copied in (False, True):
+            grid = [s for s in summaries if s.spec.kind == kind and bool(s.spec.params.get("context_row")) == copied]
+            if grid:  # one draft per kind, so one criterion
+                by = selection_basis(grid[0].spec, select_by)
+                best = best_of(grid, by)
+                key = f"{kind} context_row" if copied else kind
+                chosen[key] = {"kind": kind, "name": best.spec.name, "params": dict(best.spec.params), "select_by": by}
     return chosen
 
 
@@ -590,7 +593,7 @@ def bench_methods(plan: BenchPlan, setup: BenchSetup, temperature: float, valida
             specs.append(MethodSpec("path_confidence", {"threshold": validation["best_path_confidence_threshold"]}))
     specs += hf_assisted_specs(plan.hf_settings, setup.pair, validation)
     # Each tree decoder at the setting its grid chose on validation.
-    specs += [MethodSpec(kind, chosen["params"]) for kind, chosen in validation["tree_decoders"].items()]
+    specs += [MethodSpec(chosen["kind"], chosen["params"]) for chosen in validation["tree_decoders"].values()]
     if plan.oracle and temperature == 0:
         specs.append(MethodSpec("oracle"))
     return list({s.name: s for s in specs + later}.values())
