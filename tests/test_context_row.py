@@ -1,5 +1,5 @@
-"""Rows copied from the text itself joining a draft tree (:mod:`accept_head.trees.context`,
-``tree_generate(context_row=...)``), on tiny random models.
+"""Rows copied from the text itself joining a draft tree (:mod:`accept_head.trees.context`, a tree rule's
+``context_row``), on tiny random models.
 
 * :class:`ContextRow` returns what followed the latest earlier occurrence of the longest recurring suffix.
 * :func:`add_copied_row` merges a row into the verified nodes, ancestor-closed, and reuses nodes holding its tokens.
@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import pytest
 import torch
+from generate_helpers import greedy
 from stats_helpers import ALPHA, SMALL_PROMPT, goodness_of_fit, pair_p_values, sampled_tokens, small_vocab_pair
 from test_tree_decoding import COST, NEW, PROMPTS, rules
 from tiny_models import make_llama
 
+import accept_head.specdecpp.hf_generate as hf_generate
 import accept_head.trees.decoding as tree_decoding
 import accept_head.trees.verify as tree_verify
-from accept_head import autoregressive_generate
+from accept_head import autoregressive_generate, make_custom_generate
 from accept_head.trees.context import ContextRow
 from accept_head.trees.growth import ConfidenceTree, CostTree, DraftTree
 from accept_head.trees.verify import try_guesses
@@ -81,16 +83,38 @@ def test_greedy_decoding_with_a_copied_row_equals_autoregressive(copies: str, mo
             if copies != "context":
                 row = FutureRow(reference[0].tolist(), int(copies == "wrong"), target.config.vocab_size)
                 monkeypatch.setattr(tree_decoding, "ContextRow", lambda length, row=row: row)
-            out = tree_decoding.tree_generate(target, draft, prompt, rule, NEW, temperature=0, context_row=4)
+            rule.context_row = 4
+            out = tree_decoding.tree_generate(target, draft, prompt, rule, NEW, temperature=0)
             assert torch.equal(out.sequences, reference), (name, prompt)
             if copies == "right":  # every round but the last accepts the 4 copied tokens
                 assert out.stats.accepted[:-1] == [4] * (len(out.stats.accepted) - 1), out.stats.accepted
 
 
+@pytest.mark.parametrize("copies", ["right", "context"])
+def test_generate_with_processors_and_a_copied_row_equals_the_targets_own(
+    copies: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The same through ``model.generate(custom_generate=...)``, whose processors read each node's own branch: copies
+    are processed there too (a repetition penalty and no-repeat n-grams change the target's choice)."""
+    target, draft = make_llama(seed=0, num_layers=2), make_llama(seed=11, num_layers=1)
+    target.generation_config.eos_token_id = None
+    options = dict(max_new_tokens=NEW, repetition_penalty=1.8, no_repeat_ngram_size=2)
+    for prompt in PROMPTS:
+        reference = greedy(target, prompt, **options)
+        if copies == "right":
+            row = FutureRow(reference[0].tolist(), 0, target.config.vocab_size)
+            monkeypatch.setattr(hf_generate, "ContextRow", lambda length, row=row: row)
+        fn = make_custom_generate(draft, ConfidenceTree(width=2, top_k=2, max_depth=4, max_nodes=8, context_row=4))
+        assert torch.equal(greedy(target, prompt, custom_generate=fn, **options), reference), prompt
+        if copies == "right":
+            assert fn.last_stats.accepted[:-1] == [4] * (len(fn.last_stats.accepted) - 1)
+
+
 def test_bad_context_row_is_refused() -> None:
-    target = make_llama(seed=0, num_layers=2)
-    with pytest.raises(ValueError, match="context_row"):
-        tree_decoding.tree_generate(target, target, PROMPTS[0], rules(64)["confidence"], 4, context_row=-1)
+    with pytest.raises(ValueError, match="context_row=-1 must be an integer >= 0"):
+        ConfidenceTree(context_row=-1)
+    with pytest.raises(ValueError, match="context_row=1.5"):
+        CostTree(COST, context_row=1.5)
 
 
 SAMPLES = 1200
@@ -100,9 +124,8 @@ def copied_decode(siblings: str, target, draft):
     rule = CostTree(COST, width=2, top_k=2, max_depth=3, max_nodes=6, siblings=siblings)
     if siblings == "top":
         rule = ConfidenceTree(width=2, top_k=2, max_depth=2, max_nodes=6)
-    return lambda g: tree_decoding.tree_generate(
-        target, draft, SMALL_PROMPT, rule, 4, temperature=1.0, generator=g, context_row=3
-    )
+    rule.context_row = 3
+    return lambda g: tree_decoding.tree_generate(target, draft, SMALL_PROMPT, rule, 4, temperature=1.0, generator=g)
 
 
 @pytest.mark.parametrize("siblings", ["top", "sampled"])

@@ -470,10 +470,9 @@ def test_bundle_tree_generation_round_trips_and_equals_greedy(tree_bundle_dir) -
     out = loaded.generate(prompt, max_new_tokens=20, temperature=0, tree=True)
     assert torch.equal(out.sequences, reference) and len(out.stats.fed) == out.stats.target_calls
     assert out.stats.generated > 1  # not an immediate EOS
-    copied = loaded.generate(prompt, max_new_tokens=20, temperature=0, tree=True, context_row=4)
-    assert torch.equal(copied.sequences, reference)
-    with pytest.raises(ValueError, match="context_row=4 joins draft trees"):
-        loaded.generate(prompt, max_new_tokens=4, context_row=4)
+    copying = SpecDecPP(target, draft, head, 0.6, cost_model=COST.to_dict(), tree={**TREE_SETTINGS, "context_row": 4})
+    assert copying.tree_rule().context_row == 4  # a bundle's tree settings may carry a copied row
+    assert torch.equal(copying.generate(prompt, max_new_tokens=20, temperature=0, tree=True).sequences, reference)
     sampled = [loaded.generate(prompt, max_new_tokens=12, seed=4, tree=True).new_token_ids for _ in range(2)]
     assert sampled[0] == sampled[1]  # seeded
     assert loaded.tree_rule(threshold=0.5).floor == pytest.approx(0.5)

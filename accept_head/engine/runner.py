@@ -503,8 +503,8 @@ class Runner:
         raise ValueError(f"method {spec.kind!r} has no stop policy.")
 
     def tree_rule(self, spec: MethodSpec) -> TreeRule:
-        """The growth rule of a draft-tree method (:data:`DRAFT_TREES`); its ``context_row`` is the decoder's."""
-        params = {name: value for name, value in spec.params.items() if name != "context_row"}
+        """The growth rule of a draft-tree method (:data:`DRAFT_TREES`)."""
+        params = dict(spec.params)
         try:
             greedy = self.temperature == 0
             if spec.kind == "head_tree":
@@ -592,10 +592,8 @@ class Runner:
         if spec.kind == "oracle":
             return lambda ids, gen: self._decode_oracle(ids, gen, common)
         if spec.kind in DRAFT_TREES:
-            rule, budget, copy = self.tree_rule(spec), self.max_new_tokens, spec.params.get("context_row", 0)
-            return lambda ids, gen: tree_generate(
-                target, draft, ids, rule, budget, generator=gen, context_row=copy, **common
-            )
+            rule, budget = self.tree_rule(spec), self.max_new_tokens
+            return lambda ids, gen: tree_generate(target, draft, ids, rule, budget, generator=gen, **common)
         policy = self.policy(spec)
         return lambda ids, gen: speculative_generate(
             target, draft, ids, policy, self.max_new_tokens, generator=gen, **common

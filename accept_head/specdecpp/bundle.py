@@ -195,8 +195,8 @@ class SpecDecPP:
         self.target_spec, self.draft_spec = target_spec, draft_spec
         self.tree = dict(tree or {})
         """Keyword arguments of :class:`~accept_head.trees.growth.HeadTree` for ``generate(..., tree=True)``
-        (``width``, ``top_k``, ``max_depth``, ``min_depth``, ``max_nodes``, ``threshold``, ``siblings``); unset ones
-        take HeadTree's defaults."""
+        (``width``, ``top_k``, ``max_depth``, ``min_depth``, ``max_nodes``, ``threshold``, ``siblings``,
+        ``context_row``); unset ones take HeadTree's defaults."""
         self.tree_calibration = dict(tree_calibration or {})
         """Per decoding mode (``greedy``, ``sampled``): the map from the head's probability to P(tree node accepted |
         parent accepted), fitted on tree-node labels by ``python -m train.trees --export_calibration true``. A tree
@@ -249,7 +249,7 @@ class SpecDecPP:
                 "This bundle has no cost model, which tree decoding needs to price nodes and depths: measure one "
                 "with `python -m eval costs` and pass it as cost_model=, or use generate(..., tree=False)."
             )
-        known = ("width", "top_k", "max_depth", "min_depth", "max_nodes", "threshold", "siblings")
+        known = ("width", "top_k", "max_depth", "min_depth", "max_nodes", "threshold", "siblings", "context_row")
         unknown = sorted(set(self.tree) - set(known))
         if unknown:
             raise ValueError(f"tree settings {unknown} are unknown; use {', '.join(known)}.")
@@ -294,7 +294,6 @@ class SpecDecPP:
         generator: torch.Generator | None = None,
         tree: bool = False,
         target_runtime: str = "eager",
-        context_row: int = 0,
     ) -> SpecDecOutput:
         """Generate a continuation of ``prompt`` (a string, chat messages, or token ids).
 
@@ -304,13 +303,10 @@ class SpecDecPP:
         fed to the target per call (``stats.fed``) and the tree's leaves (``stats.rows``). ``target_runtime`` (chain
         decoding): ``eager``, ``static`` (a preallocated KV cache) or ``compiled`` (that cache under
         ``torch.compile``, each pass width compiled on its first use: slow first calls;
-        :mod:`~accept_head.models.static_target`). ``context_row`` (trees): up to that many tokens copied from the
-        text itself join each round's tree (:class:`~accept_head.trees.context.ContextRow`), still exact.
+        :mod:`~accept_head.models.static_target`).
         """
         if tree and target_runtime != "eager":
             raise ValueError(f"target_runtime={target_runtime!r} serves chain decoding; pass tree=False or 'eager'.")
-        if context_row and not tree:
-            raise ValueError(f"context_row={context_row} joins draft trees: pass tree=True, or context_row=0.")
         ids = self.encode(prompt)
         if generator is None:
             generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**63)
@@ -332,7 +328,7 @@ class SpecDecPP:
             top_p=top_p,
             eos_token_id=eos,
             generator=generator,
-            **({"context_row": context_row} if tree else {"target_runtime": target_runtime}),
+            **({} if tree else {"target_runtime": target_runtime}),
         )
         new = result.sequences[0, len(ids) :].tolist()
         text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None

@@ -72,7 +72,8 @@ from ..core.sampling import SamplingConfig, probabilities
 from ..models.drafters import Drafter, DraftStep, as_drafter
 from ..models.features import capture_lm_head_input
 from ..trees.attention import attention_layout
-from ..trees.decoding import _fed_slots, draft_tree, tree_drafter_for, tree_rows, verify_tree
+from ..trees.context import ContextRow
+from ..trees.decoding import _fed_slots, add_copied_row, draft_tree, tree_drafter_for, tree_rows, verify_tree
 from ..trees.drafters import TreeDrafter, TreeStep
 from ..trees.growth import TreeRule
 from ..trees.verify import TreeDecodeStats, commit_nodes, tree_forward
@@ -439,6 +440,7 @@ def speculative_tree_decode(
     drafter = ProcessedTreeDrafter(drafter, process)
     layout = attention_layout(target)  # checked by tree_drafter_for
     stats, kept_scores, kept_logits = TreeDecodeStats(), [], []
+    copy = ContextRow(rule.context_row) if rule.context_row else None  # the rule's copied row, if any
     cache = DynamicCache()  # the target's: it lacks the last committed token, each round's root
     with _timed(stats, "total_time"):
         with _timed(stats, "target_time"):
@@ -451,6 +453,8 @@ def speculative_tree_decode(
             with _timed(stats, "draft_time"):
                 tree = draft_tree(drafter, rule, sampling, depth, stats, generator)
                 nodes = rule.select(tree)
+                if copy is not None:
+                    nodes = add_copied_row(tree, nodes, copy(buffer[0, :n].tolist(), depth))
             # 2. Verify the root and the nodes in one pass; the row after node v is processed at x·path(v).
             with _timed(stats, "target_time"):
                 tree_tokens, parents, paths, rows = tree_rows(tree, nodes)

@@ -152,7 +152,6 @@ def tree_generate(
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     observe: Callable[[DraftTree, list[int], torch.Tensor], None] | None = None,
-    context_row: int = 0,
 ) -> GenerationResult:
     """Lossless speculative decoding over draft trees grown by ``rule`` (see the module docstring).
 
@@ -164,23 +163,22 @@ def tree_generate(
     nodes and the target's logits (1 + len(nodes), V) at the root and at each of them (for tree labels,
     :mod:`~accept_head.trees.labels`).
 
-    ``context_row`` > 0 adds to every round's verified nodes up to that many tokens copied from the text itself
-    (:class:`~accept_head.trees.context.ContextRow`: what followed the latest earlier occurrence of the last three,
-    else two, tokens), merged into the tree where the draft proposed the same tokens. The copies are fixed by the
-    committed text, so decoding stays exact (:func:`add_copied_row`).
+    A rule with ``context_row`` > 0 adds to every round's verified nodes up to that many tokens copied from the text
+    itself (:class:`~accept_head.trees.context.ContextRow`: what followed the latest earlier occurrence of the last
+    three, else two, tokens), merged into the tree where the draft proposed the same tokens. The copies are fixed by
+    the committed text, so decoding stays exact (:func:`add_copied_row`).
 
     The target must be one a tree mask serves (:func:`~accept_head.trees.attention.check_masked_attention`: sliding
     windows get their window per layer type, ALiBi is refused). A request past its context warns
     (:class:`~accept_head.chain.decoding.ContextLimitWarning`) and returns the tokens that fit.
     """
     _check_int("max_new_tokens", max_new_tokens, low=0)
-    _check_int("context_row", context_row, low=0)
     sampling = SamplingConfig(temperature, top_k, top_p)
     drafter = tree_drafter_for(draft, target, rule)
     layout = attention_layout(target)  # checked by tree_drafter_for
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats, tokens = TreeDecodeStats(), ids[0].tolist()
-    copy = ContextRow(context_row) if context_row else None
+    copy = ContextRow(rule.context_row) if rule.context_row else None
     with _timed(stats, "total_time"):
         cache = DynamicCache()  # the target's: it lacks the last committed token, each round's root
         with _timed(stats, "target_time"):

@@ -158,6 +158,13 @@ def node_inputs(
     return [values[name] for name in names]
 
 
+def check_context_row(context_row: int) -> int:
+    """``context_row`` if it is an integer >= 0, else ValueError."""
+    if isinstance(context_row, bool) or not isinstance(context_row, int) or context_row < 0:
+        raise ValueError(f"context_row={context_row!r} must be an integer >= 0 (tokens copied from the text; 0: none).")
+    return context_row
+
+
 def check_tree_settings(**settings: int) -> None:
     """Raise ValueError unless every setting is an integer >= 1 (widths, depths, node budgets, shapes)."""
     for name, value in settings.items():
@@ -215,6 +222,10 @@ class TreeRule:
     """Scores fed nodes from the draft's hidden state (:meth:`score`)."""
     siblings: str = "top"
     """How children are chosen at T > 0 (:data:`SIBLINGS`); ``sampled`` rules also give :meth:`sibling_counts`."""
+    context_row: int = 0
+    """Tokens copied from the text itself that join each round's verified nodes (0: none): the continuation of the
+    latest earlier occurrence of the last three, else two, tokens (:class:`~accept_head.trees.context.ContextRow`,
+    :func:`~accept_head.trees.decoding.add_copied_row`). A function of the committed text, so decoding stays exact."""
     max_depth: int
     max_nodes: int
 
@@ -256,9 +267,12 @@ class ConfidenceTree(TreeRule):
     """EAGLE-2's dynamic tree: value = product of draft probabilities; the ``width`` best nodes of each depth get
     their ``top_k`` children, for ``max_depth`` depths; the ``max_nodes`` best nodes are verified."""
 
-    def __init__(self, width: int = 4, top_k: int = 4, max_depth: int = 6, max_nodes: int = 32) -> None:
+    def __init__(
+        self, width: int = 4, top_k: int = 4, max_depth: int = 6, max_nodes: int = 32, context_row: int = 0
+    ) -> None:
         check_tree_settings(width=width, top_k=top_k, max_depth=max_depth, max_nodes=max_nodes)
         self.width, self.top_k, self.max_depth, self.max_nodes = width, top_k, max_depth, max_nodes
+        self.context_row = check_context_row(context_row)
 
     def children(self, depth: int) -> int:
         return self.top_k
@@ -277,11 +291,12 @@ class StaticTree(TreeRule):
     """EAGLE-1's fixed tree: every node of depth d − 1 gets ``shape[d-1]`` children (the draft's top ones), up to
     ``len(shape)`` depths; all nodes are verified (at most ``max_nodes``, the best by value)."""
 
-    def __init__(self, shape: Sequence[int] = (4, 2, 2, 1, 1), max_nodes: int = 64) -> None:
+    def __init__(self, shape: Sequence[int] = (4, 2, 2, 1, 1), max_nodes: int = 64, context_row: int = 0) -> None:
         if not shape:
             raise ValueError("shape=() is empty: a static tree needs one child count per depth, e.g. (4, 2, 1).")
         check_tree_settings(**{f"shape[{d}]": k for d, k in enumerate(shape)}, max_nodes=max_nodes)
         self.shape, self.max_depth, self.max_nodes = tuple(shape), len(shape), max_nodes
+        self.context_row = check_context_row(context_row)
 
     def children(self, depth: int) -> int:
         return self.shape[depth - 1]
@@ -315,6 +330,7 @@ class CostTree(TreeRule):
         threshold: float | None = None,
         min_depth: int = 1,
         siblings: str = "top",
+        context_row: int = 0,
     ) -> None:
         check_tree_settings(width=width, top_k=top_k, max_depth=max_depth, max_nodes=max_nodes, min_depth=min_depth)
         if min_depth > max_depth:
@@ -329,6 +345,7 @@ class CostTree(TreeRule):
         self.cost = cost
         self.width, self.top_k, self.max_depth, self.max_nodes = width, top_k, max_depth, max_nodes
         self.threshold, self.min_depth, self.siblings = threshold, min_depth, siblings
+        self.context_row = check_context_row(context_row)
         self.floor = 0.0 if threshold is None else 1.0 - threshold
 
     def children(self, depth: int) -> int:
@@ -408,6 +425,7 @@ class CostTree(TreeRule):
     def describe(self) -> str:
         extra = "" if self.threshold is None else f", h={self.threshold:g}"
         extra += "" if self.siblings == "top" else f", siblings={self.siblings}"
+        extra += f", context_row={self.context_row}" if self.context_row else ""
         return f"{type(self).__name__}(width={self.width}, top_k={self.top_k}, nodes={self.max_nodes}{extra})"
 
 
@@ -432,8 +450,9 @@ class HeadTree(CostTree):
         calibration=None,
         min_depth: int = 1,
         siblings: str = "top",
+        context_row: int = 0,
     ) -> None:
-        super().__init__(cost, width, top_k, max_depth, max_nodes, threshold, min_depth, siblings)
+        super().__init__(cost, width, top_k, max_depth, max_nodes, threshold, min_depth, siblings, context_row)
         self.head, self.calibration = head, calibration
         self.uses_hidden = head.reads_hidden
 
