@@ -53,6 +53,9 @@ from ..trees.growth import HeadTree, TreeRule
 from ..trees.labels import MODES, tree_mode
 from .hf_generate import SpecDecGenerateOutput, run_custom_generate, streamer_ended_on_error
 
+TREE_SETTINGS = ("width", "top_k", "max_depth", "min_depth", "max_nodes", "threshold", "siblings", "context_row")
+"""What a bundle's ``tree`` settings may hold: keyword arguments of :class:`~accept_head.trees.growth.HeadTree`."""
+
 FORMAT_VERSION = 1
 CONFIG_NAME = "config.json"
 CUSTOM_GENERATE = "custom_generate/generate.py"
@@ -249,10 +252,9 @@ class SpecDecPP:
                 "This bundle has no cost model, which tree decoding needs to price nodes and depths: measure one "
                 "with `python -m eval costs` and pass it as cost_model=, or use generate(..., tree=False)."
             )
-        known = ("width", "top_k", "max_depth", "min_depth", "max_nodes", "threshold", "siblings", "context_row")
-        unknown = sorted(set(self.tree) - set(known))
+        unknown = sorted(set(self.tree) - set(TREE_SETTINGS))
         if unknown:
-            raise ValueError(f"tree settings {unknown} are unknown; use {', '.join(known)}.")
+            raise ValueError(f"tree settings {unknown} are unknown; use {', '.join(TREE_SETTINGS)}.")
         settings = {"siblings": "sampled", **self.tree}  # at T > 0 drawn children pay (findings §8); greedy: top-k
         if threshold is not None:
             settings["threshold"] = threshold

@@ -35,7 +35,7 @@ from ..core.costs import CostModel
 from ..core.sampling import SamplingConfig
 from ..engine.measure import measure_costs
 from ..engine.sweep import FIXED_K, THRESHOLDS, check_fixed_k, check_thresholds, format_table, pareto_plot, run_sweep
-from ..specdecpp.bundle import SpecDecPP
+from ..specdecpp.bundle import TREE_SETTINGS, SpecDecPP
 from .data import AcceptanceDataModule
 from .model_card import model_card
 from .report import FitReport
@@ -533,6 +533,7 @@ class ExportBundle(EndOfFitStage):
         min_candidates: int = 2,
         max_candidates: int = 20,
         verify: bool = True,
+        tree: dict[str, Any] | None = None,
     ) -> None:
         """
         Args:
@@ -542,6 +543,9 @@ class ExportBundle(EndOfFitStage):
             min_candidates: Used when no sweep ran (otherwise the sweep's value).
             max_candidates: Used when no sweep ran (otherwise the sweep's value).
             verify: Reload the bundle with ``SpecDecPP.from_pretrained`` (reusing the loaded models) and generate.
+            tree: The bundle's settings for ``generate(tree=True)``: keyword arguments of
+                :class:`~accept_head.trees.growth.HeadTree` (``width``, ``top_k``, ``max_nodes``, ``siblings``,
+                ``context_row``, ...), e.g. ``{context_row: 4}``; None: HeadTree's defaults.
         """
         if enabled and not dir:
             raise ValueError("export.dir is not set: name the bundle folder, e.g. --export.dir=checkpoints/<name>.")
@@ -549,6 +553,10 @@ class ExportBundle(EndOfFitStage):
             check_thresholds([threshold])
         self.enabled, self.dir, self.threshold = enabled, dir, threshold
         self.min_candidates, self.max_candidates, self.verify = min_candidates, max_candidates, verify
+        self.tree = dict(tree or {})
+        unknown = sorted(set(self.tree) - set(TREE_SETTINGS))
+        if unknown:
+            raise ValueError(f"export.tree settings {unknown} are unknown; use {', '.join(TREE_SETTINGS)}.")
 
     def run(self, trainer: Trainer, pl_module: LightningModule, report: FitReport, folder: Path) -> None:
         dm = _datamodule(trainer)
@@ -576,6 +584,7 @@ class ExportBundle(EndOfFitStage):
             unscored=report.unscored,
             greedy_threshold=report.greedy_threshold,
             greedy_unscored=report.greedy_unscored,
+            tree=self.tree,
         )
         bundle.save_pretrained(bundle_dir)
         (bundle_dir / "split.json").write_text(json.dumps(dm.split_record(), indent=1) + "\n")
