@@ -14,9 +14,9 @@ from __future__ import annotations
 import pytest
 import torch
 from generate_helpers import greedy
-from stats_helpers import ALPHA, SMALL_PROMPT, goodness_of_fit, pair_p_values, sampled_tokens, small_vocab_pair
+from stats_helpers import ALPHA, exact_joint, goodness_of_fit, pair_p_values, sampled_tokens, small_vocab_pair
 from test_tree_decoding import COST, NEW, PROMPTS, rules
-from tiny_models import make_llama
+from tiny_models import make_llama, perturbed_copy
 
 import accept_head.specdecpp.hf_generate as hf_generate
 import accept_head.trees.decoding as tree_decoding
@@ -66,7 +66,9 @@ class FutureRow:
     def __init__(self, reference: list[int], shift: int, vocab_size: int) -> None:
         self.reference, self.shift, self.vocab_size = reference, shift, vocab_size
 
-    def __call__(self, tokens, length):
+    def __call__(self, tokens, length, path=()):
+        if path:  # no copy below the leaves: the test counts the root's copies
+            return []
         future = self.reference[len(tokens) : len(tokens) + min(length, 4)]
         return [(t + self.shift) % self.vocab_size for t in future]
 
@@ -88,6 +90,35 @@ def test_greedy_decoding_with_a_copied_row_equals_autoregressive(copies: str, mo
             assert torch.equal(out.sequences, reference), (name, prompt)
             if copies == "right":  # every round but the last accepts the 4 copied tokens
                 assert out.stats.accepted[:-1] == [4] * (len(out.stats.accepted) - 1), out.stats.accepted
+
+
+def test_a_copy_below_the_likeliest_leaf_continues_a_right_path() -> None:
+    """Below the drafted leaf most likely reached, the row copied after the committed text and that leaf's path. A
+    copy that is the target's own continuation of the path (an oracle) makes greedy rounds accept more, and the output
+    is still the target's; the copy's length keeps every path within the round's depth."""
+    target = make_llama(seed=0, num_layers=2)
+    draft = perturbed_copy(target, relative_noise=0.15, seed=3)  # often right: its paths are worth continuing
+    prompt = PROMPTS[0]
+    reference = autoregressive_generate(target, prompt, NEW, temperature=0).sequences
+    oracle = reference[0].tolist()
+
+    class PathOracle:
+        def __call__(self, tokens, length, path=()):
+            if not path or oracle[len(tokens) : len(tokens) + len(path)] != list(path):
+                return []
+            start = len(tokens) + len(path)
+            return oracle[start : start + min(length, 4)]
+
+    accepted = {}
+    for copies in (False, True):
+        rule = ConfidenceTree(width=2, top_k=2, max_depth=3, max_nodes=8, context_row=4 if copies else 0)
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(tree_decoding, "ContextRow", lambda length: PathOracle())
+            out = tree_decoding.tree_generate(target, draft, prompt, rule, NEW, temperature=0)
+        assert torch.equal(out.sequences, reference), copies
+        assert max(out.stats.proposed) <= 7  # a leaf at depth <= 3 and at most 4 copied tokens below it
+        accepted[copies] = sum(out.stats.accepted)
+    assert accepted[True] > accepted[False] + 3, accepted
 
 
 @pytest.mark.parametrize("copies", ["right", "context"])
@@ -120,40 +151,50 @@ def test_bad_context_row_is_refused() -> None:
 SAMPLES = 1200
 
 
+COPY_PROMPT = [0, 0, 1, 0, 1, 2, 0, 2, 3, 0, 3, 4, 0, 4, 5, 0, 5, 6, 0, 6, 7, 0, 7, 0, 0]
+"""Every pair (0, x) recurs, so after a drafted first token x there is always a row to copy below it."""
+
+
+@pytest.fixture(scope="module")
+def copy_pair():
+    target, draft, _ = small_vocab_pair()
+    return target, draft, exact_joint(target, COPY_PROMPT, 4)
+
+
 def copied_decode(siblings: str, target, draft):
-    rule = CostTree(COST, width=2, top_k=2, max_depth=3, max_nodes=6, siblings=siblings)
+    rule = CostTree(COST, width=2, top_k=2, max_depth=1, max_nodes=4, siblings=siblings, context_row=3)
     if siblings == "top":
-        rule = ConfidenceTree(width=2, top_k=2, max_depth=2, max_nodes=6)
-    rule.context_row = 3
-    return lambda g: tree_decoding.tree_generate(target, draft, SMALL_PROMPT, rule, 4, temperature=1.0, generator=g)
+        rule = ConfidenceTree(width=2, top_k=2, max_depth=1, max_nodes=4, context_row=3)
+    return lambda g: tree_decoding.tree_generate(target, draft, COPY_PROMPT, rule, 4, temperature=1.0, generator=g)
 
 
 @pytest.mark.parametrize("siblings", ["top", "sampled"])
 def test_sampled_decoding_with_a_copied_row_keeps_the_target_distribution(
-    siblings: str, monkeypatch: pytest.MonkeyPatch
+    siblings: str, copy_pair, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    target, draft, joint = small_vocab_pair()
+    target, draft, joint = copy_pair
     copies, original = [], tree_decoding.add_copied_row
 
-    def counted(tree, nodes, row):
-        out = original(tree, nodes, row)
-        copies.append(len(out) - len(nodes))
+    def counted(tree, nodes, row, parent=-1):
+        out = original(tree, nodes, row, parent)
+        copies.append((len(out) - len(nodes), parent >= 0))
         return out
 
     monkeypatch.setattr(tree_decoding, "add_copied_row", counted)
-    tokens, _ = sampled_tokens(copied_decode(siblings, target, draft), SAMPLES, len(SMALL_PROMPT))
-    assert sum(copies) > SAMPLES // 2  # copied nodes joined the trees: their verification is under test
+    tokens, _ = sampled_tokens(copied_decode(siblings, target, draft), SAMPLES, len(COPY_PROMPT))
+    # copied nodes joined the trees, at the root and below drafted leaves: their verification is under test
+    assert sum(n for n, below in copies if not below) > SAMPLES // 2 and sum(n for n, below in copies if below) > 50
     p_first, p_second = pair_p_values(tokens, joint)
     assert p_first > ALPHA and p_second > ALPHA, (p_first, p_second)
 
 
-def test_accepting_a_copied_guess_outright_is_detected(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_accepting_a_copied_guess_outright_is_detected(copy_pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """Drawn siblings then a copy: a copy accepted whenever the draws were rejected must fail the same check."""
-    target, draft, joint = small_vocab_pair()
+    target, draft, joint = copy_pair
     monkeypatch.setattr(
         tree_verify, "try_guesses", lambda residual, guesses, g: (0, residual) if guesses else (None, residual)
     )
-    tokens, _ = sampled_tokens(copied_decode("sampled", target, draft), SAMPLES // 2, len(SMALL_PROMPT))
+    tokens, _ = sampled_tokens(copied_decode("sampled", target, draft), SAMPLES // 2, len(COPY_PROMPT))
     assert min(pair_p_values(tokens, joint)) < ALPHA
 
 

@@ -73,7 +73,7 @@ from ..models.drafters import Drafter, DraftStep, as_drafter
 from ..models.features import capture_lm_head_input
 from ..trees.attention import attention_layout
 from ..trees.context import ContextRow
-from ..trees.decoding import _fed_slots, add_copied_row, draft_tree, tree_drafter_for, tree_rows, verify_tree
+from ..trees.decoding import _fed_slots, add_copied_rows, draft_tree, tree_drafter_for, tree_rows, verify_tree
 from ..trees.drafters import TreeDrafter, TreeStep
 from ..trees.growth import TreeRule
 from ..trees.verify import TreeDecodeStats, commit_nodes, tree_forward
@@ -454,7 +454,7 @@ def speculative_tree_decode(
                 tree = draft_tree(drafter, rule, sampling, depth, stats, generator)
                 nodes = rule.select(tree)
                 if copy is not None:
-                    nodes = add_copied_row(tree, nodes, copy(buffer[0, :n].tolist(), depth))
+                    nodes = add_copied_rows(tree, nodes, copy, buffer[0, :n].tolist(), depth)
             # 2. Verify the root and the nodes in one pass; the row after node v is processed at x·path(v).
             with _timed(stats, "target_time"):
                 tree_tokens, parents, paths, rows = tree_rows(tree, nodes)

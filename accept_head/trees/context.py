@@ -59,21 +59,20 @@ class ContextRow:
         self.length = length
         self.indices = [ContextNgrams(q) for q in range(longest, shortest - 1, -1)]
 
-    def __call__(self, tokens: Sequence[int], length: int | None = None) -> list[int]:
-        """The copied row after ``tokens`` (at most ``length`` tokens, default the row's own), or []."""
+    def __call__(self, tokens: Sequence[int], length: int | None = None, path: Sequence[int] = ()) -> list[int]:
+        """The copied row after ``tokens`` (at most ``length`` tokens, default the row's own), or []. With ``path``
+        (tokens drafted after ``tokens``, not committed), the row that would follow ``tokens + path``: its suffix is
+        looked up among the committed text's n-grams, and nothing is indexed from ``path``."""
         length = self.length if length is None else min(length, self.length)
         if length < 1:
             return []
+        text = [*tokens[-max(index.q for index in self.indices) :], *path] if path else tokens
         for index in self.indices:
-            start = self._latest(index, tokens)
-            if start is not None:
-                return list(tokens[start : start + length])
+            index.update(tokens)
+            if len(text) < index.q:
+                continue
+            ends = index.follows.get(tuple(text[-index.q :]), [])
+            earlier = [end for end in ends if end < len(tokens)]  # a continuation exists (not the suffix itself)
+            if earlier:
+                return list(tokens[earlier[-1] : earlier[-1] + length])
         return []
-
-    @staticmethod
-    def _latest(index: ContextNgrams, tokens: Sequence[int]) -> int | None:
-        """Where the continuation of the latest earlier occurrence of the last ``index.q`` tokens starts."""
-        index.update(tokens)
-        ends = index.follows.get(tuple(tokens[-index.q :]), [])
-        earlier = [end for end in ends if end < len(tokens)]
-        return earlier[-1] if earlier else None

@@ -165,8 +165,9 @@ def tree_generate(
 
     A rule with ``context_row`` > 0 adds to every round's verified nodes up to that many tokens copied from the text
     itself (:class:`~accept_head.trees.context.ContextRow`: what followed the latest earlier occurrence of the last
-    three, else two, tokens), merged into the tree where the draft proposed the same tokens. The copies are fixed by
-    the committed text, so decoding stays exact (:func:`add_copied_row`).
+    three, else two, tokens) and as many below the drafted leaf most likely reached, merged into the tree where the
+    draft proposed the same tokens. The copies are fixed before verification, so decoding stays exact
+    (:func:`add_copied_rows`).
 
     The target must be one a tree mask serves (:func:`~accept_head.trees.attention.check_masked_attention`: sliding
     windows get their window per layer type, ALiBi is refused). A request past its context warns
@@ -190,7 +191,7 @@ def tree_generate(
                 tree = draft_tree(drafter, rule, sampling, depth, stats, generator)
                 nodes = rule.select(tree)
                 if copy is not None:
-                    nodes = add_copied_row(tree, nodes, copy(tokens, depth))
+                    nodes = add_copied_rows(tree, nodes, copy, tokens, depth)
             with _timed(stats, "target_time"):  # 2. Verify the root (the last token) and the nodes in one pass
                 tree_tokens, parents, paths, rows = tree_rows(tree, nodes)
                 with capture_lm_head_input(target) as box:
@@ -212,18 +213,37 @@ def tree_generate(
     return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)
 
 
-def add_copied_row(tree: DraftTree, nodes: list[int], row: Sequence[int]) -> list[int]:
-    """The verified ``nodes`` with the copied ``row`` merged in: its tokens follow the verified nodes that already
-    hold them from the root down, and the rest hang below as new nodes of ``tree`` (probability and score 0, marked in
-    ``tree.copied``), appended in creation order so that the nodes stay ancestor-closed.
+def add_copied_rows(
+    tree: DraftTree, nodes: list[int], copy: ContextRow, tokens: Sequence[int], depth: int
+) -> list[int]:
+    """The verified ``nodes`` with the rule's copied rows merged in (:func:`add_copied_row`): one after the committed
+    ``tokens`` at the root, and one below the drafted leaf most likely reached and accepted (the highest value), copied
+    after ``tokens`` and that leaf's path — so a path the draft gets right can run on where the text repeats. No path
+    grows deeper than ``depth``."""
+    nodes = add_copied_row(tree, nodes, copy(tokens, depth))
+    inner = {tree.parents[n] for n in nodes}
+    leaves = [n for n in nodes if n not in inner and n not in tree.copied]
+    if leaves:
+        leaf = max(leaves, key=lambda n: tree.values[n])  # ties: the earlier node
+        path = [tree.tokens[n] for n in tree.path(leaf)]
+        nodes = add_copied_row(tree, nodes, copy(tokens, depth - tree.depths[leaf], path), parent=leaf)
+    return nodes
 
-    Exact at every temperature: the row is a function of the committed text alone. Greedy verification accepts a
-    copied node iff it is the target's argmax; at T > 0 it is a point-mass guess, tried after the draft's own
-    children (:func:`~accept_head.trees.verify.verify_sampled`, :func:`~accept_head.trees.verify.verify_recursive`).
+
+def add_copied_row(tree: DraftTree, nodes: list[int], row: Sequence[int], parent: int = -1) -> list[int]:
+    """The verified ``nodes`` with the copied ``row`` merged in below ``parent`` (−1: the root; else a verified node):
+    its tokens follow the verified nodes that already hold them, and the rest hang below as new nodes of ``tree``
+    (probability and score 0, marked in ``tree.copied``), appended in creation order so that the nodes stay
+    ancestor-closed.
+
+    Exact at every temperature: the row is a function of the committed text and the drafted path alone, both fixed
+    before verification. Greedy verification accepts a copied node iff it is the target's argmax; at T > 0 it is a
+    point-mass guess, tried after the draft's own children (:func:`~accept_head.trees.verify.verify_sampled`,
+    :func:`~accept_head.trees.verify.verify_recursive`).
     """
     if not row:
         return nodes
-    chosen, out, parent = set(nodes), list(nodes), -1
+    chosen, out = set(nodes), list(nodes)
     for token in row:
         same = [n for n in tree.children.get(parent, []) if n in chosen and tree.tokens[n] == token]
         if same:

@@ -224,8 +224,9 @@ class TreeRule:
     """How children are chosen at T > 0 (:data:`SIBLINGS`); ``sampled`` rules also give :meth:`sibling_counts`."""
     context_row: int = 0
     """Tokens copied from the text itself that join each round's verified nodes (0: none): the continuation of the
-    latest earlier occurrence of the last three, else two, tokens (:class:`~accept_head.trees.context.ContextRow`,
-    :func:`~accept_head.trees.decoding.add_copied_row`). A function of the committed text, so decoding stays exact."""
+    latest earlier occurrence of the last three, else two, tokens, at the root and below the drafted leaf most likely
+    reached (:class:`~accept_head.trees.context.ContextRow`, :func:`~accept_head.trees.decoding.add_copied_rows`).
+    Fixed before verification, so decoding stays exact."""
     max_depth: int
     max_nodes: int
 
