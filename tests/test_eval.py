@@ -409,6 +409,23 @@ def test_trees_with_a_copied_row_are_chosen_and_compared_apart() -> None:
     assert context_row_ratios(summaries[:2]) == {}
 
 
+def test_head_tree_settings_take_the_bundles_tree_settings_unless_they_say_otherwise() -> None:
+    from types import SimpleNamespace
+
+    from accept_head.engine.runner import MethodSpec
+    from accept_head.evaluation.bench import with_bundle_tree_settings
+
+    specs = [MethodSpec("head_tree", {"threshold": None}), MethodSpec("head_tree", {"context_row": 0})]
+    specs.append(MethodSpec("cost_tree", {}))
+    done = with_bundle_tree_settings(specs, SimpleNamespace(tree={"context_row": 4, "width": 2}))
+    assert [s.params for s in done] == [
+        {"context_row": 4, "width": 2, "threshold": None},
+        {"context_row": 0, "width": 2},
+        {},  # only the head tree is the bundle's
+    ]
+    assert done[0].name != done[1].name and with_bundle_tree_settings(specs, SimpleNamespace(tree=None)) == specs
+
+
 def test_costs_command_writes_json_and_plot(tiny, tmp_path) -> None:
     out = tmp_path / "costs"
     payload = main(

@@ -455,10 +455,21 @@ def load_bench(plan: BenchPlan) -> BenchSetup:
     if plan.confidence_tau is None and plan.confidence_dataset is not None:
         dataset_tau = roc_threshold(*confidence_pairs_from_dataset(plan.confidence_dataset))
     runner_options = {"tree_cost": cost, "tree_models": tree_models, "target_runtime": plan.target_runtime}
-    trees += plan.draft_tree_grid
+    trees += with_bundle_tree_settings(plan.draft_tree_grid, pair.bundle)
     return BenchSetup(
         pair, test_set, val_set, cost, cost_source, trees, trees_skipped, runner_options, dataset_tau, folder
     )
+
+
+def with_bundle_tree_settings(specs: Sequence[MethodSpec], bundle) -> list[MethodSpec]:
+    """The draft-tree specs with each ``head_tree`` setting completed by the bundle's own tree settings (what
+    ``generate(tree=True)`` grows; the setting's own keys win), so names, selection and comparisons see the
+    effective settings — e.g. the bundle's ``context_row``, which ``context_row: 0`` turns off."""
+    stored = dict(getattr(bundle, "tree", None) or {})
+    return [
+        MethodSpec(s.kind, {**stored, **s.params}, s.label, s.role) if s.kind == "head_tree" and stored else s
+        for s in specs
+    ]
 
 
 def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float) -> dict:
