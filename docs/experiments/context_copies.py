@@ -7,7 +7,8 @@ and the draft's numbers at each. Two questions, answered offline on those rounds
 1. Rounds: how many tokens a round would accept from a row copied from the text itself
    (:class:`~accept_head.trees.context.ContextRow`, the continuation of the latest earlier occurrence of the last
    three, else two, tokens; ``--length`` tokens), against the draft's own four, and from the better of the two — a
-   tree verifying both. Greedy labels only: there a token is accepted iff it is the target's argmax, which the
+   tree verifying both — and with a second copy below a chain the target accepted whole (copied after the text and
+   the chain). Greedy labels only: there a token is accepted iff it is the target's argmax, which the
    response holds.
 2. Ranking: does whether the candidate continues a recurring n-gram of the text rank acceptance beyond the draft's own
    log-probability? A logistic regression over log q alone against one that also reads copy features (for n = 1..4:
@@ -43,25 +44,37 @@ def round_starts(rounds: list[int], accepted: list[bool]) -> dict[int, int]:
     return starts
 
 
+def copied_run(guess: list[int], response: list[int], start: int) -> int:
+    """How many tokens of ``guess`` match ``response`` from ``start`` on."""
+    n = 0
+    while n < len(guess) and start + n < len(response) and guess[n] == response[start + n]:
+        n += 1
+    return n
+
+
 def copy_rounds(labels: datasets.Dataset, length: int) -> dict[str, collections.Counter]:
-    """Per source (and ``all``): rounds, tokens the draft's round accepted, tokens a copied row would have, and the
-    better of the two per round."""
+    """Per source (and ``all``): rounds, tokens the draft's round accepted, tokens a copied row would have, the better
+    of the two per round, and that with a second copy below a chain the target accepted whole (``leaf``)."""
     out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for row in labels:
         response, starts = row["response_ids"], round_starts(row["round"], row["accepted"])
         copy = ContextRow(length)
         for index, start in starts.items():
-            drafted = sum(a for r, a in zip(row["round"], row["accepted"]) if r == index)
+            steps = [j for j, r in enumerate(row["round"]) if r == index]
+            drafted = sum(row["accepted"][j] for j in steps)
             guess = copy(row["prompt_ids"] + response[:start])
-            copied = 0
-            while copied < len(guess) and start + copied < len(response) and guess[copied] == response[start + copied]:
-                copied += 1
+            copied = copied_run(guess, response, start)
+            below = 0
+            if drafted == len(steps):  # the whole chain accepted: what a copy after its path would add
+                path = [row["draft_ids"][j] for j in steps]
+                below = copied_run(copy(row["prompt_ids"] + response[:start], path=path), response, start + drafted)
             for key in (row["source"], "all"):
                 counts = out[key]
                 counts["rounds"] += 1
                 counts["draft"] += drafted
                 counts["copy"] += copied
                 counts["best"] += max(drafted, copied)
+                counts["leaf"] += max(drafted + below, copied)
                 counts["with_copy"] += bool(guess)
     return out
 
@@ -117,10 +130,11 @@ def main() -> None:
     print(f"{args.labels}: {len(labels)} prompts, {'greedy' if greedy else 'T = 1'}")
     if args.rounds:
         for source, c in sorted(copy_rounds(labels, args.length).items()):
-            per = {k: c[k] / c["rounds"] for k in ("draft", "copy", "best", "with_copy")}
+            per = {k: c[k] / c["rounds"] for k in ("draft", "copy", "best", "leaf", "with_copy")}
             print(
                 f"  {source:12s} {c['rounds']:5d} rounds; accepted a round: draft {per['draft']:.3f}, copy "
-                f"{per['copy']:.3f}, better of both {per['best']:.3f}; rounds with a copy {per['with_copy']:.2f}"
+                f"{per['copy']:.3f}, better of both {per['best']:.3f}, with a copy below a whole chain "
+                f"{per['leaf']:.3f}; rounds with a copy {per['with_copy']:.2f}"
             )
     found = ranking(labels, greedy)
     print(
