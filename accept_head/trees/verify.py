@@ -257,7 +257,7 @@ def verify_recursive(
     follows p whatever q is — provided how many siblings are tried was fixed before they were drawn. The first
     sibling is accepted exactly as a chain's candidate is.
 
-    Nodes in ``copied`` are point-mass guesses fixed by the committed text (a copied row), not draws: when every
+    Nodes in ``copied`` are point-mass guesses fixed before verification (copied rows), not draws: when every
     drawn sibling was rejected, each is tried on what remains of p as :func:`verify_sampled` tries a guess — accepted
     with probability r(c) / Σ r, else its mass removed — which draws from r exactly. Returns (accepted nodes from
     depth 1, next token).
