@@ -172,6 +172,11 @@ class MethodSpec:
         return FAMILIES[self.kind]
 
     @property
+    def copies(self) -> bool:
+        """A draft-tree setting whose rounds also verify rows copied from the text (``context_row`` > 0)."""
+        return bool(self.params.get("context_row"))
+
+    @property
     def name(self) -> str:
         if self.label:
             return self.label
@@ -820,7 +825,7 @@ def choose_settings(summaries: Sequence[MethodSummary], select_by: str) -> list[
     groups: dict[tuple[str, Any, bool], list[MethodSummary]] = {}
     for s in summaries:
         if s.spec.role is None:
-            key = (s.spec.kind, s.spec.params.get("draft"), bool(s.spec.params.get("context_row")))
+            key = (s.spec.kind, s.spec.params.get("draft"), s.spec.copies)
             groups.setdefault(key, []).append(s)
     winners = {id(max(g, key=lambda s: throughput(s, selection_basis(s.spec, select_by)))) for g in groups.values()}
     return [s.spec for s in summaries if s.spec.role is not None or id(s) in winners]

@@ -558,7 +558,7 @@ def best_tree_settings(summaries: Sequence[MethodSummary], trees: Sequence[Metho
     chosen = {}
     for kind in dict.fromkeys(spec.kind for spec in trees):
         for copied in (False, True):
-            grid = [s for s in summaries if s.spec.kind == kind and bool(s.spec.params.get("context_row")) == copied]
+            grid = [s for s in summaries if s.spec.kind == kind and s.spec.copies == copied]
             if grid:  # one draft per kind, so one criterion
                 by = selection_basis(grid[0].spec, select_by)
                 best = best_of(grid, by)
@@ -698,7 +698,7 @@ def head_tree_ratios(summaries: Sequence[MethodSummary]) -> dict[str, dict]:
     """The head tree's measured and modeled tokens/s over each rival of :data:`HEAD_TREE_RIVALS` that ran (the
     chain: SpecDec++ at h*), each with its paired prompt-bootstrap 95% interval; {} without a head tree. Trees
     without a copied row (``context_row``) are compared with each other (:func:`context_row_ratios` for the rest)."""
-    plain = [s for s in summaries if not s.spec.params.get("context_row")]
+    plain = [s for s in summaries if not s.spec.copies]
     tree = next((s for s in plain if s.spec.kind == "head_tree"), None)
     if tree is None:
         return {}
@@ -714,9 +714,9 @@ def context_row_ratios(summaries: Sequence[MethodSummary]) -> dict[str, dict]:
     """For each tree kind that ran with and without a copied row (``context_row``): the one with over the one without,
     measured and modeled, with paired prompt-bootstrap 95% intervals; {} when no kind ran both."""
     out = {}
-    for copied in (s for s in summaries if s.spec.params.get("context_row")):
+    for copied in (s for s in summaries if s.spec.copies):
         kind = copied.spec.kind
-        plain = next((s for s in summaries if s.spec.kind == kind and not s.spec.params.get("context_row")), None)
+        plain = next((s for s in summaries if s.spec.kind == kind and not s.spec.copies), None)
         if plain is not None and kind not in out:
             out[kind] = {"name": copied.spec.name, "without": plain.spec.name} | compare(copied, plain)
     return out
