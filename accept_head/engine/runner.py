@@ -39,6 +39,7 @@ from ..learning_free.ouroboros import check_ouroboros_params, ouroboros_generate
 from ..models.pairs import cache_root
 from ..models.static_target import check_runtime
 from ..trees.attention import check_masked_attention
+from ..trees.chain_copies import chain_copy_generate
 from ..trees.decoding import tree_generate
 from ..trees.growth import ConfidenceTree, CostTree, HeadTree, StaticTree, TreeRule
 from ..trees.labels import C2TTree, TreeModels
@@ -152,6 +153,8 @@ class MethodSpec:
     :func:`~accept_head.learning_free.ouroboros.ouroboros_generate`, whose defaults fill what is left out; from code,
     N-Grammys and
     Lookahead also take ``stop``, a :class:`~accept_head.trees.verify.RowStop` object (then give a ``label``).
+    fixed_k and the stop rules also take ``context_row``: tokens copied from the text verified beside each chain
+    (:func:`~accept_head.trees.chain_copies.chain_copy_generate`).
     Methods with a draft (fixed_k, the stop rules, hf_assisted, ouroboros) also take ``draft``, the name of a
     comparison draft of the pair. autoregressive and oracle take none."""
     label: str | None = None
@@ -173,7 +176,8 @@ class MethodSpec:
 
     @property
     def copies(self) -> bool:
-        """A draft-tree setting whose rounds also verify rows copied from the text (``context_row`` > 0)."""
+        """A draft-tree or chain setting whose rounds also verify rows copied from the text (``context_row`` > 0;
+        a chain method then decodes with :func:`~accept_head.trees.chain_copies.chain_copy_generate`)."""
         return bool(self.params.get("context_row"))
 
     @property
@@ -599,7 +603,14 @@ class Runner:
         if spec.kind in DRAFT_TREES:
             rule, budget = self.tree_rule(spec), self.max_new_tokens
             return lambda ids, gen: tree_generate(target, draft, ids, rule, budget, generator=gen, **common)
-        policy = self.policy(spec)
+        copied = int(spec.params.get("context_row") or 0)
+        policy = self.policy(MethodSpec(spec.kind, {k: v for k, v in spec.params.items() if k != "context_row"}))
+        if copied:  # the chain plus rows copied from the text: verified as a two-branch tree, target eager
+            if common.pop("target_runtime", "eager") != "eager":
+                raise ValueError(f"{spec.name} verifies copied rows under a tree mask: use target_runtime='eager'.")
+            return lambda ids, gen: chain_copy_generate(
+                target, draft, ids, policy, self.max_new_tokens, copied, generator=gen, **common
+            )
         return lambda ids, gen: speculative_generate(
             target, draft, ids, policy, self.max_new_tokens, generator=gen, **common
         )

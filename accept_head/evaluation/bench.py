@@ -233,6 +233,7 @@ class BenchPlan:
     target_runtime: str
     specdec_thresholds: list[float] | None
     hindsight_k: bool
+    chain_context_row: int
     tree_grids: dict[str, list[dict]] = field(init=False)
     """The learning-free tree decoders' grids, each setting completed (:func:`tree_settings`)."""
     draft_tree_grid: list[MethodSpec] = field(init=False)
@@ -272,6 +273,13 @@ class BenchPlan:
                     f"specdec_thresholds={self.specdec_thresholds} must hold values in (0, 1), or be null (the "
                     "bundle's own h*)."
                 )
+        if isinstance(self.chain_context_row, bool) or not isinstance(self.chain_context_row, int):
+            raise ValueError(f"chain_context_row={self.chain_context_row!r} must be an integer >= 0 (0: no copies).")
+        if self.chain_context_row < 0 or (self.chain_context_row and self.target_runtime != "eager"):
+            raise ValueError(
+                f"chain_context_row={self.chain_context_row} must be >= 0, and copied rows need "
+                f"target_runtime='eager' (got {self.target_runtime!r})."
+            )
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {self.repeats}, {self.warmup}).")
         self.tree_grids = tree_settings(
@@ -316,6 +324,10 @@ BENCH_ARGS = """
         hindsight_k: Also decode every K of ``fixed_k`` on the test prompts and add each method's ratio to the K
             best there (``ratio_to_hindsight_fixed_k``) — a bound no rule can use, since it is chosen on the
             prompts reported; ``ratio_to_best_fixed_k`` stays against the K validation chose.
+        chain_context_row: When > 0, FixedK and SpecDec++ also decode with that many tokens copied from the text
+            verified beside each chain (:func:`~accept_head.trees.chain_copies.chain_copy_generate`), their K and h
+            chosen on validation apart from the plain ones; ``context_row_ratios`` pairs each with its plain twin and
+            ``copied_chain_ratio`` is SpecDec++ over FixedK, both with copies.
         entropy_thresholds: λ grid for EntropyStop searched on validation (default 0.1 … 0.8).
         entropy_gamma: AdaEDL's entropy scale γ.
         path_confidence_thresholds: h grid for PathConfidenceStop, SpecDec++'s rule on the draft's own path
@@ -415,6 +427,7 @@ def bench(
     target_runtime: str = "eager",
     specdec_thresholds: list[float] | None = None,
     hindsight_k: bool = False,
+    chain_context_row: int = 0,
 ) -> dict:
     """Benchmark SpecDec++ against every simpler way of choosing the candidate length, on the same prompts.
 
@@ -487,6 +500,7 @@ def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float)
     specs += [MethodSpec("entropy", {"threshold": lam, "gamma": plan.entropy_gamma}) for lam in entropy_thresholds]
     specs += [MethodSpec("path_confidence", {"threshold": h}) for h in path_thresholds]
     specs += specdec_grid(plan, setup, temperature)
+    specs += copied_chains(specs, plan.chain_context_row)
     # run_sweep leaves out, with the reason, what this pair cannot run (only tree decoders can be refused).
     summaries, skipped = run_sweep(
         pair,
@@ -501,7 +515,7 @@ def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float)
         ignore_eos=plan.ignore_eos,
         **setup.runner_options,
     )
-    own = [s for s in summaries if "draft" not in s.spec.params]
+    own = [s for s in summaries if "draft" not in s.spec.params and not s.spec.copies]
     best_k = best_of(own, select_by, "fixed_k")
     best_entropy = best_of(own, select_by, "entropy") if entropy_thresholds else None
     best_path = best_of(own, select_by, "path_confidence") if path_thresholds else None
@@ -529,9 +543,33 @@ def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float)
             for s in summaries
         ],
     }
+    if plan.chain_context_row:
+        validation["chain_context_row"] = best_copied_chains(summaries, select_by, bool(plan.specdec_thresholds))
     if plan.stop_rules:
         validation["confidence"] = choose_tau(plan, setup, temperature)
     return validation
+
+
+CHAIN_KINDS = ("specdecpp", "fixed_k")
+"""The chain methods a bench also runs with copied rows (``chain_context_row``)."""
+
+
+def copied_chains(specs: Sequence[MethodSpec], context_row: int) -> list[MethodSpec]:
+    """The pair's own FixedK and SpecDec++ settings of ``specs`` again with ``context_row`` copied tokens ([] for 0)."""
+    if not context_row:
+        return []
+    chains = [s for s in specs if s.kind in CHAIN_KINDS and "draft" not in s.params]
+    return [MethodSpec(s.kind, {**s.params, "context_row": context_row}) for s in chains]
+
+
+def best_copied_chains(summaries: Sequence[MethodSummary], select_by: str, searched_h: bool) -> dict:
+    """The K (and, when an h grid was searched, the h) best on validation among the chains with copied rows."""
+    copied = [s for s in summaries if s.spec.copies and s.spec.kind in CHAIN_KINDS]
+    out = {"context_row": int(copied[0].spec.params["context_row"])}
+    out["best_k"] = int(best_of(copied, select_by, "fixed_k").spec.params["k"])
+    if searched_h:
+        out["best_specdec_threshold"] = float(best_of(copied, select_by, "specdecpp").spec.params["threshold"])
+    return out
 
 
 def specdec_grid(plan: BenchPlan, setup: BenchSetup, temperature: float) -> list[MethodSpec]:
@@ -539,6 +577,20 @@ def specdec_grid(plan: BenchPlan, setup: BenchSetup, temperature: float) -> list
     grid is not set: the bundle's own h* decodes)."""
     _, unscored = setup.pair.bundle.h_star(greedy=temperature == 0)
     return [MethodSpec("specdecpp", {"threshold": h, "unscored": unscored}) for h in plan.specdec_thresholds or []]
+
+
+def copied_chain_methods(setup: BenchSetup, temperature: float, validation: dict) -> list[MethodSpec]:
+    """FixedK and SpecDec++ with copied rows at the K and h validation chose for them ([] when none ran)."""
+    chosen = validation.get("chain_context_row")
+    if not chosen:
+        return []
+    copies = {"context_row": chosen["context_row"]}
+    h_star, unscored = setup.pair.bundle.h_star(greedy=temperature == 0)
+    h = chosen.get("best_specdec_threshold", h_star)
+    return [
+        MethodSpec("fixed_k", {"k": chosen["best_k"], **copies}),
+        MethodSpec("specdecpp", {"threshold": h, "unscored": unscored, **copies}),
+    ]
 
 
 def specdec_method(setup: BenchSetup, temperature: float, validation: dict) -> MethodSpec:
@@ -587,6 +639,7 @@ def bench_methods(plan: BenchPlan, setup: BenchSetup, temperature: float, valida
         MethodSpec("fixed_k", {"k": best_k}),
         *[MethodSpec("fixed_k", {"k": k, "draft": name}) for name, k in validation["best_k_by_draft"].items()],
         specdec_method(setup, temperature, validation),
+        *copied_chain_methods(setup, temperature, validation),
     ]
     if plan.hindsight_k:  # the K grid on the test prompts too, after the rules (the chosen K's row stays second)
         later = [MethodSpec("fixed_k", {"k": k}) for k in plan.fixed_k if k != best_k]
@@ -668,6 +721,9 @@ def decode_test_prompts(
         result["head_tree_ratios"] = head_tree
     if copying:
         result["context_row_ratios"] = copying
+    copied = [next((s for s in summaries if s.spec.copies and s.spec.kind == k), None) for k in CHAIN_KINDS]
+    if all(copied):
+        result["copied_chain_ratio"] = {"name": copied[0].spec.name, "over": copied[1].spec.name} | compare(*copied)
     if temperature == 0:
         result["greedy_identity"] = greedy_identity(outputs, specs[0].name)
         print(_identity_line(result["greedy_identity"]))
@@ -780,6 +836,7 @@ def write_bench(plan: BenchPlan, setup: BenchSetup, results: dict) -> dict:
             "entropy_thresholds": plan.entropy_thresholds,
             "specdec_thresholds": plan.specdec_thresholds,
             "hindsight_k": plan.hindsight_k,
+            "chain_context_row": plan.chain_context_row,
             "entropy_gamma": plan.entropy_gamma,
             "path_confidence_thresholds": plan.path_confidence_thresholds,
             "hf_settings": [s.__dict__ for s in plan.hf_settings],
@@ -856,14 +913,18 @@ def _with_ratios(summaries: Sequence[MethodSummary], best_k: int | None = None) 
     (the fixed-K row at ``best_k`` when several ran: the K chosen on validation)."""
     own = [s for s in summaries if "draft" not in s.spec.params]
     ar = next((s for s in own if s.spec.kind == "autoregressive"), None)
-    fixed = [s for s in own if s.spec.kind == "fixed_k" and (best_k is None or s.spec.params["k"] == best_k)]
+    fixed = [
+        s
+        for s in own
+        if s.spec.kind == "fixed_k" and not s.spec.copies and (best_k is None or s.spec.params["k"] == best_k)
+    ]
     return [s.to_dict() | ratios(s, ar, fixed[-1] if fixed else None) for s in summaries]
 
 
 def add_hindsight_ratios(summaries: Sequence[MethodSummary], methods: list[dict], select_by: str) -> dict:
     """Give each method dict its ratios to the fixed K best on the test prompts themselves (by ``select_by``):
     ``ratio_to_hindsight_fixed_k``, ``modeled_ratio_to_hindsight_fixed_k`` and their ``_ci95``. Returns that K."""
-    own = [s for s in summaries if s.spec.kind == "fixed_k" and "draft" not in s.spec.params]
+    own = [s for s in summaries if s.spec.kind == "fixed_k" and "draft" not in s.spec.params and not s.spec.copies]
     best = best_of(own, select_by)
     for summary, method in zip(summaries, methods):
         method.update(ratios_to(summary, best, "hindsight_fixed_k"))

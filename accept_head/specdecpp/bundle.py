@@ -48,8 +48,9 @@ from ..models.pairs import (
     normalize_device,
     normalize_dtype,
 )
+from ..trees.chain_copies import chain_copy_generate
 from ..trees.decoding import tree_generate
-from ..trees.growth import HeadTree, TreeRule
+from ..trees.growth import HeadTree, TreeRule, check_context_row
 from ..trees.labels import MODES, tree_mode
 from .hf_generate import SpecDecGenerateOutput, run_custom_generate, streamer_ended_on_error
 
@@ -85,6 +86,22 @@ def _check_tree_modes(maps: dict) -> None:
     unknown = sorted(set(maps) - set(MODES))
     if unknown:
         raise ValueError(f"tree_calibration modes {unknown} are unknown; use {' and '.join(MODES)}.")
+
+
+def decoder(
+    bundle: SpecDecPP, tree: bool, threshold: float | None, greedy: bool, runtime: str, context_row: int | None
+) -> tuple:
+    """(decode function, its policy or tree rule, its extra keyword arguments) for :meth:`SpecDecPP.generate`: a
+    tree (``context_row`` overriding the tree settings' copies), a chain with copied rows, or a plain chain."""
+    if tree:
+        rule = bundle.tree_rule(threshold, greedy)
+        if context_row is not None:
+            rule.context_row = check_context_row(context_row)
+        return tree_generate, rule, {}
+    policy = bundle.policy(threshold, greedy)
+    if context_row:
+        return chain_copy_generate, policy, {"context_row": context_row}
+    return speculative_generate, policy, {"target_runtime": runtime}
 
 
 @dataclass
@@ -296,6 +313,7 @@ class SpecDecPP:
         generator: torch.Generator | None = None,
         tree: bool = False,
         target_runtime: str = "eager",
+        context_row: int | None = None,
     ) -> SpecDecOutput:
         """Generate a continuation of ``prompt`` (a string, chat messages, or token ids).
 
@@ -306,19 +324,23 @@ class SpecDecPP:
         decoding): ``eager``, ``static`` (a preallocated KV cache) or ``compiled`` (that cache under
         ``torch.compile``, each pass width compiled on its first use: slow first calls;
         :mod:`~accept_head.models.static_target`).
+
+        ``context_row``: tokens copied from the text itself (the continuation of the latest earlier occurrence of the
+        last three, else two, tokens) verified beside each round's chain or tree, at the root and below the draft's
+        path (:func:`~accept_head.trees.chain_copies.chain_copy_generate`; exact in every mode). None: the bundle's
+        tree settings for trees, none for chains; with copies a chain's target runs eagerly.
         """
-        if tree and target_runtime != "eager":
-            raise ValueError(f"target_runtime={target_runtime!r} serves chain decoding; pass tree=False or 'eager'.")
+        if (tree or context_row) and target_runtime != "eager":
+            raise ValueError(
+                f"target_runtime={target_runtime!r} serves plain chain decoding; trees and copied rows "
+                f"(context_row={context_row}) verify under a tree mask: pass target_runtime='eager'."
+            )
         ids = self.encode(prompt)
         if generator is None:
             generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**63)
         eos = self.eos_token_ids
         temperature = self.temperature if temperature is None else temperature
-        decode, rule = (
-            (tree_generate, self.tree_rule(threshold, greedy=temperature == 0))
-            if tree
-            else (speculative_generate, self.policy(threshold, greedy=temperature == 0))
-        )
+        decode, rule, options = decoder(self, tree, threshold, temperature == 0, target_runtime, context_row)
         result = decode(
             self.target,
             self.draft,
@@ -330,7 +352,7 @@ class SpecDecPP:
             top_p=top_p,
             eos_token_id=eos,
             generator=generator,
-            **({} if tree else {"target_runtime": target_runtime}),
+            **options,
         )
         new = result.sequences[0, len(ids) :].tolist()
         text = self.tokenizer.decode(new, skip_special_tokens=True) if self.tokenizer is not None else None

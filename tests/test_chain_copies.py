@@ -1,0 +1,162 @@
+"""Chain speculative decoding with rows copied from the text (:mod:`accept_head.trees.chain_copies`), on tiny models.
+
+* Greedy decoding returns exactly the target's greedy text in float32 with right, wrong and real copies, for a
+  standalone draft and a feature draft (whose target features then come from the tree pass); right copies are
+  accepted whole.
+* Without copies (``context_row=0``) it decodes as :func:`speculative_generate` does, round for round.
+* At temperature 1 the output follows the target's exact distribution (χ²), with copies at the root and below the
+  chain; accepting a copied guess outright fails the same check.
+* The policy hears how many drafted candidates were accepted, not how many copied.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from stats_helpers import ALPHA, exact_joint, pair_p_values, sampled_tokens, small_vocab_pair
+from test_context_row import COPY_PROMPT, SAMPLES, FutureRow
+from test_tree_decoding import NEW, PROMPTS
+from tiny_models import make_llama, perturbed_copy
+
+import accept_head.trees.chain_copies as chain_copies
+import accept_head.trees.verify as tree_verify
+from accept_head import FixedK, autoregressive_generate, speculative_generate
+from accept_head.chain.baselines import Heuristic
+from accept_head.models.feature_draft import FeatureDraft
+from accept_head.models.features import lm_head_input
+
+
+@pytest.mark.parametrize("copies", ["right", "wrong", "context"])
+def test_greedy_decoding_with_copies_equals_autoregressive(copies: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An unrelated random draft rarely guesses right, so right copies carry the rounds: four a round."""
+    target, draft = make_llama(seed=0, num_layers=2), make_llama(seed=11, num_layers=1)
+    for prompt in PROMPTS:
+        reference = autoregressive_generate(target, prompt, NEW, temperature=0).sequences
+        if copies != "context":
+            row = FutureRow(reference[0].tolist(), int(copies == "wrong"), target.config.vocab_size)
+            monkeypatch.setattr(chain_copies, "ContextRow", lambda length, row=row: row)
+        out = chain_copies.chain_copy_generate(target, draft, prompt, FixedK(2), NEW, temperature=0)
+        assert torch.equal(out.sequences, reference), prompt
+        if copies == "right":
+            assert out.stats.accepted[:-1] == [4] * (len(out.stats.accepted) - 1), out.stats.accepted
+
+
+def test_a_feature_draft_reads_the_targets_features_at_the_accepted_row(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A feature draft reads the target's hidden states at the committed tokens, which now come from a tree pass
+    whose accepted row is often the copy (right copies, a branch beside the chain): every feature it receives equals
+    the target's own at that position."""
+    target = make_llama(seed=0, num_layers=2)
+    prompt = PROMPTS[0]
+    reference = autoregressive_generate(target, prompt, NEW, temperature=0).sequences
+    row = FutureRow(reference[0].tolist(), 0, target.config.vocab_size)
+    monkeypatch.setattr(chain_copies, "ContextRow", lambda length: row)
+    drafter = chain_copies.as_drafter(FeatureDraft.from_target(target, torch.arange(40)), target, with_hidden=False)
+    received, start, commit = [], drafter.start, drafter.commit
+    drafter.start = lambda tokens, features: (received.append(features.clone()), start(tokens, features))[1]
+    drafter.commit = lambda tokens, features: (received.append(features.clone()), commit(tokens, features))[1]
+    out = chain_copies.chain_copy_generate(target, drafter, prompt, FixedK(3), NEW, context_row=4, temperature=0)
+    assert torch.equal(out.sequences, reference)
+    assert max(out.stats.rows) == 2  # the copy was a branch beside the chain
+    want = lm_head_input(target, out.sequences[:, :-1])[0]
+    got = torch.cat(received)
+    assert got.shape == want.shape
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_without_copies_it_decodes_as_the_chain_decoder() -> None:
+    """``context_row=0`` verifies the chain through the tree pass: greedily the same rounds as the chain decoder."""
+    target = make_llama(seed=0, num_layers=2)
+    draft = perturbed_copy(target, relative_noise=0.15, seed=3)
+    for prompt in PROMPTS:
+        chain = speculative_generate(target, draft, prompt, FixedK(3), NEW, temperature=0)
+        tree = chain_copies.chain_copy_generate(target, draft, prompt, FixedK(3), NEW, context_row=0, temperature=0)
+        assert torch.equal(chain.sequences, tree.sequences), prompt
+        assert (chain.stats.proposed, chain.stats.accepted) == (tree.stats.proposed, tree.stats.accepted)
+        assert sum(chain.stats.accepted) > 0
+
+
+def test_the_policy_hears_the_accepted_drafted_candidates(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Right copies win every round while the unrelated draft's candidates are rejected: an adaptive schedule must
+    hear 0 accepted (and shrink its K), not the copied tokens' 4."""
+    target, draft = make_llama(seed=0, num_layers=2), make_llama(seed=11, num_layers=1)
+    prompt = PROMPTS[0]
+    reference = autoregressive_generate(target, prompt, NEW, temperature=0).sequences
+    row = FutureRow(reference[0].tolist(), 0, target.config.vocab_size)
+    monkeypatch.setattr(chain_copies, "ContextRow", lambda length: row)
+    heard = []
+    policy = Heuristic(initial_k=4)
+    update = policy.update
+    policy.update = lambda state, accepted: (heard.append((state.n, accepted)), update(state, accepted))[1]
+    chain_copies.chain_copy_generate(target, draft, prompt, policy, NEW, temperature=0)
+    assert heard and all(accepted <= n for n, accepted in heard)
+    assert sum(accepted for _, accepted in heard) < len(heard), heard
+
+
+def test_bad_context_row_is_refused() -> None:
+    target, draft = make_llama(seed=0, num_layers=2), make_llama(seed=11, num_layers=1)
+    with pytest.raises(ValueError, match="context_row=-1 must be an integer >= 0"):
+        chain_copies.chain_copy_generate(target, draft, [1, 2], FixedK(2), 4, context_row=-1)
+
+
+@pytest.fixture(scope="module")
+def copy_pair():
+    target, draft, _ = small_vocab_pair()
+    return target, draft, exact_joint(target, COPY_PROMPT, 4)
+
+
+def copied_chain(target, draft):
+    return lambda g: chain_copies.chain_copy_generate(
+        target, draft, COPY_PROMPT, FixedK(1), 4, context_row=3, temperature=1.0, generator=g
+    )
+
+
+def test_sampled_decoding_with_copies_keeps_the_target_distribution(copy_pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    target, draft, joint = copy_pair
+    copies, original = [], chain_copies.add_copied_rows
+
+    def counted(tree, nodes, copy, tokens, depth):
+        out = original(tree, nodes, copy, tokens, depth)
+        copies.append(sum(tree.parents[n] >= 0 for n in out[len(nodes) :]))  # copied nodes below the chain
+        copies.append(-sum(tree.parents[n] < 0 for n in out[len(nodes) :]))  # at the root (counted negative)
+        return out
+
+    monkeypatch.setattr(chain_copies, "add_copied_rows", counted)
+    tokens, _ = sampled_tokens(copied_chain(target, draft), SAMPLES, len(COPY_PROMPT))
+    assert sum(n for n in copies if n > 0) > 50 and -sum(n for n in copies if n < 0) > 50, copies[:20]
+    p_first, p_second = pair_p_values(tokens, joint)
+    assert p_first > ALPHA and p_second > ALPHA, (p_first, p_second)
+
+
+def test_accepting_a_copied_guess_outright_is_detected(copy_pair, monkeypatch: pytest.MonkeyPatch) -> None:
+    target, draft, joint = copy_pair
+    monkeypatch.setattr(
+        tree_verify, "try_guesses", lambda residual, guesses, g: (0, residual) if guesses else (None, residual)
+    )
+    tokens, _ = sampled_tokens(copied_chain(target, draft), SAMPLES // 2, len(COPY_PROMPT))
+    assert min(pair_p_values(tokens, joint)) < ALPHA
+
+
+def test_a_bundle_decodes_chains_with_copies_on_request(tmp_path) -> None:
+    """``SpecDecPP.generate(context_row=n)``: the chain with copies decodes the target's greedy text and verifies
+    copied rows; ``context_row=0`` is the plain chain; a compiled target or a bad value is refused by name."""
+    from test_tree_decoding import COST, TREE_SETTINGS
+    from tiny_models import tree_bundle
+
+    from accept_head import SpecDecPP
+
+    bundle = SpecDecPP.from_pretrained(tree_bundle(tmp_path, COST.to_dict(), TREE_SETTINGS))
+    prompt = [5, 9, 10, 11, 9, 10, 11, 9, 10]
+    eos = bundle.eos_token_ids
+    reference = autoregressive_generate(bundle.target, prompt, 20, temperature=0, eos_token_id=eos).sequences
+    copied = bundle.generate(prompt, max_new_tokens=20, temperature=0, context_row=4)
+    plain = bundle.generate(prompt, max_new_tokens=20, temperature=0, context_row=0)
+    assert torch.equal(copied.sequences, reference) and torch.equal(plain.sequences, reference)
+    assert max(copied.stats.fed) > max(plain.stats.proposed) + 1 and not hasattr(plain.stats, "fed")
+    tree = bundle.generate(prompt, max_new_tokens=20, temperature=0, tree=True, context_row=4)
+    assert torch.equal(tree.sequences, reference)
+    sampled = [bundle.generate(prompt, max_new_tokens=12, seed=4, context_row=4).new_token_ids for _ in range(2)]
+    assert sampled[0] == sampled[1]  # seeded
+    with pytest.raises(ValueError, match="target_runtime='eager'"):
+        bundle.generate(prompt, max_new_tokens=4, context_row=4, target_runtime="static")
+    with pytest.raises(ValueError, match="context_row=-2 must be an integer >= 0"):
+        bundle.generate(prompt, max_new_tokens=4, tree=True, context_row=-2)
