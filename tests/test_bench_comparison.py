@@ -137,6 +137,31 @@ def test_specdec_thresholds_choose_h_on_validation_and_the_test_prompts_decode_a
     assert "specdec_thresholds=[1.5] must hold values in (0, 1)" in capsys.readouterr().err
 
 
+def test_chain_context_row_adds_copying_chains_chosen_on_validation(tiny, tmp_path, capsys) -> None:
+    """``chain_context_row``: FixedK and SpecDec++ also run with copied rows, K and h chosen among the copying chains
+    on validation; they are lossless (float32 greedy identity) and paired with their plain twins."""
+    greedy = run_bench(
+        tiny, "feature", tmp_path, chain_context_row=4, specdec_thresholds=[0.2, 0.8], hf_settings=[], stop_rules=False
+    )
+    chosen = greedy["validation"]["chain_context_row"]
+    copying = [m for m in greedy["validation"]["methods"] if m["params"].get("context_row")]
+    assert sorted((m["kind"], m["params"].get("k")) for m in copying) == sorted(
+        [("fixed_k", 1), ("fixed_k", 3), ("specdecpp", None), ("specdecpp", None)]
+    )  # the pair's own draft only, never the comparison draft
+    rows = [m for m in greedy["methods"] if m["params"].get("context_row") == 4]
+    assert [(m["kind"], m["params"].get("k"), m["params"].get("threshold")) for m in rows] == [
+        ("fixed_k", chosen["best_k"], None),
+        ("specdecpp", None, chosen["best_specdec_threshold"]),
+    ]
+    identity = [greedy["greedy_identity"][m["name"]] for m in rows]
+    assert all(v["identical"] == v["decodes"] > 0 and v["first_divergence"] == [] for v in identity)
+    assert sorted(greedy["context_row_ratios"]) == ["fixed_k", "specdecpp"]
+    assert greedy["copied_chain_ratio"]["name"] == rows[1]["name"]
+    with pytest.raises(SystemExit):
+        run_bench(tiny, "feature", tmp_path, chain_context_row=4, target_runtime="static")
+    assert "copied rows need target_runtime='eager'" in capsys.readouterr().err
+
+
 def test_greedy_identity_counts_differing_decodes_and_where_they_part() -> None:
     outputs = {
         "AR": [[(1, 2, 3), (4, 5)], [(1, 2, 3), (4, 5)]],

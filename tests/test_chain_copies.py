@@ -158,5 +158,16 @@ def test_a_bundle_decodes_chains_with_copies_on_request(tmp_path) -> None:
     assert sampled[0] == sampled[1]  # seeded
     with pytest.raises(ValueError, match="target_runtime='eager'"):
         bundle.generate(prompt, max_new_tokens=4, context_row=4, target_runtime="static")
+    # A bundle's own context_row is its chains' default; it round-trips, and a bundle without one copies nothing.
+    assert bundle.context_row == 0 and "fed" not in vars(bundle.generate(prompt, max_new_tokens=8, temperature=0).stats)
+    bundle.context_row = 4
+    bundle.save_pretrained(tmp_path / "copying")
+    loaded = SpecDecPP.from_pretrained(tmp_path / "copying", target=bundle.target, draft=bundle.draft)
+    assert loaded.context_row == 4
+    default = loaded.generate(prompt, max_new_tokens=20, temperature=0)
+    assert torch.equal(default.sequences, reference) and default.stats.fed == copied.stats.fed
+    assert "fed" not in vars(loaded.generate(prompt, max_new_tokens=8, temperature=0, target_runtime="static").stats)
+    with pytest.raises(ValueError, match="context_row=1.5"):
+        SpecDecPP(bundle.target, bundle.draft, bundle.head, 0.6, context_row=1.5)
     with pytest.raises(ValueError, match="context_row=-2 must be an integer >= 0"):
         bundle.generate(prompt, max_new_tokens=4, tree=True, context_row=-2)

@@ -409,6 +409,54 @@ def test_trees_with_a_copied_row_are_chosen_and_compared_apart() -> None:
     assert context_row_ratios(summaries[:2]) == {}
 
 
+def test_chains_with_copied_rows_are_chosen_and_compared_apart() -> None:
+    """``chain_context_row``: FixedK and SpecDec++ again with copies, their K chosen among the copying chains only;
+    the plain best K stays the one every ratio is against, and the copies' gain is paired with its plain twin."""
+    from types import SimpleNamespace
+
+    from accept_head.engine.runner import MethodSpec, summarize
+    from accept_head.evaluation.bench import (
+        _with_ratios,
+        best_copied_chains,
+        context_row_ratios,
+        copied_chain_methods,
+        copied_chains,
+    )
+
+    cost = CostModel(t_draft=0.01, t_target_a=0.1)
+    plain = [MethodSpec("fixed_k", {"k": 2}), MethodSpec("fixed_k", {"k": 4}), MethodSpec("specdecpp", {"h": 1})]
+    plain.append(MethodSpec("fixed_k", {"k": 2, "draft": "standalone"}))
+    copying = copied_chains(plain, 4)
+    assert [s.params for s in copying] == [
+        {"k": 2, "context_row": 4},
+        {"k": 4, "context_row": 4},
+        {"h": 1, "context_row": 4},
+    ]  # never a comparison draft's
+    assert copied_chains(plain, 0) == []
+    base = [1.0, 2.0, 0.5]
+    specs = [MethodSpec("autoregressive"), plain[0], plain[1], copying[0], copying[1]]
+    seconds = [[t * 2 for t in base], [t / 1.1 for t in base], base, [t / 1.2 for t in base], [t / 1.5 for t in base]]
+    summaries = summarize(specs, {s.name: [_prompt_runs(t)] for s, t in zip(specs, seconds)}, cost)
+    assert best_copied_chains(summaries, "measured", searched_h=False) == {"context_row": 4, "best_k": 4}
+    # The K validation chose for plain chains (4) is what ratios are against, never its copying twin of the same K.
+    methods = _with_ratios(summaries, best_k=4)
+    assert methods[4]["ratio_to_best_fixed_k"] == pytest.approx(1.5) and methods[2]["ratio_to_best_fixed_k"] == 1.0
+    found = context_row_ratios([summaries[2], summaries[4]])
+    assert found["fixed_k"]["ratio"] == pytest.approx(1.5) and found["fixed_k"]["without"] == specs[2].name
+    bundle = SimpleNamespace(h_star=lambda greedy: (0.8, None))
+    chosen = copied_chain_methods(
+        SimpleNamespace(pair=SimpleNamespace(bundle=bundle)),
+        0.0,
+        {"chain_context_row": {"context_row": 4, "best_k": 3}},
+    )
+    assert [(s.kind, s.params) for s in chosen] == [
+        ("fixed_k", {"k": 3, "context_row": 4}),
+        ("specdecpp", {"threshold": 0.8, "unscored": None, "context_row": 4}),
+    ]
+    assert all(s.copies and s.role is None for s in chosen)
+    assert copied_chain_methods(SimpleNamespace(pair=SimpleNamespace(bundle=bundle)), 0.0, {}) == []
+
+
 def test_head_tree_settings_take_the_bundles_tree_settings_unless_they_say_otherwise() -> None:
     from types import SimpleNamespace
 

@@ -78,6 +78,7 @@ KNOWN_KEYS = {
     "provenance",
     "tree",
     "tree_calibration",
+    "context_row",
 }
 
 
@@ -190,6 +191,7 @@ class SpecDecPP:
         greedy_calibration: Calibration | None = None,
         tree: dict | None = None,
         tree_calibration: dict[str, Calibration] | None = None,
+        context_row: int = 0,
     ) -> None:
         if head.hidden_size != draft.config.hidden_size:
             raise ValueError(
@@ -213,6 +215,9 @@ class SpecDecPP:
         self.cost_model = cost_model
         self.provenance = provenance or {}
         self.target_spec, self.draft_spec = target_spec, draft_spec
+        self.context_row = check_context_row(context_row)
+        """Tokens copied from the text verified beside each chain of :meth:`generate` (0: none; a tree's copies are
+        its :attr:`tree` settings' ``context_row``). ``model.generate(custom_generate=...)`` chains verify none."""
         self.tree = dict(tree or {})
         """Keyword arguments of :class:`~accept_head.trees.growth.HeadTree` for ``generate(..., tree=True)``
         (``width``, ``top_k``, ``max_depth``, ``min_depth``, ``max_nodes``, ``threshold``, ``siblings``,
@@ -328,8 +333,11 @@ class SpecDecPP:
         ``context_row``: tokens copied from the text itself (the continuation of the latest earlier occurrence of the
         last three, else two, tokens) verified beside each round's chain or tree, at the root and below the draft's
         path (:func:`~accept_head.trees.chain_copies.chain_copy_generate`; exact in every mode). None: the bundle's
-        tree settings for trees, none for chains; with copies a chain's target runs eagerly.
+        own (:attr:`context_row` for chains, the ``tree`` settings' for trees). Copies need the eager target: under
+        another ``target_runtime`` a chain decodes without the bundle's, and an explicit count is refused.
         """
+        if context_row is None and not tree and target_runtime == "eager":
+            context_row = self.context_row
         if (tree or context_row) and target_runtime != "eager":
             raise ValueError(
                 f"target_runtime={target_runtime!r} serves plain chain decoding; trees and copied rows "
@@ -437,6 +445,7 @@ class SpecDecPP:
             "provenance": self.provenance,
             "tree": self.tree or None,
             "tree_calibration": {mode: c.to_dict() for mode, c in self.tree_calibration.items()} or None,
+            "context_row": self.context_row,
         }
 
     def save_pretrained(self, folder: str | Path) -> None:
@@ -595,6 +604,7 @@ class SpecDecPP:
             greedy_calibration=greedy_calibration,
             tree=config.get("tree"),
             tree_calibration={mode: Calibration.from_dict(raw) for mode, raw in tree_maps.items()},
+            context_row=config.get("context_row", 0),
         )
 
 

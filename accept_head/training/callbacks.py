@@ -36,6 +36,7 @@ from ..core.sampling import SamplingConfig
 from ..engine.measure import measure_costs
 from ..engine.sweep import FIXED_K, THRESHOLDS, check_fixed_k, check_thresholds, format_table, pareto_plot, run_sweep
 from ..specdecpp.bundle import TREE_SETTINGS, SpecDecPP
+from ..trees.growth import check_context_row
 from .data import AcceptanceDataModule
 from .model_card import model_card
 from .report import FitReport
@@ -534,6 +535,7 @@ class ExportBundle(EndOfFitStage):
         max_candidates: int = 20,
         verify: bool = True,
         tree: dict[str, Any] | None = None,
+        context_row: int = 0,
     ) -> None:
         """
         Args:
@@ -546,6 +548,8 @@ class ExportBundle(EndOfFitStage):
             tree: The bundle's settings for ``generate(tree=True)``: keyword arguments of
                 :class:`~accept_head.trees.growth.HeadTree` (``width``, ``top_k``, ``max_nodes``, ``siblings``,
                 ``context_row``, ...), e.g. ``{context_row: 4}``; None: HeadTree's defaults.
+            context_row: Tokens copied from the text that ``generate`` verifies beside each chain (the bundle's
+                ``context_row``; 0: none).
         """
         if enabled and not dir:
             raise ValueError("export.dir is not set: name the bundle folder, e.g. --export.dir=checkpoints/<name>.")
@@ -553,7 +557,7 @@ class ExportBundle(EndOfFitStage):
             check_thresholds([threshold])
         self.enabled, self.dir, self.threshold = enabled, dir, threshold
         self.min_candidates, self.max_candidates, self.verify = min_candidates, max_candidates, verify
-        self.tree = dict(tree or {})
+        self.tree, self.context_row = dict(tree or {}), check_context_row(context_row)
         unknown = sorted(set(self.tree) - set(TREE_SETTINGS))
         if unknown:
             raise ValueError(f"export.tree settings {unknown} are unknown; use {', '.join(TREE_SETTINGS)}.")
@@ -585,6 +589,7 @@ class ExportBundle(EndOfFitStage):
             greedy_threshold=report.greedy_threshold,
             greedy_unscored=report.greedy_unscored,
             tree=self.tree,
+            context_row=self.context_row,
         )
         bundle.save_pretrained(bundle_dir)
         (bundle_dir / "split.json").write_text(json.dumps(dm.split_record(), indent=1) + "\n")

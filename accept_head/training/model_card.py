@@ -107,6 +107,11 @@ def _intro(name: str, bundle: SpecDecPP) -> str:
         f"{bundle.min_candidates}–{bundle.max_candidates} "
         "candidates per round. Decoding is lossless: the output is distributed exactly as the target's."
     )
+    if bundle.context_row:
+        summary += (
+            f" `generate` verifies up to {bundle.context_row} tokens copied from the text beside each chain "
+            "(`context_row`)."
+        )
     if bundle.tree:
         settings = ", ".join(f"`{key}: {value}`" for key, value in sorted(bundle.tree.items()))
         summary += f" `generate(tree=True)` grows draft trees with the bundle's tree settings: {settings}."
