@@ -156,7 +156,7 @@ def test_a_bundle_decodes_chains_with_copies_on_request(tmp_path) -> None:
     assert torch.equal(tree.sequences, reference)
     sampled = [bundle.generate(prompt, max_new_tokens=12, seed=4, context_row=4).new_token_ids for _ in range(2)]
     assert sampled[0] == sampled[1]  # seeded
-    with pytest.raises(ValueError, match="target_runtime='eager'"):
+    with pytest.raises(ValueError, match=r"copied rows \(context_row=4\) are verified under a tree mask"):
         bundle.generate(prompt, max_new_tokens=4, context_row=4, target_runtime="static")
     # A bundle's own context_row is its chains' default; it round-trips, and a bundle without one copies nothing.
     assert bundle.context_row == 0 and "fed" not in vars(bundle.generate(prompt, max_new_tokens=8, temperature=0).stats)

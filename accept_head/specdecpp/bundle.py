@@ -338,10 +338,12 @@ class SpecDecPP:
         """
         if context_row is None and not tree and target_runtime == "eager":
             context_row = self.context_row
-        if (tree or context_row) and target_runtime != "eager":
+        if tree and target_runtime != "eager":
+            raise ValueError(f"target_runtime={target_runtime!r} serves chain decoding; pass tree=False or 'eager'.")
+        if context_row and target_runtime != "eager":
             raise ValueError(
-                f"target_runtime={target_runtime!r} serves plain chain decoding; trees and copied rows "
-                f"(context_row={context_row}) verify under a tree mask: pass target_runtime='eager'."
+                f"target_runtime={target_runtime!r} serves plain chains; copied rows (context_row={context_row}) are "
+                "verified under a tree mask: pass context_row=0 or target_runtime='eager'."
             )
         ids = self.encode(prompt)
         if generator is None:
