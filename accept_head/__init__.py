@@ -25,6 +25,7 @@ from .models.loading import load_model, load_tokenizer
 from .models.pairs import ModelSpec, check_same_tokenizer
 from .specdecpp.bundle import SpecDecOutput, SpecDecPP
 from .specdecpp.hf_generate import SpecDecGenerate, make_custom_generate
+from .trees.chain_copies import CopyingChain, chain_copy_generate
 from .trees.verify import TreeDecodeStats
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "AssistedSettings",
     "Calibration",
     "ConfidenceThreshold",
+    "CopyingChain",
     "DecodeStats",
     "DraftStep",
     "Drafter",
@@ -59,6 +61,7 @@ __all__ = [
     "StopPolicy",
     "TreeDecodeStats",
     "autoregressive_generate",
+    "chain_copy_generate",
     "check_same_tokenizer",
     "from_official_state_dict",
     "load_model",

@@ -5,21 +5,23 @@
   accepted whole.
 * Without copies (``context_row=0``) it decodes as :func:`speculative_generate` does, round for round.
 * At temperature 1 the output follows the target's exact distribution (χ²), with copies at the root and below the
-  chain; accepting a copied guess outright fails the same check.
+  chain; accepting a copied guess outright fails the same check (``tests/test_context_row.py``).
 * The policy hears how many drafted candidates were accepted, not how many copied.
+* A bundle's ``context_row`` makes copies its chains' default in ``generate`` and in its ``custom_generate``
+  (``model.generate`` with processors: ``tests/test_context_row.py``).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from generate_helpers import greedy
 from stats_helpers import ALPHA, exact_joint, pair_p_values, sampled_tokens, small_vocab_pair
-from test_context_row import COPY_PROMPT, SAMPLES, FutureRow
+from test_context_row import COPY_PROMPT, SAMPLES, FutureRow, copied_chain
 from test_tree_decoding import NEW, PROMPTS
 from tiny_models import make_llama, perturbed_copy
 
 import accept_head.trees.chain_copies as chain_copies
-import accept_head.trees.verify as tree_verify
 from accept_head import FixedK, autoregressive_generate, speculative_generate
 from accept_head.chain.baselines import Heuristic
 from accept_head.models.feature_draft import FeatureDraft
@@ -104,12 +106,6 @@ def copy_pair():
     return target, draft, exact_joint(target, COPY_PROMPT, 4)
 
 
-def copied_chain(target, draft):
-    return lambda g: chain_copies.chain_copy_generate(
-        target, draft, COPY_PROMPT, FixedK(1), 4, context_row=3, temperature=1.0, generator=g
-    )
-
-
 def test_sampled_decoding_with_copies_keeps_the_target_distribution(copy_pair, monkeypatch: pytest.MonkeyPatch) -> None:
     target, draft, joint = copy_pair
     copies, original = [], chain_copies.add_copied_rows
@@ -127,15 +123,6 @@ def test_sampled_decoding_with_copies_keeps_the_target_distribution(copy_pair, m
     assert p_first > ALPHA and p_second > ALPHA, (p_first, p_second)
 
 
-def test_accepting_a_copied_guess_outright_is_detected(copy_pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    target, draft, joint = copy_pair
-    monkeypatch.setattr(
-        tree_verify, "try_guesses", lambda residual, guesses, g: (0, residual) if guesses else (None, residual)
-    )
-    tokens, _ = sampled_tokens(copied_chain(target, draft), SAMPLES // 2, len(COPY_PROMPT))
-    assert min(pair_p_values(tokens, joint)) < ALPHA
-
-
 def test_a_bundle_decodes_chains_with_copies_on_request(tmp_path) -> None:
     """``SpecDecPP.generate(context_row=n)``: the chain with copies decodes the target's greedy text and verifies
     copied rows; ``context_row=0`` is the plain chain; a compiled target or a bad value is refused by name."""
@@ -145,7 +132,7 @@ def test_a_bundle_decodes_chains_with_copies_on_request(tmp_path) -> None:
     from accept_head import SpecDecPP
 
     bundle = SpecDecPP.from_pretrained(tree_bundle(tmp_path, COST.to_dict(), TREE_SETTINGS))
-    prompt = [5, 9, 10, 11, 9, 10, 11, 9, 10]
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8]  # 16 tokens before an EOS, copies beside the chain
     eos = bundle.eos_token_ids
     reference = autoregressive_generate(bundle.target, prompt, 20, temperature=0, eos_token_id=eos).sequences
     copied = bundle.generate(prompt, max_new_tokens=20, temperature=0, context_row=4)
@@ -171,3 +158,32 @@ def test_a_bundle_decodes_chains_with_copies_on_request(tmp_path) -> None:
         SpecDecPP(bundle.target, bundle.draft, bundle.head, 0.6, context_row=1.5)
     with pytest.raises(ValueError, match="context_row=-2 must be an integer >= 0"):
         bundle.generate(prompt, max_new_tokens=4, tree=True, context_row=-2)
+
+
+def test_a_bundles_custom_generate_copies_as_its_generate_does(tmp_path) -> None:
+    """The bundle's own ``custom_generate`` verifies its ``context_row`` copies beside chains, as ``generate`` does:
+    the same text and the same rounds; ``context_row=`` overrides, and beside ``policy=`` it is refused."""
+    from test_tree_decoding import COST, TREE_SETTINGS
+    from tiny_models import tree_bundle
+
+    from accept_head import SpecDecPP
+
+    bundle = SpecDecPP.from_pretrained(tree_bundle(tmp_path, COST.to_dict(), TREE_SETTINGS))
+    bundle.context_row = 4
+    prompt = [7, 8, 9, 7, 8, 9, 7, 8]  # 16 tokens before an EOS, copies beside the chain
+    bundle.target.generation_config.eos_token_id = bundle.eos_token_ids
+    out = bundle.generate(prompt, max_new_tokens=16, temperature=0)
+    ids = greedy(bundle.target, prompt, max_new_tokens=16, custom_generate=bundle.custom_generate)
+    assert torch.equal(ids, out.sequences) and bundle.last_stats.fed == out.stats.fed
+    assert out.stats.generated == 16 and max(out.stats.rows) == 2  # rounds with a copy beside the chain
+    greedy(bundle.target, prompt, max_new_tokens=16, custom_generate=bundle.custom_generate, context_row=0)
+    assert not hasattr(bundle.last_stats, "fed")
+    with pytest.raises(ValueError, match="wrap your policy as CopyingChain"):
+        greedy(
+            bundle.target,
+            prompt,
+            max_new_tokens=4,
+            custom_generate=bundle.custom_generate,
+            policy=FixedK(2),
+            context_row=4,
+        )

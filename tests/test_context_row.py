@@ -18,10 +18,10 @@ from stats_helpers import ALPHA, exact_joint, goodness_of_fit, pair_p_values, sa
 from test_tree_decoding import COST, NEW, PROMPTS, rules
 from tiny_models import make_llama, perturbed_copy
 
-import accept_head.specdecpp.hf_generate as hf_generate
+import accept_head.trees.chain_copies as chain_copies
 import accept_head.trees.decoding as tree_decoding
 import accept_head.trees.verify as tree_verify
-from accept_head import autoregressive_generate, make_custom_generate
+from accept_head import CopyingChain, FixedK, autoregressive_generate, chain_copy_generate, make_custom_generate
 from accept_head.trees.context import ContextRow
 from accept_head.trees.growth import ConfidenceTree, CostTree, DraftTree
 from accept_head.trees.verify import try_guesses
@@ -122,21 +122,29 @@ def test_a_copy_below_the_likeliest_leaf_continues_a_right_path() -> None:
 
 
 @pytest.mark.parametrize("copies", ["right", "context"])
+@pytest.mark.parametrize("kind", ["tree", "chain"])
 def test_generate_with_processors_and_a_copied_row_equals_the_targets_own(
-    copies: str, monkeypatch: pytest.MonkeyPatch
+    kind: str, copies: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The same through ``model.generate(custom_generate=...)``, whose processors read each node's own branch: copies
-    are processed there too (a repetition penalty and no-repeat n-grams change the target's choice)."""
+    are processed there too (a repetition penalty and no-repeat n-grams change the target's choice), beside a tree
+    or beside a stop policy's chain (``CopyingChain``, :mod:`accept_head.trees.chain_copies`)."""
     target, draft = make_llama(seed=0, num_layers=2), make_llama(seed=11, num_layers=1)
     target.generation_config.eos_token_id = None
     options = dict(max_new_tokens=NEW, repetition_penalty=1.8, no_repeat_ngram_size=2)
+    module = tree_decoding if kind == "tree" else chain_copies
     for prompt in PROMPTS:
         reference = greedy(target, prompt, **options)
         if copies == "right":
             row = FutureRow(reference[0].tolist(), 0, target.config.vocab_size)
-            monkeypatch.setattr(hf_generate, "ContextRow", lambda length, row=row: row)
-        fn = make_custom_generate(draft, ConfidenceTree(width=2, top_k=2, max_depth=4, max_nodes=8, context_row=4))
+            monkeypatch.setattr(module, "ContextRow", lambda length, row=row: row)
+        if kind == "tree":
+            rule = ConfidenceTree(width=2, top_k=2, max_depth=4, max_nodes=8, context_row=4)
+        else:
+            rule = CopyingChain(FixedK(2), context_row=4)
+        fn = make_custom_generate(draft, rule)
         assert torch.equal(greedy(target, prompt, custom_generate=fn, **options), reference), prompt
+        assert fn.last_stats.fed  # verified by tree passes
         if copies == "right":
             assert fn.last_stats.accepted[:-1] == [4] * (len(fn.last_stats.accepted) - 1)
 
@@ -188,14 +196,24 @@ def test_sampled_decoding_with_a_copied_row_keeps_the_target_distribution(
     assert p_first > ALPHA and p_second > ALPHA, (p_first, p_second)
 
 
-def test_accepting_a_copied_guess_outright_is_detected(copy_pair, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Drawn siblings then a copy: a copy accepted whenever the draws were rejected must fail the same check."""
+@pytest.mark.parametrize("decoder", ["tree", "chain"])
+def test_accepting_a_copied_guess_outright_is_detected(decoder: str, copy_pair, monkeypatch) -> None:
+    """Drawn siblings (or a chain's candidate) then a copy: a copy accepted whenever the draws were rejected must fail
+    the same check, for trees and for chains with copies (:mod:`accept_head.trees.chain_copies`)."""
     target, draft, joint = copy_pair
     monkeypatch.setattr(
         tree_verify, "try_guesses", lambda residual, guesses, g: (0, residual) if guesses else (None, residual)
     )
-    tokens, _ = sampled_tokens(copied_decode("sampled", target, draft), SAMPLES // 2, len(COPY_PROMPT))
+    decode = copied_decode("sampled", target, draft) if decoder == "tree" else copied_chain(target, draft)
+    tokens, _ = sampled_tokens(decode, SAMPLES // 2, len(COPY_PROMPT))
     assert min(pair_p_values(tokens, joint)) < ALPHA
+
+
+def copied_chain(target, draft):
+    """Chains of one drafted candidate with copied rows (3 tokens) at T = 1 after :data:`COPY_PROMPT`."""
+    return lambda g: chain_copy_generate(
+        target, draft, COPY_PROMPT, FixedK(1), 4, context_row=3, temperature=1.0, generator=g
+    )
 
 
 P_RESIDUAL = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.06, 0.04])

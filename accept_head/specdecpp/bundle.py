@@ -48,7 +48,7 @@ from ..models.pairs import (
     normalize_device,
     normalize_dtype,
 )
-from ..trees.chain_copies import chain_copy_generate
+from ..trees.chain_copies import CopyingChain, chain_copy_generate
 from ..trees.decoding import tree_generate
 from ..trees.growth import HeadTree, TreeRule, check_context_row
 from ..trees.labels import MODES, tree_mode
@@ -87,22 +87,6 @@ def _check_tree_modes(maps: dict) -> None:
     unknown = sorted(set(maps) - set(MODES))
     if unknown:
         raise ValueError(f"tree_calibration modes {unknown} are unknown; use {' and '.join(MODES)}.")
-
-
-def decoder(
-    bundle: SpecDecPP, tree: bool, threshold: float | None, greedy: bool, runtime: str, context_row: int | None
-) -> tuple:
-    """(decode function, its policy or tree rule, its extra keyword arguments) for :meth:`SpecDecPP.generate`: a
-    tree (``context_row`` overriding the tree settings' copies), a chain with copied rows, or a plain chain."""
-    if tree:
-        rule = bundle.tree_rule(threshold, greedy)
-        if context_row is not None:
-            rule.context_row = check_context_row(context_row)
-        return tree_generate, rule, {}
-    policy = bundle.policy(threshold, greedy)
-    if context_row:
-        return chain_copy_generate, policy, {"context_row": context_row}
-    return speculative_generate, policy, {"target_runtime": runtime}
 
 
 @dataclass
@@ -285,6 +269,21 @@ class SpecDecPP:
         calibration = self.calibration_for(greedy, tree=not drawn)
         return HeadTree(self.head, CostModel.from_dict(self.cost_model), calibration=calibration, **settings)
 
+    def decoding_rule(
+        self, tree: bool = False, threshold: float | None = None, greedy: bool = False, context_row: int | None = None
+    ) -> StopPolicy | TreeRule | CopyingChain:
+        """What :meth:`generate` and :meth:`custom_generate` decode with in a mode: the tree rule (``tree``, its copies
+        the tree settings' unless ``context_row`` says otherwise), else the mode's stop policy, wrapped as a
+        :class:`~accept_head.trees.chain_copies.CopyingChain` when ``context_row`` (None: :attr:`context_row`) > 0."""
+        if tree:
+            rule = self.tree_rule(threshold, greedy)
+            if context_row is not None:
+                rule.context_row = check_context_row(context_row)
+            return rule
+        copies = self.context_row if context_row is None else check_context_row(context_row)
+        policy = self.policy(threshold, greedy)
+        return CopyingChain(policy, copies) if copies else policy
+
     def encode(self, prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:
         """Token ids for a string (chat template applied when the tokenizer has one), chat messages, or ids."""
         if isinstance(prompt, torch.Tensor):
@@ -336,8 +335,8 @@ class SpecDecPP:
         own (:attr:`context_row` for chains, the ``tree`` settings' for trees). Copies need the eager target: under
         another ``target_runtime`` a chain decodes without the bundle's, and an explicit count is refused.
         """
-        if context_row is None and not tree and target_runtime == "eager":
-            context_row = self.context_row
+        if context_row is None and not tree and target_runtime != "eager":
+            context_row = 0  # the bundle's copies are verified under a tree mask, which needs the eager target
         if tree and target_runtime != "eager":
             raise ValueError(f"target_runtime={target_runtime!r} serves chain decoding; pass tree=False or 'eager'.")
         if context_row and target_runtime != "eager":
@@ -350,7 +349,13 @@ class SpecDecPP:
             generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**63)
         eos = self.eos_token_ids
         temperature = self.temperature if temperature is None else temperature
-        decode, rule, options = decoder(self, tree, threshold, temperature == 0, target_runtime, context_row)
+        rule = self.decoding_rule(tree, threshold, temperature == 0, context_row)
+        if isinstance(rule, CopyingChain):
+            decode, rule, options = chain_copy_generate, rule.policy, {"context_row": rule.context_row}
+        elif tree:
+            decode, options = tree_generate, {}
+        else:
+            decode, options = speculative_generate, {"target_runtime": target_runtime}
         result = decode(
             self.target,
             self.draft,
@@ -383,9 +388,10 @@ class SpecDecPP:
         generation_config,
         streamer=None,
         threshold: float | None = None,
-        policy: StopPolicy | TreeRule | None = None,
+        policy: StopPolicy | TreeRule | CopyingChain | None = None,
         generator: torch.Generator | None = None,
         tree: bool = False,
+        context_row: int | None = None,
         **model_kwargs,
     ) -> torch.Tensor | SpecDecGenerateOutput:
         """SpecDec++ as the decoding loop of ``transformers`` ``generate``, bound to this bundle's draft and head::
@@ -398,8 +404,9 @@ class SpecDecPP:
         policy
         instead of the head, or a :class:`~accept_head.trees.growth.TreeRule`), ``generator=`` and ``tree=True``
         (draft trees grown by the head under the bundle's cost model, :meth:`tree_rule`; ``threshold=`` then sets
-        the tree's node floor) may be passed to ``generate`` as extra keyword arguments. Returns (1, L + N) token
-        ids, or a ``GenerateDecoderOnlyOutput`` with ``stats`` when ``return_dict_in_generate``.
+        the tree's node floor) may be passed to ``generate`` as extra keyword arguments, and ``context_row=`` as
+        :meth:`generate` takes it (None: the bundle's own copies; a ``policy=`` given is decoded as it is). Returns
+        (1, L + N) token ids, or a ``GenerateDecoderOnlyOutput`` with ``stats`` when ``return_dict_in_generate``.
         """
         greedy = not generation_config.do_sample
         with streamer_ended_on_error(streamer):
@@ -410,8 +417,13 @@ class SpecDecPP:
                     f"tree=True but policy={policy.describe()} is a chain stop policy: pass a TreeRule as policy= "
                     "(e.g. ConfidenceTree()) or drop tree=True."
                 )
+            if policy is not None and context_row is not None:
+                raise ValueError(
+                    f"context_row={context_row} sets the bundle's own rule's copies, but policy= was given: wrap your "
+                    "policy as CopyingChain(policy, context_row) or leave context_row out."
+                )
             if policy is None:
-                policy = self.tree_rule(threshold, greedy) if tree else self.policy(threshold, greedy)
+                policy = self.decoding_rule(tree, threshold, greedy, context_row)
         output, self.last_stats = run_custom_generate(
             model,
             self.draft,

@@ -72,8 +72,8 @@ from ..core.sampling import SamplingConfig, probabilities
 from ..models.drafters import Drafter, DraftStep, as_drafter
 from ..models.features import capture_lm_head_input
 from ..trees.attention import attention_layout
-from ..trees.context import ContextRow
-from ..trees.decoding import _fed_slots, add_copied_rows, draft_tree, tree_drafter_for, tree_rows, verify_tree
+from ..trees.chain_copies import ChainRounds, CopyingChain
+from ..trees.decoding import TreeRounds, tree_drafter_for, tree_rows, verify_tree
 from ..trees.drafters import TreeDrafter, TreeStep
 from ..trees.growth import TreeRule
 from ..trees.verify import TreeDecodeStats, commit_nodes, tree_forward
@@ -414,8 +414,8 @@ def speculative_decode(
 @_ordinary_outputs
 def speculative_tree_decode(
     target: torch.nn.Module,
-    drafter: TreeDrafter,
-    rule: TreeRule,
+    drafter: TreeDrafter | Drafter,
+    rule: TreeRule | CopyingChain,
     input_ids: torch.Tensor,
     processors: LogitsProcessorList,
     stopping_criteria: StoppingCriteriaList,
@@ -429,7 +429,9 @@ def speculative_tree_decode(
     """Tree rounds (:func:`~accept_head.trees.decoding.tree_generate`'s) with HF logits processors at every node, at
     its own branch context, and HF stopping criteria (batch size 1). Arguments and streaming as
     :func:`speculative_decode`; ``drafter`` is a tree drafter (:func:`~accept_head.trees.decoding.tree_drafter_for`)
-    and the stats are :class:`~accept_head.trees.verify.TreeDecodeStats`."""
+    and the stats are :class:`~accept_head.trees.verify.TreeDecodeStats`. With a
+    :class:`~accept_head.trees.chain_copies.CopyingChain` for ``rule`` (and its chain drafter) the rounds are a stop
+    policy's chains with copied rows beside them (:func:`~accept_head.trees.chain_copies.chain_copy_generate`'s)."""
     sampling = SamplingConfig(0.0 if greedy else 1.0)  # the processors already hold temperature / top-k / top-p
     device = next(target.parameters()).device
     prompt_len = input_ids.shape[1]
@@ -437,10 +439,13 @@ def speculative_tree_decode(
     buffer = torch.zeros((1, prompt_len + budget + 1), dtype=torch.long, device=device)
     buffer[0, :prompt_len] = input_ids[0].to(device)
     process = ProcessedLogits(processors, buffer)
-    drafter = ProcessedTreeDrafter(drafter, process)
-    layout = attention_layout(target)  # checked by tree_drafter_for
+    layout = attention_layout(target)  # checked by tree_drafter_for or CopyingChain.drafter
     stats, kept_scores, kept_logits = TreeDecodeStats(), [], []
-    copy = ContextRow(rule.context_row) if rule.context_row else None  # the rule's copied row, if any
+    if isinstance(rule, CopyingChain):
+        rounds = ChainRounds(ProcessedDrafter(drafter, process), rule, sampling, stats, generator)
+    else:
+        rounds = TreeRounds(ProcessedTreeDrafter(drafter, process), rule, sampling, stats, generator)
+    drafter = rounds.drafter
     cache = DynamicCache()  # the target's: it lacks the last committed token, each round's root
     with _timed(stats, "total_time"):
         with _timed(stats, "target_time"):
@@ -451,10 +456,7 @@ def speculative_tree_decode(
             #    budget - generated - 1 candidates, never past the draft's context.
             depth = min(budget - (n - prompt_len) - 1, draft_room(drafter, n))
             with _timed(stats, "draft_time"):
-                tree = draft_tree(drafter, rule, sampling, depth, stats, generator)
-                nodes = rule.select(tree)
-                if copy is not None:
-                    nodes = add_copied_rows(tree, nodes, copy, buffer[0, :n].tolist(), depth)
+                tree, nodes = rounds.draft(buffer[0, :n].tolist(), depth)
             # 2. Verify the root and the nodes in one pass; the row after node v is processed at x·path(v).
             with _timed(stats, "target_time"):
                 tree_tokens, parents, paths, rows = tree_rows(tree, nodes)
@@ -482,8 +484,7 @@ def speculative_tree_decode(
             if stop is not None:
                 break
             with _timed(stats, "draft_time"):
-                hidden = box[0][0, drawn_from] if drafter.needs_target_features else None
-                drafter.commit(new, hidden, _fed_slots(tree, accepted))
+                rounds.commit(tree, accepted, new, box[0][0, drawn_from] if drafter.needs_target_features else None)
     return DecodeOutput(buffer[:, :n], stats, kept_scores, kept_logits, cache)
 
 
@@ -515,8 +516,9 @@ def run_custom_generate(
     """The body of every SpecDec++ ``custom_generate`` callable: validate, decode, shape the output like HF.
 
     ``policy``: a stop policy decodes chains (:func:`speculative_decode`), a
-    :class:`~accept_head.trees.growth.TreeRule` draft trees (:func:`speculative_tree_decode`; the target must take a
-    custom 4D attention mask, eager or SDPA attention).
+    :class:`~accept_head.trees.growth.TreeRule` draft trees and a
+    :class:`~accept_head.trees.chain_copies.CopyingChain` chains with copied rows (:func:`speculative_tree_decode`; the
+    target must take a custom 4D attention mask, eager or SDPA attention).
 
     ``streamer`` and ``assistant_model`` that transformers does not forward to the callable are read back from the
     enclosing ``generate`` call (see :func:`~accept_head.core.hf_compat.enclosing_generate_arguments`). A
@@ -532,6 +534,9 @@ def run_custom_generate(
         check_processors(logits_processor)
         if isinstance(policy, TreeRule):
             decode, drafter = speculative_tree_decode, tree_drafter_for(draft, model, policy)
+        elif isinstance(policy, CopyingChain):
+            sampling = SamplingConfig(1.0 if generation_config.do_sample else 0.0)
+            decode, drafter = speculative_tree_decode, policy.drafter(draft, model, sampling)
         else:
             decode, drafter = speculative_decode, as_drafter(draft, model, with_hidden=policy.uses_hidden)
         want = generation_config.return_dict_in_generate
@@ -574,7 +579,7 @@ class SpecDecGenerate:
     The counters of the latest call are kept in :attr:`last_stats`.
     """
 
-    def __init__(self, draft: torch.nn.Module | Drafter, policy: StopPolicy | TreeRule) -> None:
+    def __init__(self, draft: torch.nn.Module | Drafter, policy: StopPolicy | TreeRule | CopyingChain) -> None:
         self.draft, self.policy = draft, policy
         self.last_stats: DecodeStats | None = None
 
@@ -586,7 +591,7 @@ class SpecDecGenerate:
         stopping_criteria: StoppingCriteriaList,
         generation_config: GenerationConfig,
         streamer: Any = None,
-        policy: StopPolicy | TreeRule | None = None,
+        policy: StopPolicy | TreeRule | CopyingChain | None = None,
         generator: torch.Generator | None = None,
         **model_kwargs: Any,
     ) -> torch.Tensor | SpecDecGenerateOutput:
@@ -608,10 +613,13 @@ class SpecDecGenerate:
         return f"SpecDecGenerate(draft={type(self.draft).__name__}, policy={self.policy.describe()})"
 
 
-def make_custom_generate(draft: torch.nn.Module | Drafter, policy: StopPolicy | TreeRule) -> SpecDecGenerate:
+def make_custom_generate(
+    draft: torch.nn.Module | Drafter, policy: StopPolicy | TreeRule | CopyingChain
+) -> SpecDecGenerate:
     """A ``custom_generate`` callable for ``target.generate`` with any drafter the toolkit supports (an HF causal
     LM, a :class:`~accept_head.models.feature_draft.FeatureDraft`, a :class:`~accept_head.models.drafters.Drafter` such
     as a
     pruned ``ModelDrafter``) and any stop policy (``FixedK``, ``Heuristic``, ``HeadThreshold``, ...) or tree rule
-    (``HeadTree``, ``ConfidenceTree``, ``StaticTree``, ...: tree decoding)."""
+    (``HeadTree``, ``ConfidenceTree``, ``StaticTree``, ...: tree decoding), or a stop policy's chains with rows copied
+    from the text beside them (``CopyingChain(policy, context_row=4)``)."""
     return SpecDecGenerate(draft, policy)

@@ -20,30 +20,82 @@ and with the two copies 1.95 (``docs/experiments/context_copies.py``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
 
-from ..chain.decoding import (
-    GenerationResult,
-    _check_int,
-    _check_pair,
-    _prepare,
-    _timed,
-    _until_eos,
-    draft_room,
-    draft_round,
-    prefill,
-)
-from ..chain.policies import StopPolicy
+from ..chain.decoding import GenerationResult, _check_int, _check_pair, draft_round
+from ..chain.policies import RoundState, StopPolicy
 from ..core.sampling import SamplingConfig
-from ..models.drafters import as_drafter
-from ..models.features import capture_lm_head_input
-from .attention import attention_layout, check_masked_attention
+from ..models.drafters import Drafter, as_drafter
+from .attention import check_masked_attention
 from .context import ContextRow
-from .decoding import add_copied_rows, tree_rows, verify_tree
+from .decoding import add_copied_rows, decode_rounds
 from .growth import DraftTree, check_context_row
-from .verify import TreeDecodeStats, commit_nodes, tree_forward
+from .verify import TreeDecodeStats
+
+
+@dataclass
+class CopyingChain:
+    """A stop ``policy``'s chains with up to ``context_row`` tokens copied from the text beside each (the module
+    docstring): what :func:`chain_copy_generate` decodes, and what ``make_custom_generate`` takes in place of a stop
+    policy or a tree rule to run it inside ``model.generate``."""
+
+    policy: StopPolicy
+    context_row: int = 4
+
+    def __post_init__(self) -> None:
+        check_context_row(self.context_row)
+
+    def drafter(self, draft, target: torch.nn.Module, sampling: SamplingConfig) -> Drafter:
+        """The chain :class:`~accept_head.models.drafters.Drafter` for ``draft``, once ``target`` takes a tree mask and
+        the policy suits the draft and the decoding mode."""
+        check_masked_attention(target)
+        drafter = as_drafter(draft, target, with_hidden=self.policy.uses_hidden)
+        _check_pair(drafter, self.policy, sampling)
+        return drafter
+
+    def describe(self) -> str:
+        return f"{self.policy.describe()} + copies (context_row={self.context_row})"
+
+
+class ChainRounds:
+    """:func:`chain_copy_generate`'s rounds (:class:`~accept_head.trees.decoding.Rounds`): the policy's chain as a
+    tree, the copies merged in; the policy hears how many *drafted* candidates were accepted."""
+
+    def __init__(
+        self,
+        drafter: Drafter,
+        chain: CopyingChain,
+        sampling: SamplingConfig,
+        stats: TreeDecodeStats,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.drafter, self.policy, self.sampling, self.stats, self.generator = (
+            drafter,
+            chain.policy,
+            sampling,
+            stats,
+            generator,
+        )
+        self.copy = ContextRow(chain.context_row) if chain.context_row else None
+        self.state = RoundState()
+        self.policy.reset()
+
+    def draft(self, tokens: list[int], depth: int) -> tuple[DraftTree, list[int]]:
+        limit = min(self.policy.max_candidates, depth)
+        self.state, q_rows = draft_round(
+            self.drafter, self.policy, self.sampling, limit, len(tokens), self.generator, self.stats
+        )
+        tree = chain_tree(self.state.candidates, q_rows, sampled=not self.sampling.greedy)
+        nodes = list(range(self.state.n))
+        if self.copy is not None and depth > 0:
+            nodes = add_copied_rows(tree, nodes, self.copy, tokens, depth)
+        return tree, nodes
+
+    def commit(self, tree: DraftTree, accepted: list[int], new: list[int], hidden: torch.Tensor | None) -> None:
+        self.policy.update(self.state, sum(node < self.state.n for node in accepted))  # the chain's nodes come first
+        self.drafter.commit(new, hidden)
 
 
 @torch.inference_mode()
@@ -71,51 +123,9 @@ def chain_copy_generate(
     through the same tree pass (the control that prices the tree path).
     """
     _check_int("max_new_tokens", max_new_tokens, low=0)
-    check_context_row(context_row)
-    sampling = SamplingConfig(temperature, top_k, top_p)
-    check_masked_attention(target)
-    layout = attention_layout(target)
-    drafter = as_drafter(draft, target, with_hidden=policy.uses_hidden)
-    _check_pair(drafter, policy, sampling)
-    ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
-    device = next(target.parameters()).device
-    stats, tokens = TreeDecodeStats(), ids[0].tolist()
-    copy = ContextRow(context_row) if context_row else None
-    policy.reset()
-    draft_device = getattr(drafter, "device", None)
-    with _timed(stats, "total_time", {device, draft_device or device}):
-        cache = DynamicCache()  # the target's: it lacks the last committed token, each round's root
-        with _timed(stats, "target_time", device):
-            prefill(target, drafter, ids.to(device), cache)
-        while stats.generated < budget:
-            # 1. Draft the chain, then merge the copies: no path longer than the budget or the draft's context allow.
-            depth = min(budget - stats.generated - 1, draft_room(drafter, len(tokens)))
-            with _timed(stats, "draft_time", draft_device):
-                limit = min(policy.max_candidates, depth)
-                state, q_rows = draft_round(drafter, policy, sampling, limit, len(tokens), generator, stats)
-                tree = chain_tree(state.candidates, q_rows, sampled=not sampling.greedy)
-                nodes = list(range(len(state.candidates)))
-                if copy is not None and depth > 0:
-                    nodes = add_copied_rows(tree, nodes, copy, tokens, depth)
-            # 2. Verify the root (the last token) and every node in one pass.
-            with _timed(stats, "target_time", device):
-                tree_tokens, parents, paths, rows = tree_rows(tree, nodes)
-                with capture_lm_head_input(target) as box:
-                    logits = tree_forward(target, cache, [tokens[-1], *tree_tokens], [-1, *parents], layout=layout)
-                row, m, next_token = verify_tree(logits, tree, paths, rows, sampling, generator)
-                accepted = paths[row][:m] if m else []
-                commit_nodes(cache, len(tokens) - 1, rows[row][:m] if m else [])
-            policy.update(state, sum(node < len(state.candidates) for node in accepted))  # chain nodes come first
-            # 3. Commit the accepted path and the target's token (up to an EOS); the drafter keeps what it shares.
-            new = _until_eos([*(tree.tokens[n] for n in accepted), next_token], eos)
-            stats.record_tree_round(1 + len(nodes), len(paths), len(paths[row]) if row >= 0 else 0, m, len(new))
-            with _timed(stats, "draft_time", draft_device):
-                hidden = box[0][0, [0, *(rows[row][:m] if m else [])]] if drafter.needs_target_features else None
-                drafter.commit(new, None if hidden is None else hidden[: len(new)])
-            tokens.extend(new)
-            if new[-1] in eos:
-                break
-    return GenerationResult(torch.tensor([tokens], dtype=torch.long), stats)
+    sampling, chain = SamplingConfig(temperature, top_k, top_p), CopyingChain(policy, context_row)
+    rounds = ChainRounds(chain.drafter(draft, target, sampling), chain, sampling, TreeDecodeStats(), generator)
+    return decode_rounds(target, rounds, input_ids, max_new_tokens, sampling, eos_token_id, generator)
 
 
 def chain_tree(candidates: Sequence[int], q_rows: Sequence[torch.Tensor], sampled: bool) -> DraftTree:

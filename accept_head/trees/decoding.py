@@ -25,12 +25,14 @@ target's argmax, whatever the rule.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Protocol
 
 import torch
 from transformers import DynamicCache
 
 from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos, draft_room, prefill
 from ..core.sampling import SamplingConfig, argmax, draw_without_replacement, probabilities
+from ..models.drafters import Drafter
 from ..models.features import capture_lm_head_input
 from .attention import attention_layout, check_masked_attention
 from .context import ContextRow
@@ -175,11 +177,71 @@ def tree_generate(
     """
     _check_int("max_new_tokens", max_new_tokens, low=0)
     sampling = SamplingConfig(temperature, top_k, top_p)
-    drafter = tree_drafter_for(draft, target, rule)
-    layout = attention_layout(target)  # checked by tree_drafter_for
+    stats = TreeDecodeStats()
+    rounds = TreeRounds(tree_drafter_for(draft, target, rule), rule, sampling, stats, generator)
+    return decode_rounds(target, rounds, input_ids, max_new_tokens, sampling, eos_token_id, generator, observe)
+
+
+class Rounds(Protocol):
+    """What a decoder verified by tree passes drafts each round (:func:`decode_rounds`)."""
+
+    drafter: TreeDrafter | Drafter
+    stats: TreeDecodeStats
+
+    def draft(self, tokens: list[int], depth: int) -> tuple[DraftTree, list[int]]:
+        """The round's tree and the nodes to verify (creation order, ancestor-closed; no path deeper than ``depth``)
+        after the committed ``tokens``."""
+        ...
+
+    def commit(self, tree: DraftTree, accepted: list[int], new: list[int], hidden: torch.Tensor | None) -> None:
+        """Keep the ``accepted`` nodes: ``new`` are the committed tokens (the accepted path and the target's own),
+        ``hidden`` the target's final hidden states at the root and the accepted nodes (feature drafts), else None."""
+        ...
+
+
+class TreeRounds:
+    """:func:`tree_generate`'s rounds: ``rule``'s tree grown by a :class:`~accept_head.trees.drafters.TreeDrafter`,
+    with the rule's copied rows (``context_row``) merged in."""
+
+    def __init__(
+        self,
+        drafter: TreeDrafter,
+        rule: TreeRule,
+        sampling: SamplingConfig,
+        stats: TreeDecodeStats,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.drafter, self.rule, self.sampling, self.stats, self.generator = drafter, rule, sampling, stats, generator
+        self.copy = ContextRow(rule.context_row) if rule.context_row else None
+
+    def draft(self, tokens: list[int], depth: int) -> tuple[DraftTree, list[int]]:
+        tree = draft_tree(self.drafter, self.rule, self.sampling, depth, self.stats, self.generator)
+        nodes = self.rule.select(tree)
+        if self.copy is not None:
+            nodes = add_copied_rows(tree, nodes, self.copy, tokens, depth)
+        return tree, nodes
+
+    def commit(self, tree: DraftTree, accepted: list[int], new: list[int], hidden: torch.Tensor | None) -> None:
+        self.drafter.commit(new, hidden, _fed_slots(tree, accepted))
+
+
+def decode_rounds(
+    target: torch.nn.Module,
+    rounds: Rounds,
+    input_ids: torch.Tensor | Sequence[int],
+    max_new_tokens: int,
+    sampling: SamplingConfig,
+    eos_token_id: int | Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+    observe: Callable[[DraftTree, list[int], torch.Tensor], None] | None = None,
+) -> GenerationResult:
+    """The round loop of the decoders verified by one tree pass per round (:func:`tree_generate`,
+    :func:`~accept_head.trees.chain_copies.chain_copy_generate`): ``rounds`` drafts the nodes, the target scores the
+    root and every node under a tree mask, :func:`verify_tree` accepts a path and the target's own token, and the
+    target's cache and ``rounds`` keep exactly that path."""
+    layout = attention_layout(target)  # the caller checked the target with check_masked_attention
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
-    stats, tokens = TreeDecodeStats(), ids[0].tolist()
-    copy = ContextRow(rule.context_row) if rule.context_row else None
+    stats, tokens, drafter = rounds.stats, ids[0].tolist(), rounds.drafter
     with _timed(stats, "total_time"):
         cache = DynamicCache()  # the target's: it lacks the last committed token, each round's root
         with _timed(stats, "target_time"):
@@ -188,10 +250,7 @@ def tree_generate(
             # 1. Draft: a path commits at most budget - generated - 1 candidates, never past the draft's context.
             depth = min(budget - stats.generated - 1, draft_room(drafter, len(tokens)))
             with _timed(stats, "draft_time"):
-                tree = draft_tree(drafter, rule, sampling, depth, stats, generator)
-                nodes = rule.select(tree)
-                if copy is not None:
-                    nodes = add_copied_rows(tree, nodes, copy, tokens, depth)
+                tree, nodes = rounds.draft(tokens, depth)
             with _timed(stats, "target_time"):  # 2. Verify the root (the last token) and the nodes in one pass
                 tree_tokens, parents, paths, rows = tree_rows(tree, nodes)
                 with capture_lm_head_input(target) as box:
@@ -206,7 +265,7 @@ def tree_generate(
             stats.record_tree_round(1 + len(nodes), len(paths), len(paths[row]) if row >= 0 else 0, m, len(new))
             with _timed(stats, "draft_time"):
                 hidden = box[0][0, [0, *(rows[row][:m] if m else [])]] if drafter.needs_target_features else None
-                drafter.commit(new, None if hidden is None else hidden[: len(new)], _fed_slots(tree, accepted))
+                rounds.commit(tree, accepted, new, None if hidden is None else hidden[: len(new)])
             tokens.extend(new)
             if new[-1] in eos:
                 break
