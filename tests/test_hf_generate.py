@@ -450,6 +450,12 @@ def test_chat_command_runs_one_turn_and_reports_its_speed(bundle_dir: Path) -> N
     out = io.StringIO()
     assert chat_main([*argv, "--policy", "fixed:2", "--no_baseline", "--seed", "0"], out=out) == 0
     assert "FixedK(k=2)" in out.getvalue() and "autoregressive" not in out.getvalue()
+    out = io.StringIO()  # copied rows beside the chain (the bundle has none of its own): the same greedy text
+    assert chat_main([*argv, "--temperature", "0", "--context_row", "4"], out=out) == 0
+    assert out.getvalue().startswith(answer) and "+ copies (context_row=4)" in out.getvalue()
+    assert "(same tokens)" in out.getvalue()
+    with pytest.raises(SystemExit):
+        chat_main([*argv, "--context_row", "-1"], out=io.StringIO())
     out = io.StringIO()
     assert (
         chat_main(["chat", "--bundle", str(bundle_dir), "--max_new_tokens", "4"], out=out, inp=io.StringIO("hi\n")) == 0

@@ -7,7 +7,8 @@ per round and the speed-up over a plain ``target.generate`` pass on the same pro
 ``--prompt`` runs one turn and exits (scripts, tests); without it the chat reads turns from stdin until EOF or
 ``/exit``. ``--tree`` decodes with a draft tree grown by the head (the bundle's :meth:`SpecDecPP.tree_rule` through
 the same ``custom_generate`` path, so it streams and takes ``--repetition_penalty`` too) and the statistics line gives
-the tokens per round (per target call) and the mean tree size (candidates verified per call).
+the tokens per round (per target call) and the mean tree size (candidates verified per call). ``--context_row``
+sets how many tokens copied from the text join each chain or tree (default: the bundle's own; 0: none).
 
 ``overhead`` times the same greedy generations through ``speculative_generate`` directly and through
 ``target.generate(custom_generate=specdec.custom_generate)``, paired and interleaved, and prints the median relative
@@ -30,6 +31,8 @@ from ..chain.baselines import ConfidenceThreshold, EntropyStop, Heuristic, PathC
 from ..chain.decoding import speculative_generate
 from ..chain.policies import FixedK, StopPolicy
 from ..core.timing import device_timer
+from ..trees.chain_copies import CopyingChain
+from ..trees.growth import TreeRule, check_context_row
 from .bundle import SpecDecPP
 from .hf_generate import make_custom_generate
 
@@ -151,7 +154,7 @@ def answer(specdec: SpecDecPP, messages: list[dict], policy: StopPolicy, args: a
     kwargs = generation_kwargs(args, specdec)
     if args.tree and args.policy != "head":
         raise ValueError(f"--tree grows trees with the bundle's head; drop --policy {args.policy} or drop --tree.")
-    rule = specdec.tree_rule(greedy=not kwargs["do_sample"]) if args.tree else policy
+    rule = with_copies(specdec, policy, args.tree, not kwargs["do_sample"], args.context_row)
     fn = make_custom_generate(specdec.draft, rule)
     streamer = LiveStreamer(tokenizer, out)
     if args.seed is not None:
@@ -168,13 +171,24 @@ def answer(specdec: SpecDecPP, messages: list[dict], policy: StopPolicy, args: a
     else:
         line += (
             f"{stats.mean_accepted:.2f} accepted/round of {statistics.fmean(stats.proposed or [0]):.2f} drafted · "
-            f"{policy.describe()}"
+            f"{rule.describe()}"
         )
     if not args.no_baseline:
         line += _against_autoregressive(specdec, input_ids, args, sequences, len(new) / seconds)
     out.write(line + "]\n")
     out.flush()
     return tokenizer.decode(new, skip_special_tokens=True)
+
+
+def with_copies(
+    specdec: SpecDecPP, policy: StopPolicy, tree: bool, greedy: bool, context_row: int | None
+) -> StopPolicy | TreeRule | CopyingChain:
+    """What a chat turn decodes with: the bundle's head tree (``tree``) or ``policy``'s chains, with ``context_row``
+    tokens copied from the text beside them (None: the bundle's own, :meth:`SpecDecPP.decoding_rule`)."""
+    if tree:
+        return specdec.decoding_rule(True, greedy=greedy, context_row=context_row)
+    copies = specdec.context_row if context_row is None else check_context_row(context_row)
+    return CopyingChain(policy, copies) if copies else policy
 
 
 def chat(args: argparse.Namespace, out: TextIO = sys.stdout, inp: TextIO = sys.stdin) -> int:
@@ -280,6 +294,9 @@ def build_parser() -> argparse.ArgumentParser:
             p.add_argument("--seed", type=int, default=None)
             p.add_argument("--no_baseline", action="store_true", help="skip the autoregressive comparison pass")
             p.add_argument("--tree", action="store_true", help="draft a token tree grown by the head each round")
+            p.add_argument(
+                "--context_row", type=int, default=None, help="tokens copied from the text per row (default: bundle's)"
+            )
         else:
             p.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
             p.add_argument("--repeats", type=int, default=3)
