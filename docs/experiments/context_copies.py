@@ -54,7 +54,8 @@ def copied_run(guess: list[int], response: list[int], start: int) -> int:
 
 def copy_rounds(labels: datasets.Dataset, length: int) -> dict[str, collections.Counter]:
     """Per source (and ``all``): rounds, tokens the draft's round accepted, tokens a copied row would have, the better
-    of the two per round, and that with a second copy below a chain the target accepted whole (``leaf``)."""
+    of the two per round, and that with a second copy below a chain the target accepted whole (``leaf``); and the
+    chain with only the copy below it, none at the root (``below_only``)."""
     out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for row in labels:
         response, starts = row["response_ids"], round_starts(row["round"], row["accepted"])
@@ -75,6 +76,7 @@ def copy_rounds(labels: datasets.Dataset, length: int) -> dict[str, collections.
                 counts["copy"] += copied
                 counts["best"] += max(drafted, copied)
                 counts["leaf"] += max(drafted + below, copied)
+                counts["below_only"] += drafted + below
                 counts["with_copy"] += bool(guess)
     return out
 
@@ -130,11 +132,12 @@ def main() -> None:
     print(f"{args.labels}: {len(labels)} prompts, {'greedy' if greedy else 'T = 1'}")
     if args.rounds:
         for source, c in sorted(copy_rounds(labels, args.length).items()):
-            per = {k: c[k] / c["rounds"] for k in ("draft", "copy", "best", "leaf", "with_copy")}
+            per = {k: c[k] / c["rounds"] for k in ("draft", "copy", "best", "leaf", "below_only", "with_copy")}
             print(
                 f"  {source:12s} {c['rounds']:5d} rounds; accepted a round: draft {per['draft']:.3f}, copy "
                 f"{per['copy']:.3f}, better of both {per['best']:.3f}, with a copy below a whole chain "
-                f"{per['leaf']:.3f}; rounds with a copy {per['with_copy']:.2f}"
+                f"{per['leaf']:.3f} (the copy below it alone {per['below_only']:.3f}); rounds with a copy "
+                f"{per['with_copy']:.2f}"
             )
     found = ranking(labels, greedy)
     print(
