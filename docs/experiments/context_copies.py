@@ -55,7 +55,8 @@ def copied_run(guess: list[int], response: list[int], start: int) -> int:
 def copy_rounds(labels: datasets.Dataset, length: int) -> dict[str, collections.Counter]:
     """Per source (and ``all``): rounds, tokens the draft's round accepted, tokens a copied row would have, the better
     of the two per round, and that with a second copy below a chain the target accepted whole (``leaf``); and the
-    chain with only the copy below it, none at the root (``below_only``)."""
+    chain with only the copy below it, none at the root (``below_only``); and ``leaf`` plus a copy below every proper
+    prefix of the chain where it differs from the chain's next token (``inner``; extra tokens fed: ``inner_fed``)."""
     out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
     for row in labels:
         response, starts = row["response_ids"], round_starts(row["round"], row["accepted"])
@@ -65,10 +66,16 @@ def copy_rounds(labels: datasets.Dataset, length: int) -> dict[str, collections.
             drafted = sum(row["accepted"][j] for j in steps)
             guess = copy(row["prompt_ids"] + response[:start])
             copied = copied_run(guess, response, start)
-            below = 0
+            below, path = 0, [row["draft_ids"][j] for j in steps]
             if drafted == len(steps):  # the whole chain accepted: what a copy after its path would add
-                path = [row["draft_ids"][j] for j in steps]
                 below = copied_run(copy(row["prompt_ids"] + response[:start], path=path), response, start + drafted)
+            inner, inner_fed = max(drafted + below, copied), 0
+            for j in range(1, len(path)):  # a copy after y_1..y_j, verified where it leaves the chain
+                branch = copy(row["prompt_ids"] + response[:start], path=path[:j])
+                if branch and branch[0] != path[j]:
+                    inner_fed += len(branch)
+                    if drafted >= j:
+                        inner = max(inner, j + copied_run(branch, response, start + j))
             for key in (row["source"], "all"):
                 counts = out[key]
                 counts["rounds"] += 1
@@ -77,6 +84,8 @@ def copy_rounds(labels: datasets.Dataset, length: int) -> dict[str, collections.
                 counts["best"] += max(drafted, copied)
                 counts["leaf"] += max(drafted + below, copied)
                 counts["below_only"] += drafted + below
+                counts["inner"] += inner
+                counts["inner_fed"] += inner_fed
                 counts["with_copy"] += bool(guess)
     return out
 
@@ -132,11 +141,13 @@ def main() -> None:
     print(f"{args.labels}: {len(labels)} prompts, {'greedy' if greedy else 'T = 1'}")
     if args.rounds:
         for source, c in sorted(copy_rounds(labels, args.length).items()):
-            per = {k: c[k] / c["rounds"] for k in ("draft", "copy", "best", "leaf", "below_only", "with_copy")}
+            keys = ("draft", "copy", "best", "leaf", "below_only", "inner", "inner_fed", "with_copy")
+            per = {k: c[k] / c["rounds"] for k in keys}
             print(
                 f"  {source:12s} {c['rounds']:5d} rounds; accepted a round: draft {per['draft']:.3f}, copy "
                 f"{per['copy']:.3f}, better of both {per['best']:.3f}, with a copy below a whole chain "
-                f"{per['leaf']:.3f} (the copy below it alone {per['below_only']:.3f}); rounds with a copy "
+                f"{per['leaf']:.3f} (the copy below it alone {per['below_only']:.3f}; with copies below every "
+                f"prefix too {per['inner']:.3f}, for {per['inner_fed']:.2f} more tokens fed); rounds with a copy "
                 f"{per['with_copy']:.2f}"
             )
     found = ranking(labels, greedy)
