@@ -158,8 +158,8 @@ def test_chain_context_row_adds_copying_chains_chosen_on_validation(tiny, tmp_pa
     assert sorted(greedy["context_row_ratios"]) == ["fixed_k", "specdecpp"]
     assert greedy["copied_chain_ratio"]["name"] == rows[1]["name"]
     with pytest.raises(SystemExit):
-        run_bench(tiny, "feature", tmp_path, chain_context_row=4, target_runtime="static")
-    assert "copied rows need target_runtime='eager'" in capsys.readouterr().err
+        run_bench(tiny, "feature", tmp_path, chain_context_row=-1)
+    assert "chain_context_row=-1 must be >= 0" in capsys.readouterr().err
 
 
 def test_greedy_identity_counts_differing_decodes_and_where_they_part() -> None:

@@ -8,6 +8,8 @@ random models.
 * At T = 1 chain decoding over the static cache follows the target's exact distribution (χ²); accepting every
   candidate fails the same check.
 * ``target_runtime="compiled"`` (``torch.compile``, inductor) decodes the eager greedy tokens (float32).
+* A token tree over the static cache (chains with copied rows) gives the ``DynamicCache`` logits, keeping one branch
+  leaves a fresh prefill's keys and values, and chains with copies decode the eager greedy text, static and compiled.
 * ``SpecDecPP.generate(target_runtime="static")`` writes the eager tokens; trees refuse a non-eager runtime.
 * Bad settings raise errors naming the value and the fix.
 """
@@ -81,6 +83,64 @@ def test_kept_positions_equal_a_fresh_prefill_after_rejections(pair) -> None:
     logits, _ = static.forward(torch.tensor([text[11:14]]))
     want = target(input_ids=torch.tensor([text[:14]])).logits[0, 11:14]
     torch.testing.assert_close(logits, want, atol=1e-5, rtol=1e-4)
+
+
+def test_a_tree_pass_over_the_static_cache_gives_the_dynamic_caches_logits_and_keeps_a_fresh_prefill(pair) -> None:
+    """A token tree through :meth:`StaticTarget.tree_forward` (padded, two branches) gives the logits of the same tree
+    over a ``DynamicCache`` (:func:`~accept_head.trees.verify.tree_forward`); after :meth:`StaticTarget.keep` of
+    one branch the kept keys and values are a fresh prefill's, and the next pass's logits a fresh model's."""
+    from transformers import DynamicCache
+
+    from accept_head.trees.attention import tree_mask
+    from accept_head.trees.verify import commit_nodes, tree_forward
+
+    target, _ = pair
+    text = [2, 10, 11, 12, 13, 14, 15, 16, 17]
+    tokens, parents = [14, 30, 31, 15, 16], [-1, 0, 1, 0, 3]  # root 14; branches 30 31 and 15 16 (the text's)
+    static = StaticTarget(target, 64)
+    static.forward(torch.tensor([text[:5]]))
+    allowed, depths = tree_mask(parents)
+    logits, hidden = static.tree_forward(torch.tensor([tokens]), allowed, depths)
+    dynamic = DynamicCache()
+    target(input_ids=torch.tensor([text[:5]]), past_key_values=dynamic, use_cache=True)
+    torch.testing.assert_close(logits, tree_forward(target, dynamic, tokens, parents), atol=1e-5, rtol=1e-4)
+    assert hidden.shape == (5, target.config.hidden_size)
+    commit_nodes(static, 5, [3, 4])  # keep the root and the second branch: text[:8]
+    assert static.length == 8
+    fresh = StaticTarget(target, 64)
+    fresh.forward(torch.tensor([text[:8]]))
+    for got, want in zip(static.cache.layers, fresh.cache.layers, strict=True):
+        torch.testing.assert_close(got.keys[:, :, :8], want.keys[:, :, :8], atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got.values[:, :, :8], want.values[:, :, :8], atol=1e-5, rtol=1e-4)
+    after, _ = static.forward(torch.tensor([text[8:9]]))
+    torch.testing.assert_close(after, target(input_ids=torch.tensor([text])).logits[0, 8:9], atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match=r"extra=\[9, 9\] must be strictly increasing"):
+        static.keep(9, [9, 9])
+
+
+@pytest.mark.parametrize("runtime", ["static", "compiled"])
+def test_chains_with_copies_decode_the_eager_greedy_text_over_the_static_cache(
+    pair, runtime: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """:func:`~accept_head.trees.chain_copies.chain_copy_generate` over a static (and a compiled) target: the eager
+    greedy text. The copies are the target's own continuation and the draft an unrelated model, so the accepted row
+    is the copy branched off the chain: its keys and values are moved next to the prefix every round."""
+    from test_context_row import FutureRow
+
+    import accept_head.trees.chain_copies as chain_copies
+    from accept_head import chain_copy_generate
+
+    target, _ = pair
+    draft = make_llama(seed=11, num_layers=1)
+    prompt = PROMPTS[0]
+    reference = autoregressive_generate(target, prompt, NEW, temperature=0).sequences
+    row = FutureRow(reference[0].tolist(), 0, target.config.vocab_size)
+    monkeypatch.setattr(chain_copies, "ContextRow", lambda length: row)
+    out = chain_copy_generate(
+        target, draft, prompt, FixedK(3), NEW, context_row=4, temperature=0, target_runtime=runtime
+    )
+    assert torch.equal(out.sequences, reference)
+    assert out.stats.accepted[:-1] == [4] * (len(out.stats.accepted) - 1) and max(out.stats.rows) == 2
 
 
 SAMPLES = 1200

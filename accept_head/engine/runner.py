@@ -605,9 +605,7 @@ class Runner:
             return lambda ids, gen: tree_generate(target, draft, ids, rule, budget, generator=gen, **common)
         copied = int(spec.params.get("context_row") or 0)
         policy = self.policy(MethodSpec(spec.kind, {k: v for k, v in spec.params.items() if k != "context_row"}))
-        if copied:  # the chain plus rows copied from the text: verified as a two-branch tree, target eager
-            if common.pop("target_runtime", "eager") != "eager":
-                raise ValueError(f"{spec.name} verifies copied rows under a tree mask: use target_runtime='eager'.")
+        if copied:  # the chain plus rows copied from the text: verified as a two-branch tree
             return lambda ids, gen: chain_copy_generate(
                 target, draft, ids, policy, self.max_new_tokens, copied, generator=gen, **common
             )

@@ -275,11 +275,8 @@ class BenchPlan:
                 )
         if isinstance(self.chain_context_row, bool) or not isinstance(self.chain_context_row, int):
             raise ValueError(f"chain_context_row={self.chain_context_row!r} must be an integer >= 0 (0: no copies).")
-        if self.chain_context_row < 0 or (self.chain_context_row and self.target_runtime != "eager"):
-            raise ValueError(
-                f"chain_context_row={self.chain_context_row} must be >= 0, and copied rows need "
-                f"target_runtime='eager' (got {self.target_runtime!r})."
-            )
+        if self.chain_context_row < 0:
+            raise ValueError(f"chain_context_row={self.chain_context_row} must be >= 0 (0: no copies).")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {self.repeats}, {self.warmup}).")
         self.tree_grids = tree_settings(

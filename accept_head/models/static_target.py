@@ -60,22 +60,31 @@ def _logits_pass(decoder: torch.nn.Module, head: torch.nn.Module, cache: dict, i
     return head(hidden), hidden
 
 
+def _tree_logits_pass(decoder, head, cache: dict, ids: torch.Tensor, slots: torch.Tensor, rope, mask: torch.Tensor):
+    """:func:`_logits_pass` for a token tree: the tokens write their keys and values at cache ``slots`` (T,), rotate
+    at positions ``rope`` (T,) (the prefix length plus their depth) and attend by the additive ``mask`` (1, 1, T,
+    cache length)."""
+    out = decoder(input_ids=ids, **cache, cache_position=slots, position_ids=rope[None], attention_mask=mask)
+    hidden = out.last_hidden_state[0]
+    return head(hidden), hidden
+
+
 INDUCTOR_OPTIONS: dict = {"cpp_wrapper": True}
 """Inductor options of the compiled pass (``torch.compile(options=...)``). ``cpp_wrapper`` calls the generated
 kernels from C++ instead of Python: on the EPYC of docs/measurements.md compiled autoregressive decoding ran 1.29× and
 1.33× eager with it, 1.17× and 1.21× without (two runs each); ``freezing`` (oneDNN-prepacked weights) changed
 nothing."""
-_compiled_pass = None
+_compiled_passes: dict = {}
 
 
-def compiled_logits_pass():
-    """:func:`_logits_pass` under ``torch.compile`` (static shapes; :func:`~accept_head.models.row_linear.backend`
-    with :data:`INDUCTOR_OPTIONS`), built once per process."""
-    global _compiled_pass
-    if _compiled_pass is None:
+def compiled_logits_pass(tree: bool = False):
+    """:func:`_logits_pass` (``tree``: :func:`_tree_logits_pass`) under ``torch.compile`` (static shapes;
+    :func:`~accept_head.models.row_linear.backend` with :data:`INDUCTOR_OPTIONS`), built once per process."""
+    if tree not in _compiled_passes:
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
-        _compiled_pass = torch.compile(_logits_pass, dynamic=False, backend=backend(INDUCTOR_OPTIONS))
-    return _compiled_pass
+        function = _tree_logits_pass if tree else _logits_pass
+        _compiled_passes[tree] = torch.compile(function, dynamic=False, backend=backend(INDUCTOR_OPTIONS))
+    return _compiled_passes[tree]
 
 
 class StaticTarget:
@@ -106,7 +115,8 @@ class StaticTarget:
         self.compiled = compile
         self.capacity = capacity(max_length)
         parameter = next(model.parameters())
-        self.cache = StaticCache(config=model.config, max_cache_len=self.capacity + WIDTHS[-1])
+        self.slots = self.capacity + WIDTHS[-1]  # room for the padding of a pass that ends at the capacity
+        self.cache = StaticCache(config=model.config, max_cache_len=self.slots)
         self._cache_kwargs = cache_kwargs(decoder, self.cache)
         with torch.no_grad():  # allocate the buffers at the shapes the model's attention writes (not the config's)
             one = torch.zeros(1, 1, dtype=torch.long, device=parameter.device)
@@ -114,6 +124,7 @@ class StaticTarget:
         self.cache.crop(-1)
         self.length = 0
         self._compiled = compiled_logits_pass() if compile else None
+        self._compiled_tree = compiled_logits_pass(tree=True) if compile else None
 
     def reset(self) -> None:
         """Forget every kept position (the buffers stay allocated; the next pass overwrites them)."""
@@ -144,6 +155,54 @@ class StaticTarget:
         if logits is None:
             return self.head(hidden[-1:] if last_only else hidden), hidden
         return (logits[-1:] if last_only else logits), hidden
+
+    def tree_forward(self, ids: torch.Tensor, allowed: torch.Tensor, depths: torch.Tensor):
+        """Run a token tree ``ids`` (1, T) after the kept positions: token i attends to the kept positions and to the
+        tree tokens ``allowed[i]`` marks (T, T bool: its ancestors and itself), at position (kept length + its depth
+        ``depths[i]``). Returns (logits (T, V), final hidden states (T, d)); the T positions are kept until
+        :meth:`keep` chooses among them. Padded and compiled as :meth:`forward`."""
+        width, start = ids.shape[1], self.length
+        if start + width > self.slots:
+            raise ValueError(
+                f"a tree of {width} tokens after {start} kept positions exceeds this StaticTarget's "
+                f"{self.capacity} positions: build it with a larger max_length."
+            )
+        padded = WIDTHS[bisect.bisect_left(WIDTHS, width)] if width <= WIDTHS[-1] else width
+        if start + padded > self.slots:
+            padded = width  # the last positions of the cache: run unpadded (eagerly)
+        device = ids.device
+        if padded > width:  # pads follow the tree, each seeing only the prefix and itself
+            ids = torch.cat([ids, ids[:, -1:].expand(1, padded - width)], dim=1)
+            grown = torch.eye(padded, dtype=torch.bool)
+            grown[:width, :width] = allowed
+            allowed, depths = grown, torch.cat([depths, depths.new_zeros(padded - width)])
+        mask = torch.full((1, 1, padded, self.slots), torch.finfo(self.model.dtype).min)
+        mask[0, 0, :, :start] = 0.0
+        mask[0, 0, :, start : start + padded].masked_fill_(allowed, 0.0)
+        mask = mask.to(device, self.model.dtype)
+        slots = torch.arange(start, start + padded, device=device)
+        rope = (start + depths).to(device)
+        run = self._compiled_tree if self._compiled_tree is not None and padded <= WIDTHS[-1] else _tree_logits_pass
+        logits, hidden = run(self.decoder, self.head, self._cache_kwargs, ids, slots, rope, mask)
+        if padded > width:
+            self.cache.crop(width - padded)
+        self.length += width
+        return logits[:width], hidden[:width]
+
+    def keep(self, keep: int, extra: list[int]) -> None:
+        """Keep the first ``keep`` positions and then the positions ``extra`` (strictly increasing, each in [keep,
+        length)), moved next to them: what a verified tree pass keeps of its tokens (the root and the accepted
+        path)."""
+        extra = [int(i) for i in extra]
+        if any(b <= a for a, b in zip(extra, extra[1:])) or (extra and (extra[0] < keep or extra[-1] >= self.length)):
+            raise ValueError(f"extra={extra} must be strictly increasing positions in [{keep}, {self.length}).")
+        if extra != list(range(keep, keep + len(extra))):
+            for layer in self.cache.layers:
+                index = torch.tensor(extra, device=layer.keys.device)
+                # index_select materializes the source first, so the overlapping in-place write is safe.
+                layer.keys[..., keep : keep + len(extra), :] = layer.keys.index_select(-2, index)
+                layer.values[..., keep : keep + len(extra), :] = layer.values.index_select(-2, index)
+        self.crop(keep + len(extra))
 
     def crop(self, length: int) -> None:
         """Keep the first ``length`` positions (what a rejected speculation rolls back to)."""

@@ -332,18 +332,11 @@ class SpecDecPP:
         ``context_row``: tokens copied from the text itself (the continuation of the latest earlier occurrence of the
         last three, else two, tokens) verified beside each round's chain or tree, at the root and below the draft's
         path (:func:`~accept_head.trees.chain_copies.chain_copy_generate`; exact in every mode). None: the bundle's
-        own (:attr:`context_row` for chains, the ``tree`` settings' for trees). Copies need the eager target: under
-        another ``target_runtime`` a chain decodes without the bundle's, and an explicit count is refused.
+        own (:attr:`context_row` for chains, the ``tree`` settings' for trees); chains with copies take every
+        ``target_runtime`` (a static or compiled target runs their tree passes over its preallocated cache).
         """
-        if context_row is None and not tree and target_runtime != "eager":
-            context_row = 0  # the bundle's copies are verified under a tree mask, which needs the eager target
         if tree and target_runtime != "eager":
             raise ValueError(f"target_runtime={target_runtime!r} serves chain decoding; pass tree=False or 'eager'.")
-        if context_row and target_runtime != "eager":
-            raise ValueError(
-                f"target_runtime={target_runtime!r} serves plain chains; copied rows (context_row={context_row}) are "
-                "verified under a tree mask: pass context_row=0 or target_runtime='eager'."
-            )
         ids = self.encode(prompt)
         if generator is None:
             generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**63)
@@ -351,7 +344,8 @@ class SpecDecPP:
         temperature = self.temperature if temperature is None else temperature
         rule = self.decoding_rule(tree, threshold, temperature == 0, context_row)
         if isinstance(rule, CopyingChain):
-            decode, rule, options = chain_copy_generate, rule.policy, {"context_row": rule.context_row}
+            options = {"context_row": rule.context_row, "target_runtime": target_runtime}
+            decode, rule = chain_copy_generate, rule.policy
         elif tree:
             decode, options = tree_generate, {}
         else:

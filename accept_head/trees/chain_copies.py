@@ -111,6 +111,7 @@ def chain_copy_generate(
     top_p: float | None = None,
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    target_runtime: str = "eager",
 ) -> GenerationResult:
     """Lossless speculative decoding with ``policy``'s chains plus up to ``context_row`` tokens copied from the text
     at the root and as many below the chain (see the module docstring).
@@ -120,12 +121,17 @@ def chain_copy_generate(
     and :class:`~accept_head.trees.verify.TreeDecodeStats`: ``proposed`` / ``accepted`` count the winning row's
     tokens (drafted or copied), ``fed`` the tokens each target call read and ``rows`` the round's leaves;
     ``policy.update`` hears how many *drafted* candidates were accepted. ``context_row=0`` verifies the chain alone
-    through the same tree pass (the control that prices the tree path).
+    through the same tree pass (the control that prices the tree path). ``target_runtime``: ``eager`` (the model's
+    forward under a 4D mask), ``static`` or ``compiled`` (its preallocated cache, the tree pass compiled per padded
+    width; :class:`~accept_head.models.static_target.StaticTarget`), as for
+    :func:`~accept_head.chain.decoding.speculative_generate`.
     """
     _check_int("max_new_tokens", max_new_tokens, low=0)
     sampling, chain = SamplingConfig(temperature, top_k, top_p), CopyingChain(policy, context_row)
     rounds = ChainRounds(chain.drafter(draft, target, sampling), chain, sampling, TreeDecodeStats(), generator)
-    return decode_rounds(target, rounds, input_ids, max_new_tokens, sampling, eos_token_id, generator)
+    return decode_rounds(
+        target, rounds, input_ids, max_new_tokens, sampling, eos_token_id, generator, target_runtime=target_runtime
+    )
 
 
 def chain_tree(candidates: Sequence[int], q_rows: Sequence[torch.Tensor], sampled: bool) -> DraftTree:

@@ -28,12 +28,11 @@ from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import torch
-from transformers import DynamicCache
 
 from ..chain.decoding import GenerationResult, _check_int, _prepare, _timed, _until_eos, draft_room, prefill
 from ..core.sampling import SamplingConfig, argmax, draw_without_replacement, probabilities
 from ..models.drafters import Drafter
-from ..models.features import capture_lm_head_input
+from ..models.static_target import target_cache
 from .attention import attention_layout, check_masked_attention
 from .context import ContextRow
 from .drafters import TreeDrafter, as_tree_drafter
@@ -41,7 +40,7 @@ from .growth import DraftTree, TreeRule
 from .verify import (
     TreeDecodeStats,
     commit_nodes,
-    tree_forward,
+    tree_pass,
     verify_greedy,
     verify_recursive,
     verify_sampled,
@@ -234,16 +233,19 @@ def decode_rounds(
     eos_token_id: int | Sequence[int] | None = None,
     generator: torch.Generator | None = None,
     observe: Callable[[DraftTree, list[int], torch.Tensor], None] | None = None,
+    target_runtime: str = "eager",
 ) -> GenerationResult:
     """The round loop of the decoders verified by one tree pass per round (:func:`tree_generate`,
     :func:`~accept_head.trees.chain_copies.chain_copy_generate`): ``rounds`` drafts the nodes, the target scores the
     root and every node under a tree mask, :func:`verify_tree` accepts a path and the target's own token, and the
-    target's cache and ``rounds`` keep exactly that path."""
+    target's cache and ``rounds`` keep exactly that path. ``target_runtime``: the target's cache
+    (:func:`~accept_head.models.static_target.target_cache`; a static one holds the prompt, the budget and 16 more
+    positions, so the rounds must not verify more than 16 nodes past the budget)."""
     layout = attention_layout(target)  # the caller checked the target with check_masked_attention
     ids, budget, eos = _prepare(input_ids, max_new_tokens, eos_token_id, target)
     stats, tokens, drafter = rounds.stats, ids[0].tolist(), rounds.drafter
     with _timed(stats, "total_time"):
-        cache = DynamicCache()  # the target's: it lacks the last committed token, each round's root
+        cache = target_cache(target, target_runtime, ids.shape[1] + budget)  # lacks the last token, each round's root
         with _timed(stats, "target_time"):
             prefill(target, drafter, ids.to(next(target.parameters()).device), cache)
         while stats.generated < budget:
@@ -253,8 +255,9 @@ def decode_rounds(
                 tree, nodes = rounds.draft(tokens, depth)
             with _timed(stats, "target_time"):  # 2. Verify the root (the last token) and the nodes in one pass
                 tree_tokens, parents, paths, rows = tree_rows(tree, nodes)
-                with capture_lm_head_input(target) as box:
-                    logits = tree_forward(target, cache, [tokens[-1], *tree_tokens], [-1, *parents], layout=layout)
+                logits, hidden = tree_pass(
+                    target, cache, [tokens[-1], *tree_tokens], [-1, *parents], layout, drafter.needs_target_features
+                )
                 row, m, next_token = verify_tree(logits, tree, paths, rows, sampling, generator)
                 accepted = paths[row][:m] if m else []
                 commit_nodes(cache, len(tokens) - 1, rows[row][:m] if m else [])
@@ -264,8 +267,8 @@ def decode_rounds(
             new = _until_eos([*(tree.tokens[n] for n in accepted), next_token], eos)
             stats.record_tree_round(1 + len(nodes), len(paths), len(paths[row]) if row >= 0 else 0, m, len(new))
             with _timed(stats, "draft_time"):
-                hidden = box[0][0, [0, *(rows[row][:m] if m else [])]] if drafter.needs_target_features else None
-                rounds.commit(tree, accepted, new, None if hidden is None else hidden[: len(new)])
+                features = hidden[[0, *(rows[row][:m] if m else [])]] if drafter.needs_target_features else None
+                rounds.commit(tree, accepted, new, None if features is None else features[: len(new)])
             tokens.extend(new)
             if new[-1] in eos:
                 break

@@ -29,6 +29,8 @@ from transformers import DynamicCache
 from ..chain.decoding import DecodeStats, _forward
 from ..core.hf_compat import cache_kwargs, keep_cache_positions
 from ..core.sampling import generator_device, sample_one
+from ..models.features import capture_lm_head_input
+from ..models.static_target import StaticTarget
 from .attention import AttentionLayout, attention_layout, layer_masks, tree_mask
 
 
@@ -175,10 +177,35 @@ def tree_forward(
     return out.logits[0]
 
 
-def commit_nodes(cache: DynamicCache, prefix: int, nodes: Sequence[int]) -> None:
-    """After :func:`tree_forward` on a cache of ``prefix`` positions: keep the prefix, the root (tree index 0) and
-    the tree nodes ``nodes`` (the accepted tokens, in order)."""
-    keep_cache_positions(cache, prefix + 1, [prefix + n for n in nodes])
+def tree_pass(
+    model: torch.nn.Module,
+    cache: DynamicCache | StaticTarget,
+    tokens: Sequence[int],
+    parents: Sequence[int],
+    layout: AttentionLayout | None = None,
+    with_hidden: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`tree_forward` over either kind of target cache: a ``DynamicCache`` (the model's own forward; ``layout``
+    as there) or a :class:`~accept_head.models.static_target.StaticTarget` (its preallocated, optionally compiled
+    pass; full attention only). Returns (logits (T, V), the final hidden states (T, d) when ``with_hidden`` or the
+    static pass gives them, else None)."""
+    if isinstance(cache, StaticTarget):
+        allowed, depths = tree_mask(parents)
+        return cache.tree_forward(torch.tensor([list(tokens)], device=next(model.parameters()).device), allowed, depths)
+    if not with_hidden:
+        return tree_forward(model, cache, tokens, parents, layout=layout), None
+    with capture_lm_head_input(model) as box:
+        logits = tree_forward(model, cache, tokens, parents, layout=layout)
+    return logits, box[0][0]
+
+
+def commit_nodes(cache: DynamicCache | StaticTarget, prefix: int, nodes: Sequence[int]) -> None:
+    """After :func:`tree_forward` (or :func:`tree_pass`) on a cache of ``prefix`` positions: keep the prefix, the root
+    (tree index 0) and the tree nodes ``nodes`` (the accepted tokens, in order)."""
+    if isinstance(cache, StaticTarget):
+        cache.keep(prefix + 1, [prefix + n for n in nodes])
+    else:
+        keep_cache_positions(cache, prefix + 1, [prefix + n for n in nodes])
 
 
 def verify_greedy(argmax: Sequence[int], rows: Sequence[Sequence[int]], nodes: Sequence[Sequence[int]]) -> tuple:
