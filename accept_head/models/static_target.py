@@ -21,6 +21,11 @@ inductor's. The compiled graphs check before every call that no weight changed i
 Rolling back a rejected speculation is :meth:`StaticTarget.crop`: only the kept length moves (``StaticCache`` writes
 each pass at its running length, which ``crop`` moves back). Targets with sliding-window layers are refused (their
 static layers roll a window instead of keeping positions).
+
+A token tree (a chain with rows copied from the text beside it, :mod:`~accept_head.trees.chain_copies`) runs through
+:meth:`StaticTarget.tree_forward`: the same padded, optionally compiled pass with an additive 4D mask over the whole
+cache (each token sees the kept positions, its ancestors and itself) and rotary positions by depth;
+:meth:`StaticTarget.keep` then moves the accepted branch's keys and values next to the prefix.
 """
 
 from __future__ import annotations
