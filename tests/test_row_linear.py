@@ -123,7 +123,7 @@ def test_a_compiled_target_with_every_linear_rewritten_decodes_the_eager_greedy_
     target = make_llama(seed=0, num_layers=2)
     reference = autoregressive_generate(target, [2, 10, 11, 12], 10, temperature=0).sequences
     monkeypatch.setattr(row_linear, "DTYPES", (torch.float32,))  # every linear of the float32 model fed one row
-    monkeypatch.setattr(static_target, "_compiled_pass", None)  # a fresh compiled pass, not one cached by another test
+    monkeypatch.setattr(static_target, "_compiled_passes", {})  # fresh compiled passes, not ones cached by another test
     counts = []
     rewrite = row_linear.rewrite_linears
     monkeypatch.setattr(row_linear, "rewrite_linears", lambda gm: counts.append(rewrite(gm)) or counts[-1])
