@@ -76,26 +76,37 @@ def keep_cache_positions(cache, keep: int, extra: Sequence[int]) -> None:
     position index, so it is refused.
     """
     extra = [int(i) for i in extra]
-    current = cache.get_seq_length()
-    if any(b <= a for a, b in zip(extra, extra[1:])) or (extra and (extra[0] < keep or extra[-1] >= current)):
-        raise ValueError(f"extra={extra} must be strictly increasing positions in [{keep}, {current}).")
-    if extra != list(range(keep, keep + len(extra))):
-        from transformers.cache_utils import DynamicLayer
+    if not moved_positions(keep, extra, cache.get_seq_length()):
+        crop_cache(cache, keep + len(extra))
+        return
+    from transformers.cache_utils import DynamicLayer
 
-        layers = getattr(cache, "layers", None)
-        if layers is None or any(not isinstance(x, DynamicLayer) or x.is_sliding for x in layers):
-            raise NotImplementedError(
-                "keep_cache_positions needs a DynamicCache of full-attention DynamicLayers (transformers >= 5); "
-                f"got {type(cache).__name__} with layers {sorted({type(x).__name__ for x in layers or []})}."
-            )
-        for layer in layers:
-            if not layer.is_initialized or layer.keys.numel() == 0:
-                continue
-            index = torch.tensor(extra, device=layer.keys.device)
-            # index_select materializes the source first, so the overlapping in-place write is safe.
-            layer.keys[..., keep : keep + len(extra), :] = layer.keys.index_select(-2, index)
-            layer.values[..., keep : keep + len(extra), :] = layer.values.index_select(-2, index)
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(not isinstance(x, DynamicLayer) or x.is_sliding for x in layers):
+        raise NotImplementedError(
+            "keep_cache_positions needs a DynamicCache of full-attention DynamicLayers (transformers >= 5); "
+            f"got {type(cache).__name__} with layers {sorted({type(x).__name__ for x in layers or []})}."
+        )
+    move_positions([x for x in layers if x.is_initialized and x.keys.numel()], keep, extra)
     crop_cache(cache, keep + len(extra))
+
+
+def moved_positions(keep: int, extra: Sequence[int], length: int) -> bool:
+    """Whether keeping ``keep`` positions and then ``extra`` of a cache of ``length`` moves any (False: a plain crop);
+    ValueError unless ``extra`` is strictly increasing, each in [keep, length)."""
+    if any(b <= a for a, b in zip(extra, extra[1:])) or (extra and (extra[0] < keep or extra[-1] >= length)):
+        raise ValueError(f"extra={list(extra)} must be strictly increasing positions in [{keep}, {length}).")
+    return list(extra) != list(range(keep, keep + len(extra)))
+
+
+def move_positions(layers: Sequence, keep: int, extra: Sequence[int]) -> None:
+    """Copy the keys and values at positions ``extra`` of each cache layer (``.keys`` / ``.values``, (B, heads, S,
+    head_dim)) to positions ``keep``, ``keep`` + 1, ... in place."""
+    for layer in layers:
+        index = torch.tensor(list(extra), device=layer.keys.device)
+        # index_select materializes the source first, so the overlapping in-place write is safe.
+        layer.keys[..., keep : keep + len(extra), :] = layer.keys.index_select(-2, index)
+        layer.values[..., keep : keep + len(extra), :] = layer.values.index_select(-2, index)
 
 
 GQA_EAGER = "accept_head_gqa_eager"

@@ -35,7 +35,7 @@ import bisect
 import torch
 from transformers import DynamicCache, StaticCache
 
-from ..core.hf_compat import cache_kwargs
+from ..core.hf_compat import cache_kwargs, move_positions, moved_positions
 from .row_linear import backend
 
 WIDTHS = (1, 2, 4, 8, 16)
@@ -199,14 +199,8 @@ class StaticTarget:
         length)), moved next to them: what a verified tree pass keeps of its tokens (the root and the accepted
         path)."""
         extra = [int(i) for i in extra]
-        if any(b <= a for a, b in zip(extra, extra[1:])) or (extra and (extra[0] < keep or extra[-1] >= self.length)):
-            raise ValueError(f"extra={extra} must be strictly increasing positions in [{keep}, {self.length}).")
-        if extra != list(range(keep, keep + len(extra))):
-            for layer in self.cache.layers:
-                index = torch.tensor(extra, device=layer.keys.device)
-                # index_select materializes the source first, so the overlapping in-place write is safe.
-                layer.keys[..., keep : keep + len(extra), :] = layer.keys.index_select(-2, index)
-                layer.values[..., keep : keep + len(extra), :] = layer.values.index_select(-2, index)
+        if moved_positions(keep, extra, self.length):
+            move_positions(self.cache.layers, keep, extra)
         self.crop(keep + len(extra))
 
     def crop(self, length: int) -> None:

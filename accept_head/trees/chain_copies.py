@@ -71,13 +71,8 @@ class ChainRounds:
         stats: TreeDecodeStats,
         generator: torch.Generator | None,
     ) -> None:
-        self.drafter, self.policy, self.sampling, self.stats, self.generator = (
-            drafter,
-            chain.policy,
-            sampling,
-            stats,
-            generator,
-        )
+        self.drafter, self.policy, self.sampling = drafter, chain.policy, sampling
+        self.stats, self.generator = stats, generator
         self.copy = ContextRow(chain.context_row) if chain.context_row else None
         self.state = RoundState()
         self.policy.reset()
