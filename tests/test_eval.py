@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -173,6 +174,14 @@ def test_h_star_is_added_once_and_variants_of_it_are_kept() -> None:
     assert [s.params for s in greedy[:-1]] == [s.params for s in specs]
     assert greedy[-1].params == {"threshold": 0.4, "unscored": "confidence"}
     assert greedy[-1].label == "SpecDec++ h*=0.4 unscored=confidence"
+    # A bundle that copies rows from the text also decodes h* as generate does, and a grid point equal to it goes.
+    FakePair.bundle.context_row = 4
+    copying = [*specs, MethodSpec("specdecpp", {"threshold": 0.7, "context_row": 4})]
+    out = _h_star_spec(FakePair(), copying, greedy=False)
+    assert [s.params for s in out[:-2]] == [specs[i].params for i in (1, 2, 3, 5)]
+    assert [s.role for s in out[-2:]] == ["h_star", "h_star_copies"]
+    assert out[-1].params == {"threshold": 0.7, "unscored": None, "context_row": 4}
+    assert out[-1].label == "SpecDec++ h*=0.7 context_row=4"
 
 
 def test_round_robin_keeps_every_source_represented() -> None:
@@ -860,6 +869,62 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
         assert set(identity) == others and "T=1" in by_key and "greedy_identity" not in by_key["T=1"]
         assert all(v["identical"] == v["decodes"] == 2 and v["first_divergence"] == [] for v in identity.values())
     assert "Greedy outputs against autoregressive decoding" in text
+
+
+def test_report_shows_a_copying_bundle_beside_its_plain_chain(tiny, tmp_path) -> None:
+    """A bundle with ``context_row`` is reported as ``generate`` decodes it (h* with copies) and as the plain chain;
+    FixedK with copies is chosen apart from plain FixedK, and "best FixedK" stays the plain one."""
+    bundle = Path(tiny["root"]) / "bundle-copies"  # beside the models its config names by relative path
+    shutil.copytree(tiny["bundle"], bundle, dirs_exist_ok=True)
+    config_file = bundle / "config.json"
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"context_row": 2}))
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"cost_model": {"t_draft": 0.001, "t_target_a": 0.01, "t_target_b": 0.0005}}))
+    page = tmp_path / "results.md"
+    config = {
+        "bundle": str(bundle),
+        "out_of_distribution": [{"path": str(tiny["root"] / "ood.jsonl")}],
+        "validation_prompts": [{"path": str(tiny["root"] / "val.jsonl")}],
+        "validation_limit": 2,
+        "limit": 2,
+        "policies": [
+            {"kind": "autoregressive"},
+            {"kind": "fixed_k", "grid": {"k": [1, 3]}},
+            {"kind": "fixed_k", "grid": {"k": [1, 3], "context_row": [2]}},
+        ],
+        "temperatures": [0.0],
+        "max_new_tokens": 10,
+        "cost_model": str(costs),
+        "output": str(page),
+        "progress": False,
+    }
+    main(["report", "--config", write_config(tmp_path / "report.yaml", config)])
+    stored = json.loads((tmp_path / "results" / "results.json").read_text())
+    searched = stored["validation"]["greedy"]["methods"]
+    for copies in (False, True):
+        grid = [m for m in searched if m["kind"] == "fixed_k" and bool(m["params"].get("context_row")) == copies]
+        best = max(grid, key=lambda m: m["modeled_tokens_per_second"])
+        assert len(grid) == 2 and best["name"] in stored["validation"]["greedy"]["chosen"]
+    for set_name, by_key in stored["results"].items():
+        rows = by_key["greedy"]["analysis"]["rows"]
+        star, copying = (next(r for r in rows if r.get("role") == role) for role in ("h_star", "h_star_copies"))
+        assert "context_row" not in star["params"] and copying["params"]["context_row"] == 2
+        fixed = next(
+            r for r in rows if r["kind"] == "fixed_k" and r["best_of_family"] and "context_row" not in r["params"]
+        )
+        fixed_copies = next(r for r in rows if r["kind"] == "fixed_k" and r["params"].get("context_row"))
+        median = copying["tokens_per_second"]["median"]
+        assert copying["ratio_to_best_fixed_k"] == pytest.approx(median / fixed["tokens_per_second"]["median"])
+        assert copying["ratio_to_best_fixed_k_copies"] == pytest.approx(
+            median / fixed_copies["tokens_per_second"]["median"]
+        )
+        assert copying["ratio_to_h_star"] == pytest.approx(median / star["tokens_per_second"]["median"])
+        # Greedy in float32, the copying chains write the target's own tokens.
+        identity = by_key["greedy"]["greedy_identity"]
+        assert identity[copying["name"]]["identical"] == identity[fixed_copies["name"]]["identical"] == 2
+    text = page.read_text()
+    assert "Rows copied from the text beside the chain" in text and "with 2 tokens copied from the text" in text
+    assert f"{copying['tokens_per_second']['median']:.1f}" in text
 
 
 @pytest.mark.parametrize("config", sorted(Path("configs/eval").glob("*.yaml")), ids=lambda p: p.name)

@@ -76,6 +76,7 @@ class Pair:
                 calibration=self.bundle.calibration.kind if self.bundle.calibration is not None else None,
                 greedy_calibration=getattr(self.bundle.greedy_calibration, "kind", None),
                 tree_calibration=sorted(getattr(self.bundle, "tree_calibration", {})),
+                context_row=getattr(self.bundle, "context_row", 0),
             )
         return out
 

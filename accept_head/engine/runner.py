@@ -109,7 +109,7 @@ so a row's name states all of them)."""
 _TREE_STATE = ("bigram", "pool")
 """Keyword arguments of the tree decoders that carry state, set by :class:`Runner`, never by a spec."""
 
-ROLES = ("h_star",)
+ROLES = ("h_star", "h_star_copies")
 """Roles a method can play in a comparison (see :attr:`MethodSpec.role`)."""
 
 _SHORT = {"tau": "τ", "initial_k": "k0", "num_assistant_tokens": "K", "confidence_threshold": "conf"}
@@ -161,7 +161,8 @@ class MethodSpec:
     """Display name (default: built from kind and params)."""
     role: str | None = None
     """What the method stands for in a comparison, for reports to find it by: ``h_star`` is the bundle's own policy
-    (SpecDec++ at h*). None for every other method."""
+    (SpecDec++ at h*) on the plain chain, ``h_star_copies`` the same policy with the bundle's copied rows
+    (``context_row``, as ``SpecDecPP.generate`` decodes by default). None for every other method."""
 
     def __post_init__(self) -> None:
         if self.kind not in FAMILIES:
@@ -847,16 +848,22 @@ def headroom_share(policy: float, best_fixed_k: float, oracle: float) -> float |
     return (policy - best_fixed_k) / gap if gap > 0 else None
 
 
-def h_star_label(bundle, greedy: bool = False) -> str:
-    """Display name of a bundle's own policy in a decoding mode: ``SpecDec++ h*=0.7`` (+ its unscored variant)."""
+def h_star_label(bundle, greedy: bool = False, context_row: int = 0) -> str:
+    """Display name of a bundle's own policy in a decoding mode: ``SpecDec++ h*=0.7`` (+ its unscored variant, + the
+    rows it copies from the text)."""
     h, unscored = bundle.h_star(greedy)
-    return f"SpecDec++ h*={h:g}" + (f" unscored={unscored}" if unscored else "")
+    label = f"SpecDec++ h*={h:g}" + (f" unscored={unscored}" if unscored else "")
+    return label + (f" context_row={context_row}" if context_row else "")
 
 
-def h_star_spec(bundle, greedy: bool = False) -> MethodSpec:
+def h_star_spec(bundle, greedy: bool = False, copies: bool = False) -> MethodSpec:
     """The bundle's own policy, SpecDec++ at its h* for the mode (:meth:`SpecDecPP.h_star`), labelled
-    (:func:`h_star_label`) and with role ``h_star``."""
+    (:func:`h_star_label`) and with role ``h_star``; with ``copies``, as ``generate`` decodes it by default: verifying
+    the bundle's ``context_row`` tokens copied from the text beside each chain (role ``h_star_copies``)."""
     h, unscored = bundle.h_star(greedy)
-    return MethodSpec(
-        "specdecpp", {"threshold": h, "unscored": unscored}, label=h_star_label(bundle, greedy), role="h_star"
-    )
+    context_row = int(getattr(bundle, "context_row", 0) or 0) if copies else 0
+    if copies and not context_row:
+        raise ValueError("This bundle copies no rows (context_row 0): there is no h* with copies to decode.")
+    params = {"threshold": h, "unscored": unscored} | ({"context_row": context_row} if context_row else {})
+    role = "h_star_copies" if copies else "h_star"
+    return MethodSpec("specdecpp", params, label=h_star_label(bundle, greedy, context_row), role=role)

@@ -40,7 +40,7 @@ from ..models.pairs import ModelSpec
 from ..trees.labels import TreeModels
 from .bench import add_comparison_drafts
 from .calibration import CALIBRATION_HEADER, calibration_rows, calibration_views, reliability_panels
-from .common import output_folder, ratio, ratios, resolve_cost_model, with_args_doc
+from .common import output_folder, ratio, ratios, ratios_to, resolve_cost_model, with_args_doc
 from .plots import costs_plot, pareto_plot
 from .report_page import TRAINING_FREE, render_markdown
 from .sweep import run_sweep, sweep_table, temperature_key
@@ -116,19 +116,26 @@ def head_sources(provenance: dict) -> tuple[list[PromptSource], int]:
 
 
 def _h_star_spec(pair: Pair, specs: list[MethodSpec], greedy: bool) -> list[MethodSpec]:
-    """Add SpecDec++ at the bundle's h* for the decoding mode (labelled) and drop a grid point with the same h."""
+    """Add SpecDec++ at the bundle's h* for the decoding mode (labelled) and, when the bundle copies rows from the text
+    (``context_row``), the same h* as ``generate`` decodes it with them; drop a grid point that equals either."""
+    stars = [h_star_spec(pair.bundle, greedy)]
+    if getattr(pair.bundle, "context_row", 0):
+        stars.append(h_star_spec(pair.bundle, greedy, copies=True))
     h, unscored = pair.bundle.h_star(greedy)
 
-    def same_as_h_star(s: MethodSpec) -> bool:
-        return (
-            s.kind == "specdecpp"
-            and set(s.params) <= {"threshold", "unscored"}
-            and float(s.params.get("threshold", h)) == h
-            and s.params.get("unscored", unscored) == unscored
-        )
+    def settings(s: MethodSpec) -> dict | None:
+        """What a SpecDec++ spec decodes with, defaults filled in (None for a spec setting anything else)."""
+        if s.kind != "specdecpp" or not set(s.params) <= {"threshold", "unscored", "context_row"}:
+            return None
+        p = s.params
+        return {
+            "h": float(p.get("threshold", h)),
+            "unscored": p.get("unscored", unscored),
+            "copies": p.get("context_row", 0),
+        }
 
-    specs = [s for s in specs if not same_as_h_star(s)]
-    return specs + [h_star_spec(pair.bundle, greedy)]
+    taken = [settings(star) for star in stars]
+    return [s for s in specs if settings(s) is None or settings(s) not in taken] + stars
 
 
 def _with_comparison_draft(pair: Pair, spec: MethodSpec) -> MethodSpec:
@@ -140,32 +147,40 @@ def _with_comparison_draft(pair: Pair, spec: MethodSpec) -> MethodSpec:
     return spec
 
 
-def _h_star(summaries: Sequence[MethodSummary]) -> MethodSummary | None:
-    return next((s for s in summaries if s.spec.role == "h_star"), None)
+def _h_star(summaries: Sequence[MethodSummary], role: str = "h_star") -> MethodSummary | None:
+    return next((s for s in summaries if s.spec.role == role), None)
 
 
 def analyse(summaries: Sequence[MethodSummary], select_by: str) -> dict:
-    """Best setting per family, SpecDec++ at h*, ratios and the oracle headroom shares (modeled throughput)."""
-    families = sorted({s.spec.kind for s in summaries}, key=list(_ORDER).index)
-    best = {kind: best_of(summaries, select_by, kind) for kind in families}
-    star = _h_star(summaries)
-    ar, fixed, oracle = best.get("autoregressive"), best.get("fixed_k"), best.get("oracle")
+    """Best setting per family, SpecDec++ at h*, ratios and the oracle headroom shares (modeled throughput).
+
+    Settings that copy rows from the text (``context_row``) are a family of their own beside their plain kind
+    (``"fixed_k context_row"``): "best FixedK" stays the plain chain's, and a copying row is also compared with the
+    best FixedK that copies (``ratio_to_best_fixed_k_copies``)."""
+    families = sorted({(s.spec.kind, s.spec.copies) for s in summaries}, key=lambda f: (_ORDER.index(f[0]), f[1]))
+    best = {f: best_of([s for s in summaries if (s.spec.kind, s.spec.copies) == f], select_by) for f in families}
+    stars = {False: _h_star(summaries), True: _h_star(summaries, "h_star_copies")}
+    ar, fixed, oracle = (best.get((kind, False)) for kind in ("autoregressive", "fixed_k", "oracle"))
+    fixed_copies = best.get(("fixed_k", True))
     rows = []
-    for kind in families:
-        members = [best[kind]] + ([star] if kind == "specdecpp" and star is not None and star is not best[kind] else [])
+    for kind, copies in families:
+        top, star = best[(kind, copies)], stars[copies]
+        members = [top] + ([star] if kind == "specdecpp" and star is not None and star is not top else [])
         for s in members:
             share = None
             if oracle is not None and fixed is not None and s.spec.kind not in ("oracle", "autoregressive"):
                 share = _modeled_headroom(s, fixed, oracle)
-            rows.append(
-                {
-                    **s.to_dict(),
-                    "best_of_family": s is best[kind],
-                    **ratios(s, ar, fixed),
-                    "oracle_headroom_share": share,
-                }
-            )
-    return {"rows": rows, "best": {k: v.spec.name for k, v in best.items()}, "h_star": star.spec.name if star else None}
+            row = {**s.to_dict(), "best_of_family": s is top, **ratios(s, ar, fixed), "oracle_headroom_share": share}
+            if copies:
+                row |= ratios_to(s, fixed_copies, "best_fixed_k_copies") | ratios_to(s, stars[False], "h_star")
+            rows.append(row)
+    named = {(f"{kind} context_row" if copies else kind): s.spec.name for (kind, copies), s in best.items()}
+    return {
+        "rows": rows,
+        "best": named,
+        "h_star": stars[False].spec.name if stars[False] else None,
+        "h_star_copies": stars[True].spec.name if stars[True] else None,
+    }
 
 
 def _modeled_headroom(s: MethodSummary, fixed: MethodSummary, oracle: MethodSummary) -> float | None:
@@ -194,7 +209,7 @@ def goal_rows(sets: dict, temperature_keys: Sequence[str], select_by: str, summa
                 continue
 
             def against(kinds: Sequence[str]) -> MethodSummary | None:
-                return best_of([s for s in runs if s.spec.kind in kinds], select_by)
+                return best_of([s for s in runs if s.spec.kind in kinds and not s.spec.copies], select_by)
 
             vs_ar = GOALS["autoregressive" if key == "greedy" else "autoregressive_sampling"]
             fixed, oracle = against(["fixed_k"]), against(["oracle"])

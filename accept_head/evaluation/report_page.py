@@ -47,6 +47,7 @@ def render_markdown(payload: dict, figures_dir: str) -> str:
     lines += _figure(payload, "costs", "cost model", figures_dir)
     lines += _cost_check(payload)
     lines += _table_one(payload)
+    lines += _copies_table(payload)
     lines += _winners(payload)
     lines += _goals(payload)
     lines += _validation(payload, figures_dir)
@@ -95,7 +96,14 @@ def _intro(payload: dict) -> list[str]:
         f"decoders' grids, HF's settings) is chosen on the validation prompts by {settings['select_by']} tokens/s "
         "(measured for methods decoding with a comparison draft, which the cost model does not price) and only "
         "the chosen one runs on the test sets; SpecDec++ runs at the bundle's h* for the mode, chosen by its own "
-        "sweep at the end of training. Temperatures: "
+        "sweep at the end of training"
+        + (
+            f", on the plain chain and, as `generate` decodes by default, with {pair['context_row']} tokens copied "
+            "from the text beside it"
+            if pair.get("context_row")
+            else ""
+        )
+        + ". Temperatures: "
         + ", ".join("greedy" if t == 0 else f"{t:g}" for t in settings["temperatures"])
         + ".",
         "- Oracle (greedy): the hindsight limit of SpecDec++ Lemma 2.1 on the target's greedy continuation — its "
@@ -199,9 +207,14 @@ def _h_stars(pair: dict) -> str:
     return f"h* = {sampled}" if greedy == sampled else f"h* = {sampled} (sampling), {greedy} (greedy)"
 
 
-def _find(rows: Sequence[dict], kind: str) -> dict | None:
-    """The best row of ``kind`` in an analysis."""
-    return next((row for row in rows if row["kind"] == kind and row["best_of_family"]), None)
+def _find(rows: Sequence[dict], kind: str, copies: bool = False) -> dict | None:
+    """The best row of ``kind`` in an analysis, among the settings that copy rows from the text (``context_row``) or
+    among those that do not."""
+    return next((r for r in rows if r["kind"] == kind and r["best_of_family"] and _copies(r) == copies), None)
+
+
+def _copies(row: dict) -> bool:
+    return bool(row.get("params", {}).get("context_row"))
 
 
 def _tps(row: dict | None) -> str:
@@ -256,6 +269,46 @@ def _table_one(payload: dict) -> list[str]:
             ]
         )
     return lines + [markdown_table(header, rows), ""]
+
+
+def _copies_table(payload: dict) -> list[str]:
+    """The chains that also verify rows copied from the text (the bundle's ``context_row``, what ``generate`` decodes
+    by default) beside the plain chains; nothing when the bundle copies none."""
+    rows = []
+    for set_name, key, result in _each_result(payload):
+        analysis = result["analysis"]["rows"]
+        star = next((r for r in analysis if r.get("role") == "h_star_copies"), None)
+        if star is None:
+            continue
+        fixed = _find(analysis, "fixed_k", copies=True)
+        rows.append(
+            [
+                set_name,
+                key,
+                (f"K={fixed['params']['k']}: " + _tps(fixed)) if fixed else "–",
+                _tps(star),
+                fmt(star["ratio_to_autoregressive"], 2, "×"),
+                fmt(star["ratio_to_best_fixed_k"], 2, "×"),
+                fmt(star["ratio_to_best_fixed_k_copies"], 2, "×"),
+                fmt(star["ratio_to_h_star"], 2, "×"),
+            ]
+        )
+    if not rows:
+        return []
+    header = ["prompt set", "setting", "best FixedK + copies", "SpecDec++ (h*) + copies"]
+    header += ["× AR", "× best FixedK", "× best FixedK + copies", "× SpecDec++ (h*)"]
+    return [
+        "## Rows copied from the text beside the chain (`generate`'s default)",
+        "",
+        "The same chains verifying, in the same target pass, the bundle's `context_row` tokens copied from the text "
+        "(what followed the latest earlier occurrence of the last tokens) at the root and below the chain. Tokens/s "
+        "measured (modeled in parentheses); FixedK's K with copies was chosen on the validation prompts apart from "
+        "the plain one. × best FixedK is against the plain chain's best K (the table above); × best FixedK + copies "
+        "compares like for like.",
+        "",
+        markdown_table(header, rows),
+        "",
+    ]
 
 
 def winners(methods: Sequence[dict]) -> dict | None:
