@@ -162,6 +162,23 @@ def test_chain_context_row_adds_copying_chains_chosen_on_validation(tiny, tmp_pa
     assert "chain_context_row=-1 must be >= 0" in capsys.readouterr().err
 
 
+def test_warmup_decodes_validation_prompts_untimed_too(tiny, tmp_path, monkeypatch) -> None:
+    """``warmup`` prompts are decoded untimed before the validation runs as before the test runs, so a compiled target
+    does not time its compilation where settings are chosen."""
+    import accept_head.engine.runner as runner_module
+
+    real, seen = runner_module.run_decoders, []
+
+    def recording(decoders, prompts, seed=0, repeats=1, warmup=0, progress=True, desc="", outputs=None):
+        seen.append((desc, warmup))
+        return real(decoders, prompts, seed, repeats, warmup, progress, desc, outputs)
+
+    monkeypatch.setattr(runner_module, "run_decoders", recording)
+    run_bench(tiny, "feature", tmp_path, warmup=1, hf_settings=[], stop_rules=False)
+    assert [desc for desc, _ in seen] == ["validation greedy", "bench greedy"]
+    assert all(warmup == 1 for _, warmup in seen)
+
+
 def test_greedy_identity_counts_differing_decodes_and_where_they_part() -> None:
     outputs = {
         "AR": [[(1, 2, 3), (4, 5)], [(1, 2, 3), (4, 5)]],

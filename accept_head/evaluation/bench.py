@@ -316,7 +316,9 @@ BENCH_ARGS = """
         max_new_tokens: Tokens generated per prompt (at most), the same for every method.
         temperatures: Sampling temperatures; 0 is greedy (the oracle runs only there). Default [0, 1].
         repeats: Timed passes over the test prompts (tokens/s is reported as min / median / max over them).
-        warmup: Test prompts decoded once by every method before timing (not recorded).
+        warmup: Prompts decoded once by every method before timing (not recorded), on the validation prompts and again
+            on the test prompts. A compiled target (``target_runtime: compiled``) compiles each pass width and
+            cache-length bucket on first use: give it the number of prompts, or its first decodes time compilation.
         fixed_k: K grid searched on validation (default 1, 2, 3, 4, 6, 8, 10, 12).
         hindsight_k: Also decode every K of ``fixed_k`` on the test prompts and add each method's ratio to the K
             best there (``ratio_to_hindsight_fixed_k``) — a bound no rule can use, since it is chosen on the
@@ -510,6 +512,7 @@ def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float)
         plan.progress,
         plan.bigram_cache,
         ignore_eos=plan.ignore_eos,
+        warmup=plan.warmup,
         **setup.runner_options,
     )
     own = [s for s in summaries if "draft" not in s.spec.params and not s.spec.copies]

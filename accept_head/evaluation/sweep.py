@@ -64,12 +64,14 @@ def run_sweep(
     bigram_cache: str | None = None,
     outputs: dict[str, list[list[tuple[int, ...]]]] | None = None,
     ignore_eos: bool = False,
+    warmup: int = 0,
     **runner_options: Any,
 ) -> tuple[list[MethodSummary], list[dict]]:
     """Run every spec that can run at ``temperature`` on ``prompt_set``; return the summaries and the skipped specs
     (with the reason). ``outputs``, when a dict, receives each decode's new tokens (see :func:`run_decoders`);
-    ``ignore_eos`` decodes past EOS so every method writes exactly ``max_new_tokens``; ``runner_options`` go to
-    :class:`Runner` (e.g. ``tree_cost``, ``tree_models``)."""
+    ``ignore_eos`` decodes past EOS so every method writes exactly ``max_new_tokens``; the first ``warmup`` prompts
+    are decoded once by every method before timing; ``runner_options`` go to :class:`Runner` (e.g. ``tree_cost``,
+    ``tree_models``)."""
     runner = Runner(
         pair, max_new_tokens, temperature, bigram_cache=bigram_cache, ignore_eos=ignore_eos, **runner_options
     )
@@ -85,6 +87,7 @@ def run_sweep(
         runnable,
         prompt_set.prompts,
         seed=seed,
+        warmup=warmup,
         progress=progress,
         desc=f"{prompt_set.name} {temperature_key(temperature)}",
         outputs=outputs,
