@@ -14,6 +14,7 @@ On tiny models, through the real CLI, for a bundle whose draft is a Hugging Face
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -160,6 +161,24 @@ def test_chain_context_row_adds_copying_chains_chosen_on_validation(tiny, tmp_pa
     with pytest.raises(SystemExit):
         run_bench(tiny, "feature", tmp_path, chain_context_row=-1)
     assert "chain_context_row=-1 must be >= 0" in capsys.readouterr().err
+
+
+def test_the_bench_copies_as_the_bundle_does_unless_told(tiny, tmp_path) -> None:
+    """Without ``chain_context_row`` the bench runs the copying chains at the bundle's own ``context_row`` (what its
+    ``generate`` decodes); 0 turns them off."""
+    bundle = tiny["root"] / "bundle_copies"
+    shutil.copytree(tiny["root"] / "bundle_feature", bundle, dirs_exist_ok=True)
+    config = bundle / "config.json"
+    config.write_text(json.dumps(json.loads(config.read_text()) | {"context_row": 2}))
+    quick = {"fixed_k": [2], "hf_settings": [], "stop_rules": False}
+    greedy = run_bench(tiny, "copies", tmp_path, **quick)
+    assert greedy["validation"]["chain_context_row"]["context_row"] == 2
+    assert sorted(m["kind"] for m in greedy["methods"] if m["params"].get("context_row") == 2) == [
+        "fixed_k",
+        "specdecpp",
+    ]
+    plain = run_bench(tiny, "copies", tmp_path, chain_context_row=0, **quick)
+    assert not any(m["params"].get("context_row") for m in plain["methods"] + plain["validation"]["methods"])
 
 
 def test_warmup_decodes_validation_prompts_untimed_too(tiny, tmp_path, monkeypatch) -> None:

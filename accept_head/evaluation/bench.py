@@ -233,7 +233,7 @@ class BenchPlan:
     target_runtime: str
     specdec_thresholds: list[float] | None
     hindsight_k: bool
-    chain_context_row: int
+    chain_context_row: int | None
     tree_grids: dict[str, list[dict]] = field(init=False)
     """The learning-free tree decoders' grids, each setting completed (:func:`tree_settings`)."""
     draft_tree_grid: list[MethodSpec] = field(init=False)
@@ -273,9 +273,13 @@ class BenchPlan:
                     f"specdec_thresholds={self.specdec_thresholds} must hold values in (0, 1), or be null (the "
                     "bundle's own h*)."
                 )
-        if isinstance(self.chain_context_row, bool) or not isinstance(self.chain_context_row, int):
-            raise ValueError(f"chain_context_row={self.chain_context_row!r} must be an integer >= 0 (0: no copies).")
-        if self.chain_context_row < 0:
+        bad = isinstance(self.chain_context_row, bool) or not isinstance(self.chain_context_row, int | None)
+        if bad:
+            raise ValueError(
+                f"chain_context_row={self.chain_context_row!r} must be an integer >= 0 (0: no copies) or null (the "
+                "bundle's context_row)."
+            )
+        if self.chain_context_row is not None and self.chain_context_row < 0:
             raise ValueError(f"chain_context_row={self.chain_context_row} must be >= 0 (0: no copies).")
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {self.repeats}, {self.warmup}).")
@@ -326,7 +330,8 @@ BENCH_ARGS = """
         chain_context_row: When > 0, FixedK and SpecDec++ also decode with that many tokens copied from the text
             verified beside each chain (:func:`~accept_head.trees.chain_copies.chain_copy_generate`), their K and h
             chosen on validation apart from the plain ones; ``context_row_ratios`` pairs each with its plain twin and
-            ``copied_chain_ratio`` is SpecDec++ over FixedK, both with copies.
+            ``copied_chain_ratio`` is SpecDec++ over FixedK, both with copies. Default (null): the bundle's own
+            ``context_row``, so the bench shows what ``generate`` decodes; 0 runs the plain chains only.
         entropy_thresholds: λ grid for EntropyStop searched on validation (default 0.1 … 0.8).
         entropy_gamma: AdaEDL's entropy scale γ.
         path_confidence_thresholds: h grid for PathConfidenceStop, SpecDec++'s rule on the draft's own path
@@ -426,7 +431,7 @@ def bench(
     target_runtime: str = "eager",
     specdec_thresholds: list[float] | None = None,
     hindsight_k: bool = False,
-    chain_context_row: int = 0,
+    chain_context_row: int | None = None,
 ) -> dict:
     """Benchmark SpecDec++ against every simpler way of choosing the candidate length, on the same prompts.
 
@@ -467,6 +472,8 @@ def load_bench(plan: BenchPlan) -> BenchSetup:
     if plan.confidence_tau is None and plan.confidence_dataset is not None:
         dataset_tau = roc_threshold(*confidence_pairs_from_dataset(plan.confidence_dataset))
     runner_options = {"tree_cost": cost, "tree_models": tree_models, "target_runtime": plan.target_runtime}
+    if plan.chain_context_row is None:  # what the bundle's generate decodes
+        plan.chain_context_row = int(getattr(pair.bundle, "context_row", 0) or 0)
     trees += with_bundle_tree_settings(plan.draft_tree_grid, pair.bundle)
     return BenchSetup(
         pair, test_set, val_set, cost, cost_source, trees, trees_skipped, runner_options, dataset_tau, folder
