@@ -774,20 +774,31 @@ def test_an_interrupted_report_leaves_the_last_page_and_its_figures(tiny, tmp_pa
     assert (figures / "results.json").read_text() == "{}" and not (tmp_path / "docs" / "results.md").exists()
 
 
+def small_report(tiny: dict, tmp_path: Path, bundle: str, page: Path) -> dict:
+    """A report config over 2 prompts per set of the tiny pair, writing ``page``. A fixed cost model (draft 10x
+    cheaper than the target, as on the real pair) keeps the modeled numbers exact."""
+    costs = tmp_path / "costs.json"
+    costs.write_text(json.dumps({"cost_model": {"t_draft": 0.001, "t_target_a": 0.01, "t_target_b": 0.0005}}))
+    return {
+        "bundle": bundle,
+        "out_of_distribution": [{"path": str(tiny["root"] / "ood.jsonl")}],
+        "validation_prompts": [{"path": str(tiny["root"] / "val.jsonl")}],
+        "validation_limit": 2,
+        "limit": 2,
+        "cost_model": str(costs),
+        "output": str(page),
+        "progress": False,
+    }
+
+
 def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> None:
     page = tmp_path / "docs" / "results.md"
     figures = tmp_path / "docs" / "results"
     figures.mkdir(parents=True)
     (figures / "stale.png").write_bytes(b"old")
-    # A fixed cost model (draft 10x cheaper than the target, as on the real pair) keeps the modeled numbers exact.
-    costs = tmp_path / "costs.json"
-    costs.write_text(json.dumps({"cost_model": {"t_draft": 0.001, "t_target_a": 0.01, "t_target_b": 0.0005}}))
-    config = {
-        "bundle": tiny["bundle"],
-        "out_of_distribution": [{"path": str(tiny["root"] / "ood.jsonl")}],
-        "validation_prompts": [{"path": str(tiny["root"] / "val.jsonl")}],
-        "validation_limit": 2,
-        "limit": 2,
+    config = small_report(tiny, tmp_path, tiny["bundle"], page)
+    costs = config["cost_model"]
+    config |= {
         "policies": [
             {"kind": "autoregressive"},
             {"kind": "fixed_k", "grid": {"k": [1, 3]}},
@@ -805,9 +816,6 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
         "bigram_cache": str(tmp_path / "bigram"),
         "max_new_tokens": 10,
         "dataset": tiny["labels"],
-        "cost_model": str(costs),
-        "output": str(page),
-        "progress": False,
     }
     main(["report", "--config", write_config(tmp_path / "report.yaml", config)])
     assert not (figures / "stale.png").exists() and not (tmp_path / "docs" / "results.partial").exists()
@@ -878,15 +886,8 @@ def test_report_shows_a_copying_bundle_beside_its_plain_chain(tiny, tmp_path) ->
     shutil.copytree(tiny["bundle"], bundle, dirs_exist_ok=True)
     config_file = bundle / "config.json"
     config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"context_row": 2}))
-    costs = tmp_path / "costs.json"
-    costs.write_text(json.dumps({"cost_model": {"t_draft": 0.001, "t_target_a": 0.01, "t_target_b": 0.0005}}))
     page = tmp_path / "results.md"
-    config = {
-        "bundle": str(bundle),
-        "out_of_distribution": [{"path": str(tiny["root"] / "ood.jsonl")}],
-        "validation_prompts": [{"path": str(tiny["root"] / "val.jsonl")}],
-        "validation_limit": 2,
-        "limit": 2,
+    config = small_report(tiny, tmp_path, str(bundle), page) | {
         "policies": [
             {"kind": "autoregressive"},
             {"kind": "fixed_k", "grid": {"k": [1, 3]}},
@@ -894,9 +895,6 @@ def test_report_shows_a_copying_bundle_beside_its_plain_chain(tiny, tmp_path) ->
         ],
         "temperatures": [0.0],
         "max_new_tokens": 10,
-        "cost_model": str(costs),
-        "output": str(page),
-        "progress": False,
     }
     main(["report", "--config", write_config(tmp_path / "report.yaml", config)])
     stored = json.loads((tmp_path / "results" / "results.json").read_text())
