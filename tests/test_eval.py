@@ -885,13 +885,16 @@ def test_report_shows_a_copying_bundle_beside_its_plain_chain(tiny, tmp_path) ->
     bundle = Path(tiny["root"]) / "bundle-copies"  # beside the models its config names by relative path
     shutil.copytree(tiny["bundle"], bundle, dirs_exist_ok=True)
     config_file = bundle / "config.json"
-    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | {"context_row": 2}))
+    costs = {"t_draft": 0.001, "t_target_a": 0.01, "t_target_b": 0.0005}  # tree settings need a cost model
+    copying = {"context_row": 2, "tree": {"context_row": 2}, "cost_model": costs}
+    config_file.write_text(json.dumps(json.loads(config_file.read_text()) | copying))
     page = tmp_path / "results.md"
     config = small_report(tiny, tmp_path, str(bundle), page) | {
         "policies": [
             {"kind": "autoregressive"},
             {"kind": "fixed_k", "grid": {"k": [1, 3]}},
             {"kind": "fixed_k", "grid": {"k": [1, 3], "context_row": [2]}},
+            {"kind": "head_tree", "grid": {"max_nodes": [6]}},  # takes the bundle's tree settings: its copies
         ],
         "temperatures": [0.0],
         "max_new_tokens": 10,
@@ -920,6 +923,8 @@ def test_report_shows_a_copying_bundle_beside_its_plain_chain(tiny, tmp_path) ->
         # Greedy in float32, the copying chains write the target's own tokens.
         identity = by_key["greedy"]["greedy_identity"]
         assert identity[copying["name"]]["identical"] == identity[fixed_copies["name"]]["identical"] == 2
+    (tree,) = [m for m in searched if m["kind"] == "head_tree"]
+    assert tree["params"]["context_row"] == 2 and "context_row=2" in tree["name"]
     text = page.read_text()
     assert "Rows copied from the text beside the chain" in text and "with 2 tokens copied from the text" in text
     assert f"{copying['tokens_per_second']['median']:.1f}" in text

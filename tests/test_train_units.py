@@ -386,3 +386,40 @@ def test_the_sweep_decodes_each_unscored_setting_only_for_a_head_that_scores_lat
     )
     variants = [row.variant for row in result.family("threshold")]
     assert variants == ([None] if "hidden" not in inputs else [None, "confidence"])
+
+
+def test_a_sweep_with_context_row_decodes_every_chain_with_copies_as_generate_would() -> None:
+    """``context_row``: FixedK, SpecDec++ and the ablated rule of the sweep decode with copied rows — the same rounds
+    as :func:`chain_copy_generate` with that policy — and the export stage's ``context_row`` is the stage's default."""
+    from types import SimpleNamespace
+
+    from tiny_models import make_llama, perturbed_copy
+
+    from accept_head import AcceptanceHead
+    from accept_head.chain.policies import FixedK
+    from accept_head.core.sampling import SamplingConfig
+    from accept_head.engine.sweep import run_sweep
+    from accept_head.training.callbacks import ExportBundle, ThresholdSweep, _export_context_row
+    from accept_head.trees.chain_copies import chain_copy_generate
+
+    target = make_llama(seed=0).eval()
+    draft = perturbed_copy(target, relative_noise=0.3, seed=1).eval()
+    head = AcceptanceHead(target.config.hidden_size, 1, ["logq", "depth"]).eval()
+    prompt = [1, 5, 9, 4, 7, 1, 5, 9, 4, 7, 1, 5]  # repeats itself: copies exist from the first round
+    common = dict(max_new_tokens=10, sampling=SamplingConfig(0.0), eos_token_id=None, autoregressive=False)
+    result = run_sweep(
+        target, draft, head, [prompt], thresholds=[0.5], fixed_k=[2], ablated=[0.5], context_row=3, **common
+    )
+    assert all(row.method.params["context_row"] == 3 for row in result.rows)
+    (fixed,) = result.family("fixed_k")
+    reference = chain_copy_generate(target, draft, prompt, FixedK(2), 10, context_row=3, temperature=0.0).stats
+    assert (fixed.result.rounds, fixed.result.target_calls) == (len(reference.accepted), reference.target_calls)
+    plain = run_sweep(target, draft, head, [prompt], thresholds=[0.5], fixed_k=[2], **common)
+    assert all("context_row" not in row.method.params for row in plain.rows)
+    (plain_fixed,) = plain.family("fixed_k")
+    assert fixed.result.rounds < plain_fixed.result.rounds  # on this repeating text the copies are accepted
+    with pytest.raises(ValueError, match="context_row=-1"):
+        run_sweep(target, draft, head, [prompt], context_row=-1, **common)
+    trainer = SimpleNamespace(callbacks=[ThresholdSweep(), ExportBundle(enabled=False, context_row=4)])
+    assert _export_context_row(trainer) == 4 and ThresholdSweep().context_row is None
+    assert _export_context_row(SimpleNamespace(callbacks=[])) == 0

@@ -26,6 +26,7 @@ from ..core import tables
 from ..core.costs import CostModel
 from ..core.prompts import EncodedPrompt
 from ..core.sampling import SamplingConfig
+from ..trees.growth import check_context_row
 from .pair_loading import Pair
 from .runner import MethodSpec, PolicyResult, Runner, TrainedHead, run_interleaved, summarize
 
@@ -66,6 +67,10 @@ class SweepRow:
     """For ``threshold``: HeadThreshold's ``unscored`` setting (None: Alg. 2 as in the paper)."""
     candidates: tuple[int, int] = (1, 20)
     """For ``ablated``: (min_candidates, max_candidates), those of the head's rule it is compared with."""
+    context_row: int = 0
+    """Tokens copied from the text verified beside each chain
+    (:func:`~accept_head.trees.chain_copies.chain_copy_generate`; 0: the plain chain). The label stays the rule's:
+    every chain row of one sweep copies alike."""
 
     @property
     def label(self) -> str:
@@ -82,13 +87,15 @@ class SweepRow:
         """The engine's method for this row, named :attr:`label`."""
         if self.family == "autoregressive":
             return MethodSpec("autoregressive", label=self.label)
+        copies = {"context_row": self.context_row} if self.context_row else {}
         if self.family == "fixed_k":
-            return MethodSpec("fixed_k", {"k": int(self.param)}, label=self.label)
+            return MethodSpec("fixed_k", {"k": int(self.param), **copies}, label=self.label)
         if self.family == "ablated":
             low, high = self.candidates
-            params = {"threshold": self.param, "min_candidates": low, "max_candidates": high}
+            params = {"threshold": self.param, "min_candidates": low, "max_candidates": high, **copies}
             return MethodSpec("path_confidence", params, label=self.label)
-        return MethodSpec("specdecpp", {"threshold": self.param, "unscored": self.variant}, label=self.label)
+        params = {"threshold": self.param, "unscored": self.variant, **copies}
+        return MethodSpec("specdecpp", params, label=self.label)
 
     def latency(self, by: str = "modeled") -> float:
         """Seconds per generated token under the cost model (``modeled``) or as measured (``measured``)."""
@@ -147,6 +154,7 @@ def run_sweep(
     unscored: Sequence[str | None] = (None,),
     ablated: Sequence[float] = (),
     autoregressive: bool = True,
+    context_row: int = 0,
     seed: int = 0,
     progress: bool = False,
     desc: str = "threshold sweep",
@@ -159,9 +167,11 @@ def run_sweep(
     unscored), then the same rule with the head ablated for each h in ``ablated`` (``ablated`` rows:
     :class:`~accept_head.chain.baselines.PathConfidenceStop` with the same candidate bounds). They run through
     :func:`~accept_head.engine.runner.run_interleaved` (prompt ``i`` seeded with ``seeded_generator(seed, 0, i)`` in
-    every policy) and are priced by :func:`~accept_head.engine.runner.summarize`.
-    ``progress`` shows a bar labelled ``desc``.
+    every policy) and are priced by :func:`~accept_head.engine.runner.summarize`. With ``context_row`` > 0 every
+    chain (FixedK, SpecDec++, the ablated rule) also verifies that many tokens copied from the text, as a bundle with
+    that ``context_row`` decodes, so h* is chosen for the decoder it ships. ``progress`` shows a bar labelled ``desc``.
     """
+    context_row = check_context_row(context_row)
     thresholds, fixed_k, ablated = check_thresholds(thresholds), check_fixed_k(fixed_k), check_thresholds(ablated)
     if not prompts:
         raise ValueError("The sweep needs at least one prompt; raise --sweep.prompts or the validation split size.")
@@ -172,6 +182,8 @@ def run_sweep(
     rows += [SweepRow("threshold", h, None, u) for u in unscored for h in thresholds]  # type: ignore[arg-type]
     bounds = (min_candidates, max_candidates)
     rows += [SweepRow("ablated", h, None, candidates=bounds) for h in ablated]  # type: ignore[arg-type]
+    for row in rows:
+        row.context_row = context_row
     methods = [row.method for row in rows]
     head.eval()
     stop_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id

@@ -38,7 +38,7 @@ from ..engine.runner import (
 )
 from ..models.pairs import ModelSpec
 from ..trees.labels import TreeModels
-from .bench import add_comparison_drafts
+from .bench import add_comparison_drafts, with_bundle_tree_settings
 from .calibration import CALIBRATION_HEADER, calibration_rows, calibration_views, reliability_panels
 from .common import output_folder, ratio, ratios, ratios_to, resolve_cost_model, with_args_doc
 from .plots import costs_plot, pareto_plot
@@ -436,6 +436,7 @@ def load_report(plan: ReportPlan) -> ReportSetup:
     prompt_options, sets, val_set = report_prompt_sets(plan, pair)
     cost, cost_source = resolve_cost_model(plan.cost_model, pair, plan.seed)
     runner_options = {"tree_cost": cost, "tree_models": TreeModels.load(plan.tree_models) if plan.tree_models else None}
+    grid = with_bundle_tree_settings(grid, pair.bundle)  # named and grouped by what they decode (copies included)
     specs_by_mode = {greedy: _h_star_spec(pair, grid, greedy) for greedy in (False, True)}
     return ReportSetup(pair, sets, val_set, prompt_options, cost, cost_source, runner_options, specs_by_mode, staging)
 

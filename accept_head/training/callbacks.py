@@ -286,6 +286,7 @@ class ThresholdSweep(EndOfFitStage):
         select: Literal["modeled", "measured"] = "modeled",
         autoregressive: bool = True,
         greedy: bool = False,
+        context_row: int | None = None,
         seed: int = 0,
         progress: bool = True,
     ) -> None:
@@ -313,6 +314,9 @@ class ThresholdSweep(EndOfFitStage):
             greedy: Also sweep the thresholds with greedy decoding on the same prompts and store that h* as the
                 bundle's greedy h* (greedy and sampling are different problems; the bundle picks h* by mode). Off:
                 the h* swept at the data's temperature serves both modes.
+            context_row: Tokens copied from the text that every chain of the sweep also verifies (FixedK, SpecDec++,
+                the ablated rule). Default (null): the export stage's ``context_row``, what the bundle's ``generate``
+                will decode, so h* is chosen for the decoder the bundle ships; 0 sweeps the plain chain.
             seed: Seed of the per-prompt sampling generators (the same for every policy).
             progress: Show a progress bar.
         """
@@ -332,6 +336,9 @@ class ThresholdSweep(EndOfFitStage):
         self.ablated = ablated
         self.select, self.autoregressive, self.seed, self.progress = select, autoregressive, seed, progress
         self.greedy = greedy
+        self.context_row = None if context_row is None else check_context_row(context_row)
+        self.copies = self.context_row or 0
+        """The ``context_row`` this run sweeps with (``context_row``, or the export stage's once :meth:`run` starts)."""
 
     def held_out(self, dm: AcceptanceDataModule) -> list[tuple[str, list[int]]]:
         """The ``eval_prompts`` validation prompts after the sweep's own, which the closing comparison reports on:
@@ -358,6 +365,7 @@ class ThresholdSweep(EndOfFitStage):
             "fixed_k": self.fixed_k,
             "unscored": self.unscored,
             "ablated": self.thresholds if self.ablated else [],
+            "context_row": self.copies,
         } | grid
         target = dm.target()
         _check_same_device(target, pl_module.draft)
@@ -386,6 +394,7 @@ class ThresholdSweep(EndOfFitStage):
         if len(prompts) < self.prompts:
             print(f"sweep: the validation split has only {len(prompts)} prompts (asked for {self.prompts})")
         by = self.select if report.cost_model is not None else "measured"
+        self.copies = self.context_row if self.context_row is not None else _export_context_row(trainer)
         result = self._run(dm, pl_module, report, prompts, "threshold sweep")
         best = result.best("threshold", by)
         report.sweep, report.threshold, report.unscored = result, float(best.param), best.variant
@@ -396,6 +405,7 @@ class ThresholdSweep(EndOfFitStage):
             + (f" × unscored in {decoded}" if decoded != [None] else "")
             + f" on {len(prompts)} held-out validation "
             f"prompts, up to {self.max_new_tokens} new tokens each"
+            + (f", every chain verifying {self.copies} tokens copied from the text beside it" if self.copies else "")
         )
         report.artifacts["pareto"] = str(pareto_plot(result, folder / "pareto.png"))
         report.artifacts["sweep_csv"] = str(_write_sweep(result.to_records(), folder))
@@ -487,6 +497,12 @@ class ThresholdSweep(EndOfFitStage):
                 if r.modeled_tokens_per_second and base.modeled_tokens_per_second:
                     metrics[f"{prefix}/modeled_speedup"] = r.modeled_tokens_per_second / base.modeled_tokens_per_second
         _log(trainer, metrics)
+
+
+def _export_context_row(trainer: Trainer) -> int:
+    """The ``context_row`` the run's :class:`ExportBundle` stage writes into the bundle (0 without one)."""
+    export = next((cb for cb in trainer.callbacks if isinstance(cb, ExportBundle)), None)
+    return export.context_row if export is not None else 0
 
 
 def _print_sweep(result, best, prompts: int, by: str, prefix: str = ""):
