@@ -350,6 +350,8 @@ def test_gpu_recipe_is_the_cpu_recipe_on_two_gpus_with_bf16_autocast(capsys, mon
     gpu, cpu = (yaml.safe_load((REPO / "configs" / name).read_text()) for name in GPU_AND_CPU_RECIPES)
     for section in ("model", "calibration", "cost_model", "sweep"):
         assert gpu[section] == cpu[section], section  # the same recipe, not a drifted copy
+    for key in ("tree", "context_row"):  # and a bundle that decodes alike
+        assert gpu["export"].get(key) == cpu["export"].get(key), key
     assert gpu["data"]["batch_size"] * trainer["devices"] == cpu["data"]["batch_size"]  # the same global batch
     # The same draft on the GPU, in bf16: int8 weights pay where a drafting step streams them from a CPU's memory.
     cpu_draft = {k: v for k, v in cpu["data"]["draft"].items() if k != "quantize"}
