@@ -840,6 +840,7 @@ def test_report_command_regenerates_the_page_from_scratch(tiny, tmp_path) -> Non
         i for s in stored["prompt_sets"].values() for i in s["ids"]
     }
     assert "Which method wins" in text and "Validation: how each setting was chosen" in text
+    assert "h* + copies rank" not in text and "Rows copied from the text" not in text  # the bundle copies nothing
     for name in stored["figures"].values():
         assert (figures / name).is_file()
         assert f"results/{name}" in text
@@ -927,6 +928,7 @@ def test_report_shows_a_copying_bundle_beside_its_plain_chain(tiny, tmp_path) ->
     assert tree["params"]["context_row"] == 2 and "context_row=2" in tree["name"]
     text = page.read_text()
     assert "Rows copied from the text beside the chain" in text and "with 2 tokens copied from the text" in text
+    assert "h* + copies rank" in text  # where generate's decoder ranks among the methods
     assert f"{copying['tokens_per_second']['median']:.1f}" in text
 
 

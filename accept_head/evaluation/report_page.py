@@ -313,31 +313,38 @@ def _copies_table(payload: dict) -> list[str]:
 
 def winners(methods: Sequence[dict]) -> dict | None:
     """The fastest method by median measured tokens/s (the oracle excluded: it is a hindsight limit, not a method),
-    its margin over the runner-up, and where SpecDec++ at h* ranks."""
+    its margin over the runner-up, and where SpecDec++ at h* ranks (``h_star_copies_rank``: at h* with the bundle's
+    copied rows, as ``generate`` decodes; None when it did not run)."""
     ranked = sorted(
         (m for m in methods if m["kind"] != "oracle"), key=lambda m: m["tokens_per_second"]["median"], reverse=True
     )
     if not ranked:
         return None
     tps = [m["tokens_per_second"]["median"] for m in ranked]
-    star = next((i for i, m in enumerate(ranked) if m.get("role") == "h_star"), None)
+    star, copying = (next((i for i, m in enumerate(ranked) if m.get("role") == r), None) for r in _STAR_ROLES)
     return {
         "winner": ranked[0]["name"],
         "tokens_per_second": tps[0],
         "over_runner_up": tps[0] / tps[1] if len(tps) > 1 and tps[1] else None,
         "runner_up": ranked[1]["name"] if len(ranked) > 1 else None,
         "h_star_rank": None if star is None else star + 1,
+        "h_star_copies_rank": None if copying is None else copying + 1,
         "methods": len(ranked),
         "winner_over_h_star": None if star is None or not tps[star] else tps[0] / tps[star],
     }
 
 
+_STAR_ROLES = ("h_star", "h_star_copies")
+
+
 def _winners(payload: dict) -> list[str]:
-    rows = []
+    rows, copying = [], False
     for set_name, key, result in _each_result(payload):
         w = winners(result["methods"])
         if w is None:
             continue
+        copying |= w["h_star_copies_rank"] is not None
+        rank = {r: "–" if w[f"{r}_rank"] is None else f"{w[f'{r}_rank']} of {w['methods']}" for r in _STAR_ROLES}
         rows.append(
             [
                 set_name,
@@ -345,22 +352,25 @@ def _winners(payload: dict) -> list[str]:
                 w["winner"],
                 fmt(w["tokens_per_second"]),
                 f"{fmt(w['over_runner_up'], 2, '×')} ({w['runner_up']})" if w["runner_up"] else "–",
-                "–" if w["h_star_rank"] is None else f"{w['h_star_rank']} of {w['methods']}",
+                rank["h_star"],
+                rank["h_star_copies"],
                 fmt(w["winner_over_h_star"], 2, "×"),
             ]
         )
+    header = ["set", "setting", "winner", "tok/s", "× runner-up", "SpecDec++ h* rank", "h* + copies rank"]
+    header.append("winner / SpecDec++ h*")
+    if not copying:  # a bundle that copies nothing: no such column
+        header.pop(6)
+        rows = [row[:6] + row[7:] for row in rows]
     return [
         "## Which method wins",
         "",
         "Per prompt set and decoding mode, the fastest method by median measured tokens/s (the oracle left out: it "
-        "is a hindsight limit), its margin over the runner-up, and where SpecDec++ at h* ranks. Margins within a few "
-        "percent are within this machine's noise.",
+        "is a hindsight limit), its margin over the runner-up, and where SpecDec++ at h* ranks (and, for a bundle "
+        "that copies rows from the text, h* with its copies, as `generate` decodes). Margins within a few percent "
+        "are within this machine's noise.",
         "",
-        markdown_table(
-            ["set", "setting", "winner", "tok/s", "× runner-up", "SpecDec++ h* rank", "winner / SpecDec++ h*"],
-            rows,
-            "lllrlll",
-        ),
+        markdown_table(header, rows, "lllrl" + "l" * (len(header) - 5)),
         "",
     ]
 
