@@ -270,18 +270,24 @@ class SpecDecPP:
         return HeadTree(self.head, CostModel.from_dict(self.cost_model), calibration=calibration, **settings)
 
     def decoding_rule(
-        self, tree: bool = False, threshold: float | None = None, greedy: bool = False, context_row: int | None = None
+        self,
+        tree: bool = False,
+        threshold: float | None = None,
+        greedy: bool = False,
+        context_row: int | None = None,
+        policy: StopPolicy | None = None,
     ) -> StopPolicy | TreeRule | CopyingChain:
         """What :meth:`generate` and :meth:`custom_generate` decode with in a mode: the tree rule (``tree``, its copies
-        the tree settings' unless ``context_row`` says otherwise), else the mode's stop policy, wrapped as a
-        :class:`~accept_head.trees.chain_copies.CopyingChain` when ``context_row`` (None: :attr:`context_row`) > 0."""
+        the tree settings' unless ``context_row`` says otherwise), else the mode's stop policy (or ``policy``'s
+        chains), wrapped as a :class:`~accept_head.trees.chain_copies.CopyingChain` when ``context_row`` (None:
+        :attr:`context_row`) > 0."""
         if tree:
             rule = self.tree_rule(threshold, greedy)
             if context_row is not None:
                 rule.context_row = check_context_row(context_row)
             return rule
         copies = self.context_row if context_row is None else check_context_row(context_row)
-        policy = self.policy(threshold, greedy)
+        policy = self.policy(threshold, greedy) if policy is None else policy
         return CopyingChain(policy, copies) if copies else policy
 
     def encode(self, prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:

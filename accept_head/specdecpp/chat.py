@@ -31,8 +31,6 @@ from ..chain.baselines import ConfidenceThreshold, EntropyStop, Heuristic, PathC
 from ..chain.decoding import speculative_generate
 from ..chain.policies import FixedK, StopPolicy
 from ..core.timing import device_timer
-from ..trees.chain_copies import CopyingChain
-from ..trees.growth import TreeRule, check_context_row
 from .bundle import SpecDecPP
 from .hf_generate import make_custom_generate
 
@@ -154,7 +152,8 @@ def answer(specdec: SpecDecPP, messages: list[dict], policy: StopPolicy, args: a
     kwargs = generation_kwargs(args, specdec)
     if args.tree and args.policy != "head":
         raise ValueError(f"--tree grows trees with the bundle's head; drop --policy {args.policy} or drop --tree.")
-    rule = with_copies(specdec, policy, args.tree, not kwargs["do_sample"], args.context_row)
+    chains = None if args.tree else policy  # the tree is the bundle's; chains are the chosen policy's
+    rule = specdec.decoding_rule(args.tree, greedy=not kwargs["do_sample"], context_row=args.context_row, policy=chains)
     fn = make_custom_generate(specdec.draft, rule)
     streamer = LiveStreamer(tokenizer, out)
     if args.seed is not None:
@@ -178,17 +177,6 @@ def answer(specdec: SpecDecPP, messages: list[dict], policy: StopPolicy, args: a
     out.write(line + "]\n")
     out.flush()
     return tokenizer.decode(new, skip_special_tokens=True)
-
-
-def with_copies(
-    specdec: SpecDecPP, policy: StopPolicy, tree: bool, greedy: bool, context_row: int | None
-) -> StopPolicy | TreeRule | CopyingChain:
-    """What a chat turn decodes with: the bundle's head tree (``tree``) or ``policy``'s chains, with ``context_row``
-    tokens copied from the text beside them (None: the bundle's own, :meth:`SpecDecPP.decoding_rule`)."""
-    if tree:
-        return specdec.decoding_rule(True, greedy=greedy, context_row=context_row)
-    copies = specdec.context_row if context_row is None else check_context_row(context_row)
-    return CopyingChain(policy, copies) if copies else policy
 
 
 def chat(args: argparse.Namespace, out: TextIO = sys.stdout, inp: TextIO = sys.stdin) -> int:

@@ -337,8 +337,7 @@ class ThresholdSweep(EndOfFitStage):
         self.select, self.autoregressive, self.seed, self.progress = select, autoregressive, seed, progress
         self.greedy = greedy
         self.context_row = None if context_row is None else check_context_row(context_row)
-        self.copies = self.context_row or 0
-        """The ``context_row`` this run sweeps with (``context_row``, or the export stage's once :meth:`run` starts)."""
+        self.copies = self.context_row or 0  # what this run sweeps with; run() resolves None to the export stage's
 
     def held_out(self, dm: AcceptanceDataModule) -> list[tuple[str, list[int]]]:
         """The ``eval_prompts`` validation prompts after the sweep's own, which the closing comparison reports on:
