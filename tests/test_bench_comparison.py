@@ -163,6 +163,40 @@ def test_chain_context_row_adds_copying_chains_chosen_on_validation(tiny, tmp_pa
     assert "chain_context_row=-1 must be >= 0" in capsys.readouterr().err
 
 
+def test_copy_aware_grids_compete_among_the_copying_chains(tiny, tmp_path, capsys) -> None:
+    """``chain_copy_ks`` / ``chain_copy_thresholds``: each copying FixedK also runs with every ``copy_k`` and each
+    copying SpecDec++ (at h* when no h grid is searched) with every ``copy_threshold``; the test prompts decode the
+    setting validation chose, lossless; without copies the grids are refused, naming the fix."""
+    greedy = run_bench(
+        tiny,
+        "feature",
+        tmp_path,
+        chain_context_row=4,
+        chain_copy_ks=[1],
+        chain_copy_thresholds=[0.3],
+        hf_settings=[],
+        stop_rules=False,
+    )
+    copying = [m["params"] for m in greedy["validation"]["methods"] if m["params"].get("context_row")]
+    assert sorted((p.get("k", 0), p.get("copy_k", 0), p.get("copy_threshold", 0)) for p in copying) == [
+        (0, 0, 0),
+        (0, 0, 0.3),
+        (1, 0, 0),
+        (1, 1, 0),
+        (3, 0, 0),
+        (3, 1, 0),
+    ]
+    chosen = greedy["validation"]["chain_context_row"]
+    rows = {m["kind"]: m["params"] for m in greedy["methods"] if m["params"].get("context_row")}
+    assert rows["fixed_k"].get("copy_k") == chosen["best_copy_k"] and rows["fixed_k"]["k"] == chosen["best_k"]
+    assert rows["specdecpp"].get("copy_threshold") == chosen["best_copy_threshold"]
+    named = [m["name"] for m in greedy["methods"] if m["params"].get("context_row")]
+    assert all(v["identical"] == v["decodes"] > 0 for v in (greedy["greedy_identity"][n] for n in named))
+    with pytest.raises(SystemExit):
+        run_bench(tiny, "feature", tmp_path, chain_context_row=0, chain_copy_ks=[1])
+    assert "chain_context_row=0 copies none" in capsys.readouterr().err
+
+
 def test_the_bench_copies_as_the_bundle_does_unless_told(tiny, tmp_path) -> None:
     """Without ``chain_context_row`` the bench runs the copying chains at the bundle's own ``context_row`` (what its
     ``generate`` decodes); 0 turns them off."""

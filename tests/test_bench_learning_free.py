@@ -332,6 +332,14 @@ def test_bad_tree_parameters_raise_value_errors_naming_the_value(tiny, kind, par
         PolicyGrid(kind, {key: [value] for key, value in params.items()}).expand()
 
 
+def test_copy_aware_chains_without_copies_are_refused(tiny) -> None:
+    """``copy_k`` (as ``copy_threshold``) reads the row copied below the chain: a chain without ``context_row`` would
+    silently ignore it, so the runner refuses it and names the fix."""
+    with pytest.raises(ValueError, match=r"\['copy_k'\] decide by .* chain copies none: give it context_row"):
+        Runner(tiny["pair"], NEW_TOKENS, 0.0).decoder(MethodSpec("fixed_k", {"k": 3, "copy_k": 1}))
+    assert Runner(tiny["pair"], NEW_TOKENS, 0.0).decoder(MethodSpec("fixed_k", {"k": 3, "copy_k": 1, "context_row": 4}))
+
+
 def test_bench_refuses_a_bad_grid_entry_before_loading_any_model(tmp_path, capsys) -> None:
     config = {
         "bundle": str(tmp_path / "no-such-bundle"),

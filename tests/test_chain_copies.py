@@ -94,6 +94,49 @@ def test_the_policy_hears_the_accepted_drafted_candidates(monkeypatch: pytest.Mo
     assert sum(accepted for _, accepted in heard) < len(heard), heard
 
 
+class TextRow:
+    """Stands in for :class:`ContextRow`: the target's own greedy continuation after the text and the drafted
+    ``path`` when the path agrees with it (a right copy), else none; records every path it was asked about."""
+
+    def __init__(self, reference: list[int]) -> None:
+        self.reference, self.paths = reference, []
+
+    def __call__(self, tokens, length, path=()):
+        self.paths.append(list(path))
+        start = len(tokens)
+        if list(path) != self.reference[start : start + len(path)]:
+            return []
+        return self.reference[start + len(path) : start + len(path) + min(length, 4)]
+
+
+def test_a_copy_aware_rule_leaves_the_rest_of_the_round_to_the_copy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``FixedK(4, copy_k=1)``: the decoder asks, before each decision, whether a copy would follow the candidates
+    drafted so far; where one does the round stops at one drafted candidate and the copy carries on below it. The
+    greedy text stays the target's (float32), with fewer drafted tokens than FixedK(4) with the same copies; the
+    plain chain decoder never sets ``copy_below``, so there the rule is FixedK(4) round for round."""
+    target = make_llama(seed=0, num_layers=2)
+    draft = perturbed_copy(target, relative_noise=0.02, seed=3)  # right about half the time
+    prompt = PROMPTS[0]
+    reference = autoregressive_generate(target, prompt, NEW, temperature=0).sequences
+    row = TextRow(reference[0].tolist())
+    monkeypatch.setattr(chain_copies, "ContextRow", lambda length: row)
+    aware, rounds = FixedK(4, copy_k=1), []
+    update = aware.update
+    aware.update = lambda state, accepted: (rounds.append((state.n, state.copy_below)), update(state, accepted))[1]
+    out = chain_copies.chain_copy_generate(target, draft, prompt, aware, NEW, temperature=0)
+    assert torch.equal(out.sequences, reference)
+    assert [] in row.paths and any(row.paths)  # asked at the root and about drafted paths
+    assert (1, True) in rounds and all(copy_below for n, copy_below in rounds if n == 1), rounds
+    row.paths.clear()
+    fixed = chain_copies.chain_copy_generate(target, draft, prompt, FixedK(4), NEW, temperature=0)
+    assert torch.equal(fixed.sequences, reference)
+    assert len(row.paths) <= 2 * len(fixed.stats.accepted)  # only add_copied_rows asks: at the root and below the chain
+    assert out.stats.draft_calls < fixed.stats.draft_calls
+    chain = speculative_generate(target, draft, prompt, FixedK(4, copy_k=1), NEW, temperature=0)
+    plain = speculative_generate(target, draft, prompt, FixedK(4), NEW, temperature=0)
+    assert torch.equal(chain.sequences, plain.sequences) and chain.stats.proposed == plain.stats.proposed
+
+
 def test_bad_context_row_is_refused() -> None:
     target, draft = make_llama(seed=0, num_layers=2), make_llama(seed=11, num_layers=1)
     with pytest.raises(ValueError, match="context_row=-1 must be an integer >= 0"):

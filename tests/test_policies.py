@@ -81,6 +81,31 @@ def test_head_threshold_scores_hidden_states_with_its_head_and_calibration() -> 
     assert HeadThreshold(head_with_accept_prob(0.8), 0.5).uses_hidden
 
 
+def test_copy_aware_rules_switch_when_a_copy_waits_below_the_chain() -> None:
+    """``copy_k`` / ``copy_threshold`` apply exactly when ``state.copy_below`` (a copied row would follow the chain),
+    in either direction; the plain rules never read it."""
+    shorter, longer = FixedK(4, copy_k=1), FixedK(2, copy_k=5)
+    assert shorter.uses_copies and shorter.max_candidates == 4 and longer.max_candidates == 5
+    assert [shorter.should_stop(RoundState(n=n)) for n in range(5)] == [False] * 4 + [True]
+    assert [shorter.should_stop(RoundState(n=n, copy_below=True)) for n in range(3)] == [False, True, True]
+    assert [longer.should_stop(RoundState(n=n, copy_below=True)) for n in range(2, 6)] == [False] * 3 + [True]
+    assert longer.should_stop(RoundState(n=2))
+    assert not FixedK(4).uses_copies and not FixedK(4).should_stop(RoundState(n=1, copy_below=True))
+    aware = HeadThreshold(head_with_accept_prob(0.5), 0.9, copy_threshold=0.3)
+    plain = HeadThreshold(head_with_accept_prob(0.5), 0.9)
+    for copy_below in (False, True):
+        state = RoundState(n=2, accept_probs=[0.6], copy_below=copy_below)  # P(some rejection) = 0.4
+        assert aware.should_stop(state) is copy_below
+        assert not plain.should_stop(state)
+    assert aware.uses_copies and not plain.uses_copies
+    assert aware.describe() == "HeadThreshold(h=0.9, copy h=0.3)"
+    assert FixedK(4, copy_k=1).describe() == "FixedK(k=4, copy_k=1)"
+    with pytest.raises(ValueError, match="copy_k=0 must be an integer >= 1"):
+        FixedK(4, copy_k=0)
+    with pytest.raises(ValueError, match=r"copy_threshold=1.5 must be in \(0, 1\)"):
+        HeadThreshold(head_with_accept_prob(0.5), 0.5, copy_threshold=1.5)
+
+
 def test_policies_describe_their_settings() -> None:
     assert FixedK(4).describe() == "FixedK(k=4)"
     assert HeadThreshold(head_with_accept_prob(0.5), 0.7).describe() == "HeadThreshold(h=0.7)"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field, fields
 
@@ -362,6 +362,7 @@ def draft_round(
     position: int,
     generator: torch.Generator | None,
     stats: DecodeStats,
+    copy_below: Callable[[Sequence[int]], bool] | None = None,
 ) -> tuple[RoundState, list[torch.Tensor]]:
     """Draft up to ``limit`` candidates, asking ``policy`` before each one. Returns the round (its candidates
     ``state.candidates`` and what the policy saw, for :meth:`StopPolicy.update`) and the draft distributions
@@ -369,13 +370,21 @@ def draft_round(
 
     The policy is asked once before the first candidate (it may submit none) and then after each candidate y_n,
     when the scores of y_1..y_{n-1} are known: the score of y_n arrives with the step that drafts y_{n+1} — or at
-    once, for a policy that ``scores_at_draw`` (a head of the draft's numbers alone).
+    once, for a policy that ``scores_at_draw`` (a head of the draft's numbers alone). ``copy_below`` (a copying
+    decoder's): whether a copied row would follow the candidates drafted so far, asked before each decision of a
+    policy that ``uses_copies`` (``state.copy_below``).
     """
+
+    def stop() -> bool:
+        if copy_below is not None and policy.uses_copies:
+            state.copy_below = copy_below(state.candidates)
+        return policy.should_stop(state)
+
     # A one-hot q carries no confidence: greedy confidence/entropy rules read the draft's untempered softmax.
     untempered = sampling.greedy and (policy.uses_confidence or policy.uses_entropy)
     state = RoundState(position=position)
     q_rows: list[torch.Tensor] = []
-    if limit <= 0 or policy.should_stop(state):
+    if limit <= 0 or stop():
         return state, q_rows
     step = drafter.propose(None)
     while step is not None:
@@ -402,7 +411,7 @@ def draft_round(
                     state.accept_probs.append(policy.score(None, state))
         elif policy.uses_entropy:
             state.entropies.append(float(-(confidence * confidence.clamp_min(1e-30).log()).sum()))
-        if state.n >= limit or policy.should_stop(state):
+        if state.n >= limit or stop():
             break
         step = drafter.propose(y)  # reads y_n: the next candidate's logits and y_n's hidden state
         if policy.uses_hidden:

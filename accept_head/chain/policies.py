@@ -50,6 +50,10 @@ class RoundState:
     """max_x q_i(x) (only if ``uses_draft_stats``; under greedy decoding of the untempered softmax)."""
     accept_probs: list[float] = field(default_factory=list)
     """Predicted acceptance probability of candidates 1..n-1 (only for policies with ``uses_hidden``)."""
+    copy_below: bool = False
+    """A row copied from the text would follow the chain as drafted so far, y_1..y_n (only for policies with
+    ``uses_copies``, and only under a decoder that copies: :func:`~accept_head.trees.chain_copies.chain_copy_generate`;
+    False elsewhere)."""
 
 
 def round_inputs(state: RoundState, names: tuple[str, ...]) -> list[float]:
@@ -85,6 +89,8 @@ class StopPolicy:
     a head that reads no hidden state needs no further draft forward, so no candidate is left unscored."""
     requires_greedy: bool = False
     """Only valid for greedy decoding (the decoder raises otherwise)."""
+    uses_copies: bool = False
+    """Reads ``copy_below`` (a copying decoder then looks the copied row up before each decision)."""
 
     def should_stop(self, state: RoundState) -> bool:
         raise NotImplementedError
@@ -116,19 +122,26 @@ def _check_candidates(min_candidates: int, max_candidates: int) -> tuple[int, in
 
 
 class FixedK(StopPolicy):
-    """Draft exactly k candidates per round (speculative decoding as in Leviathan et al. / Chen et al.)."""
+    """Draft exactly k candidates per round (speculative decoding as in Leviathan et al. / Chen et al.).
 
-    def __init__(self, k: int) -> None:
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"k={k!r} must be an integer >= 1 (candidates per round).")
-        self.k = k
-        self.max_candidates = k
+    ``copy_k`` (copying decoders only): stop at ``copy_k`` candidates instead once a row copied from the text would
+    follow them (``state.copy_below``) — the copy-aware rule's fixed-length twin (:class:`HeadThreshold`'s
+    ``copy_threshold``)."""
+
+    def __init__(self, k: int, copy_k: int | None = None) -> None:
+        for name, value in (("k", k), ("copy_k", copy_k)):
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"{name}={value!r} must be an integer >= 1 (candidates per round).")
+        self.k, self.copy_k = k, copy_k
+        self.max_candidates = max(k, copy_k or 0)
+        self.uses_copies = copy_k is not None
 
     def should_stop(self, state: RoundState) -> bool:
-        return state.n >= self.k
+        return state.n >= (self.copy_k if self.uses_copies and state.copy_below else self.k)
 
     def describe(self) -> str:
-        return f"FixedK(k={self.k})"
+        extra = f", copy_k={self.copy_k}" if self.uses_copies else ""
+        return f"FixedK(k={self.k}{extra})"
 
 
 UNSCORED = (None, "confidence")
@@ -150,6 +163,12 @@ class HeadThreshold(StopPolicy):
     candidate it scores from the round (:func:`round_inputs`): the decoder records them (``uses_draft_stats``). A
     head that reads the scalars only needs nothing of the next draft forward: it scores each candidate as it is drawn
     (``scores_at_draw``), every decision reads every candidate's score, and ``unscored`` changes nothing.
+
+    ``copy_threshold`` (an extension for decoders that copy rows from the text beside the chain,
+    :func:`~accept_head.trees.chain_copies.chain_copy_generate`): the threshold that applies instead of h whenever a
+    copied row would follow the chain drafted so far (``state.copy_below``). Stopping there hands the tokens after
+    y_n to the copy, which costs no draft step and is verified in the same pass, so the next drafted token is worth
+    less than the plain rule prices it; a lower threshold stops sooner there.
     """
 
     def __init__(
@@ -160,14 +179,18 @@ class HeadThreshold(StopPolicy):
         max_candidates: int = 20,
         calibration=None,
         unscored: str | None = None,
+        copy_threshold: float | None = None,
     ) -> None:
-        if not 0.0 < threshold < 1.0:
-            raise ValueError(f"threshold={threshold} must be in (0, 1): it bounds P(some candidate is rejected).")
+        for name, value in (("threshold", threshold), ("copy_threshold", copy_threshold)):
+            if value is not None and not 0.0 < value < 1.0:
+                raise ValueError(f"{name}={value} must be in (0, 1): it bounds P(some candidate is rejected).")
         if unscored not in UNSCORED:
             raise ValueError(f"unscored={unscored!r} must be one of {UNSCORED}.")
         self.min_candidates, self.max_candidates = _check_candidates(min_candidates, max_candidates)
         self.head = head
         self.threshold = float(threshold)
+        self.copy_threshold = None if copy_threshold is None else float(copy_threshold)
+        self.uses_copies = copy_threshold is not None
         self.calibration = calibration
         self.unscored = unscored
         self.uses_confidence = unscored == "confidence"
@@ -207,8 +230,10 @@ class HeadThreshold(StopPolicy):
         all_accepted = math.prod(state.accept_probs)
         if self.unscored == "confidence":  # candidates the head has not scored yet (the latest one)
             all_accepted *= math.prod(state.token_probs[len(state.accept_probs) : state.n])
-        return 1.0 - all_accepted > self.threshold
+        threshold = self.copy_threshold if self.uses_copies and state.copy_below else self.threshold
+        return 1.0 - all_accepted > threshold
 
     def describe(self) -> str:
         extra = f", unscored={self.unscored}" if self.unscored else ""
+        extra += f", copy h={self.copy_threshold:g}" if self.uses_copies else ""
         return f"HeadThreshold(h={self.threshold:g}{extra})"

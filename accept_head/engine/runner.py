@@ -478,7 +478,8 @@ class Runner:
         params = dict(spec.params)
         try:
             if spec.kind == "fixed_k":
-                return FixedK(int(params.pop("k")))
+                copy_k = params.pop("copy_k", None)
+                return FixedK(int(params.pop("k")), None if copy_k is None else int(copy_k))
             if spec.kind == "specdecpp":
                 source = self.head
                 if source is None:
@@ -494,6 +495,7 @@ class Runner:
                     int(params.pop("max_candidates", source.max_candidates)),
                     calibration=source.calibration_for(greedy=self.temperature == 0) if calibrated else None,
                     unscored=params.pop("unscored"),
+                    copy_threshold=params.pop("copy_threshold", None),
                 )
                 if params:
                     raise ValueError(f"method 'specdecpp' does not take parameters {sorted(params)}.")
@@ -605,6 +607,12 @@ class Runner:
             rule, budget = self.tree_rule(spec), self.max_new_tokens
             return lambda ids, gen: tree_generate(target, draft, ids, rule, budget, generator=gen, **common)
         copied = int(spec.params.get("context_row") or 0)
+        aware = sorted(COPY_AWARE_PARAMS & set(spec.params))
+        if aware and not copied:
+            raise ValueError(
+                f"{spec.name}: {aware} decide by the row copied below the chain, and this chain copies none: give "
+                f"it context_row (e.g. 4) or leave {aware} out."
+            )
         policy = self.policy(MethodSpec(spec.kind, {k: v for k, v in spec.params.items() if k != "context_row"}))
         if copied:  # the chain plus rows copied from the text: verified as a two-branch tree
             return lambda ids, gen: chain_copy_generate(
@@ -625,6 +633,10 @@ class Runner:
         if spec.kind == "ngrammys" and params["strategy"] != "context":
             params["bigram"] = self.bigram(max(self.bigram_top, params["k"]))
         return lambda ids, gen: generate(target, ids, budget, generator=gen, **common, **params)
+
+
+COPY_AWARE_PARAMS = frozenset({"copy_k", "copy_threshold"})
+"""Stop-rule parameters that read ``RoundState.copy_below``: only a copying chain (``context_row``) sets it."""
 
 
 def run_interleaved(

@@ -234,6 +234,8 @@ class BenchPlan:
     specdec_thresholds: list[float] | None
     hindsight_k: bool
     chain_context_row: int | None
+    chain_copy_ks: list[int] | None
+    chain_copy_thresholds: list[float] | None
     tree_grids: dict[str, list[dict]] = field(init=False)
     """The learning-free tree decoders' grids, each setting completed (:func:`tree_settings`)."""
     draft_tree_grid: list[MethodSpec] = field(init=False)
@@ -281,6 +283,18 @@ class BenchPlan:
             )
         if self.chain_context_row is not None and self.chain_context_row < 0:
             raise ValueError(f"chain_context_row={self.chain_context_row} must be >= 0 (0: no copies).")
+        self.chain_copy_ks = [int(k) for k in self.chain_copy_ks or []]
+        self.chain_copy_thresholds = [float(h) for h in self.chain_copy_thresholds or []]
+        if not all(k >= 1 for k in self.chain_copy_ks) or not all(0 < h < 1 for h in self.chain_copy_thresholds):
+            raise ValueError(
+                f"chain_copy_ks={self.chain_copy_ks} must hold integers >= 1 and chain_copy_thresholds="
+                f"{self.chain_copy_thresholds} values in (0, 1)."
+            )
+        if (self.chain_copy_ks or self.chain_copy_thresholds) and self.chain_context_row == 0:
+            raise ValueError(
+                "chain_copy_ks and chain_copy_thresholds decide by the row copied below the chain, and "
+                "chain_context_row=0 copies none: leave them out or set chain_context_row (e.g. 4)."
+            )
         if self.repeats < 1 or self.warmup < 0:
             raise ValueError(f"need repeats >= 1 and warmup >= 0 (got {self.repeats}, {self.warmup}).")
         self.tree_grids = tree_settings(
@@ -332,6 +346,12 @@ BENCH_ARGS = """
             chosen on validation apart from the plain ones; ``context_row_ratios`` pairs each with its plain twin and
             ``copied_chain_ratio`` is SpecDec++ over FixedK, both with copies. Default (null): the bundle's own
             ``context_row``, so the bench shows what ``generate`` decodes; 0 runs the plain chains only.
+        chain_copy_ks: With copies, also search FixedK's copy-aware twin: each K of ``fixed_k`` with each
+            ``copy_k`` here (stop at ``copy_k`` candidates when a copied row would follow them; ``FixedK(k,
+            copy_k)``). Validation picks among all copying FixedK settings. Default: none.
+        chain_copy_thresholds: With copies, also search SpecDec++'s copy-aware rule: each h (the grid's, else h*)
+            with each ``copy_threshold`` here (the threshold that applies when a copied row would follow the chain;
+            ``HeadThreshold(copy_threshold=)``). Default: none.
         entropy_thresholds: λ grid for EntropyStop searched on validation (default 0.1 … 0.8).
         entropy_gamma: AdaEDL's entropy scale γ.
         path_confidence_thresholds: h grid for PathConfidenceStop, SpecDec++'s rule on the draft's own path
@@ -432,6 +452,8 @@ def bench(
     specdec_thresholds: list[float] | None = None,
     hindsight_k: bool = False,
     chain_context_row: int | None = None,
+    chain_copy_ks: list[int] | None = None,
+    chain_copy_thresholds: list[float] | None = None,
 ) -> dict:
     """Benchmark SpecDec++ against every simpler way of choosing the candidate length, on the same prompts.
 
@@ -506,7 +528,13 @@ def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float)
     specs += [MethodSpec("entropy", {"threshold": lam, "gamma": plan.entropy_gamma}) for lam in entropy_thresholds]
     specs += [MethodSpec("path_confidence", {"threshold": h}) for h in path_thresholds]
     specs += specdec_grid(plan, setup, temperature)
-    specs += copied_chains(specs, plan.chain_context_row)
+    specs += copied_chains(
+        specs,
+        plan.chain_context_row,
+        plan.chain_copy_ks,
+        plan.chain_copy_thresholds,
+        MethodSpec("specdecpp", dict(zip(("threshold", "unscored"), pair.bundle.h_star(greedy=temperature == 0)))),
+    )
     # run_sweep leaves out, with the reason, what this pair cannot run (only tree decoders can be refused).
     summaries, skipped = run_sweep(
         pair,
@@ -561,21 +589,41 @@ CHAIN_KINDS = ("specdecpp", "fixed_k")
 """The chain methods a bench also runs with copied rows (``chain_context_row``)."""
 
 
-def copied_chains(specs: Sequence[MethodSpec], context_row: int) -> list[MethodSpec]:
-    """The pair's own FixedK and SpecDec++ settings of ``specs`` again with ``context_row`` copied tokens ([] for 0)."""
+def copied_chains(
+    specs: Sequence[MethodSpec],
+    context_row: int,
+    copy_ks: Sequence[int] = (),
+    copy_thresholds: Sequence[float] = (),
+    h_star: MethodSpec | None = None,
+) -> list[MethodSpec]:
+    """The pair's own FixedK and SpecDec++ settings of ``specs`` again with ``context_row`` copied tokens ([] for 0),
+    each also with every ``copy_k`` (FixedK) or ``copy_threshold`` (SpecDec++) of the copy-aware grids. With
+    ``copy_thresholds`` and no SpecDec++ among ``specs`` (no h grid), ``h_star`` is the SpecDec++ setting copied."""
     if not context_row:
         return []
     chains = [s for s in specs if s.kind in CHAIN_KINDS and "draft" not in s.params]
-    return [MethodSpec(s.kind, {**s.params, "context_row": context_row}) for s in chains]
+    if copy_thresholds and h_star is not None and not any(s.kind == "specdecpp" for s in chains):
+        chains.append(h_star)
+    out = []
+    for s in chains:
+        params = {**s.params, "context_row": context_row}
+        key, grid = ("copy_k", copy_ks) if s.kind == "fixed_k" else ("copy_threshold", copy_thresholds)
+        out += [MethodSpec(s.kind, params)] + [MethodSpec(s.kind, {**params, key: value}) for value in grid]
+    return out
 
 
 def best_copied_chains(summaries: Sequence[MethodSummary], select_by: str, searched_h: bool) -> dict:
     """The K (and, when an h grid was searched, the h) best on validation among the chains with copied rows."""
     copied = [s for s in summaries if s.spec.copies and s.spec.kind in CHAIN_KINDS]
     out = {"context_row": int(copied[0].spec.params["context_row"])}
-    out["best_k"] = int(best_of(copied, select_by, "fixed_k").spec.params["k"])
-    if searched_h:
-        out["best_specdec_threshold"] = float(best_of(copied, select_by, "specdecpp").spec.params["threshold"])
+    fixed_k = best_of(copied, select_by, "fixed_k").spec.params
+    out["best_k"], out["best_copy_k"] = int(fixed_k["k"]), fixed_k.get("copy_k")
+    specdec = [s for s in copied if s.spec.kind == "specdecpp"]
+    if specdec:
+        chosen = best_of(specdec, select_by, "specdecpp").spec.params
+        if searched_h:
+            out["best_specdec_threshold"] = float(chosen["threshold"])
+        out["best_copy_threshold"] = chosen.get("copy_threshold")
     return out
 
 
@@ -594,9 +642,13 @@ def copied_chain_methods(setup: BenchSetup, temperature: float, validation: dict
     copies = {"context_row": chosen["context_row"]}
     h_star, unscored = setup.pair.bundle.h_star(greedy=temperature == 0)
     h = chosen.get("best_specdec_threshold", h_star)
+    copy_k, copy_h = chosen.get("best_copy_k"), chosen.get("best_copy_threshold")
     return [
-        MethodSpec("fixed_k", {"k": chosen["best_k"], **copies}),
-        MethodSpec("specdecpp", {"threshold": h, "unscored": unscored, **copies}),
+        MethodSpec("fixed_k", {"k": chosen["best_k"], **copies} | ({"copy_k": copy_k} if copy_k else {})),
+        MethodSpec(
+            "specdecpp",
+            {"threshold": h, "unscored": unscored, **copies} | ({"copy_threshold": copy_h} if copy_h else {}),
+        ),
     ]
 
 
@@ -844,6 +896,8 @@ def write_bench(plan: BenchPlan, setup: BenchSetup, results: dict) -> dict:
             "specdec_thresholds": plan.specdec_thresholds,
             "hindsight_k": plan.hindsight_k,
             "chain_context_row": plan.chain_context_row,
+            "chain_copy_ks": plan.chain_copy_ks,
+            "chain_copy_thresholds": plan.chain_copy_thresholds,
             "entropy_gamma": plan.entropy_gamma,
             "path_confidence_thresholds": plan.path_confidence_thresholds,
             "hf_settings": [s.__dict__ for s in plan.hf_settings],

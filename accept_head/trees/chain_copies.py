@@ -79,8 +79,14 @@ class ChainRounds:
 
     def draft(self, tokens: list[int], depth: int) -> tuple[DraftTree, list[int]]:
         limit = min(self.policy.max_candidates, depth)
+        copy_below = None
+        if self.copy is not None:
+
+            def copy_below(path: Sequence[int]) -> bool:  # the row add_copied_rows would hang below the chain
+                return bool(self.copy(tokens, depth - len(path), path))
+
         self.state, q_rows = draft_round(
-            self.drafter, self.policy, self.sampling, limit, len(tokens), self.generator, self.stats
+            self.drafter, self.policy, self.sampling, limit, len(tokens), self.generator, self.stats, copy_below
         )
         tree = chain_tree(self.state.candidates, q_rows, sampled=not self.sampling.greedy)
         nodes = list(range(self.state.n))
