@@ -167,8 +167,9 @@ class HeadThreshold(StopPolicy):
     ``copy_threshold`` (an extension for decoders that copy rows from the text beside the chain,
     :func:`~accept_head.trees.chain_copies.chain_copy_generate`): the threshold that applies instead of h whenever a
     copied row would follow the chain drafted so far (``state.copy_below``). Stopping there hands the tokens after
-    y_n to the copy, which costs no draft step and is verified in the same pass, so the next drafted token is worth
-    less than the plain rule prices it; a lower threshold stops sooner there.
+    y_n to the copy, which costs no draft step and is verified in the same pass, so the next drafted token may be
+    worth less than the plain rule prices it; a lower threshold stops sooner there. (On the embedded pair it did not
+    pay: ``docs/findings.md`` §8, "A stop rule that knows a copy waits below the chain".)
     """
 
     def __init__(
