@@ -10,6 +10,8 @@ and the draft's numbers at each. Two questions, answered offline on those rounds
    tree verifying both — and with a second copy below a chain the target accepted whole (copied after the text and
    the chain). Greedy labels only: there a token is accepted iff it is the target's argmax, which the
    response holds.
+   And where a copy-aware stop rule could stop: at each accepted chain prefix a copy would follow, the tokens
+   stopping would gain (the copy) against drafting on (the chain's later tokens and the copy below it).
 2. Ranking: does whether the candidate continues a recurring n-gram of the text rank acceptance beyond the draft's own
    log-probability? A logistic regression over log q alone against one that also reads copy features (for n = 1..4:
    the latest occurrence of the last n tokens was followed by the candidate / by another token; the share of
@@ -90,6 +92,37 @@ def copy_rounds(labels: datasets.Dataset, length: int) -> dict[str, collections.
     return out
 
 
+def copy_waits(labels: datasets.Dataset, length: int) -> collections.Counter:
+    """At each point of a FixedK(4) round where the chain y_1..y_n (n < 4) was accepted and a copy would follow it —
+    where a copy-aware rule (``FixedK(k, copy_k=n)``, ``HeadThreshold(copy_threshold=)``) could stop — the tokens the
+    round gains after y_n by stopping (the copy below y_n) against drafting on to y_4 (the drafted tokens accepted
+    after y_n, plus the copy below y_4 when all four were accepted), and whether y_{n+1} and the copy's first token
+    were each right."""
+    out: collections.Counter = collections.Counter()
+    for row in labels:
+        response, starts = row["response_ids"], round_starts(row["round"], row["accepted"])
+        copy = ContextRow(length)
+        for index, start in starts.items():
+            steps = [j for j, r in enumerate(row["round"]) if r == index]
+            drafted = sum(row["accepted"][j] for j in steps)
+            path, text = [row["draft_ids"][j] for j in steps], row["prompt_ids"] + response[:start]
+            for n in range(1, min(drafted, len(path) - 1) + 1):
+                waiting = copy(text, path=path[:n])
+                if not waiting:
+                    continue
+                go_on = drafted - n
+                if drafted == len(path):
+                    go_on += copied_run(copy(text, path=path), response, start + drafted)
+                out["points"] += 1
+                out["stop"] += copied_run(waiting, response, start + n)
+                out["go_on"] += go_on
+                out["steps_saved"] += len(path) - n
+                out["next_drafted_right"] += drafted > n
+                out["copy_first_right"] += start + n < len(response) and waiting[0] == response[start + n]
+                out["agree"] += waiting[0] == path[n]
+    return out
+
+
 def ngram_features(context: list[int], candidate: int) -> list[float]:
     """For n = 1..4: the latest earlier occurrence of the last n tokens was followed by ``candidate`` (1/0), by another
     token (1/0), and the share of all its earlier occurrences followed by ``candidate``."""
@@ -150,6 +183,15 @@ def main() -> None:
                 f"prefix too {per['inner']:.3f}, for {per['inner_fed']:.2f} more tokens fed); rounds with a copy "
                 f"{per['with_copy']:.2f}"
             )
+    if args.rounds:
+        w = copy_waits(labels, args.length)
+        per = {k: w[k] / max(w["points"], 1) for k in w}
+        print(
+            f"  where a copy waits below an accepted chain prefix ({w['points']} points of FixedK(4) rounds): tokens "
+            f"after it by stopping {per['stop']:.3f}, by drafting on {per['go_on']:.3f} ({per['steps_saved']:.2f} "
+            f"draft steps more); next drafted token right {per['next_drafted_right']:.3f}, the copy's first "
+            f"{per['copy_first_right']:.3f}, the two the same token {per['agree']:.3f}"
+        )
     found = ranking(labels, greedy)
     print(
         f"  ranking over {found['candidates']} candidates ({found['accepted']:.3f} accepted): AUC log q "
