@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import datasets
@@ -60,36 +61,44 @@ def copy_rounds(labels: datasets.Dataset, length: int) -> dict[str, collections.
     chain with only the copy below it, none at the root (``below_only``); and ``leaf`` plus a copy below every proper
     prefix of the chain where it differs from the chain's next token (``inner``; extra tokens fed: ``inner_fed``)."""
     out: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for source, copy, text, response, start, path, drafted in labelled_rounds(labels, length):
+        guess = copy(text)
+        copied = copied_run(guess, response, start)
+        below = 0
+        if drafted == len(path):  # the whole chain accepted: what a copy after its path would add
+            below = copied_run(copy(text, path=path), response, start + drafted)
+        inner, inner_fed = max(drafted + below, copied), 0
+        for j in range(1, len(path)):  # a copy after y_1..y_j, verified where it leaves the chain
+            branch = copy(text, path=path[:j])
+            if branch and branch[0] != path[j]:
+                inner_fed += len(branch)
+                if drafted >= j:
+                    inner = max(inner, j + copied_run(branch, response, start + j))
+        for key in (source, "all"):
+            counts = out[key]
+            counts["rounds"] += 1
+            counts["draft"] += drafted
+            counts["copy"] += copied
+            counts["best"] += max(drafted, copied)
+            counts["leaf"] += max(drafted + below, copied)
+            counts["below_only"] += drafted + below
+            counts["inner"] += inner
+            counts["inner_fed"] += inner_fed
+            counts["with_copy"] += bool(guess)
+    return out
+
+
+def labelled_rounds(labels: datasets.Dataset, length: int) -> Iterator[tuple]:
+    """Every round of the labels in order, as (source, the prompt's ContextRow of ``length`` tokens, the text before
+    the round, the response, the round's start in it, the drafted chain, how many of its candidates were accepted)."""
     for row in labels:
         response, starts = row["response_ids"], round_starts(row["round"], row["accepted"])
         copy = ContextRow(length)
         for index, start in starts.items():
             steps = [j for j, r in enumerate(row["round"]) if r == index]
             drafted = sum(row["accepted"][j] for j in steps)
-            guess = copy(row["prompt_ids"] + response[:start])
-            copied = copied_run(guess, response, start)
-            below, path = 0, [row["draft_ids"][j] for j in steps]
-            if drafted == len(steps):  # the whole chain accepted: what a copy after its path would add
-                below = copied_run(copy(row["prompt_ids"] + response[:start], path=path), response, start + drafted)
-            inner, inner_fed = max(drafted + below, copied), 0
-            for j in range(1, len(path)):  # a copy after y_1..y_j, verified where it leaves the chain
-                branch = copy(row["prompt_ids"] + response[:start], path=path[:j])
-                if branch and branch[0] != path[j]:
-                    inner_fed += len(branch)
-                    if drafted >= j:
-                        inner = max(inner, j + copied_run(branch, response, start + j))
-            for key in (row["source"], "all"):
-                counts = out[key]
-                counts["rounds"] += 1
-                counts["draft"] += drafted
-                counts["copy"] += copied
-                counts["best"] += max(drafted, copied)
-                counts["leaf"] += max(drafted + below, copied)
-                counts["below_only"] += drafted + below
-                counts["inner"] += inner
-                counts["inner_fed"] += inner_fed
-                counts["with_copy"] += bool(guess)
-    return out
+            path, text = [row["draft_ids"][j] for j in steps], row["prompt_ids"] + response[:start]
+            yield row["source"], copy, text, response, start, path, drafted
 
 
 def copy_waits(labels: datasets.Dataset, length: int) -> collections.Counter:
@@ -99,27 +108,21 @@ def copy_waits(labels: datasets.Dataset, length: int) -> collections.Counter:
     after y_n, plus the copy below y_4 when all four were accepted), and whether y_{n+1} and the copy's first token
     were each right."""
     out: collections.Counter = collections.Counter()
-    for row in labels:
-        response, starts = row["response_ids"], round_starts(row["round"], row["accepted"])
-        copy = ContextRow(length)
-        for index, start in starts.items():
-            steps = [j for j, r in enumerate(row["round"]) if r == index]
-            drafted = sum(row["accepted"][j] for j in steps)
-            path, text = [row["draft_ids"][j] for j in steps], row["prompt_ids"] + response[:start]
-            for n in range(1, min(drafted, len(path) - 1) + 1):
-                waiting = copy(text, path=path[:n])
-                if not waiting:
-                    continue
-                go_on = drafted - n
-                if drafted == len(path):
-                    go_on += copied_run(copy(text, path=path), response, start + drafted)
-                out["points"] += 1
-                out["stop"] += copied_run(waiting, response, start + n)
-                out["go_on"] += go_on
-                out["steps_saved"] += len(path) - n
-                out["next_drafted_right"] += drafted > n
-                out["copy_first_right"] += start + n < len(response) and waiting[0] == response[start + n]
-                out["agree"] += waiting[0] == path[n]
+    for _, copy, text, response, start, path, drafted in labelled_rounds(labels, length):
+        for n in range(1, min(drafted, len(path) - 1) + 1):
+            waiting = copy(text, path=path[:n])
+            if not waiting:
+                continue
+            go_on = drafted - n
+            if drafted == len(path):
+                go_on += copied_run(copy(text, path=path), response, start + drafted)
+            out["points"] += 1
+            out["stop"] += copied_run(waiting, response, start + n)
+            out["go_on"] += go_on
+            out["steps_saved"] += len(path) - n
+            out["next_drafted_right"] += drafted > n
+            out["copy_first_right"] += start + n < len(response) and waiting[0] == response[start + n]
+            out["agree"] += waiting[0] == path[n]
     return out
 
 
