@@ -617,13 +617,16 @@ def best_copied_chains(summaries: Sequence[MethodSummary], select_by: str, searc
     copied = [s for s in summaries if s.spec.copies and s.spec.kind in CHAIN_KINDS]
     out = {"context_row": int(copied[0].spec.params["context_row"])}
     fixed_k = best_of(copied, select_by, "fixed_k").spec.params
-    out["best_k"], out["best_copy_k"] = int(fixed_k["k"]), fixed_k.get("copy_k")
+    out["best_k"] = int(fixed_k["k"])
+    if any("copy_k" in s.spec.params for s in copied):  # the copy-aware grid ran: its choice, None for none
+        out["best_copy_k"] = fixed_k.get("copy_k")
     specdec = [s for s in copied if s.spec.kind == "specdecpp"]
     if specdec:
         chosen = best_of(specdec, select_by, "specdecpp").spec.params
         if searched_h:
             out["best_specdec_threshold"] = float(chosen["threshold"])
-        out["best_copy_threshold"] = chosen.get("copy_threshold")
+        if any("copy_threshold" in s.spec.params for s in specdec):
+            out["best_copy_threshold"] = chosen.get("copy_threshold")
     return out
 
 
