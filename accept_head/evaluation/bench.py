@@ -533,7 +533,7 @@ def choose_on_validation(plan: BenchPlan, setup: BenchSetup, temperature: float)
         plan.chain_context_row,
         plan.chain_copy_ks,
         plan.chain_copy_thresholds,
-        MethodSpec("specdecpp", dict(zip(("threshold", "unscored"), pair.bundle.h_star(greedy=temperature == 0)))),
+        h_star_spec(pair.bundle, greedy=temperature == 0),
     )
     # run_sweep leaves out, with the reason, what this pair cannot run (only tree decoders can be refused).
     summaries, skipped = run_sweep(
