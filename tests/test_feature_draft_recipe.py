@@ -721,9 +721,9 @@ def test_cpu_fit_configs_keep_the_pools_data_and_train_on_own_responses(capsys, 
 
 def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypatch) -> None:
     """checkpoints/smollm2-135m-feature-draft: the CPU recipe's long schedule from the target's weights, two warm
-    restarts on that pool, then five runs on fresh samples (a `response_seed` of their own, each in a new batch order),
-    each from the export before it, all on own responses only; each run's recorded settings are its configs' and each
-    trained all of its schedule's steps."""
+    restarts on that pool, five runs on fresh samples (`response_seed` 1, each in a new batch order), then one on a
+    third pool (`response_seed` 2), each from the export before it, all on own responses only; each run's recorded
+    settings are its configs' and each trained all of its schedule's steps."""
     monkeypatch.chdir(REPO)
     keys = "lr batch_tokens max_steps warmup_steps fit_sources kept_vocab unroll seed data_seed response_seed".split()
 
@@ -734,12 +734,12 @@ def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypa
     config = json.loads((REPO / "checkpoints/smollm2-135m-feature-draft/config.json").read_text())
     runs = stages.lineage(config)
     default, staged = "checkpoints/smollm2-135m-feature-draft", "checkpoints/smollm2-135m-feature-draft-next"
-    assert [r["init_draft"] for r in runs] == [None, *[default] * 6, staged]  # the seventh run was staged as -next
+    # the seventh run was staged as -next
+    assert [r["init_draft"] for r in runs] == [None, *[default] * 6, staged, default]
     assert all(r["accelerator"] == "cpu" and r["fit_sources"] == ["own"] for r in runs)
     recipe = config["extra"]["recipe"]
-    assert {k: recipe[k] for k in keys} == settings("cpu", "cpu-fresh", "cpu-eighth")
-    assert recipe["response_seed"] not in (None, 0)
-    assert config["extra"]["steps"] == recipe["max_steps"] and runs[7]["steps"] == recipe["max_steps"]
+    assert {k: recipe[k] for k in keys} == settings("cpu", "cpu-fresh", "cpu-seed2")
+    assert config["extra"]["steps"] == recipe["max_steps"] and runs[8]["steps"] == recipe["max_steps"]
     earlier = (
         ["cpu", "cpu-long"],
         ["cpu", "cpu-long-continue"],
@@ -748,12 +748,13 @@ def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypa
         ["cpu", "cpu-fresh", "cpu-fifth"],
         ["cpu", "cpu-fresh", "cpu-sixth"],
         ["cpu", "cpu-fresh", "cpu-seventh"],
+        ["cpu", "cpu-fresh", "cpu-eighth"],
     )
-    for run, names in zip(runs[:7], earlier, strict=True):
+    for run, names in zip(runs[:8], earlier, strict=True):
         expected = settings(*names)
         assert (run["steps"], run["lr"], run["batch_tokens"]) == (expected["max_steps"], expected["lr"], 4096)
-    seeds = [settings("cpu", "cpu-fresh", name)["data_seed"] for name in ("cpu-sixth", "cpu-seventh")]
-    assert recipe["data_seed"] not in seeds  # the eighth run's new order
+    pools = {settings(*names)["response_seed"] for names in earlier}
+    assert recipe["response_seed"] not in pools | {None}  # the ninth run's samples: a pool no earlier run read
 
 
 def test_feature_draft_label_and_head_configs_parse(capsys, monkeypatch) -> None:
