@@ -47,6 +47,28 @@ def test_context_row_copies_what_followed_the_latest_longest_match() -> None:
         ContextRow(2, shortest=3, longest=2)
 
 
+def test_a_long_recurring_suffix_copies_a_long_row_from_its_own_occurrence() -> None:
+    #      0  1  2  3  4  5  6  7  8  9  10 11 12 13 14 15 16 17 18 19
+    text = [1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 3, 4, 5, 1, 2, 3, 4, 5]
+    # [3, 4, 5] last recurs at 10-12 (followed by 1 2 3); the whole [1, 2, 3, 4, 5] recurs at 0-4 (followed by 6 7 ...)
+    assert ContextRow(2)(text) == [1, 2]
+    long = ContextRow(2, long_length=6, long_match=5)
+    assert long(text) == [6, 7, 8, 9, 0, 3]
+    assert long(text, length=3) == [6, 7, 8]  # the caller's cap still holds
+    assert long([*text, 9]) == []  # nothing recurs
+    assert long([*text, 9, 0]) == [3, 4]  # a two-token match: the short row
+    assert long(text[:13], path=[1, 2]) == [3, 4]  # with a drafted path: [5, 1, 2] is not in the text, [1, 2] is
+    assert ContextRow(4, long_length=3, long_match=5)(text) == [
+        1,
+        2,
+        3,
+        4,
+    ]  # a long row no longer than the base: unused
+    for bad in ({"long_length": 0, "long_match": 5}, {"long_length": 8, "long_match": True}):
+        with pytest.raises(ValueError, match="must be an integer >= 1"):
+            ContextRow(4, **bad)
+
+
 def test_a_copied_row_follows_verified_nodes_and_hangs_the_rest_below() -> None:
     tree = DraftTree()
     a = tree.add(5, -1, 0.6, 0.6)

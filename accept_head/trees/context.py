@@ -45,28 +45,48 @@ class ContextNgrams:
 
 class ContextRow:
     """Up to ``length`` tokens that followed the latest earlier occurrence of the text's longest recurring suffix of
-    ``longest`` down to ``shortest`` tokens (none when no suffix that long recurs).
+    ``longest`` down to ``shortest`` tokens (none when no suffix that long recurs) — and, given ``long_length`` and
+    ``long_match``, up to ``long_length`` tokens when that suffix is at least ``long_match`` tokens long (text that
+    repeats a long stretch tends to go on repeating it), looked up from ``max(longest, long_match)`` tokens down so that
+    a long repeat is followed from its own latest occurrence. The decoders copy ``length`` tokens after every match:
+    longer copies after long matches accepted more a round but did not decode faster on held-out prompts
+    (``docs/experiments/copy_length.py``; findings §8).
 
     One object follows one growing text (the prompt, then every committed token): build a new one per sequence.
     """
 
-    def __init__(self, length: int, shortest: int = 2, longest: int = 3) -> None:
-        for name, value in (("length", length), ("shortest", shortest), ("longest", longest)):
+    def __init__(
+        self,
+        length: int,
+        shortest: int = 2,
+        longest: int = 3,
+        long_length: int | None = None,
+        long_match: int | None = None,
+    ) -> None:
+        options = {"length": length, "shortest": shortest, "longest": longest}
+        options |= {
+            name: value
+            for name, value in (("long_length", long_length), ("long_match", long_match))
+            if value is not None
+        }
+        for name, value in options.items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"context row {name}={value!r} must be an integer >= 1.")
         if shortest > longest:
             raise ValueError(f"context row shortest={shortest} must be <= longest={longest}.")
         self.length = length
-        self.indices = [ContextNgrams(q) for q in range(longest, shortest - 1, -1)]
+        self.long = (long_length, long_match) if long_length and long_match and long_length > length else None
+        top = max(longest, long_match or 0) if self.long else longest
+        self.indices = [ContextNgrams(q) for q in range(top, shortest - 1, -1)]
 
     def __call__(self, tokens: Sequence[int], length: int | None = None, path: Sequence[int] = ()) -> list[int]:
-        """The copied row after ``tokens`` (at most ``length`` tokens, default the row's own), or []. With ``path``
-        (tokens drafted after ``tokens``, not committed), the row that would follow ``tokens + path``: its suffix is
-        looked up among the committed text's n-grams, and nothing is indexed from ``path``."""
-        length = self.length if length is None else min(length, self.length)
-        if length < 1:
+        """The copied row after ``tokens`` (its length the row's own — longer after a long match — capped at
+        ``length``), or []. With ``path`` (tokens drafted after ``tokens``, not committed), the row that would follow
+        ``tokens + path``: its suffix is looked up among the committed text's n-grams, and nothing is indexed from
+        ``path``."""
+        if length is not None and length < 1:
             return []
-        text = [*tokens[-max(index.q for index in self.indices) :], *path] if path else tokens
+        text = [*tokens[-self.indices[0].q :], *path] if path else tokens
         for index in self.indices:
             index.update(tokens)
             if len(text) < index.q:
@@ -74,5 +94,6 @@ class ContextRow:
             ends = index.follows.get(tuple(text[-index.q :]), [])
             earlier = [end for end in ends if end < len(tokens)]  # a continuation exists (not the suffix itself)
             if earlier:
-                return list(tokens[earlier[-1] : earlier[-1] + length])
+                row = self.long[0] if self.long and index.q >= self.long[1] else self.length
+                return list(tokens[earlier[-1] : earlier[-1] + (row if length is None else min(length, row))])
         return []

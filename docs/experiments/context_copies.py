@@ -12,13 +12,17 @@ and the draft's numbers at each. Two questions, answered offline on those rounds
    response holds.
    And where a copy-aware stop rule could stop: at each accepted chain prefix a copy would follow, the tokens
    stopping would gain (the copy) against drafting on (the chain's later tokens and the copy below it).
-2. Ranking: does whether the candidate continues a recurring n-gram of the text rank acceptance beyond the draft's own
+2. Copy length (``--by_match true``): per round with a copy, the longest recurring suffix (2 to 12 tokens) it was
+   found after, and the tokens a copy of 4, 8, 16 and 32 tokens from that suffix's latest earlier occurrence would
+   have accepted — what ``LONG_MATCH`` and ``LONG_FACTOR`` of :mod:`accept_head.trees.context` were chosen from.
+3. Ranking: does whether the candidate continues a recurring n-gram of the text rank acceptance beyond the draft's own
    log-probability? A logistic regression over log q alone against one that also reads copy features (for n = 1..4:
    the latest occurrence of the last n tokens was followed by the candidate / by another token; the share of
    occurrences followed by it), five folds grouped by prompt, AUC on the held-out folds.
 
     python docs/experiments/context_copies.py --labels data/labels/smollm2-feature-rollout-greedy
     python docs/experiments/context_copies.py --labels data/labels/smollm2-feature-rollout --rounds false
+    python docs/experiments/context_copies.py --labels data/labels/smollm2-feature-rollout-greedy --by_match true
 """
 
 from __future__ import annotations
@@ -126,6 +130,19 @@ def copy_waits(labels: datasets.Dataset, length: int) -> collections.Counter:
     return out
 
 
+def runs_by_match(labels: datasets.Dataset, longest: int = 12, lengths=(4, 8, 16, 32)) -> dict[int, list[float]]:
+    """Per length of the longest recurring suffix (2..``longest``) of the text before a round: [rounds, then the mean
+    tokens a copy of each of ``lengths`` from that suffix's latest earlier occurrence would have accepted]."""
+    runs: dict[int, list[int]] = collections.defaultdict(list)
+    for _, _, text, response, start, _, _ in labelled_rounds(labels, 4):
+        for q in range(longest, 1, -1):
+            guess = ContextRow(max(lengths), shortest=q, longest=q)(text)
+            if guess:
+                runs[q].append(copied_run(guess, response, start))
+                break
+    return {q: [len(r), *(sum(min(n, cap) for n in r) / len(r) for cap in lengths)] for q, r in sorted(runs.items())}
+
+
 def ngram_features(context: list[int], candidate: int) -> list[float]:
     """For n = 1..4: the latest earlier occurrence of the last n tokens was followed by ``candidate`` (1/0), by another
     token (1/0), and the share of all its earlier occurrences followed by ``candidate``."""
@@ -170,11 +187,17 @@ def main() -> None:
     parser.add_argument("--labels", required=True, help="a rollout-label dataset folder (data_gen, label_mode rollout)")
     parser.add_argument("--length", type=int, default=4, help="tokens of the copied row")
     parser.add_argument("--rounds", type=lambda s: s.lower() == "true", default=True, help="part 1 (greedy labels)")
+    parser.add_argument("--by_match", type=lambda s: s.lower() == "true", default=False, help="part 2 only")
     args = parser.parse_args()
     labels = datasets.load_from_disk(args.labels).remove_columns(["hidden"])
     meta = json.loads((Path(args.labels) / "meta.json").read_text())
     greedy = meta["config"]["temperature"] == 0
     print(f"{args.labels}: {len(labels)} prompts, {'greedy' if greedy else 'T = 1'}")
+    if args.by_match:
+        for q, (rounds, *accepted) in runs_by_match(labels).items():
+            caps = ", ".join(f"{a:.2f}" for a in accepted)
+            print(f"  longest recurring suffix {q:2d}: {rounds:4d} rounds; a copy of 4 / 8 / 16 / 32 accepts {caps}")
+        return
     if args.rounds:
         for source, c in sorted(copy_rounds(labels, args.length).items()):
             keys = ("draft", "copy", "best", "leaf", "below_only", "inner", "inner_fed", "with_copy")
