@@ -4,7 +4,8 @@
 ``context_row`` tokens each). Offline on the greedy rollout labels of `head`-split prompts, a copy's accepted run grew
 with the length of the recurring suffix it was found after (``docs/experiments/README.md``): this script decodes the
 held-out test prompts of a bench config with SpecDec++ (the bundle's policy and h*) and copies of each setting of
-``--variants`` (``base:4`` = 4 tokens always; ``long:4:16:5`` = 4 tokens, 16 after a recurring suffix of 5 or more),
+``--variants`` (``base:4`` = 4 tokens always; ``long:4:16:5`` = 4 tokens, 16 after a recurring suffix of 5 or more;
+``repeating:4:16:5`` = the same, but only while the previous round's root copy was accepted whole),
 variants interleaved per prompt in alternating order, EOS ignored (as ``eval bench``), and prints per mode the
 tokens/s of each over all decodes, tokens a round, tokens fed a round, and its ratio to the first variant with a
 95% paired bootstrap interval over the prompts (each repeat a prompt of its own).
@@ -40,15 +41,40 @@ def test_prompts(bundle: SpecDecPP, config: str, per_source: int | None) -> list
     return [(p.source, list(p.ids)) for p in encoded.prompts]
 
 
+class RepeatingRow(ContextRow):
+    """A :class:`ContextRow` that copies ``long_length`` tokens after a long match only while the text is repeating
+    itself: when the previous round's root copy was accepted whole (its ``length`` tokens, or all of a long one), read
+    from the committed text of this call. Still a function of the committed text alone, so decoding stays exact."""
+
+    def __init__(self, length: int, long_length: int, long_match: int) -> None:
+        super().__init__(length, long_length=long_length, long_match=long_match)
+        self.rule, self.previous, self.repeating = self.long, None, False
+
+    def __call__(self, tokens, length=None, path=()):
+        if path:
+            return super().__call__(tokens, length, path)
+        if self.previous is not None:  # the root copy of the round before: how much of it was committed
+            start, row = self.previous
+            run = next((i for i, t in enumerate(row) if start + i >= len(tokens) or tokens[start + i] != t), len(row))
+            self.repeating = run >= min(len(row), self.length) and run > 0
+        self.long = self.rule if self.repeating else None
+        row = super().__call__(tokens, length, path)
+        self.previous = (len(tokens), row) if row else None
+        return row
+
+
 def copy_rows(spec: str):
-    """``base:<n>`` or ``long:<n>:<long_length>:<long_match>`` → a factory of ContextRow objects for that setting."""
+    """``base:<n>``, ``long:<n>:<long_length>:<long_match>`` or ``repeating:<n>:<long_length>:<long_match>`` (long
+    copies only while the previous root copy was accepted whole: :class:`RepeatingRow`) → (n, a factory of rows)."""
     kind, *numbers = spec.split(":")
     values = [int(n) for n in numbers]
     if kind == "base" and len(values) == 1:
         return values[0], lambda length, **_: ContextRow(length)
     if kind == "long" and len(values) == 3:
         return values[0], lambda length, **_: ContextRow(length, long_length=values[1], long_match=values[2])
-    raise ValueError(f"variant {spec!r}: expected base:<n> or long:<n>:<long_length>:<long_match>.")
+    if kind == "repeating" and len(values) == 3:
+        return values[0], lambda length, **_: RepeatingRow(length, values[1], values[2])
+    raise ValueError(f"variant {spec!r}: expected base:<n>, long:<n>:<l>:<m> or repeating:<n>:<l>:<m>.")
 
 
 def decode(bundle: SpecDecPP, spec: str, ids: list[int], temperature: float, new_tokens: int, seed: int) -> dict:
