@@ -141,6 +141,29 @@ def test_bad_context_row_is_refused() -> None:
     target, draft = make_llama(seed=0, num_layers=2), make_llama(seed=11, num_layers=1)
     with pytest.raises(ValueError, match="context_row=-1 must be an integer >= 0"):
         chain_copies.chain_copy_generate(target, draft, [1, 2], FixedK(2), 4, context_row=-1)
+    for bad in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=f"long_row={bad!r} must be an integer >= 0"):
+            chain_copies.CopyingChain(FixedK(2), 4, long_row=bad)
+
+
+def test_long_rows_copy_further_after_a_long_repeat() -> None:
+    """``long_row``: after a recurring suffix of five or more tokens the copied row holds ``long_row`` tokens (after a
+    shorter one, ``context_row``), the output is still exactly the target's greedy text, over a static cache too
+    (which holds 16 positions past the budget: the rows are cut to fit); without it nothing changes."""
+    target, draft = make_llama(seed=0, num_layers=2), make_llama(seed=11, num_layers=1)
+    stretch = list(range(3, 40))
+    for repeat, long_fed in ((stretch[:6], (16, 3 + 32 + 32)), (stretch[:2], (4, 3 + 4 + 4))):
+        prompt = stretch + repeat
+        for new in (24, 3):
+            reference = autoregressive_generate(target, prompt, new, temperature=0).sequences
+            for runtime, long_row in (("eager", 0), ("eager", 32), ("static", 32)):
+                out = chain_copies.chain_copy_generate(
+                    target, draft, prompt, FixedK(2), new, 4, temperature=0, target_runtime=runtime, long_row=long_row
+                )
+                assert torch.equal(out.sequences, reference), (repeat, new, runtime, long_row)
+                low, high = long_fed if long_row else (4, 3 + 4 + 4)
+                if new == 24:
+                    assert low <= out.stats.fed[0] <= high, (repeat, long_row, out.stats.fed)
 
 
 @pytest.fixture(scope="module")
@@ -153,8 +176,8 @@ def test_sampled_decoding_with_copies_keeps_the_target_distribution(copy_pair, m
     target, draft, joint = copy_pair
     copies, original = [], chain_copies.add_copied_rows
 
-    def counted(tree, nodes, copy, tokens, depth):
-        out = original(tree, nodes, copy, tokens, depth)
+    def counted(tree, nodes, copy, tokens, depth, room=None):
+        out = original(tree, nodes, copy, tokens, depth, room)
         copies.append(sum(tree.parents[n] >= 0 for n in out[len(nodes) :]))  # copied nodes below the chain
         copies.append(-sum(tree.parents[n] < 0 for n in out[len(nodes) :]))  # at the root (counted negative)
         return out
@@ -186,6 +209,15 @@ def test_a_bundle_decodes_chains_with_copies_on_request(tmp_path) -> None:
     assert torch.equal(tree.sequences, reference)
     sampled = [bundle.generate(prompt, max_new_tokens=12, seed=4, context_row=4).new_token_ids for _ in range(2)]
     assert sampled[0] == sampled[1]  # seeded
+    longer = bundle.generate(
+        list(range(20, 40)) + [20, 21, 22, 23, 24], max_new_tokens=12, temperature=0, context_row=4, long_row=16
+    )
+    shorter = bundle.generate(
+        list(range(20, 40)) + [20, 21, 22, 23, 24], max_new_tokens=12, temperature=0, context_row=4
+    )
+    assert torch.equal(longer.sequences, shorter.sequences) and longer.stats.fed[0] >= shorter.stats.fed[0] + 4
+    with pytest.raises(ValueError, match="long_row=16 lengthens the copies beside a chain"):
+        bundle.generate(prompt, max_new_tokens=4, context_row=0, long_row=16)
     static = bundle.generate(prompt, max_new_tokens=20, temperature=0, context_row=4, target_runtime="static")
     assert torch.equal(static.sequences, reference) and static.stats.fed == copied.stats.fed
     # A bundle's own context_row is its chains' default; it round-trips, and a bundle without one copies nothing.

@@ -69,6 +69,19 @@ def test_a_long_recurring_suffix_copies_a_long_row_from_its_own_occurrence() -> 
             ContextRow(4, **bad)
 
 
+def test_copied_rows_are_cut_to_the_room_given() -> None:
+    def copy(tokens, length, path=()):
+        return [7, 8, 9, 10][:length]
+
+    def grown(room):
+        tree = DraftTree()
+        a = tree.add(5, -1, 0.6, 0.6)
+        return tree_decoding.add_copied_rows(tree, [a, tree.add(6, a, 0.5, 0.5)], copy, [1, 2], depth=10, room=room)
+
+    assert len(grown(None)) == 2 + 4 + 4  # a row at the root and one below the chain
+    assert len(grown(7)) == 7 and len(grown(5)) == 5 and len(grown(2)) == 2
+
+
 def test_a_copied_row_follows_verified_nodes_and_hangs_the_rest_below() -> None:
     tree = DraftTree()
     a = tree.add(5, -1, 0.6, 0.6)

@@ -324,6 +324,7 @@ class SpecDecPP:
         tree: bool = False,
         target_runtime: str = "eager",
         context_row: int | None = None,
+        long_row: int = 0,
     ) -> SpecDecOutput:
         """Generate a continuation of ``prompt`` (a string, chat messages, or token ids).
 
@@ -340,6 +341,8 @@ class SpecDecPP:
         path (:func:`~accept_head.trees.chain_copies.chain_copy_generate`; exact in every mode). None: the bundle's
         own (:attr:`context_row` for chains, the ``tree`` settings' for trees); chains with copies take every
         ``target_runtime`` (a static or compiled target runs their tree passes over its preallocated cache).
+        ``long_row`` (chains with copies, opt-in): copy that many tokens after a recurring suffix of five or more
+        (:class:`~accept_head.trees.chain_copies.CopyingChain`; 16 sped HumanEval 1.10–1.15×, other text ~1.0×).
         """
         if tree and target_runtime != "eager":
             raise ValueError(f"target_runtime={target_runtime!r} serves chain decoding; pass tree=False or 'eager'.")
@@ -349,8 +352,12 @@ class SpecDecPP:
         eos = self.eos_token_ids
         temperature = self.temperature if temperature is None else temperature
         rule = self.decoding_rule(tree, threshold, temperature == 0, context_row)
+        if long_row and not isinstance(rule, CopyingChain):
+            raise ValueError(
+                f"long_row={long_row!r} lengthens the copies beside a chain: pass tree=False and a context_row > 0."
+            )
         if isinstance(rule, CopyingChain):
-            options = {"context_row": rule.context_row, "target_runtime": target_runtime}
+            options = {"context_row": rule.context_row, "target_runtime": target_runtime, "long_row": long_row}
             decode, rule = chain_copy_generate, rule.policy
         elif tree:
             decode, options = tree_generate, {}

@@ -43,14 +43,20 @@ class ContextNgrams:
         return matches
 
 
+LONG_MATCH = 5
+"""A recurring suffix at least this long counts as a long repeat (``CopyingChain.long_row``): after one of 5 or more
+tokens, on the greedy rollout labels of 48 `head`-split prompts, a copy of 16 accepted 4.02–6.83 tokens against
+1.96–3.00 for a copy of 4 (``docs/experiments/context_copies.py --by_match true``)."""
+
+
 class ContextRow:
     """Up to ``length`` tokens that followed the latest earlier occurrence of the text's longest recurring suffix of
     ``longest`` down to ``shortest`` tokens (none when no suffix that long recurs) — and, given ``long_length`` and
     ``long_match``, up to ``long_length`` tokens when that suffix is at least ``long_match`` tokens long (text that
     repeats a long stretch tends to go on repeating it), looked up from ``max(longest, long_match)`` tokens down so that
-    a long repeat is followed from its own latest occurrence. The decoders copy ``length`` tokens after every match:
-    16 tokens after a match of 5 or more decoded held-out prompts only 1.01–1.03× as fast (HumanEval 1.10–1.15×), within
-    what one bench resolves (``docs/experiments/copy_length.py``; findings §8).
+    a long repeat is followed from its own latest occurrence. Chains with copies use it only on request
+    (``CopyingChain(long_row=)``): 16 tokens after a match of 5 or more decoded held-out prompts 1.01–1.03× as fast
+    (HumanEval 1.10–1.15×; ``docs/experiments/copy_length.py``, findings §8).
 
     One object follows one growing text (the prompt, then every committed token): build a new one per sequence.
     """

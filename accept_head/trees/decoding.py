@@ -276,19 +276,23 @@ def decode_rounds(
 
 
 def add_copied_rows(
-    tree: DraftTree, nodes: list[int], copy: ContextRow, tokens: Sequence[int], depth: int
+    tree: DraftTree, nodes: list[int], copy: ContextRow, tokens: Sequence[int], depth: int, room: int | None = None
 ) -> list[int]:
     """The verified ``nodes`` with the rule's copied rows merged in (:func:`add_copied_row`): one after the committed
     ``tokens`` at the root, and one below the drafted leaf most likely reached and accepted (the highest value), copied
     after ``tokens`` and that leaf's path — so a path the draft gets right can run on where the text repeats. No path
-    grows deeper than ``depth``."""
-    nodes = add_copied_row(tree, nodes, copy(tokens, depth))
+    grows deeper than ``depth``, and with ``room`` the rows are cut so that no more than ``room`` nodes are verified."""
+
+    def fits(row: list[int]) -> list[int]:
+        return row if room is None else row[: max(room - len(nodes), 0)]
+
+    nodes = add_copied_row(tree, nodes, fits(copy(tokens, depth)))
     inner = {tree.parents[n] for n in nodes}
     leaves = [n for n in nodes if n not in inner and n not in tree.copied]
     if leaves:
         leaf = max(leaves, key=lambda n: tree.values[n])  # ties: the earlier node
         path = [tree.tokens[n] for n in tree.path(leaf)]
-        nodes = add_copied_row(tree, nodes, copy(tokens, depth - tree.depths[leaf], path), parent=leaf)
+        nodes = add_copied_row(tree, nodes, fits(copy(tokens, depth - tree.depths[leaf], path)), parent=leaf)
     return nodes
 
 
