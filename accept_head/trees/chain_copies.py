@@ -45,7 +45,8 @@ class CopyingChain:
     ``long_row`` (opt-in, 0: off): copy that many tokens instead where the recurring suffix is at least
     :data:`~accept_head.trees.context.LONG_MATCH` tokens long — text repeating a long stretch, as code does. On 40
     held-out prompts 16 took the default bundle's greedy rounds from 3.06 to 3.20 tokens and decoded HumanEval
-    1.10–1.15× as fast, all four sources 1.01–1.03× (``docs/experiments/copy_length.py``; findings §8)."""
+    1.10–1.15× as fast, all four sources 1.01–1.03×, over the eager target; over the compiled one, whose passes pad to
+    16 tokens, 0.96× (``docs/experiments/copy_length.py``; findings §8)."""
 
     policy: StopPolicy
     context_row: int = 4

@@ -11,6 +11,8 @@ tokens/s of each over all decodes, tokens a round, tokens fed a round, and its r
 95% paired bootstrap interval over the prompts (each repeat a prompt of its own).
 
     python docs/experiments/copy_length.py --output docs/experiments/copy-length-epyc.json
+    python docs/experiments/copy_length.py --variants base:4,long:4:16:5 --temperatures 0 --per_source 2 \
+        --target_runtime compiled --warm_all --repeats 2
 """
 
 from __future__ import annotations
@@ -77,8 +79,10 @@ def copy_rows(spec: str):
     raise ValueError(f"variant {spec!r}: expected base:<n>, long:<n>:<l>:<m> or repeating:<n>:<l>:<m>.")
 
 
-def decode(bundle: SpecDecPP, spec: str, ids: list[int], temperature: float, new_tokens: int, seed: int) -> dict:
-    """One decode of the copying chain with ``spec``'s rows; its time and round counts."""
+def decode(
+    bundle: SpecDecPP, spec: str, ids: list[int], temperature: float, new_tokens: int, seed: int, runtime: str = "eager"
+) -> dict:
+    """One decode of the copying chain with ``spec``'s rows over the ``runtime`` target; its time and round counts."""
     length, factory = copy_rows(spec)
     rule = bundle.decoding_rule(False, None, temperature == 0, length)
     original = chain_copies.ContextRow
@@ -95,6 +99,7 @@ def decode(bundle: SpecDecPP, spec: str, ids: list[int], temperature: float, new
             temperature=temperature,
             eos_token_id=None,
             generator=torch.Generator().manual_seed(seed),
+            target_runtime=runtime,
         )
         seconds = time.perf_counter() - start
     finally:
@@ -131,6 +136,10 @@ def main() -> None:
     parser.add_argument("--temperatures", default="0,1")
     parser.add_argument("--max_new_tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=1, help="passes over the prompts (pooled)")
+    parser.add_argument("--target_runtime", default="eager", help="eager, static or compiled")
+    parser.add_argument(
+        "--warm_all", action="store_true", help="decode every prompt with every variant once, untimed (compiled)"
+    )
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     torch.set_num_threads(torch.get_num_threads())
@@ -139,12 +148,15 @@ def main() -> None:
     variants = args.variants.split(",")
     record = {"machine": machine_info(), "args": vars(args), "modes": {}}
     for temperature in (float(t) for t in args.temperatures.split(",")):
-        decode(bundle, variants[0], prompts[0][1], temperature, 8, 0)  # warm-up, untimed
+        for _, ids in prompts if args.warm_all else prompts[:1]:  # warm-up (compiled: every width and bucket), untimed
+            for v in variants if args.warm_all else variants[:1]:
+                decode(bundle, v, ids, temperature, args.max_new_tokens if args.warm_all else 8, 0, args.target_runtime)
         runs = {v: [] for v in variants}
         for i, (source, ids) in enumerate(prompts * args.repeats):
             order = variants if i % 2 == 0 else variants[::-1]
             for v in order:
-                runs[v].append({"source": source, **decode(bundle, v, ids, temperature, args.max_new_tokens, i)})
+                timed = decode(bundle, v, ids, temperature, args.max_new_tokens, i, args.target_runtime)
+                runs[v].append({"source": source, **timed})
         base = np.array([[r["tokens"], r["seconds"]] for r in runs[variants[0]]])
         summary = {}
         for v in variants:
