@@ -58,12 +58,8 @@ def test_a_long_recurring_suffix_copies_a_long_row_from_its_own_occurrence() -> 
     assert long([*text, 9]) == []  # nothing recurs
     assert long([*text, 9, 0]) == [3, 4]  # a two-token match: the short row
     assert long(text[:13], path=[1, 2]) == [3, 4]  # with a drafted path: [5, 1, 2] is not in the text, [1, 2] is
-    assert ContextRow(4, long_length=3, long_match=5)(text) == [
-        1,
-        2,
-        3,
-        4,
-    ]  # a long row no longer than the base: unused
+    # a long row no longer than the base: unused
+    assert ContextRow(4, long_length=3, long_match=5)(text) == [1, 2, 3, 4]
     for bad in ({"long_length": 0, "long_match": 5}, {"long_length": 8, "long_match": True}):
         with pytest.raises(ValueError, match="must be an integer >= 1"):
             ContextRow(4, **bad)

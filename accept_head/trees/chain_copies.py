@@ -64,7 +64,7 @@ class CopyingChain:
         """The :class:`~accept_head.trees.context.ContextRow` of one sequence (None without copies)."""
         if not self.context_row:
             return None
-        if self.long_row > self.context_row:
+        if self.long_row:  # a long row no longer than context_row changes nothing (ContextRow ignores it)
             return ContextRow(self.context_row, long_length=self.long_row, long_match=LONG_MATCH)
         return ContextRow(self.context_row)
 

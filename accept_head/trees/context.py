@@ -69,13 +69,9 @@ class ContextRow:
         long_length: int | None = None,
         long_match: int | None = None,
     ) -> None:
-        options = {"length": length, "shortest": shortest, "longest": longest}
-        options |= {
-            name: value
-            for name, value in (("long_length", long_length), ("long_match", long_match))
-            if value is not None
-        }
-        for name, value in options.items():
+        required = {"length": length, "shortest": shortest, "longest": longest}
+        optional = {"long_length": long_length, "long_match": long_match}
+        for name, value in (required | {k: v for k, v in optional.items() if v is not None}).items():
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"context row {name}={value!r} must be an integer >= 1.")
         if shortest > longest:
