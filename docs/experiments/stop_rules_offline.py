@@ -40,6 +40,9 @@ SOURCES = [
     PromptSource(f"{DATA}/gpteacher/toolformer-instruct.json", name="toolformer", split="head", offset=300, limit=16),
 ]
 K_MAX = 10
+BETAS = [0.0, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0]
+"""Shifts of logit q toward the truth for :func:`informed` (0: q itself)."""
+H_GRID = [0.3, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95, 0.98]
 
 
 class RoundDone(Exception):
@@ -130,6 +133,36 @@ def families() -> dict:
     }
 
 
+def informed(beta: float, h: float):
+    """SpecDec++'s rule on a predictor that knows more than q: each candidate's score is sigmoid(logit q + beta) if
+    the target accepts it and sigmoid(logit q − beta) if not (beta = 0: the draft's own q; large beta: the oracle)."""
+    return lambda n, r: 1.0 - math.prod(informed_scores(r, beta)[:n]) > h
+
+
+def informed_scores(r: dict, beta: float) -> list[float]:
+    """The scores :func:`informed` reads for a recorded round (cached on the round per beta)."""
+    cache = r.setdefault("_informed", {})
+    if beta not in cache:
+        logits = [math.log(q / (1 - q)) for q in (min(max(q, 1e-6), 1 - 1e-6) for q in r["q"])]
+        shift = [beta if j < r["accepted"] else -beta for j in range(len(logits))]
+        cache[beta] = [1.0 / (1.0 + math.exp(-(x + s))) for x, s in zip(logits, shift)]
+    return cache[beta]
+
+
+def judged_auc(chains: list[list[dict]], beta: float) -> float:
+    """AUC of :func:`informed_scores` for ``accepted`` over the judged candidates (up to each round's first
+    rejection), the way findings §9 scores predictors."""
+    from sklearn.metrics import roc_auc_score
+
+    labels, scores = [], []
+    for text in chains:
+        for r in text:
+            judged = min(r["accepted"] + 1, len(r["q"]))
+            labels += [j < r["accepted"] for j in range(judged)]
+            scores += informed_scores(r, beta)[:judged]
+    return float(roc_auc_score(labels, scores))
+
+
 def walk(chains: list[list[dict]], choose, cost: CostModel) -> tuple[float, float, float]:
     """(tokens per second, candidates per round, tokens per round) of decoding every text with rounds of
     ``choose(chain)`` candidates: each round starts where the previous one's tokens end."""
@@ -172,6 +205,20 @@ def compare(chains: dict[str, list[list[dict]]], cost: dict[bool, CostModel]) ->
     out["oracle (stop at the first rejection)"]["tokens_per_round"] = tokens
     out["autoregressive"] = {"tokens_per_second": 1.0 / cost[False].t_target(0)}
     return out
+
+
+def informed_rows(chains: dict[str, list[list[dict]]], cost: CostModel, best_fixed: float) -> list[dict]:
+    """SpecDec++ on predictors of rising AUC (:func:`informed`), h chosen on the choosing half, priced with the
+    head's call: how much ranking the 1.10×-the-best-fixed-K goal needs on these drafts."""
+    rows = []
+    for beta in BETAS:
+        scored = {h: walk(chains["choose"], lambda c, h=h: stop_after(informed(beta, h), c), cost)[0] for h in H_GRID}
+        h = max(scored, key=scored.get)
+        speed, proposed, tokens = walk(chains["report"], lambda c: stop_after(informed(beta, h), c), cost)
+        auc, auc_q = judged_auc(chains["report"], beta), judged_auc(chains["report"], 0.0)
+        rows.append({"beta": beta, "auc": auc, "auc_minus_q": auc - auc_q, "chosen_h": h, "tokens_per_second": speed})
+        rows[-1] |= {"times_best_fixed_k": speed / best_fixed, "proposed": proposed, "tokens_per_round": tokens}
+    return rows
 
 
 def chains_of(bundle: SpecDecPP, ids: list[int], tokens: int) -> tuple[list[dict], int]:
@@ -221,6 +268,15 @@ def main() -> None:
         extra = f"  {row['chosen']:>14}" if "chosen" in row else ""
         extra += f"  {row['proposed']:.2f} proposed" if "proposed" in row else ""
         print(f"  {family:40s} {row['tokens_per_second']:7.1f} tok/s{extra}")
+    rows = informed_rows(chains, cost[True], results["FixedK"]["tokens_per_second"])
+    print("SpecDec++ on a predictor shifted toward the truth (priced with the head's call), second half:")
+    for row in rows:
+        print(
+            f"  beta {row['beta']:4.2f}  AUC {row['auc']:.3f} (q {row['auc_minus_q']:+.3f})  h {row['chosen_h']:.2f}"
+            f"  {row['tokens_per_second']:6.1f} tok/s  {row['times_best_fixed_k']:.3f}x best K"
+            f"  {row['proposed']:.2f} proposed"
+        )
+    results["informed predictors"] = rows
     settings = {"bundle": args.bundle, "tokens": args.tokens, "prompts": len(prompts), "k_max": K_MAX}
     settings |= {"chains_parting_from_the_text": disagree}
     write_json(args.output, {"machine": machine_info(), "settings": settings, "results": {"greedy": results}})
