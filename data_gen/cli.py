@@ -53,7 +53,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m data_gen") ->
 
             from accept_head.training.feature_draft_recipe import responses_to_dataset
 
-            return CLI(responses_to_dataset, args=argv[1:], as_positional=False)
+            return CLI(responses_to_dataset, args=argv[1:], as_positional=False, prog=f"{prog} responses")
         return run(parse_arguments(build_parser(prog), argv)[1])
     except (ValueError, FileNotFoundError) as err:
         print(f"{prog}: error: {err}", file=sys.stderr)

@@ -156,6 +156,49 @@ def test_batch_larger_than_one_raises_not_implemented(stubs) -> None:
     assert_untouched(target, draft)
 
 
+def test_prompts_that_are_not_token_ids_of_the_vocabulary_are_refused(stubs) -> None:
+    target, draft = stubs
+    bundle = SpecDecPP(target=target, draft=draft, head=head_for(draft), threshold=0.5, tokenizer=make_tokenizer())
+    cases = [
+        (torch.tensor([[1.5, 2.0]]), "must hold integer token ids, not torch.float32"),
+        (torch.ones(1, 2, 3, dtype=torch.long), r"must have shape \(T,\) or \(1, T\); got \(1, 2, 3\)"),
+        ([1, 2.5], r"must hold integers; got 2.5 \(float\)"),
+        ([1, VOCAB], f"token id {VOCAB} is outside the target's vocabulary of {VOCAB} ids"),
+        (torch.tensor([-1, 2]), "token id -1 is outside"),
+        ([{"role": "user"}], "chat message 0 is .*needs a 'role' and a 'content'"),
+        ([{"role": "user", "content": "hi"}, {"content": "x"}], "chat message 1"),
+    ]
+    for prompt, message in cases:
+        with pytest.raises(ValueError, match=message):
+            bundle.generate(prompt, max_new_tokens=4)
+    assert bundle.encode(torch.tensor([[1, 2]])) == bundle.encode([1, 2]) == [1, 2]
+    assert_untouched(target, draft)
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -0.5])
+def test_a_temperature_that_is_not_a_finite_number_at_least_zero_is_refused(stubs, temperature: float) -> None:
+    target, draft = stubs
+    with pytest.raises(ValueError, match=f"temperature={temperature} must be a finite number >= 0"):
+        autoregressive_generate(target, [1, 2], max_new_tokens=4, temperature=temperature)
+    bundle = SpecDecPP(target=target, draft=draft, head=head_for(draft), threshold=0.5)
+    for tree in (False, True):
+        with pytest.raises(ValueError, match="must be a finite number >= 0"):
+            bundle.generate([1, 2], max_new_tokens=4, temperature=temperature, tree=tree)
+    assert_untouched(target, draft)
+
+
+def test_tree_must_be_a_bool_and_seed_and_generator_are_not_both_given(stubs) -> None:
+    target, draft = stubs
+    bundle = SpecDecPP(target=target, draft=draft, head=head_for(draft), threshold=0.5)
+    with pytest.raises(ValueError, match="tree='no' must be True"):
+        bundle.generate([1, 2], max_new_tokens=4, tree="no")
+    with pytest.raises(ValueError, match="tree=1 must be True"):
+        bundle.decoding_rule(tree=1)
+    with pytest.raises(ValueError, match="seed=0 and generator= were both given"):
+        bundle.generate([1, 2], max_new_tokens=4, seed=0, generator=torch.Generator())
+    assert_untouched(target, draft)
+
+
 def test_prompt_longer_than_the_context_is_refused(stubs) -> None:
     target, draft = stubs
     prompt = list(range(VOCAB)) * 2  # 16 tokens = the stubs' whole context
@@ -250,13 +293,50 @@ def test_bundle_without_config_json_is_not_a_bundle(bundle_dir: Path) -> None:
         SpecDecPP.from_pretrained(bundle_dir / "missing")
 
 
-@pytest.mark.parametrize("version", [99, 0, None, "1"])
-def test_unknown_format_version_is_refused(bundle_dir: Path, version) -> None:
+@pytest.mark.parametrize(
+    ("version", "fix"),
+    [(99, "Upgrade accept_head"), (0, "Upgrade"), (None, "Upgrade"), ("1", "write it as the number")],
+)
+def test_unknown_format_version_is_refused(bundle_dir: Path, version, fix: str) -> None:
     config = json.loads((bundle_dir / CONFIG_NAME).read_text())
     config["format_version"] = version
     (bundle_dir / CONFIG_NAME).write_text(json.dumps(config))
-    with pytest.raises(ValueError, match=f"format_version={version!r}.*Upgrade accept_head"):
+    with pytest.raises(ValueError, match=f"format_version={version!r}.*{fix}"):
         SpecDecPP.from_pretrained(bundle_dir)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("threshold", "0.8", "threshold='0.8' must be a number"),
+        ("greedy_threshold", True, "greedy_threshold=True must be a number"),
+        ("min_candidates", "1", "min_candidates='1' must be an integer"),
+        ("context_row", 1.5, "context_row=1.5 must be an integer"),
+        ("temperature", "1.0", "temperature='1.0' must be a number"),
+        ("temperature", -1, "temperature=-1 must be a finite number >= 0"),
+        ("head", 3, "head=3 must be an object"),
+        ("tree", [1], r"tree=\[1\] must be an object"),
+        ("unscored", 1, "unscored=1 must be a string"),
+    ],
+)
+def test_config_values_of_the_wrong_type_are_refused_naming_the_file(bundle_dir: Path, key, value, message) -> None:
+    config = json.loads((bundle_dir / CONFIG_NAME).read_text())
+    config[key] = value
+    (bundle_dir / CONFIG_NAME).write_text(json.dumps(config))
+    with pytest.raises(ValueError, match=message) as err:
+        SpecDecPP.from_pretrained(bundle_dir)
+    assert str(bundle_dir / CONFIG_NAME) in str(err.value)
+
+
+def test_unknown_head_config_keys_warn_and_a_file_is_not_a_bundle_folder(bundle_dir: Path, stubs) -> None:
+    config = json.loads((bundle_dir / CONFIG_NAME).read_text())
+    config["head"]["dept"] = 3
+    (bundle_dir / CONFIG_NAME).write_text(json.dumps(config))
+    target, draft = stubs
+    with pytest.warns(UserWarning, match=r"head config: ignoring unknown keys \['dept'\]"):
+        SpecDecPP.from_pretrained(bundle_dir, target=target, draft=draft, tokenizer=make_tokenizer())
+    with pytest.raises(FileNotFoundError, match="is a file, not a folder"):
+        SpecDecPP.from_pretrained(bundle_dir / CONFIG_NAME)
 
 
 def test_bf16_on_a_cpu_without_bf16_units_warns_and_names_the_fix(tmp_path, monkeypatch) -> None:

@@ -117,12 +117,15 @@ def test_bundle_with_models_inside_can_be_moved(tmp_path: Path) -> None:
     bundle = build_bundle(original)  # target/ and draft/ live inside the bundle folder
     bundle.save_pretrained(original)
     config = json.loads((original / CONFIG_NAME).read_text())
-    assert (config["target"]["path"], config["draft"]["path"]) == ("target", "draft")
+    assert (config["target"]["path"], config["draft"]["path"]) == ("./target", "./draft")
     moved = tmp_path / "elsewhere" / "bundle"
     shutil.move(str(original), str(moved))
     loaded = SpecDecPP.from_pretrained(moved)
     assert Path(loaded.target_spec.path) == moved.resolve() / "target"
     assert loaded.generate("the code", max_new_tokens=8, seed=0).stats.generated > 0
+    shutil.rmtree(moved / "draft")  # a folder gone from the bundle is named, never looked up on the hub
+    with pytest.raises(FileNotFoundError, match=r"names the model folder './draft', relative to the bundle"):
+        SpecDecPP.from_pretrained(moved)
 
 
 def test_unknown_config_keys_warn_but_load(bundle: SpecDecPP, tmp_path: Path) -> None:

@@ -218,6 +218,11 @@ def test_a_bundle_decodes_chains_with_copies_on_request(tmp_path) -> None:
     assert torch.equal(longer.sequences, shorter.sequences) and longer.stats.fed[0] >= shorter.stats.fed[0] + 4
     with pytest.raises(ValueError, match="long_row=16 lengthens the copies beside a chain"):
         bundle.generate(prompt, max_new_tokens=4, context_row=0, long_row=16)
+    hf = bundle.target.generate(  # the same long copies through transformers' generate
+        longer.sequences[:, :25], custom_generate=bundle.custom_generate, max_new_tokens=12, do_sample=False,
+        context_row=4, long_row=16, return_dict_in_generate=True,
+    )  # fmt: skip
+    assert torch.equal(hf.sequences, longer.sequences) and hf.stats.fed == longer.stats.fed
     static = bundle.generate(prompt, max_new_tokens=20, temperature=0, context_row=4, target_runtime="static")
     assert torch.equal(static.sequences, reference) and static.stats.fed == copied.stats.fed
     # A bundle's own context_row is its chains' default; it round-trips, and a bundle without one copies nothing.

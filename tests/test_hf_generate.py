@@ -339,7 +339,9 @@ def test_transformers_still_drops_the_streamer_for_callables(pair) -> None:
         ({"batch": True}, "batch size 1"),
         ({"assistant": True}, "assistant_model"),
         ({"guidance_scale": 1.5}, "UnbatchedClassifierFreeGuidanceLogitsProcessor cannot be applied"),
-        ({"return_dict_in_generate": True, "output_attentions": True}, "output_attentions"),
+        ({"return_dict_in_generate": True, "output_attentions": True}, "output_attentions not supported"),
+        ({"return_dict_in_generate": True, "output_hidden_states": True}, "output_hidden_states not supported"),
+        ({"output_hidden_states": True}, "output_hidden_states not supported"),
         ({"padded": True}, "padding"),
     ],
 )

@@ -348,7 +348,7 @@ def test_pool_from_another_tokenizer_is_refused(target, drafts, tmp_path) -> Non
         (dict(phrase_length=3.0), r"phrase_length \(β\)=3.0 must be an integer"),
         (dict(pool=PhrasePool(3, 5, V)), r"β=3, W=5 per start token, but phrase_length=4, phrases_per_token=5"),
         (dict(pool=PhrasePool(4, 5, 10)), rf"vocabulary of 10 tokens but the model's has {V}"),
-        (dict(temperature=-1.0), r"temperature=-1.0 must be >= 0"),
+        (dict(temperature=-1.0), r"temperature=-1.0 must be a finite number >= 0"),
     ],
 )
 def test_bad_parameters(target, drafts, kwargs: dict, match: str) -> None:

@@ -18,7 +18,9 @@ from accept_head.training.distill_recipe import evaluate, fit, generate, model_c
 def main() -> None:
     from jsonargparse import CLI
 
-    CLI([generate, fit, evaluate, model_card], as_positional=False)  # one subcommand per stage, by name
+    CLI(
+        [generate, fit, evaluate, model_card], as_positional=False, prog="python -m train.distill_draft"
+    )  # one subcommand per stage, by name
 
 
 if __name__ == "__main__":

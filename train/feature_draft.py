@@ -42,7 +42,11 @@ def main() -> None:
     from jsonargparse import CLI
 
     stages = [responses, text, features, vocab, fit, evaluate, model_card, ablate, bench_responses, progress]
-    CLI({"all": run_all} | {stage.__name__: stage for stage in stages}, as_positional=False)  # subcommands by name
+    CLI(
+        {"all": run_all} | {stage.__name__: stage for stage in stages},
+        as_positional=False,
+        prog="python -m train.feature_draft",
+    )  # subcommands by name
 
 
 if __name__ == "__main__":

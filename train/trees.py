@@ -11,7 +11,7 @@ from accept_head.training.tree_recipe import run
 def main() -> None:
     from jsonargparse import CLI
 
-    CLI(run, as_positional=False)
+    CLI(run, as_positional=False, prog="python -m train.trees")
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from collections.abc import Sequence
 from operator import mul
 from pathlib import Path
@@ -35,6 +36,8 @@ LOGQ_CLIP = 1e-6
 
 HEAD_WEIGHTS = "head.safetensors"
 HEAD_CONFIG = "head_config.json"
+CONFIG_KEYS = frozenset({"hidden_size", "depth", "inputs", "residual_on", "hidden_dim"})
+"""The keys of :attr:`AcceptanceHead.config`."""
 
 
 class ResidualBlock(nn.Module):
@@ -204,6 +207,9 @@ class AcceptanceHead(nn.Module):
     def from_config(cls, config: dict) -> AcceptanceHead:
         """The (untrained) head a :attr:`config` describes; configs written before ``inputs`` existed describe the
         paper's hidden-only head."""
+        unknown = sorted(set(config) - CONFIG_KEYS)
+        if unknown:
+            warnings.warn(f"head config: ignoring unknown keys {unknown} (known: {sorted(CONFIG_KEYS)})", stacklevel=2)
         inputs = config.get("inputs") or (HIDDEN,)
         return cls(
             int(config["hidden_size"]),

@@ -25,8 +25,8 @@ class SamplingConfig:
     """Keep the smallest set of tokens whose probability mass reaches top_p (None or 1.0: no nucleus filter)."""
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature={self.temperature} must be >= 0 (0 means greedy).")
+        if not 0 <= self.temperature < math.inf:  # NaN fails too
+            raise ValueError(f"temperature={self.temperature} must be a finite number >= 0 (0 means greedy).")
         if self.top_k is not None and self.top_k < 0:
             raise ValueError(f"top_k={self.top_k} must be >= 0 (0 or None disables it).")
         if self.top_p is not None and not 0.0 < self.top_p <= 1.0:

@@ -20,10 +20,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import operator
 import os
 import warnings
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,7 @@ from ..chain.decoding import DecodeStats, speculative_generate
 from ..chain.policies import HeadThreshold, StopPolicy
 from ..core.costs import CostModel
 from ..core.prompts import chat_prompt_ids
+from ..core.sampling import SamplingConfig
 from ..models.loading import load_model, load_tokenizer
 from ..models.pairs import (
     ModelSpec,
@@ -103,13 +105,15 @@ class SpecDecOutput:
 
 def portable_spec(spec: ModelSpec, folder: str | Path) -> ModelSpec:
     """``spec`` as the bundle in ``folder`` stores it: a local model inside the bundle or next to it (e.g. both under
-    ``checkpoints/``) by its path relative to the bundle, so the two can move together; another local model by its
-    absolute path; a hub id or ``package:`` / ``hf:`` name unchanged."""
+    ``checkpoints/``) by its path relative to the bundle (``./draft``, ``../draft``), so the two can move together;
+    another local model by its absolute path; a hub id or ``package:`` / ``hf:`` name unchanged."""
     local = local_path(spec)
     if local is None:
         return spec
     folder = Path(folder).expanduser().resolve()
     path = os.path.relpath(local, folder) if local.is_relative_to(folder.parent) else str(local)
+    if local.is_relative_to(folder):  # "./draft", never "draft": a missing folder must not read as a hub id
+        path = os.path.join(".", path)
     return dataclasses.replace(spec, path=path)
 
 
@@ -131,6 +135,36 @@ def _load_head(folder: Path, config: dict) -> AcceptanceHead:
     return head
 
 
+_OBJECT, _NUMBER, _INTEGER, _STRING = (
+    ((dict,), "an object"),
+    ((int, float), "a number"),
+    ((int,), "an integer"),
+    ((str,), "a string"),
+)
+_KEY_TYPES: dict[str, tuple[tuple[type, ...], str]] = {
+    **dict.fromkeys(("target", "draft", "head", "calibration", "greedy_calibration", "cost_model"), _OBJECT),
+    **dict.fromkeys(("provenance", "tree", "tree_calibration"), _OBJECT),
+    **dict.fromkeys(("threshold", "greedy_threshold", "temperature"), _NUMBER),
+    **dict.fromkeys(("min_candidates", "max_candidates", "context_row"), _INTEGER),
+    **dict.fromkeys(("unscored", "greedy_unscored"), _STRING),
+}
+"""JSON types of a bundle's ``config.json`` values (each may also be null, but ``head`` and ``threshold``)."""
+
+
+def _check_config_types(config: dict, path: Path) -> None:
+    """ValueError naming the first value of ``config`` (read from ``path``) whose JSON type is wrong, and a
+    temperature that is not a finite number >= 0."""
+    for key, (types, kind) in _KEY_TYPES.items():
+        value = config.get(key)
+        if value is None and key not in ("head", "threshold"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, types):
+            raise ValueError(f"{path}: {key}={value!r} must be {kind}; re-export the bundle or correct the file.")
+    temperature = config.get("temperature")
+    if temperature is not None and not 0 <= temperature < float("inf"):
+        raise ValueError(f"{path}: temperature={temperature!r} must be a finite number >= 0 (0 means greedy).")
+
+
 def _spec_from_config(raw: dict | None, folder: Path) -> ModelSpec | None:
     if raw is None:
         return None
@@ -145,6 +179,47 @@ def _spec_from_config(raw: dict | None, folder: Path) -> ModelSpec | None:
                 f"{candidate} does not exist; move the model next to the bundle or pass target=/draft= explicitly."
             )
     return spec
+
+
+def _tensor_ids(prompt: torch.Tensor) -> list[int]:
+    """The ids of a prompt tensor of shape (T,) or (1, T) holding integers."""
+    if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
+        raise ValueError(f"a prompt tensor must hold integer token ids, not {prompt.dtype}: pass e.g. ids.long().")
+    if prompt.ndim == 2 and prompt.shape[0] != 1:
+        raise NotImplementedError(
+            f"SpecDecPP.generate handles one prompt at a time (batch size 1); got a tensor of {prompt.shape[0]} rows."
+        )
+    if prompt.ndim > 2:
+        raise ValueError(f"a prompt tensor must have shape (T,) or (1, T); got {tuple(prompt.shape)}.")
+    return prompt.reshape(-1).tolist()
+
+
+def _sequence_ids(prompt: Sequence) -> list[int]:
+    """The ids of a prompt given as a sequence of ints (a sequence of sequences is a batch: refused)."""
+    if prompt and isinstance(prompt[0], Sequence) and not isinstance(prompt[0], str):
+        raise NotImplementedError("SpecDecPP.generate handles one prompt at a time (batch size 1).")
+    try:
+        return [operator.index(t) for t in prompt]
+    except TypeError as err:
+        bad = next(t for t in prompt if not hasattr(t, "__index__"))
+        raise ValueError(f"a prompt of token ids must hold integers; got {bad!r} ({type(bad).__name__}).") from err
+
+
+def _checked_messages(messages: Sequence) -> list:
+    """``messages`` as a list, each checked to be a mapping with a ``role`` and a ``content``."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or "role" not in message or "content" not in message:
+            raise ValueError(
+                f"chat message {i} is {message!r}: each message needs a 'role' and a 'content', e.g. "
+                "{'role': 'user', 'content': 'Hello'}."
+            )
+    return list(messages)
+
+
+def _check_tree(tree: Any) -> None:
+    """ValueError unless ``tree`` is a bool (a truthy string must not switch trees on)."""
+    if not isinstance(tree, bool):
+        raise ValueError(f"tree={tree!r} must be True (draft trees) or False (chains).")
 
 
 class SpecDecPP:
@@ -201,7 +276,7 @@ class SpecDecPP:
         self.target_spec, self.draft_spec = target_spec, draft_spec
         self.context_row = check_context_row(context_row)
         """Tokens copied from the text verified beside each chain of :meth:`generate` (0: none; a tree's copies are
-        its :attr:`tree` settings' ``context_row``). ``model.generate(custom_generate=...)`` chains verify none."""
+        its :attr:`tree` settings' ``context_row``); :meth:`custom_generate` copies the same way."""
         self.tree = dict(tree or {})
         """Keyword arguments of :class:`~accept_head.trees.growth.HeadTree` for ``generate(..., tree=True)``
         (``width``, ``top_k``, ``max_depth``, ``min_depth``, ``max_nodes``, ``threshold``, ``siblings``,
@@ -276,40 +351,47 @@ class SpecDecPP:
         greedy: bool = False,
         context_row: int | None = None,
         policy: StopPolicy | None = None,
+        long_row: int = 0,
     ) -> StopPolicy | TreeRule | CopyingChain:
         """What :meth:`generate` and :meth:`custom_generate` decode with in a mode: the tree rule (``tree``, its copies
         the tree settings' unless ``context_row`` says otherwise), else the mode's stop policy (or ``policy``'s
         chains), wrapped as a :class:`~accept_head.trees.chain_copies.CopyingChain` when ``context_row`` (None:
-        :attr:`context_row`) > 0."""
+        :attr:`context_row`) > 0, with its ``long_row`` (:class:`~accept_head.trees.chain_copies.CopyingChain`)."""
+        _check_tree(tree)
+        copies = self.context_row if context_row is None else check_context_row(context_row)
+        if long_row and (tree or not copies):
+            raise ValueError(
+                f"long_row={long_row!r} lengthens the copies beside a chain: pass tree=False and a context_row > 0."
+            )
         if tree:
             rule = self.tree_rule(threshold, greedy)
             if context_row is not None:
-                rule.context_row = check_context_row(context_row)
+                rule.context_row = copies
             return rule
-        copies = self.context_row if context_row is None else check_context_row(context_row)
         policy = self.policy(threshold, greedy) if policy is None else policy
-        return CopyingChain(policy, copies) if copies else policy
+        return CopyingChain(policy, copies, long_row) if copies else policy
 
     def encode(self, prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:
-        """Token ids for a string (chat template applied when the tokenizer has one), chat messages, or ids."""
-        if isinstance(prompt, torch.Tensor):
-            return prompt.reshape(-1).tolist() if prompt.ndim <= 1 or prompt.shape[0] == 1 else self._batch_error()
-        if isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], dict)):
+        """Token ids for a string (chat template applied when the tokenizer has one), chat messages (each a dict with
+        ``role`` and ``content``), or ids (a sequence of ints, or an integer tensor of shape (T,) or (1, T))."""
+        if isinstance(prompt, str) or (isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Mapping)):
             if self.tokenizer is None:
                 raise ValueError("This SpecDecPP has no tokenizer: pass token ids or build it with tokenizer=...")
             if isinstance(prompt, str):
                 return chat_prompt_ids(self.tokenizer, prompt)
             ids = self.tokenizer.apply_chat_template(
-                list(prompt), add_generation_prompt=True, tokenize=True, return_dict=False
+                _checked_messages(prompt), add_generation_prompt=True, tokenize=True, return_dict=False
             )
             return list(ids)
-        if isinstance(prompt, Sequence) and prompt and isinstance(prompt[0], Sequence):
-            self._batch_error()
-        return [int(t) for t in prompt]
-
-    @staticmethod
-    def _batch_error():
-        raise NotImplementedError("SpecDecPP.generate handles one prompt at a time (batch size 1).")
+        ids = _tensor_ids(prompt) if isinstance(prompt, torch.Tensor) else _sequence_ids(prompt)
+        vocabulary = getattr(self.target.config, "vocab_size", None)
+        outside = [t for t in ids if vocabulary is not None and not 0 <= t < vocabulary]
+        if outside:
+            raise ValueError(
+                f"token id {outside[0]} is outside the target's vocabulary of {vocabulary} ids [0, {vocabulary}): "
+                "pass ids from the pair's tokenizer."
+            )
+        return ids
 
     def generate(
         self,
@@ -345,20 +427,20 @@ class SpecDecPP:
         (:class:`~accept_head.trees.chain_copies.CopyingChain`; 16 sped HumanEval 1.10–1.15× eager, other text ~1.0×,
         and compiled decoding 0.96×).
         """
+        _check_tree(tree)
         if tree and target_runtime != "eager":
             raise ValueError(f"target_runtime={target_runtime!r} serves chain decoding; pass tree=False or 'eager'.")
+        if seed is not None and generator is not None:
+            raise ValueError(f"seed={seed!r} and generator= were both given: pass one of them.")
         ids = self.encode(prompt)
         if generator is None:
             generator = torch.Generator().manual_seed(seed if seed is not None else torch.seed() % 2**63)
         eos = self.eos_token_ids
         temperature = self.temperature if temperature is None else temperature
-        rule = self.decoding_rule(tree, threshold, temperature == 0, context_row)
-        if long_row and not isinstance(rule, CopyingChain):
-            raise ValueError(
-                f"long_row={long_row!r} lengthens the copies beside a chain: pass tree=False and a context_row > 0."
-            )
+        SamplingConfig(temperature, top_k, top_p)  # the sampling options checked before any rule is built
+        rule = self.decoding_rule(tree, threshold, temperature == 0, context_row, long_row=long_row)
         if isinstance(rule, CopyingChain):
-            options = {"context_row": rule.context_row, "target_runtime": target_runtime, "long_row": long_row}
+            options = {"context_row": rule.context_row, "target_runtime": target_runtime, "long_row": rule.long_row}
             decode, rule = chain_copy_generate, rule.policy
         elif tree:
             decode, options = tree_generate, {}
@@ -400,6 +482,7 @@ class SpecDecPP:
         generator: torch.Generator | None = None,
         tree: bool = False,
         context_row: int | None = None,
+        long_row: int = 0,
         **model_kwargs,
     ) -> torch.Tensor | SpecDecGenerateOutput:
         """SpecDec++ as the decoding loop of ``transformers`` ``generate``, bound to this bundle's draft and head::
@@ -412,26 +495,26 @@ class SpecDecPP:
         policy
         instead of the head, or a :class:`~accept_head.trees.growth.TreeRule`), ``generator=`` and ``tree=True``
         (draft trees grown by the head under the bundle's cost model, :meth:`tree_rule`; ``threshold=`` then sets
-        the tree's node floor) may be passed to ``generate`` as extra keyword arguments, and ``context_row=`` as
-        :meth:`generate` takes it (None: the bundle's own copies; a ``policy=`` given is decoded as it is). Returns
-        (1, L + N) token ids, or a ``GenerateDecoderOnlyOutput`` with ``stats`` when ``return_dict_in_generate``.
+        the tree's node floor) may be passed to ``generate`` as extra keyword arguments, and ``context_row=`` and
+        ``long_row=`` as :meth:`generate` takes them (None: the bundle's own copies; a ``policy=`` given is decoded as
+        it is). Returns (1, L + N) token ids, or a ``GenerateDecoderOnlyOutput`` with ``stats`` when
+        ``return_dict_in_generate``.
         """
         greedy = not generation_config.do_sample
         with streamer_ended_on_error(streamer):
-            if not isinstance(tree, bool):
-                raise ValueError(f"tree={tree!r} must be True (draft trees) or False (chains).")
+            _check_tree(tree)
             if tree and policy is not None and not isinstance(policy, TreeRule):
                 raise ValueError(
                     f"tree=True but policy={policy.describe()} is a chain stop policy: pass a TreeRule as policy= "
                     "(e.g. ConfidenceTree()) or drop tree=True."
                 )
-            if policy is not None and context_row is not None:
+            if policy is not None and (context_row is not None or long_row):
                 raise ValueError(
-                    f"context_row={context_row} sets the bundle's own rule's copies, but policy= was given: wrap your "
-                    "policy as CopyingChain(policy, context_row) or leave context_row out."
+                    f"context_row={context_row}, long_row={long_row} set the bundle's own rule's copies, but policy= "
+                    "was given: wrap your policy as CopyingChain(policy, context_row, long_row) or leave them out."
                 )
             if policy is None:
-                policy = self.decoding_rule(tree, threshold, greedy, context_row)
+                policy = self.decoding_rule(tree, threshold, greedy, context_row, long_row=long_row)
         output, self.last_stats = run_custom_generate(
             model,
             self.draft,
@@ -524,7 +607,8 @@ class SpecDecPP:
         folder = Path(folder)
         path = folder / CONFIG_NAME
         if not folder.is_dir():
-            raise FileNotFoundError(f"Bundle folder {folder} does not exist.")
+            what = "is a file, not a folder" if folder.exists() else "does not exist"
+            raise FileNotFoundError(f"Bundle folder {folder} {what}: pass the folder that holds {CONFIG_NAME}.")
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing: {folder} is not a SpecDecPP bundle.")
         try:
@@ -534,10 +618,13 @@ class SpecDecPP:
         if not isinstance(config, dict):
             raise ValueError(f"{path} must hold a JSON object, got {type(config).__name__}.")
         version = config.get("format_version")
-        if version != FORMAT_VERSION:
+        if version != FORMAT_VERSION or isinstance(version, bool):
+            fix = "Upgrade accept_head or re-export the bundle"
+            if str(version) == str(FORMAT_VERSION):
+                fix = f"write it as the number {FORMAT_VERSION}"
             raise ValueError(
                 f"{path} has format_version={version!r}; this version of accept_head reads format_version="
-                f"{FORMAT_VERSION}. Upgrade accept_head or re-export the bundle."
+                f"{FORMAT_VERSION} (an integer). {fix}."
             )
         unknown = sorted(set(config) - KNOWN_KEYS)
         if unknown:
@@ -545,6 +632,7 @@ class SpecDecPP:
         for key in ("head", "threshold"):
             if key not in config:
                 raise ValueError(f"{path} lacks the required key {key!r}.")
+        _check_config_types(config, path)
         return config
 
     @classmethod

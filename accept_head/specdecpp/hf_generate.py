@@ -293,16 +293,17 @@ def check_request(
             "The KV cache passed to generate (cache= / past_key_values=) holds a prefix already; SpecDec++ starts "
             "from the prompt, pass none."
         )
-    unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in _HANDLED_MODEL_KWARGS)
+    outputs = ("output_attentions", "output_hidden_states")  # generate hands them over in either place
+    asked = [k for k in outputs if model_kwargs.get(k) or getattr(generation_config, k, False)]
+    if asked and (generation_config.return_dict_in_generate or any(model_kwargs.get(k) for k in outputs)):
+        raise ValueError(
+            f"{' / '.join(asked)} not supported by SpecDec++ custom_generate (output_scores and output_logits are): "
+            "leave it out."
+        )
+    handled = _HANDLED_MODEL_KWARGS | set(outputs)
+    unknown = sorted(k for k, v in model_kwargs.items() if v is not None and k not in handled)
     if unknown:
         raise ValueError(f"SpecDec++ custom_generate does not forward model inputs {unknown} (text-only prompts).")
-    if generation_config.return_dict_in_generate and (
-        generation_config.output_attentions or generation_config.output_hidden_states
-    ):
-        raise ValueError(
-            "output_attentions / output_hidden_states are not supported by SpecDec++ custom_generate "
-            "(output_scores and output_logits are)."
-        )
 
 
 def _stop_index(

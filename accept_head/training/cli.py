@@ -107,6 +107,7 @@ def cli_main(args: ArgsType = None, run: bool = True) -> AcceptHeadCLI:
         trainer_defaults={"logger": lazy_instance(CSVLogger, save_dir="runs", name="train")},
         save_config_kwargs={"overwrite": True},
         auto_configure_optimizers=False,
+        parser_kwargs={"prog": "python -m train"},
         args=args,
         run=run,
     )
