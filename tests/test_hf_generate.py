@@ -465,6 +465,8 @@ def test_chat_command_runs_one_turn_and_reports_its_speed(bundle_dir: Path) -> N
     assert out.getvalue().count("accepted/round") == 1  # one turn from stdin, then EOF
     with pytest.raises(SystemExit):
         chat_main([*argv, "--policy", "fixed:zero"], out=io.StringIO())
+    with pytest.raises(SystemExit):  # a missing bundle: one line on stderr, no traceback
+        chat_main(["chat", "--bundle", str(bundle_dir / "missing"), "--prompt", "hi"], out=io.StringIO())
     out = io.StringIO()
     assert chat_main(["overhead", "--bundle", str(bundle_dir), "--repeats", "1", "--max_new_tokens", "6"], out=out) == 0
     assert "overhead" in out.getvalue() and "warning" not in out.getvalue()

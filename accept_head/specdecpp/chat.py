@@ -300,6 +300,6 @@ def main(argv: Sequence[str] | None = None, out: TextIO = sys.stdout, inp: TextI
         if args.command == "chat":
             return chat(args, out, inp)
         return overhead(args, out)
-    except ValueError as err:
+    except (ValueError, FileNotFoundError) as err:  # bad options, a missing or broken bundle: one line
         parser.error(str(err))
     return 2
