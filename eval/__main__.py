@@ -24,6 +24,7 @@ The options several commands share, :class:`~accept_head.engine.pair_loading.Pai
 from __future__ import annotations
 
 import inspect
+import re
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
@@ -68,9 +69,15 @@ def option_groups() -> dict[str, type]:
     return {"pair": PairOptions, "prompt_options": PromptOptions}
 
 
+def plain(text: str) -> str:
+    """``text`` without reStructuredText markup, for a terminal: :role:`~a.b.c` → c, :role:`x` → x, ``x`` → x."""
+    text = re.sub(r":\w+:`~[\w.]*?(\w+)`", r"\1", text)
+    return re.sub(r":\w+:`([^`]+)`", r"\1", text).replace("``", "")
+
+
 def summary(function) -> str:
-    """The first paragraph of ``function``'s docstring, on one line."""
-    return " ".join((inspect.getdoc(function) or "").split("\n\n")[0].split())
+    """The first paragraph of ``function``'s docstring, on one line, without markup."""
+    return plain(" ".join((inspect.getdoc(function) or "").split("\n\n")[0].split()))
 
 
 def build_parser(functions: dict, prog: str = "python -m eval"):
@@ -78,7 +85,7 @@ def build_parser(functions: dict, prog: str = "python -m eval"):
     parameters, every flag at the top level."""
     from jsonargparse import ArgumentParser
 
-    parser = ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser = ArgumentParser(prog=prog, description=plain(__doc__.split("\n\n")[0]) if __doc__ else None)
     parser.add_argument("--config", action="config")
     subcommands = parser.add_subcommands(required=True)
     groups = option_groups()

@@ -997,3 +997,10 @@ def test_the_cost_model_prices_a_scalar_head_as_decoding_calls_it(monkeypatch) -
     logq, entropy, depth = seen[0]  # the head's canonical order, whatever order it was configured in
     assert head.scalar_inputs == ("logq", "entropy", "depth") and depth == 1.0
     assert math.isfinite(logq) and logq <= 0 and entropy >= 0
+
+
+def test_the_command_list_reads_without_rst_markup(capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "accept_head.evaluation" in out and ":mod:" not in out and "``" not in out and ":func:" not in out
