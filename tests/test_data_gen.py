@@ -324,7 +324,19 @@ def test_a_run_does_not_resume_with_a_draft_retrained_since(pair, tmp_path: Path
     with pytest.raises(SystemExit):
         main(args(run_pair, prompts, tmp_path / "out"))
     assert re.search(r"partial run in .*other weights of the draft .*retrained in place", capsys.readouterr().err)
+    main(args(run_pair, prompts, tmp_path / "out", "--overwrite", "true"))  # starts over, as the message says
+    assert json.loads((tmp_path / "out" / "meta.json").read_text())["draft_weights"] == weights_digest(draft)
     main(args(run_pair, prompts, tmp_path / "fresh"))
+    assert json.loads((tmp_path / "fresh" / "meta.json").read_text())["draft_weights"] == weights_digest(draft)
+
+    # Finished, then the draft retrained in place again: a rerun of the same config is refused, not "complete".
+    shifted = retrained_copy(draft, tmp_path / "shifted-again")
+    shutil.rmtree(draft)
+    shifted.rename(draft)
+    with pytest.raises(SystemExit):
+        main(args(run_pair, prompts, tmp_path / "fresh"))
+    assert re.search(r"finished dataset of this config, but the draft .* was retrained", capsys.readouterr().err)
+    main(args(run_pair, prompts, tmp_path / "fresh", "--overwrite", "true"))
     assert json.loads((tmp_path / "fresh" / "meta.json").read_text())["draft_weights"] == weights_digest(draft)
 
 
@@ -426,6 +438,19 @@ def test_join_concatenates_runs_on_disjoint_prompts_and_refuses_what_would_mix_l
         with pytest.raises(error, match=message):
             join([str(p) for p in parts], str(out))
         assert not out.exists()
+
+
+def test_join_refuses_labels_of_two_versions_of_one_draft_folder(pair, tmp_path: Path) -> None:
+    prompts = write_prompts(tmp_path / "p.jsonl", 6)
+    draft = retrained_copy(pair[1], tmp_path / "draft")
+    main(args((pair[0], draft), [{"path": str(prompts), "field": "instruction", "limit": 3}], tmp_path / "old"))
+    shifted = retrained_copy(draft, tmp_path / "shifted")
+    shutil.rmtree(draft)
+    shifted.rename(draft)  # retrained in place
+    main(args((pair[0], draft), [{"path": str(prompts), "field": "instruction", "offset": 3}], tmp_path / "new"))
+    with pytest.raises(ValueError, match=r"labelled by different weights of the draft .*Relabel the older one"):
+        join([str(tmp_path / "new"), str(tmp_path / "old")], str(tmp_path / "joined"))
+    assert not (tmp_path / "joined").exists()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -538,6 +563,14 @@ def test_existing_output_with_another_config_is_refused_unless_overwrite(pair, t
     assert "already complete" in capsys.readouterr().err
     meta = main(args(pair, prompts, out, "--max_new_tokens", "6", "--overwrite", "true"))
     assert meta["max_new_tokens"] == 6 and all(len(r["response_ids"]) <= 6 for r in rows(out))
+    before = rows(out)
+    write_prompts(prompts, 4, seed=1)  # the same file, other prompts: the finished dataset is stale
+    with pytest.raises(ValueError, match="finished dataset of this config, but its prompt files changed"):
+        run(parse_config(args(pair, prompts, out, "--max_new_tokens", "6")))
+    assert_same_rows(before, rows(out))  # untouched
+    remade = main(args(pair, prompts, out, "--max_new_tokens", "6", "--overwrite", "true"))
+    assert remade["prompt_texts"] != meta["prompt_texts"]
+    assert [r["prompt_ids"] for r in rows(out)] != [r["prompt_ids"] for r in before]
 
 
 def test_a_folder_that_is_not_data_gen_output_is_never_written(pair, tmp_path: Path) -> None:

@@ -209,8 +209,15 @@ def generate(cfg: DataGenConfig) -> dict[str, Any]:
         try:
             status = output_status(out, cfg.fingerprint(), cfg.overwrite)
             if status == "complete":
+                meta = read_json(out / META) or {}
+                stale = stale_inputs(cfg, meta)
+                if stale:
+                    raise ValueError(
+                        f"{out} holds a finished dataset of this config, but {' and '.join(stale)}. Pass "
+                        "--overwrite true to make it again, or choose another --output_dir."
+                    )
                 print(f"data_gen: {out} is already complete for this config; nothing to do.", file=sys.stderr)
-                return read_json(out / META) or {}
+                return meta
             return _generate(cfg, out, status, started)
         except BaseException:
             remove_created(out, created)  # only undoes folders that are still empty
@@ -553,6 +560,35 @@ def _finalize(
     return meta
 
 
+def prompt_texts_digest(cfg: DataGenConfig) -> str | None:
+    """sha256 of the ids and texts of ``cfg``'s prompts as its sources read now (before tokenization and length
+    limits); None when a source cannot be read any more."""
+    try:
+        prompts = load_prompts(cfg.prompts, seed=cfg.seed, split_seed=cfg.split_seed)
+    except (FileNotFoundError, ValueError):
+        return None
+    h = hashlib.sha256()
+    for prompt in prompts:
+        h.update(json.dumps([prompt.id, prompt.text]).encode())
+    return h.hexdigest()
+
+
+def stale_inputs(cfg: DataGenConfig, meta: dict[str, Any]) -> list[str]:
+    """What changed since the finished dataset ``meta`` describes was made with ``cfg`` (whose fingerprint it
+    shares): the draft's weights (retrained in place) or the prompt files' contents. Empty when nothing did, or when
+    the dataset predates the record."""
+    reasons = []
+    recorded, current = meta.get("draft_weights"), weights_digest(cfg.draft.path)
+    if recorded and current and recorded != current:
+        reasons.append(
+            f"the draft {cfg.draft.path!r} was retrained in place since ({recorded[:12]}… then, {current[:12]}… now)"
+        )
+    recorded, current = meta.get("prompt_texts"), prompt_texts_digest(cfg)
+    if recorded and current and recorded != current:
+        reasons.append("its prompt files changed since")
+    return reasons
+
+
 def run_record(cfg: DataGenConfig, totals: dict[str, float], started: float) -> dict[str, Any]:
     """The ``meta.json`` keys a finished run and a merge both write: the models, summed totals and their stats,
     times, code version and config."""
@@ -561,6 +597,7 @@ def run_record(cfg: DataGenConfig, totals: dict[str, float], started: float) -> 
         "target": cfg.target.to_dict(),
         "draft": cfg.draft.to_dict(),
         "draft_weights": weights_digest(cfg.draft.path),  # sha256 of a local draft's weights (None: hub or package)
+        "prompt_texts": prompt_texts_digest(cfg),  # a finished dataset whose prompt files change is stale
         # what an acceptance head trained on this dataset may read (accept_head/acceptance/inputs.py)
         "head_inputs": list(dataset_inputs(cfg.rollout, list(ROLLOUT_COLUMNS if cfg.rollout else COLUMNS))),
         **totals_record(totals, started),

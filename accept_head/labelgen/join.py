@@ -55,6 +55,12 @@ def check_joinable(paths: list[str], metas: list[dict[str, Any]]) -> None:
     """Raise ValueError naming the first dataset and key on which ``metas`` disagree with ``metas[0]``."""
     first = metas[0]
     for path, meta in zip(paths[1:], metas[1:], strict=True):
+        mine, theirs = meta.get("draft_weights"), first.get("draft_weights")
+        if mine and theirs and mine != theirs:  # datasets from before the digest (None) cannot be told apart
+            raise ValueError(
+                f"Cannot join {path} to {paths[0]}: they were labelled by different weights of the draft "
+                f"(sha256 {mine[:12]}… vs {theirs[:12]}…; it was retrained in between). Relabel the older one."
+            )
         for key in MUST_AGREE:
             mine, theirs = meta.get(key), first.get(key)
             if key in ("target", "draft"):

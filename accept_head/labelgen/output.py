@@ -81,7 +81,8 @@ def output_status(path: Path, fingerprint: dict, overwrite: bool) -> str:
     """What to do with the (existing, writable) folder ``path``; raise ValueError when it must not be touched.
 
     Returns ``fresh`` (nothing there yet), ``resume`` (a partial run of this config), ``complete`` (this config,
-    finished) or ``replace`` (another config's output and ``overwrite``: clear it once the run is ready to write).
+    finished) or ``replace`` (``overwrite``: whatever data_gen output is there, this config's too, is cleared once
+    the run is ready to write).
     """
     meta = read_json(path / META) if (path / META).is_file() else None
     work = read_json(path / WORK / "config.json") if (path / WORK).is_dir() else None
@@ -98,7 +99,7 @@ def output_status(path: Path, fingerprint: dict, overwrite: bool) -> str:
                 f"{', ...' if len(foreign) > 5 else ''}); choose a new or empty folder with --output_dir."
             )
         return "fresh"
-    if previous == fingerprint:
+    if previous == fingerprint and not overwrite:
         return status
     if not overwrite:
         what = "a finished dataset" if status == "complete" else "a partial run"
