@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import shutil
 import time
 from pathlib import Path
 
@@ -457,3 +458,35 @@ def test_the_model_card_names_a_draft_that_decodes_with_int8_weights(tmp_path) -
     assert _spec(ModelSpec(**draft), str(bundle)) == "`../draft` (bfloat16)"
     quantized = _spec(ModelSpec(**draft, quantize="int8"), str(bundle))
     assert quantized == "`../draft` (bfloat16, decoding with int8 weights)"
+
+
+def test_export_never_writes_into_a_model_folder_and_replaces_an_earlier_bundle_whole(setup, tmp_path):
+    """A model (or any non-bundle) folder named as export.dir is refused before training; an earlier bundle there is
+    replaced, the figures of stages this run skipped removed."""
+    model_dir = tmp_path / "bundle"
+    shutil.copytree(setup.draft, model_dir)
+    before = sorted(p.name for p in model_dir.iterdir())
+    export = {"enabled": True, "threshold": 0.5}
+    with pytest.raises(ValueError, match=r"export.dir=.* is not empty and holds no SpecDec\+\+ bundle"):
+        fit(train_config(setup, tmp_path, stages=False, export=export), tmp_path)
+    assert sorted(p.name for p in model_dir.iterdir()) == before
+    shutil.rmtree(model_dir)
+    model_dir.mkdir()
+    for name in ("sweep.csv", "pareto.png", "reliability.png"):  # an earlier export's figures
+        (model_dir / name).write_text("old")
+    (model_dir / "config.json").write_text(json.dumps({"format_version": 1, "head": {}, "threshold": 0.9}))
+    fit(train_config(setup, tmp_path, stages=False, export=export), tmp_path)
+    assert json.loads((model_dir / "config.json").read_text())["threshold"] == 0.5
+    assert not [name for name in ("sweep.csv", "pareto.png", "reliability.png") if (model_dir / name).exists()]
+
+
+def test_the_command_line_reports_a_user_error_in_one_line(setup, tmp_path, monkeypatch, capsys):
+    from train.cli import main
+
+    config = write_config(_bad(setup, tmp_path, data={"path": str(tmp_path / "nowhere")}), tmp_path / "bad.yaml")
+    monkeypatch.setattr("sys.argv", ["python -m train", "fit", "--config", str(config)])
+    with pytest.raises(SystemExit) as exit_info:
+        main()
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "python -m train: error: data.path=" in err and "Traceback" not in err

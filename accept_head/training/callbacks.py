@@ -35,7 +35,7 @@ from ..core.costs import CostModel
 from ..core.sampling import SamplingConfig
 from ..engine.measure import measure_costs
 from ..engine.sweep import FIXED_K, THRESHOLDS, check_fixed_k, check_thresholds, format_table, pareto_plot, run_sweep
-from ..specdecpp.bundle import TREE_SETTINGS, SpecDecPP
+from ..specdecpp.bundle import CONFIG_NAME, TREE_SETTINGS, SpecDecPP
 from ..trees.growth import check_context_row
 from .data import AcceptanceDataModule
 from .model_card import model_card
@@ -532,6 +532,31 @@ def _write_sweep(records: list[dict], folder: Path) -> Path:
     return path
 
 
+EXPORT_FIGURES = ("reliability.png", "pareto.png", "sweep.csv")
+"""Files an export copies into the bundle when its stages made them (an earlier export's are removed otherwise)."""
+
+
+def check_export_dir(folder: Path) -> None:
+    """ValueError unless ``folder`` is missing, empty or a SpecDec++ bundle (which an export replaces): a model
+    folder or anything else must never be written into."""
+    if not folder.exists():
+        return
+    if not folder.is_dir():
+        raise ValueError(f"export.dir={str(folder)!r} is a file: name a folder for the bundle.")
+    if not any(folder.iterdir()):
+        return
+    try:
+        config = json.loads((folder / CONFIG_NAME).read_text())
+    except (OSError, ValueError):
+        config = None
+    if not (isinstance(config, dict) and "format_version" in config and "head" in config):
+        names = sorted(p.name for p in folder.iterdir())
+        raise ValueError(
+            f"export.dir={str(folder)!r} is not empty and holds no SpecDec++ bundle ({', '.join(names[:5])}"
+            f"{', ...' if len(names) > 5 else ''}): choose a new or empty folder, or an earlier bundle to replace."
+        )
+
+
 class ExportBundle(EndOfFitStage):
     """Write the ``SpecDecPP`` bundle (head, calibration, h*, cost model, provenance, model card) and check that it
     loads with ``SpecDecPP.from_pretrained`` and generates."""
@@ -568,6 +593,8 @@ class ExportBundle(EndOfFitStage):
         """
         if enabled and not dir:
             raise ValueError("export.dir is not set: name the bundle folder, e.g. --export.dir=checkpoints/<name>.")
+        if enabled:
+            check_export_dir(Path(dir).expanduser())
         if threshold is not None:
             check_thresholds([threshold])
         self.enabled, self.dir, self.threshold = enabled, dir, threshold
@@ -606,11 +633,17 @@ class ExportBundle(EndOfFitStage):
             tree=self.tree,
             context_row=self.context_row,
         )
+        check_export_dir(bundle_dir)
         bundle.save_pretrained(bundle_dir)
         (bundle_dir / "split.json").write_text(json.dumps(dm.split_record(), indent=1) + "\n")
-        for name in ("reliability", "pareto", "sweep_csv"):
-            if name in report.artifacts and Path(report.artifacts[name]).is_file():
-                shutil.copy2(report.artifacts[name], bundle_dir / Path(report.artifacts[name]).name)
+        figures = [
+            Path(report.artifacts[name]) for name in ("reliability", "pareto", "sweep_csv") if name in report.artifacts
+        ]
+        figures = [figure for figure in figures if figure.is_file()]
+        for figure in figures:
+            shutil.copy2(figure, bundle_dir / figure.name)
+        for stale in set(EXPORT_FIGURES) - {figure.name for figure in figures}:  # an earlier export's, not this run's
+            (bundle_dir / stale).unlink(missing_ok=True)
         card = model_card(str(self.dir), bundle, dm, report, provenance, dict(pl_module.hparams), self.command)
         (bundle_dir / "README.md").write_text(card)
         report.export_dir = str(bundle_dir)
