@@ -85,13 +85,15 @@ def build_parser(functions: dict, prog: str = "python -m eval"):
     parameters, every flag at the top level."""
     from jsonargparse import ArgumentParser
 
-    parser = ArgumentParser(prog=prog, description=plain(__doc__.split("\n\n")[0]) if __doc__ else None)
+    parser = ArgumentParser(
+        prog=prog, description=plain(__doc__.split("\n\n")[0]) if __doc__ else None, allow_abbrev=False
+    )
     parser.add_argument("--config", action="config")
     subcommands = parser.add_subcommands(required=True)
     groups = option_groups()
     for name, function in functions.items():
         parameters = inspect.signature(function).parameters
-        sub = ArgumentParser(description=summary(function))
+        sub = ArgumentParser(description=summary(function), allow_abbrev=False)
         sub.add_argument("--config", action="config", help="A YAML file of this command's flags (top-level keys).")
         for key, options in groups.items():
             if key in parameters:

@@ -8,6 +8,7 @@ import math
 import re
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -638,6 +639,21 @@ def test_calibration_command_reports_offline_and_on_policy_views(tiny, tmp_path)
         assert confidence["n"] == views[view]["raw"]["metrics"]["n"]
         assert confidence["mean_label"] == pytest.approx(views[view]["raw"]["metrics"]["mean_label"])
         assert 0.0 < confidence["mean_pred"] <= 1.0
+
+
+def test_offline_calibration_refuses_rollout_labels_and_labels_of_another_draft(tiny, tmp_path) -> None:
+    from accept_head.evaluation.calibration import offline_predictions
+    from accept_head.specdecpp.bundle import SpecDecPP
+
+    bundle = SpecDecPP.from_pretrained(tiny["bundle"])
+    pair = SimpleNamespace(bundle=bundle, draft=bundle.draft)
+    for name, change in (("rollout", {"label_mode": "rollout"}), ("other", {"draft": {"path": str(tiny["root"])}})):
+        copy = Path(shutil.copytree(tiny["labels"], tmp_path / name))
+        meta = json.loads((copy / "meta.json").read_text())
+        (copy / "meta.json").write_text(json.dumps(meta | change))
+        message = "holds rollout labels.*leave out --dataset" if name == "rollout" else "was trained for the draft"
+        with pytest.raises(ValueError, match=message):
+            offline_predictions(pair, str(copy))
 
 
 def test_a_trained_head_decodes_like_the_bundle_it_becomes(tiny) -> None:

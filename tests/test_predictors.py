@@ -247,6 +247,11 @@ def test_bad_input_names_the_value_and_the_fix(tiny, tmp_path, capsys) -> None:
         module.predictors(str(tiny["labels"]), split="nowhere", output_dir=str(tmp_path / "o"))
     with pytest.raises(ValueError, match=r"--bootstrap=-1 must be >= 0"):
         module.predictors(str(tiny["labels"]), bootstrap=-1, output_dir=str(tmp_path / "o"))
+    other = Path(shutil.copytree(tiny["bundle"], tmp_path / "other-draft-bundle"))  # a head trained for the target
+    config = json.loads((other / "config.json").read_text())
+    (other / "config.json").write_text(json.dumps(config | {"draft": {"path": str(tiny["labels"].parent / "target")}}))
+    with pytest.raises(ValueError, match=r"--heads .* was trained for the draft .*target' but .* labelled with"):
+        module.predictors(str(tiny["labels"]), heads=[str(other)], output_dir=str(tmp_path / "o"))
 
 
 def test_a_head_is_refused_when_it_trained_on_a_held_out_prompt(tiny, tmp_path) -> None:

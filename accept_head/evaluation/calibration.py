@@ -38,7 +38,8 @@ from ..core.seeds import seeded_generator
 from ..core.tables import text_table
 from ..engine.pair_loading import Pair, PairOptions
 from ..engine.runner import MethodSpec, Runner, run_interleaved
-from .common import fmt, output_folder
+from ..training.data import is_rollout
+from .common import check_labelled_by, fmt, output_folder
 
 VARIANTS = ("raw", "calibrated", "draft confidence")
 """The predictors each view scores: the head raw, the head after its calibration map, the draft's own q(y)."""
@@ -84,6 +85,13 @@ def offline_predictions(
     if pair.bundle is None:
         raise ValueError("offline calibration needs a bundle with a head (--bundle).")
     data, meta = load_label_dataset(dataset)
+    if is_rollout(meta):
+        raise ValueError(
+            f"--dataset={dataset!r} holds rollout labels (data_gen's label_mode rollout); the offline view needs "
+            "token-level labels (--label_mode sample or greedy). For rollout labels leave out --dataset (the "
+            f"on-policy view) or run `python -m eval predictors --dataset {dataset}`."
+        )
+    check_labelled_by(meta, pair.bundle.draft_spec, dataset, "the bundle's head")
     head, draft = pair.bundle.head, pair.draft
     if head.scalar_inputs:
         raise ValueError(

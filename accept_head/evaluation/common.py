@@ -22,8 +22,9 @@ from ..engine.measure import measure_costs
 from ..engine.pair_loading import Pair, PairOptions, load_pair
 from ..engine.runner import MethodSummary
 from ..labelgen.output import make_writable_dir
-from ..models.loading import load_model, load_tokenizer
+from ..models.loading import check_draft_weights, load_model, load_tokenizer
 from ..models.pairs import ModelSpec
+from ..training.data import same_model
 
 # ---- documentation -------------------------------------------------------------------------------------------------
 
@@ -76,6 +77,22 @@ def resolve_cost_model(source: str, pair: Pair, seed: int = 0, target_runtime: s
 
 
 # ---- output --------------------------------------------------------------------------------------------------------
+
+
+def check_labelled_by(meta: dict, draft: ModelSpec | None, dataset: str | Path, who: str) -> None:
+    """ValueError when the label dataset ``dataset`` (its ``meta``) was made with another draft than ``draft``, the
+    one ``who`` (a head, a bundle) was trained for, or with the same folder before it was retrained in place: scores
+    there would mean nothing. Nothing is checked where either side records no draft."""
+    raw = meta.get("draft")
+    if draft is None or not isinstance(raw, dict) or "path" not in raw:
+        return
+    labelled = ModelSpec(**raw)
+    if not same_model(labelled, draft):
+        raise ValueError(
+            f"{who} was trained for the draft {draft.path!r} but {dataset} was labelled with {labelled.path!r}: "
+            f"score it on labels of its own draft (python -m data_gen --draft.path {draft.path})."
+        )
+    check_draft_weights(meta.get("draft_weights"), draft.path, f"The dataset {dataset}")
 
 
 def output_folder(output_dir: str | Path) -> Path:

@@ -31,6 +31,7 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -44,10 +45,11 @@ from ..chain.baselines import entropy_lower_bound
 from ..chain.rollout import read_hidden
 from ..core.records import code_version, machine_info, write_json
 from ..core.tables import markdown_table
+from ..models.pairs import ModelSpec
 from ..specdecpp.bundle import SpecDecPP
 from ..training.data import is_rollout, prompt_split
 from ..trees.labels import C2TClassifier
-from .common import fmt, output_folder
+from .common import check_labelled_by, fmt, output_folder
 
 BASELINES = ("q", "eagle2", "adaedl", "c2t")
 """The predictors that need no head (``--baselines``), in table order."""
@@ -184,6 +186,8 @@ class LoadedHead:
     greedy_calibration: Calibration | None = None
     split: dict | None = None
     """Its training run's split (``train`` ids), or a checkpoint's data settings to recompute it from."""
+    draft: ModelSpec | None = None
+    """The draft it was trained for (None: not recorded)."""
 
     def calibration_for(self, greedy: bool) -> Calibration | None:
         """The map a bundle decodes this mode with (:meth:`SpecDecPP.calibration_for`); None without one."""
@@ -215,7 +219,8 @@ def load_head(path: str) -> LoadedHead:
         ]
         split = where / "split.json"
         record = json.loads(split.read_text()) if split.is_file() else None
-        return LoadedHead(path, "bundle", head, *maps, split=record)
+        draft = _recorded_draft(config.get("draft"), where)
+        return LoadedHead(path, "bundle", head, *maps, split=record, draft=draft)
     if where.is_file() and where.suffix == ".ckpt":
         return _checkpoint_head(where, path)
     raise FileNotFoundError(
@@ -238,8 +243,29 @@ def _checkpoint_head(where: Path, name: str) -> LoadedHead:
             f"--heads: {name!r} is not a checkpoint of an acceptance head written by `python -m train fit` ({err})."
         ) from err
     split = where.parent.parent / "split.json"
-    record = json.loads(split.read_text()) if split.is_file() else checkpoint.get("datamodule_hyper_parameters")
-    return LoadedHead(name, "checkpoint", head.float().eval(), split=record)
+    data = checkpoint.get("datamodule_hyper_parameters") or {}
+    record = json.loads(split.read_text()) if split.is_file() else data
+    return LoadedHead(name, "checkpoint", head.float().eval(), split=record, draft=_recorded_draft(data.get("draft")))
+
+
+def _recorded_draft(raw: Any, bundle: Path | None = None) -> ModelSpec | None:
+    """The draft spec a bundle's config or a checkpoint's data settings record (a bundle's relative to it); None
+    when none is recorded."""
+    if not isinstance(raw, dict) or "path" not in raw:
+        return None
+    try:
+        spec = ModelSpec(**raw)
+    except TypeError:
+        return None
+    if bundle is not None and not spec.path.startswith(("package:", "hf:")) and (bundle / spec.path).exists():
+        spec.path = str((bundle / spec.path).resolve())
+    return spec
+
+
+def check_heads_draft(heads: list[LoadedHead], candidates: Candidates) -> None:
+    """ValueError when a head was trained for another draft than the one ``candidates`` were labelled with."""
+    for loaded in heads:
+        check_labelled_by(candidates.meta, loaded.draft, candidates.path, f"--heads {loaded.name}")
 
 
 def head_probs(loaded: LoadedHead, candidates: Candidates) -> torch.Tensor:
@@ -551,6 +577,7 @@ def predictors(
     loaded = [load_head(path) for path in heads or []]
     with_hidden = any(h.head.reads_hidden for h in loaded)
     candidates = load_candidates(dataset, with_hidden)
+    check_heads_draft(loaded, candidates)
     train_ids, source = split_train_ids(split, candidates.prompt_ids, split_seed, val_fraction, val_size)
     settings = (baselines, isotonic, entropy_gamma, seed, bootstrap)
     results = {"dataset": score_dataset(candidates, train_ids, loaded, *settings)}
@@ -561,6 +588,7 @@ def predictors(
                 f"--greedy_dataset={greedy_dataset!r} holds labels made at temperature "
                 f"{recorded_temperature(greedy.meta)!r}; pass greedy rollout labels (data_gen --temperature 0)."
             )
+        check_heads_draft(loaded, greedy)
         results["greedy_dataset"] = score_dataset(greedy, train_ids, loaded, *settings)
     page = report(results)
     print(page)

@@ -38,6 +38,7 @@ def build_parser(prog: str = "python -m data_gen"):
             "`python -m data_gen join --help`: one dataset from several finished runs on disjoint prompts."
         ),
         default_config_files=None,
+        allow_abbrev=False,  # a misspelt flag (--target.dtyp) must fail, not stand for the one it begins
     )
     parser.add_argument("--config", action=ActionConfigFile, help="YAML config file (later flags override it).")
     parser.add_class_arguments(DataGenConfig, nested_key=None, as_group=False, fail_untyped=True)

@@ -99,7 +99,7 @@ def is_rollout(meta: dict) -> bool:
     return meta.get("label_mode") == ROLLOUT
 
 
-def _same_model(a: ModelSpec, b: ModelSpec) -> bool:
+def same_model(a: ModelSpec, b: ModelSpec) -> bool:
     """Whether two specs name the same weights (dtype and device may differ)."""
 
     def where(spec: ModelSpec) -> str:
@@ -115,7 +115,7 @@ def check_draft(meta: dict, draft: ModelSpec, path: str | Path) -> None:
     if not isinstance(raw, dict) or "path" not in raw:
         raise ValueError(f"{path}/meta.json names no draft model; regenerate the dataset with python -m data_gen.")
     labelled = ModelSpec(**raw)
-    if not _same_model(labelled, draft):
+    if not same_model(labelled, draft):
         raise ValueError(
             f"The dataset {path} was labelled with draft {labelled.path!r} (gguf_file={labelled.gguf_file!r}, "
             f"adapter={labelled.adapter!r}) but data.draft is {draft.path!r} (gguf_file={draft.gguf_file!r}, "
@@ -391,7 +391,7 @@ def run_data_gen(config: str | dict, output_dir: str | Path, draft: ModelSpec) -
         raw.setdefault("draft", draft.to_dict())
         argv = ["--config", json.dumps(raw)]
     cfg = parse_config([*argv, "--output_dir", str(output_dir)])
-    if not _same_model(cfg.draft, draft):
+    if not same_model(cfg.draft, draft):
         raise ValueError(
             f"data.data_gen labels draft {cfg.draft.path!r} but data.draft is {draft.path!r}; "
             "make them the same model (or drop draft from the data_gen config to inherit data.draft)."
@@ -524,7 +524,7 @@ class AcceptanceDataModule(LightningDataModule):
         rows, self.meta = self._load(self.path)
         labelled = self.meta.get("target")
         override = self.target_override
-        if override is not None and isinstance(labelled, dict) and not _same_model(override, ModelSpec(**labelled)):
+        if override is not None and isinstance(labelled, dict) and not same_model(override, ModelSpec(**labelled)):
             raise ValueError(
                 f"data.target={override.path!r} is not the target the labels of {self.path} were made with "
                 f"({labelled.get('path')!r}); data.target may change dtype/device/attention only."
