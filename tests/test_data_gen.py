@@ -429,7 +429,7 @@ def test_join_concatenates_runs_on_disjoint_prompts_and_refuses_what_would_mix_l
     main(args(pair, later, tmp_path / "hot", "--temperature", "0.5"))
     cases = [
         ([tmp_path / "a", tmp_path / "c"], ValueError, r"is labelled in both"),
-        ([tmp_path / "a", tmp_path / "hot"], ValueError, r"their 'sampling' differ"),
+        ([tmp_path / "a", tmp_path / "hot"], ValueError, r"their 'sampling.temperature' differ \(0.5 vs 1.0\)"),
         ([tmp_path / "a", tmp_path / "missing"], FileNotFoundError, r"no finished label dataset"),
         ([tmp_path / "a"], ValueError, r"at least two"),
     ]

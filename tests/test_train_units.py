@@ -4,6 +4,8 @@ scalar head inputs read from rollout columns."""
 from __future__ import annotations
 
 import math
+import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -423,3 +425,15 @@ def test_a_sweep_with_context_row_decodes_every_chain_with_copies_as_generate_wo
     trainer = SimpleNamespace(callbacks=[ThresholdSweep(), ExportBundle(enabled=False, context_row=4)])
     assert _export_context_row(trainer) == 4 and ThresholdSweep().context_row is None
     assert _export_context_row(SimpleNamespace(callbacks=[])) == 0
+
+
+def test_a_closing_comparison_on_fewer_prompts_than_asked_says_so() -> None:
+    from accept_head.training.callbacks import ThresholdSweep
+
+    val = [(f"p{i}", [i]) for i in range(12)]
+    dm = SimpleNamespace(val_prompts=lambda n, offset=0: val[offset : offset + n])
+    with pytest.warns(UserWarning, match=r"sweep.eval_prompts=8 but only 2 validation prompts remain"):
+        assert ThresholdSweep(prompts=10, eval_prompts=8).held_out(dm) == val[10:]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # exactly enough: no word
+        assert ThresholdSweep(prompts=4, eval_prompts=8).held_out(dm) == val[4:]

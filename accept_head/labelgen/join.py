@@ -66,8 +66,12 @@ def check_joinable(paths: list[str], metas: list[dict[str, Any]]) -> None:
             if key in ("target", "draft"):
                 mine, theirs = _without_device(mine), _without_device(theirs)
             if mine != theirs:
+                where = key
+                if isinstance(mine, dict) and isinstance(theirs, dict):  # name the sub-key that differs
+                    sub = next(k for k in sorted(set(mine) | set(theirs), key=str) if mine.get(k) != theirs.get(k))
+                    where, mine, theirs = f"{key}.{sub}", mine.get(sub), theirs.get(sub)
                 raise ValueError(
-                    f"Cannot join {path} to {paths[0]}: their {key!r} differ ({json.dumps(mine, default=str)[:200]} "
+                    f"Cannot join {path} to {paths[0]}: their {where!r} differ ({json.dumps(mine, default=str)[:200]} "
                     f"vs {json.dumps(theirs, default=str)[:200]}). Join only labels of the same pair, sampling and "
                     "label mode; relabel one of them with the other's config."
                 )

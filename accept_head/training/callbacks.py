@@ -15,6 +15,7 @@ import json
 import os
 import shutil
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Literal
 
@@ -344,7 +345,15 @@ class ThresholdSweep(EndOfFitStage):
         no stage may fit or choose anything on them (:class:`CalibrateHead` leaves them out)."""
         if not self.enabled or not self.eval_prompts:
             return []
-        return dm.val_prompts(self.eval_prompts, offset=len(dm.val_prompts(self.prompts)))
+        held = dm.val_prompts(self.eval_prompts, offset=len(dm.val_prompts(self.prompts)))
+        if 0 < len(held) < self.eval_prompts:
+            warnings.warn(
+                f"sweep.eval_prompts={self.eval_prompts} but only {len(held)} validation prompts remain after the "
+                f"sweep's {self.prompts}: the closing comparison reports on {len(held)} (a larger data.val_size gives "
+                "it more).",
+                stacklevel=2,
+            )
+        return held
 
     def _run(
         self,
