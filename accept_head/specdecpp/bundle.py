@@ -160,9 +160,11 @@ def _check_config_types(config: dict, path: Path) -> None:
             continue
         if isinstance(value, bool) or not isinstance(value, types):
             raise ValueError(f"{path}: {key}={value!r} must be {kind}; re-export the bundle or correct the file.")
-    temperature = config.get("temperature")
-    if temperature is not None and not 0 <= temperature < float("inf"):
-        raise ValueError(f"{path}: temperature={temperature!r} must be a finite number >= 0 (0 means greedy).")
+    if config.get("temperature") is not None:
+        try:
+            SamplingConfig(config["temperature"])
+        except ValueError as err:
+            raise ValueError(f"{path}: {err}") from err
 
 
 def _spec_from_config(raw: dict | None, folder: Path) -> ModelSpec | None:
@@ -181,14 +183,15 @@ def _spec_from_config(raw: dict | None, folder: Path) -> ModelSpec | None:
     return spec
 
 
+ONE_PROMPT = "SpecDecPP.generate handles one prompt at a time (batch size 1)"
+
+
 def _tensor_ids(prompt: torch.Tensor) -> list[int]:
     """The ids of a prompt tensor of shape (T,) or (1, T) holding integers."""
     if prompt.is_floating_point() or prompt.is_complex() or prompt.dtype == torch.bool:
         raise ValueError(f"a prompt tensor must hold integer token ids, not {prompt.dtype}: pass e.g. ids.long().")
     if prompt.ndim == 2 and prompt.shape[0] != 1:
-        raise NotImplementedError(
-            f"SpecDecPP.generate handles one prompt at a time (batch size 1); got a tensor of {prompt.shape[0]} rows."
-        )
+        raise NotImplementedError(f"{ONE_PROMPT}; got a tensor of {prompt.shape[0]} rows.")
     if prompt.ndim > 2:
         raise ValueError(f"a prompt tensor must have shape (T,) or (1, T); got {tuple(prompt.shape)}.")
     return prompt.reshape(-1).tolist()
@@ -197,7 +200,7 @@ def _tensor_ids(prompt: torch.Tensor) -> list[int]:
 def _sequence_ids(prompt: Sequence) -> list[int]:
     """The ids of a prompt given as a sequence of ints (a sequence of sequences is a batch: refused)."""
     if prompt and isinstance(prompt[0], Sequence) and not isinstance(prompt[0], str):
-        raise NotImplementedError("SpecDecPP.generate handles one prompt at a time (batch size 1).")
+        raise NotImplementedError(f"{ONE_PROMPT}.")
     try:
         return [operator.index(t) for t in prompt]
     except TypeError as err:
