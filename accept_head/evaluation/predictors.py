@@ -262,10 +262,13 @@ def _recorded_draft(raw: Any, bundle: Path | None = None) -> ModelSpec | None:
     return spec
 
 
-def check_heads_draft(heads: list[LoadedHead], candidates: Candidates) -> None:
-    """ValueError when a head was trained for another draft than the one ``candidates`` were labelled with."""
+def heads_dataset(path: str, heads: list[LoadedHead]) -> Candidates:
+    """The candidates of the rollout labels at ``path`` (their hidden states when a head reads them), refused when a
+    head was trained for another draft than the one that labelled them."""
+    candidates = load_candidates(path, any(loaded.head.reads_hidden for loaded in heads))
     for loaded in heads:
         check_labelled_by(candidates.meta, loaded.draft, candidates.path, f"--heads {loaded.name}")
+    return candidates
 
 
 def head_probs(loaded: LoadedHead, candidates: Candidates) -> torch.Tensor:
@@ -575,20 +578,17 @@ def predictors(
     check_settings(entropy_gamma, bootstrap)
     folder = output_folder(output_dir)
     loaded = [load_head(path) for path in heads or []]
-    with_hidden = any(h.head.reads_hidden for h in loaded)
-    candidates = load_candidates(dataset, with_hidden)
-    check_heads_draft(loaded, candidates)
+    candidates = heads_dataset(dataset, loaded)
     train_ids, source = split_train_ids(split, candidates.prompt_ids, split_seed, val_fraction, val_size)
     settings = (baselines, isotonic, entropy_gamma, seed, bootstrap)
     results = {"dataset": score_dataset(candidates, train_ids, loaded, *settings)}
     if greedy_dataset is not None:
-        greedy = load_candidates(greedy_dataset, with_hidden)
+        greedy = heads_dataset(greedy_dataset, loaded)
         if not greedy.greedy:
             raise ValueError(
                 f"--greedy_dataset={greedy_dataset!r} holds labels made at temperature "
                 f"{recorded_temperature(greedy.meta)!r}; pass greedy rollout labels (data_gen --temperature 0)."
             )
-        check_heads_draft(loaded, greedy)
         results["greedy_dataset"] = score_dataset(greedy, train_ids, loaded, *settings)
     page = report(results)
     print(page)
