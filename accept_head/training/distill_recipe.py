@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import copy
 import json
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,20 +104,29 @@ def generate(cfg: DistillConfig) -> None:
     work = expand(cfg.work_dir)
     (work / "shards").mkdir(parents=True, exist_ok=True)
     tokenizer = load_tokenizer(cfg.target)
-    model = load_model(cfg.target)
     sampling = SamplingConfig(temperature=cfg.temperature)
     held_out = load_prompts(cfg.eval_prompts, seed=cfg.seed, split_seed=cfg.split_seed)
     train = training_prompts(cfg.prompts, held_out, seed=cfg.seed, split_seed=cfg.split_seed, limit=cfg.max_prompts)
     split = {"split_seed": cfg.split_seed, "eval": [p.id for p in held_out], "train": [p.id for p in train]}
+    # What fixes every shard's draws: shards written under other settings are never mixed with these.
+    split |= {k: getattr(cfg, k) for k in ("seed", "max_new_tokens", "temperature", "topk")}
+    _check_plan(work / "split.json", split)
+    plan = {kind: [prompts[i : i + cfg.batch_size] for i in range(0, len(prompts), cfg.batch_size)]
+            for kind, prompts in (("eval", held_out), ("train", train))}  # fmt: skip
+    done = {  # every shard present checked before anything is written
+        (kind, shard)
+        for kind, batches in plan.items()
+        for shard, batch in enumerate(batches)
+        if _shard_holds(work / "shards" / f"{kind}-{shard:05d}.pt", [p.id for p in batch])
+    }
     (work / "split.json").write_text(json.dumps(split) + "\n")
-    for kind, prompts in (("eval", held_out), ("train", train)):
-        n_shards = math.ceil(len(prompts) / cfg.batch_size)
-        print(f"[generate] {kind}: {len(prompts)} prompts in {n_shards} shards", flush=True)
-        for shard in range(n_shards):
+    model = load_model(cfg.target)
+    for kind, batches in plan.items():
+        print(f"[generate] {kind}: {sum(map(len, batches))} prompts in {len(batches)} shards", flush=True)
+        for shard, batch in enumerate(batches):
             path = work / "shards" / f"{kind}-{shard:05d}.pt"
-            if path.exists():
+            if (kind, shard) in done:
                 continue
-            batch = prompts[shard * cfg.batch_size : (shard + 1) * cfg.batch_size]
             ids = [chat_prompt_ids(tokenizer, p.text) for p in batch]
             generator = seeded_generator(cfg.seed, kind, shard)
             start = time.perf_counter()
@@ -148,6 +156,41 @@ def generate(cfg: DistillConfig) -> None:
                 f"[generate] {path.name}: {n_tokens} tokens in {seconds:.1f}s ({n_tokens / seconds:.0f} tok/s)",
                 flush=True,
             )
+
+
+def _check_plan(path: Path, split: dict) -> None:
+    """Refuse to resume ``generate`` in a work folder whose ``split.json`` records another split seed, held-out set,
+    seed or sampling: its shards were drawn otherwise. A longer training list (``max_prompts`` raised) is the same
+    plan continued; keys an older file does not record are not compared."""
+    if not path.exists():
+        return
+    recorded = json.loads(path.read_text())
+    differ = sorted(k for k in split if k in recorded and k != "train" and recorded[k] != split[k])
+    if differ:
+        raise ValueError(
+            f"{path} records another {', '.join(differ)} than this config's: the shards beside it were generated "
+            f"for another plan (a prompt held out now may be among their training rows). Point work_dir elsewhere, "
+            f"or delete {path.parent / 'shards'} and {path} to start over."
+        )
+
+
+def _shard_holds(path: Path, ids: list[str]) -> bool:
+    """Whether the shard at ``path`` exists and holds the prompts ``ids`` (first: a run with a larger ``max_prompts``
+    wrote it). A shard holding a strict prefix of them is the short last shard of a run with a smaller
+    ``max_prompts``: False, and it is written again whole. Any other content raises: the shard belongs to another
+    prompt order or split."""
+    if not path.exists():
+        return False
+    found = list(torch.load(path, weights_only=True)["prompt_id"])
+    if found[: len(ids)] == ids:
+        return True
+    if len(found) < len(ids) and found == ids[: len(found)]:
+        return False
+    raise ValueError(
+        f"{path} holds other prompts ({found[:3]} ...) than this config puts in that shard ({ids[:3]} ...): it was "
+        f"generated with other prompts, max_prompts order or batch_size. Point work_dir elsewhere, or delete "
+        f"{path.parent} and {path.parent.parent / 'split.json'} to start over."
+    )
 
 
 def fit(cfg: DistillConfig) -> None:
