@@ -37,7 +37,7 @@ from ..core.hf_compat import crop_cache
 from ..core.prompts import EncodedPrompt, PromptSource, chat_prompt_ids, load_prompts, training_prompts
 from ..core.records import machine_info, write_json
 from ..models.drafters import ModelDrafter
-from ..models.feature_draft import FeatureDraft, FeatureDraftConfig, FeatureDrafter
+from ..models.feature_draft import FeatureDraft, FeatureDraftConfig, FeatureDrafter, model_fingerprint
 from ..models.features import decoder_matches_lm_head_input, lm_head_gives_logits, teacher_force
 from ..models.loading import load_model, load_tokenizer
 from ..models.pairs import ModelSpec, eos_token_ids
@@ -304,14 +304,26 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     split |= {"response_seed": cfg.response_seed} if cfg.response_seed is not None else {}
     split |= {k: [p.id for p in v] for k, v in sets.items()}
     split_path = folder / "split.json"
-    if split_path.exists() and json.loads(split_path.read_text()) != split:
+    recorded = json.loads(split_path.read_text()) if split_path.exists() else None
+    if recorded is not None and {k: v for k, v in recorded.items() if k != "target_fingerprint"} != split:
         raise ValueError(
             f"{split_path} records another prompt split, seed or batching than this config's; point work_dir "
             "elsewhere or delete the responses folder to start over."
         )
+    model = load_model(cfg.target)
+    # Which target wrote the shards (pools written before this was recorded are taken as they are).
+    split["target_fingerprint"] = model_fingerprint(model)
+    if (
+        recorded is not None
+        and recorded.get("target_fingerprint", split["target_fingerprint"]) != split["target_fingerprint"]
+    ):
+        raise ValueError(
+            f"{split_path}: its response shards were written by another target (fingerprint "
+            f"{recorded['target_fingerprint']}) than {cfg.target.path!r} ({split['target_fingerprint']}); their "
+            f"features, vocabulary and checkpoints would train a draft for that model. Point work_dir elsewhere."
+        )
     folder.mkdir(parents=True, exist_ok=True)
     split_path.write_text(json.dumps(split) + "\n")
-    model = load_model(cfg.target)
     eos = eos_token_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     step_fn = None
