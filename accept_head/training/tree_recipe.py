@@ -433,9 +433,14 @@ def _prompt_sets(specdec: SpecDecPP, prompts, check_prompts, options: PromptOpti
     """The encoded training and check prompt sets; ValueError when they share a prompt."""
     train_set = options.encode("tree-train", prompts, specdec.tokenizer, seed)
     check_set = options.encode("tree-check", check_prompts, specdec.tokenizer, seed)
-    overlap = {p.id for p in train_set.prompts} & {p.id for p in check_set.prompts}
+    # By tokens, not ids: the same file under another `name` gives the same prompts other ids.
+    check_ids = {tuple(p.ids) for p in check_set.prompts}
+    overlap = [p.id for p in train_set.prompts if tuple(p.ids) in check_ids]
     if overlap:
-        raise ValueError(f"training and check prompts overlap ({sorted(overlap)[:3]} ...): use disjoint offsets.")
+        raise ValueError(
+            f"training and check prompts overlap ({len(overlap)} shared, e.g. {sorted(overlap)[:3]}): use disjoint "
+            "offsets or hash splits of the same source."
+        )
     return train_set, check_set
 
 
