@@ -18,6 +18,7 @@ import shutil
 import statistics
 import sysconfig
 import time
+import warnings
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -39,7 +40,7 @@ from ..core.records import machine_info, write_json
 from ..models.drafters import ModelDrafter
 from ..models.feature_draft import FeatureDraft, FeatureDraftConfig, FeatureDrafter, model_fingerprint
 from ..models.features import decoder_matches_lm_head_input, lm_head_gives_logits, teacher_force
-from ..models.loading import load_model, load_tokenizer
+from ..models.loading import load_model, load_tokenizer, weights_digest
 from ..models.pairs import ModelSpec, eos_token_ids
 from .draft_recipe import (
     expand,
@@ -706,6 +707,43 @@ def _initial_draft(cfg: FeatureDraftRecipe, target: torch.nn.Module) -> FeatureD
     return draft
 
 
+def _check_checkpoint_origin(cfg: FeatureDraftRecipe, work: Path) -> None:
+    """Record where a fresh fit starts (``checkpoints/origin.json``: ``init_draft`` and its weights' digest, or the
+    target's weights) and refuse to resume a ``last.ckpt`` that started elsewhere: resuming it would export that run's
+    weights, trained on, while this config names another starting point (its ``init_draft`` silently unused)."""
+    origin = {"init_draft": None, "weights": None}
+    if cfg.init_draft is not None:
+        origin = {
+            "init_draft": str(expand(cfg.init_draft).resolve()),
+            "weights": weights_digest(expand(cfg.init_draft)),
+        }
+    folder = work / "checkpoints"
+    path = folder / "origin.json"
+    if not (folder / "last.ckpt").exists():
+        folder.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(origin) + "\n")
+        return
+    if not path.exists():  # a checkpoint of an earlier version: where it started is unknown
+        if cfg.init_draft is not None:
+            warnings.warn(
+                f"{folder / 'last.ckpt'} is resumed; init_draft={cfg.init_draft!r} is not read (the checkpoint's "
+                "weights win). If that checkpoint is another run's, point work_dir elsewhere.",
+                stacklevel=2,
+            )
+        return
+    recorded = json.loads(path.read_text())
+    if recorded != origin:
+        then = recorded["init_draft"] or "the target's weights"
+        now = origin["init_draft"] or "the target's weights"
+        if recorded["init_draft"] == origin["init_draft"]:
+            now += " (retrained in place since)"
+        raise ValueError(
+            f"{folder / 'last.ckpt'} belongs to a fit that started from {then}, but this config starts from {now} "
+            f"(init_draft={cfg.init_draft!r}): resuming would export that run's weights and never read init_draft. "
+            f"Point work_dir elsewhere (each continuation its own), or move {folder} away to start over."
+        )
+
+
 def fit(cfg: FeatureDraftRecipe) -> Path:
     """Stage 3: train the draft and export it (see :func:`fit_until`)."""
     return fit_until(cfg, None)
@@ -723,6 +761,7 @@ def fit_until(cfg: FeatureDraftRecipe, deadline: float | None) -> Path:
     device = "cpu" if cfg.accelerator == "cpu" else "cuda"
     target = load_model(dataclasses.replace(cfg.target, device=device))  # the draft reads its input embedding
     start = _initial_draft(cfg, target)
+    _check_checkpoint_origin(cfg, work)
     kept = _kept_ids(cfg) if start is None else start.kept_ids
     train_paths, val_paths = _fit_paths(cfg), _feature_paths(cfg, "eval")
     loss_from = cfg.loss_from if cfg.loss_from is not None else _common_prefix(train_paths[:4])
