@@ -708,7 +708,7 @@ def _initial_draft(cfg: FeatureDraftRecipe, target: torch.nn.Module) -> FeatureD
 
 
 def _check_checkpoint_origin(cfg: FeatureDraftRecipe, work: Path) -> None:
-    """Record where a fresh fit starts (``checkpoints/origin.json``: ``init_draft`` and its weights' digest, or the
+    """Record where a fresh fit starts (``<work_dir>/fit_origin.json``: ``init_draft`` and its weights' digest, or the
     target's weights) and refuse to resume a ``last.ckpt`` that started elsewhere: resuming it would export that run's
     weights, trained on, while this config names another starting point (its ``init_draft`` silently unused)."""
     origin = {"init_draft": None, "weights": None}
@@ -718,9 +718,9 @@ def _check_checkpoint_origin(cfg: FeatureDraftRecipe, work: Path) -> None:
             "weights": weights_digest(expand(cfg.init_draft)),
         }
     folder = work / "checkpoints"
-    path = folder / "origin.json"
+    path = work / "fit_origin.json"  # beside, not in, checkpoints/: that holds last.ckpt alone
     if not (folder / "last.ckpt").exists():
-        folder.mkdir(parents=True, exist_ok=True)
+        work.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(origin) + "\n")
         return
     if not path.exists():  # a checkpoint of an earlier version: where it started is unknown
