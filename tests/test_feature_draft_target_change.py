@@ -34,3 +34,19 @@ def test_responses_refuse_a_pool_of_another_target(tmp_path, monkeypatch) -> Non
     config.write_text(yaml.safe_dump(cfg))
     with pytest.raises(ValueError, match="another target"):
         run_cli("responses", "--config", str(config))
+
+
+def test_responses_refuse_features_left_by_a_deleted_pool(tmp_path, monkeypatch) -> None:
+    """Deleting only the responses folder (what a refused rerun used to advise) left the old pool's feature shards,
+    which `features` skipped and `fit` trained on; the new pool is refused until they are gone."""
+    import shutil
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    config = tiny_recipe(tmp_path, "work", max_prompts=4, samples_per_prompt=1, max_new_tokens=4)
+    run_cli("responses", "--config", str(config))
+    run_cli("features", "--config", str(config))
+    shutil.rmtree(tmp_path / "work" / "responses")
+    with pytest.raises(ValueError, match="feature shards"):
+        run_cli("responses", "--config", str(tiny_recipe(tmp_path, "work", max_prompts=4, seed=1, max_new_tokens=4)))
+    shutil.rmtree(tmp_path / "work" / "features")
+    run_cli("responses", "--config", str(config))

@@ -309,7 +309,14 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     if recorded is not None and {k: v for k, v in recorded.items() if k != "target_fingerprint"} != split:
         raise ValueError(
             f"{split_path} records another prompt split, seed or batching than this config's; point work_dir "
-            "elsewhere or delete the responses folder to start over."
+            f"elsewhere, or delete {_pool_files(cfg)} to start over."
+        )
+    stale = sorted((expand(cfg.work_dir) / "features").glob("*.safetensors"))
+    if recorded is None and stale:  # features of a pool whose responses are gone: `features` would keep them
+        raise ValueError(
+            f"{stale[0].parent} holds {len(stale)} feature shards but {folder} no responses plan: they belong to an "
+            f"earlier pool and would be trained on beside (or instead of) the new one. Point work_dir elsewhere, or "
+            f"delete {_pool_files(cfg)} to start over."
         )
     model = load_model(cfg.target)
     # Which target wrote the shards (pools written before this was recorded are taken as they are).
@@ -367,6 +374,13 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     print(f"[responses] {meta['tokens']} tokens written at {meta['tokens_per_second']:.0f} tok/s", flush=True)
     return meta
+
+
+def _pool_files(cfg: FeatureDraftRecipe) -> str:
+    """What a new pool in ``work_dir`` must not find there: the responses, their features, the vocabulary and the
+    checkpoints trained on them."""
+    work = expand(cfg.work_dir)
+    return ", ".join(str(work / name) for name in ("responses", "features", "vocab.json", "checkpoints"))
 
 
 def responses_to_dataset(cfg: FeatureDraftRecipe, output_dir: str | None = None, generate: bool = True) -> dict:
