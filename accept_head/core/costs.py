@@ -137,11 +137,17 @@ def latency_per_token(t_draft: float, t_target: float, verification_rate: float,
 
 
 def fit_linear(ks: Sequence[float], times: Sequence[float]) -> tuple[float, float, float]:
-    """Least-squares fit times ≈ a + b·k; returns (a, b, R²)."""
+    """Least-squares fit times ≈ a + b·k with b >= 0; returns (a, b, R²).
+
+    A pass over more tokens never costs less: a falling line is timing noise over a flat curve (a GPU, or a tiny model
+    on a CPU), and extrapolated to the tens of tokens a learning-free decoder's tree feeds it would price wide calls at
+    nothing or below nothing. Such a fit becomes the flat line through the mean (b = 0, R² = 0)."""
     from sklearn.linear_model import LinearRegression
 
     x, y = np.asarray(ks, dtype=np.float64)[:, None], np.asarray(times, dtype=np.float64)
     fit = LinearRegression().fit(x, y)
+    if fit.coef_[0] < 0:
+        return float(y.mean()), 0.0, 0.0
     return float(fit.intercept_), float(fit.coef_[0]), _r2(fit, x, y)
 
 
