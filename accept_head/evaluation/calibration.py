@@ -101,7 +101,8 @@ def offline_predictions(
         )
     device = next(draft.parameters()).device
     use_decoder = decoder_matches_lm_head_input(draft)
-    rows = range(len(data)) if max_rows is None else range(min(len(data), max_rows))
+    rows = held_out_rows(data, dataset, getattr(pair, "bundle_path", None))
+    rows = rows if max_rows is None else rows[:max_rows]
     probs: list[float] = []
     labels: list[float] = []
     confidence: list[float] = []
@@ -121,6 +122,28 @@ def offline_predictions(
         labels += torch.tensor(row["accept_prob"], dtype=torch.float32)[from_draft].tolist()
         confidence += torch.tensor(row["draft_logp"], dtype=torch.float32)[from_draft].exp().tolist()
     return probs, labels, confidence
+
+
+def held_out_rows(data, dataset: str, bundle_path: str | None) -> list[int]:
+    """Indices of the rows of ``data`` whose prompt the bundle's head did not train on: the ``train`` prompt ids of the
+    ``split.json`` that ``python -m train fit`` writes into the bundle folder are left out (every row when the bundle
+    has none). ValueError when nothing is left."""
+    split = Path(bundle_path) / "split.json" if bundle_path else None
+    trained = set()
+    if split is not None and split.is_file():
+        trained = {str(i) for i in json.loads(split.read_text()).get("train") or []}
+    rows = [i for i, prompt_id in enumerate(data["prompt_id"]) if str(prompt_id) not in trained]
+    if not rows:
+        raise ValueError(
+            f"Every prompt of --dataset={dataset!r} is one the bundle's head trained on ({split}): the offline view "
+            "would score it on its own training data. Pass labels of held-out prompts (e.g. the eval split) or leave "
+            "out --dataset."
+        )
+    if len(rows) < len(data):
+        print(
+            f"offline view: {len(data) - len(rows)} of {len(data)} rows of {dataset} left out: the head trained on them"
+        )
+    return rows
 
 
 @dataclass
