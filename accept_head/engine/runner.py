@@ -349,6 +349,12 @@ def tree_params(kind: str, params: dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"method {kind!r} does not take parameters {unknown}; it takes {sorted(allowed)}.")
     full = {name: params.get(name, signature[name].default) for name in TREE_PARAMS[kind]}
     full |= {name: value for name, value in params.items() if name not in full}
+    stop = full.get("stop")
+    if stop is not None and not all(callable(getattr(stop, m, None)) for m in ("start", "select", "observe")):
+        raise ValueError(
+            f"{kind} parameter stop={stop!r} must be a RowStop object (e.g. AdaptiveRowStop), given from code; a "
+            "config cannot build one: leave stop out, or compare the adaptive stop with `python -m eval free_stop`."
+        )
     for name, value in full.items():  # flags must be flags: a YAML typo like `context_ngrams: yes please` fails here
         default = signature[name].default if name in signature else None
         if isinstance(default, bool) and not isinstance(value, bool):
