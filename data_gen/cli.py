@@ -23,6 +23,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
+from accept_head.core.cli import user_errors
 from accept_head.labelgen.run import build_parser, parse_arguments, run
 
 
@@ -41,7 +42,7 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m data_gen") ->
     """Parse, run (generate, merge, join or responses) and return the dataset's meta dict; user errors exit with a
     one-line message."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    try:
+    with user_errors(prog):
         if argv[:1] == ["join"]:
             from accept_head.labelgen.join import join
 
@@ -55,9 +56,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m data_gen") ->
 
             return CLI(responses_to_dataset, args=argv[1:], as_positional=False, prog=f"{prog} responses")
         return run(parse_arguments(build_parser(prog), argv)[1])
-    except (ValueError, FileNotFoundError) as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from err
 
 
 def script() -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import sys
 from collections.abc import Sequence
 from dataclasses import fields
 
@@ -108,10 +107,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m eval"):
     one-line message. Returns what the command returns."""
     from jsonargparse import set_parsing_settings
 
+    from accept_head.core.cli import user_errors
+
     set_parsing_settings(docstring_parse_attribute_docstrings=True)
     functions = commands()
     parser = build_parser(functions, prog)
-    try:
+    with user_errors(prog):
         parsed = parser.parse_args(list(argv) if argv is not None else None)
         name = parsed.subcommand
         kwargs = dict(vars(parser.instantiate(parsed)[name]))
@@ -122,9 +123,6 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m eval"):
             if key in parameters:
                 kwargs[key] = options(**{f.name: kwargs.pop(f.name) for f in fields(options) if f.name in kwargs})
         return function(**kwargs)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"{prog}: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from err
 
 
 def script() -> None:

@@ -30,3 +30,10 @@ def test_fit_refuses_a_checkpoint_of_a_run_from_another_start(tmp_path, monkeypa
     with pytest.raises(ValueError, match="init_draft"):
         run_cli("fit", "--config", str(config))
     assert not (tmp_path / "next").exists()
+
+    # Another kept vocabulary beside that checkpoint: named, not a size mismatch deep in Lightning's restore.
+    cfg = yaml.safe_load(config.read_text())["cfg"] | {"kept_vocab": 16, "init_draft": None, "max_steps": 8}
+    cfg["output_dir"] = str(tmp_path / "work" / "draft")
+    config.write_text(yaml.safe_dump({"cfg": cfg}))
+    with pytest.raises(ValueError, match="kept_vocab"):
+        run_cli("fit", "--config", str(config))

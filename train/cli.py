@@ -13,16 +13,12 @@ The CLI is :func:`accept_head.training.cli.cli_main`; its YAML sections are desc
 
 from __future__ import annotations
 
-import sys
-
+from accept_head.core.cli import user_errors
 from accept_head.training.cli import cli_main
 
 
 def main() -> None:
     """Run the subcommand given on the command line (``python -m train`` and the ``accept-head-train`` script); a
     user error (a bad value, a missing or mismatched dataset) exits with one line naming it, as data_gen and eval do."""
-    try:
+    with user_errors("python -m train"):
         cli_main()
-    except (ValueError, FileNotFoundError) as err:
-        print(f"python -m train: error: {err}", file=sys.stderr)
-        raise SystemExit(2) from err

@@ -12,15 +12,15 @@ The stages and the ``cfg:`` keys are :mod:`accept_head.training.distill_recipe`'
 
 from __future__ import annotations
 
+from accept_head.core.cli import user_errors
 from accept_head.training.distill_recipe import evaluate, fit, generate, model_card
 
 
 def main() -> None:
     from jsonargparse import CLI
 
-    CLI(
-        [generate, fit, evaluate, model_card], as_positional=False, prog="python -m train.distill_draft"
-    )  # one subcommand per stage, by name
+    with user_errors("python -m train.distill_draft"):  # one subcommand per stage, by name
+        CLI([generate, fit, evaluate, model_card], as_positional=False, prog="python -m train.distill_draft")
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ The stages and the ``cfg:`` keys are :mod:`accept_head.training.feature_draft_re
 
 from __future__ import annotations
 
+from accept_head.core.cli import user_errors
 from accept_head.training.feature_draft_recipe import (
     ablate,
     bench_responses,
@@ -42,11 +43,9 @@ def main() -> None:
     from jsonargparse import CLI
 
     stages = [responses, text, features, vocab, fit, evaluate, model_card, ablate, bench_responses, progress]
-    CLI(
-        {"all": run_all} | {stage.__name__: stage for stage in stages},
-        as_positional=False,
-        prog="python -m train.feature_draft",
-    )  # subcommands by name
+    commands = {"all": run_all} | {stage.__name__: stage for stage in stages}  # subcommands by name
+    with user_errors("python -m train.feature_draft"):
+        CLI(commands, as_positional=False, prog="python -m train.feature_draft")
 
 
 if __name__ == "__main__":

@@ -5,13 +5,15 @@ python -m train.trees --config configs/trees/smollm2-135m.yaml
 
 from __future__ import annotations
 
+from accept_head.core.cli import user_errors
 from accept_head.training.tree_recipe import run
 
 
 def main() -> None:
     from jsonargparse import CLI
 
-    CLI(run, as_positional=False, prog="python -m train.trees")
+    with user_errors("python -m train.trees"):
+        CLI(run, as_positional=False, prog="python -m train.trees")
 
 
 if __name__ == "__main__":

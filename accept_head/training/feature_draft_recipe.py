@@ -723,8 +723,10 @@ def _initial_draft(cfg: FeatureDraftRecipe, target: torch.nn.Module) -> FeatureD
 
 def _check_checkpoint_origin(cfg: FeatureDraftRecipe, work: Path) -> None:
     """Record where a fresh fit starts (``<work_dir>/fit_origin.json``: ``init_draft`` and its weights' digest, or the
-    target's weights) and refuse to resume a ``last.ckpt`` that started elsewhere: resuming it would export that run's
-    weights, trained on, while this config names another starting point (its ``init_draft`` silently unused)."""
+    target's weights; the draft's shape, ``kept_vocab`` and ``train_lm_head``) and refuse to resume a ``last.ckpt``
+    that started elsewhere: resuming it would export that run's weights, trained on, while this config names another
+    starting point (its ``init_draft`` silently unused), or fail to load it into a draft of another shape."""
+    shape = {"kept_vocab": cfg.kept_vocab, "train_lm_head": cfg.train_lm_head}
     origin = {"init_draft": None, "weights": None}
     if cfg.init_draft is not None:
         origin = {
@@ -735,7 +737,7 @@ def _check_checkpoint_origin(cfg: FeatureDraftRecipe, work: Path) -> None:
     path = work / "fit_origin.json"  # beside, not in, checkpoints/: that holds last.ckpt alone
     if not (folder / "last.ckpt").exists():
         work.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(origin) + "\n")
+        path.write_text(json.dumps(origin | shape) + "\n")
         return
     if not path.exists():  # a checkpoint of an earlier version: where it started is unknown
         if cfg.init_draft is not None:
@@ -746,6 +748,13 @@ def _check_checkpoint_origin(cfg: FeatureDraftRecipe, work: Path) -> None:
             )
         return
     recorded = json.loads(path.read_text())
+    reshaped = {key: recorded[key] for key, value in shape.items() if recorded.get(key, value) != value}
+    if reshaped:
+        raise ValueError(
+            f"{folder / 'last.ckpt'} holds a draft of {reshaped}, but this config says "
+            f"{ {key: shape[key] for key in reshaped} }: point work_dir elsewhere, or move {folder} away to start over."
+        )
+    recorded = {key: recorded.get(key) for key in origin}
     if recorded != origin:
         then = recorded["init_draft"] or "the target's weights"
         now = origin["init_draft"] or "the target's weights"

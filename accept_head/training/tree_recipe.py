@@ -344,6 +344,7 @@ def run(
     if threads:
         torch.set_num_threads(threads)
     temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
+    _check_options(temperatures, max_nodes, cost_model)
     rule = ConfidenceTree(**{"width": 4, "top_k": 4, "max_depth": 5, "max_nodes": 48, **(collect or {})})
     folder = Path(output_dir)
     specdec = SpecDecPP.from_pretrained(bundle, **({"dtype": dtype} if dtype else {}))
@@ -442,6 +443,26 @@ def _prompt_sets(specdec: SpecDecPP, prompts, check_prompts, options: PromptOpti
             "offsets or hash splits of the same source."
         )
     return train_set, check_set
+
+
+def _check_options(temperatures: list[float], max_nodes: int, cost_model: str) -> None:
+    """ValueError (FileNotFoundError for ``cost_model``) naming a bad option of :func:`run` before any model loads:
+    each temperature finite and >= 0, one per mode (greedy, sampled: two sampled ones would share the mode's models
+    and results, the later overwriting the earlier), ``max_nodes`` >= 1, ``cost_model`` ``bundle`` or a file."""
+    for temperature in temperatures:
+        SamplingConfig(temperature)
+    modes = [tree_mode(t == 0) for t in temperatures]
+    if not temperatures or len(set(modes)) < len(modes):
+        raise ValueError(
+            f"temperatures={temperatures} must name each mode at most once (0 for greedy, one T > 0 for sampled): "
+            "the tree models and results are kept per mode. Run again with another output_dir for another T."
+        )
+    if max_nodes < 1:
+        raise ValueError(f"max_nodes={max_nodes} must be >= 1 (the largest tree priced offline).")
+    if cost_model != "bundle" and not Path(cost_model).is_file():
+        raise FileNotFoundError(
+            f"cost_model={cost_model!r} is neither 'bundle' nor a file: pass a costs.json of `python -m eval costs`."
+        )
 
 
 def _cost_model(specdec: SpecDecPP, cost_model: str) -> CostModel:

@@ -13,7 +13,10 @@ Four measurements, bf16 (the bundle's dtype), each printed and written to ``--ou
    static and compiled, interleaved prompt by prompt, tokens/s.
 4. **Round anatomy**: chain SpecDec++ and the head tree (``bundle.generate(tree=True)``), greedy, with forward hooks
    timing every target and draft forward: model time vs the rest (sampling, verification, cache and mask
-   bookkeeping, host reads, the acceptance head), per round.
+   bookkeeping, host reads, the acceptance head), per round. ``--round_runtimes eager,compiled`` adds chain rounds
+   over a compiled target (and its copying chain, ``copies``): there the target's time is its
+   :class:`~accept_head.models.static_target.StaticTarget` passes' (``forward``, ``tree_forward``), the prompt's
+   eager prefill included, and the passes' widths are counted as fed and as padded.
 
 Prompts: the three built-in prompts of ``python -m accept_head chat`` (they choose nothing).
 """
@@ -24,6 +27,7 @@ import argparse
 import json
 import statistics
 import time
+from collections import Counter
 from contextlib import ExitStack, contextmanager
 
 import torch
@@ -161,32 +165,84 @@ def method_clock(owner: object, name: str, spent: dict, key: str):
         delattr(owner, name)  # the instance attribute goes; the class's method shows through again
 
 
-def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int) -> dict:
-    """Per decoding mode (chain, tree): model time vs the rest, per round (greedy). The draft's forward includes
-    its LM head, which the drafters call outside the module's ``forward`` (on the kept vocabulary), and a feature
-    draft's drafting calls (``FeatureDraft.extend``: the lean layer calls no module's ``forward``)."""
+@contextmanager
+def pass_clock(spent: dict, widths: list[int]):
+    """Add the wall time of every :class:`StaticTarget` pass (``forward``, ``tree_forward``) to ``spent["target"]``
+    and record each pass's width (tokens fed) in ``widths``."""
+    originals = {name: StaticTarget.__dict__[name] for name in ("forward", "tree_forward")}
+
+    def clocked(original):
+        def timed(self, ids, *args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return original(self, ids, *args, **kwargs)
+            finally:
+                spent["target"] += time.perf_counter() - began
+                widths.append(ids.shape[1])
+
+        return timed
+
+    for name, original in originals.items():
+        setattr(StaticTarget, name, clocked(original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(StaticTarget, name, original)
+
+
+def padded_width(width: int) -> int:
+    """The width a :class:`StaticTarget` pass of ``width`` tokens runs at (its compiled widths)."""
+    return next((w for w in static_target.WIDTHS if w >= width), width)
+
+
+ROUND_MODES = {
+    "chain": {"tree": False, "context_row": 0},
+    "tree": {"tree": True},
+    "chain_copies": {"tree": False, "context_row": 4},
+}
+"""The decoding modes the round anatomy times: chain SpecDec++ alone, the head tree (the bundle's tree settings), chain
+SpecDec++ with four tokens copied from the text beside each chain."""
+
+
+def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int, runtime: str = "eager") -> dict:
+    """Per decoding mode (:data:`ROUND_MODES`; over a static or compiled target only the chains): model time vs the
+    rest, per round (greedy). The draft's forward includes its LM head, which the drafters call outside the module's
+    ``forward`` (on the kept vocabulary), and a feature draft's drafting calls (``FeatureDraft.extend``: the lean
+    layer calls no module's ``forward``). Over a static or compiled target the target's time is its passes' (the
+    prompt's prefill included) and the passes' widths are recorded, fed and padded."""
     draft_module = bundle.draft
     result = {}
-    for mode in ("chain", "tree"):
-        bundle.generate(prompts[0], max_new_tokens=8, temperature=0, tree=mode == "tree")  # warm-up
+    modes = ROUND_MODES if runtime == "eager" else {k: v for k, v in ROUND_MODES.items() if not v["tree"]}
+    for mode, options in modes.items():
+        options = options | ({} if runtime == "eager" else {"target_runtime": runtime})
+        for ids in prompts:  # warm-up: a compiled target compiles the widths these prompts' rounds use
+            bundle.generate(ids, max_new_tokens=tokens, temperature=0, **options)
         total = rounds = generated = head = 0.0
         # The LM head over the kept ids, the module every drafter of this draft multiplies by.
         rows = draft_module.support_rows()[1] if hasattr(draft_module, "support_rows") else draft_module.lm_head
         modules = {"target": bundle.target, "draft": draft_module, "draft_head": rows}
+        widths: list[int] = []
+        decoding: list[int] = []  # the widths of the passes after each prompt's prefill
         with forward_clock(modules) as spent, ExitStack() as stack:
             if hasattr(draft_module, "extend"):
                 stack.enter_context(method_clock(draft_module, "extend", spent, "draft"))
+            stack.enter_context(pass_clock(spent, widths))
             for ids in prompts:
+                start = len(widths)
                 began = time.perf_counter()
-                out = bundle.generate(ids, max_new_tokens=tokens, temperature=0, tree=mode == "tree")
+                out = bundle.generate(ids, max_new_tokens=tokens, temperature=0, **options)
                 total += time.perf_counter() - began
+                decoding += widths[start + 1 :]
                 rounds += len(out.stats.accepted)
                 generated += out.stats.generated
                 head += out.stats.head_time
         draft = spent["draft"] + spent["draft_head"]
         other = total - spent["target"] - draft
-        result[mode] = {
+        key = mode if runtime == "eager" else f"{mode}_{runtime}"
+        result[key] = {
             "rounds": rounds,
+            "tokens_per_round": generated / rounds,
             "tokens_per_second": generated / total,
             "ms_per_round": {
                 "total": 1e3 * total / rounds,
@@ -198,10 +254,16 @@ def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int) -> d
             },
             "everything_else_share": other / total,
         }
-        ms = result[mode]["ms_per_round"]
+        if decoding:
+            result[key]["pass_widths"] = {
+                "fed": dict(sorted(Counter(decoding).items())),
+                "padded": dict(sorted(Counter(padded_width(w) for w in decoding).items())),
+            }
+        ms = result[key]["ms_per_round"]
         print(
-            f"{mode}: {rounds:.0f} rounds, {ms['total']:.1f} ms/round = target {ms['target_forwards']:.1f} + draft "
-            f"{ms['draft_forwards']:.1f} + other {ms['everything_else']:.1f} ({100 * other / total:.1f}% other)",
+            f"{key}: {rounds:.0f} rounds, {generated / rounds:.2f} tokens/round, {generated / total:.1f} tok/s, "
+            f"{ms['total']:.1f} ms/round = target {ms['target_forwards']:.1f} + draft {ms['draft_forwards']:.1f} "
+            f"+ other {ms['everything_else']:.1f} ({100 * other / total:.1f}% other)",
             flush=True,
         )
     return result
@@ -215,6 +277,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--context", type=int, default=128)
     ap.add_argument("--runtimes", default="eager,static,compiled")
+    ap.add_argument("--round_runtimes", default="eager", help="the round anatomy's target runtimes: eager,compiled")
     ap.add_argument("--skip", default="", help="comma-separated parts to skip: widths,head,autoregressive,rounds")
     ap.add_argument("--output", default="eval_out/cpu_decode_profile.json")
     ap.add_argument("--inductor_options", default="default", help="JSON replacing the defaults, e.g. '{}'")
@@ -229,7 +292,9 @@ def main() -> None:
     payload = {"machine": machine_info(), "bundle": args.bundle, "dtype": str(next(target.parameters()).dtype)}
     payload["settings"] = vars(args)
     if "rounds" not in skip:
-        payload["rounds"] = round_anatomy(bundle, prompts, args.tokens)
+        payload["rounds"] = {}
+        for runtime in args.round_runtimes.split(","):
+            payload["rounds"] |= round_anatomy(bundle, prompts, args.tokens, runtime)
     if "head" not in skip:
         payload["lm_head"] = lm_head_rows(target, args.repeats * 5)
     if "widths" not in skip:
