@@ -176,10 +176,10 @@ def lookahead_generate(
 ) -> GenerationResult:
     """Lossless Lookahead decoding with window W = ``window``, N-gram size N = ``ngram`` and guess-set size
     G = ``guess_set`` (see the module docstring); ``seed`` picks the prompt tokens that seed the window. Each step
-    feeds W·(N − 1) window tokens once the window is full (while it fills, more or fewer) plus at most G·(N − 1) guesses. ``stop`` (a
-    :class:`~accept_head.trees.verify.RowStop`) chooses how much of each guess to verify (the window is always fed)
-    and sees every verification pass. Returns the sequences and :class:`~accept_head.trees.verify.TreeDecodeStats`
-    (``proposed`` / ``accepted``: the winning guess)."""
+    feeds W·(N − 1) window tokens once the window is full (while it fills, more or fewer) plus at most G·(N − 1)
+    guesses. ``stop`` (a :class:`~accept_head.trees.verify.RowStop`) chooses how much of each guess to verify (the
+    window is always fed) and sees every verification pass. Returns the sequences and
+    :class:`~accept_head.trees.verify.TreeDecodeStats` (``proposed`` / ``accepted``: the winning guess)."""
     check_lookahead_params(window, ngram, guess_set)
     sampling = SamplingConfig(temperature, top_k, top_p)
     pool = _checked_pool(target, pool, ngram, guess_set)

@@ -304,34 +304,9 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     split |= {"slots": cfg.slots} if cfg.slots else {}  # slots draw other samples: never mixed with batch shards
     split |= {"response_seed": cfg.response_seed} if cfg.response_seed is not None else {}
     split |= {k: [p.id for p in v] for k, v in sets.items()}
-    split_path = folder / "split.json"
-    recorded = json.loads(split_path.read_text()) if split_path.exists() else None
-    if recorded is not None and {k: v for k, v in recorded.items() if k != "target_fingerprint"} != split:
-        raise ValueError(
-            f"{split_path} records another prompt split, seed or batching than this config's; point work_dir "
-            f"elsewhere, or delete {_pool_files(cfg)} to start over."
-        )
-    stale = sorted((expand(cfg.work_dir) / "features").glob("*.safetensors"))
-    if recorded is None and stale:  # features of a pool whose responses are gone: `features` would keep them
-        raise ValueError(
-            f"{stale[0].parent} holds {len(stale)} feature shards but {folder} no responses plan: they belong to an "
-            f"earlier pool and would be trained on beside (or instead of) the new one. Point work_dir elsewhere, or "
-            f"delete {_pool_files(cfg)} to start over."
-        )
+    recorded = _check_pool(cfg, folder, split)
     model = load_model(cfg.target)
-    # Which target wrote the shards (pools written before this was recorded are taken as they are).
-    split["target_fingerprint"] = model_fingerprint(model)
-    if (
-        recorded is not None
-        and recorded.get("target_fingerprint", split["target_fingerprint"]) != split["target_fingerprint"]
-    ):
-        raise ValueError(
-            f"{split_path}: its response shards were written by another target (fingerprint "
-            f"{recorded['target_fingerprint']}) than {cfg.target.path!r} ({split['target_fingerprint']}); their "
-            f"features, vocabulary and checkpoints would train a draft for that model. Point work_dir elsewhere."
-        )
-    folder.mkdir(parents=True, exist_ok=True)
-    split_path.write_text(json.dumps(split) + "\n")
+    _record_pool(cfg, folder, split, recorded, model)
     eos = eos_token_ids(tokenizer, model)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos[0]
     step_fn = None
@@ -374,6 +349,40 @@ def responses_until(cfg: FeatureDraftRecipe, deadline: float | None) -> dict:
     meta_path.write_text(json.dumps(meta, indent=2) + "\n")
     print(f"[responses] {meta['tokens']} tokens written at {meta['tokens_per_second']:.0f} tok/s", flush=True)
     return meta
+
+
+def _check_pool(cfg: FeatureDraftRecipe, folder: Path, split: dict) -> dict | None:
+    """The pool's recorded ``split.json`` (None for a new pool) after refusing a pool of another plan (``split``:
+    what fixes the shards' rows and draws) and a new pool beside an earlier pool's feature shards."""
+    split_path = folder / "split.json"
+    recorded = json.loads(split_path.read_text()) if split_path.exists() else None
+    if recorded is not None and {k: v for k, v in recorded.items() if k != "target_fingerprint"} != split:
+        raise ValueError(
+            f"{split_path} records another prompt split, seed or batching than this config's; point work_dir "
+            f"elsewhere, or delete {_pool_files(cfg)} to start over."
+        )
+    stale = sorted((expand(cfg.work_dir) / "features").glob("*.safetensors"))
+    if recorded is None and stale:  # features of a pool whose responses are gone: `features` would keep them
+        raise ValueError(
+            f"{stale[0].parent} holds {len(stale)} feature shards but {folder} no responses plan: they belong to an "
+            f"earlier pool and would be trained on beside (or instead of) the new one. Point work_dir elsewhere, or "
+            f"delete {_pool_files(cfg)} to start over."
+        )
+    return recorded
+
+
+def _record_pool(cfg: FeatureDraftRecipe, folder: Path, split: dict, recorded: dict | None, model) -> None:
+    """Write the pool's ``split.json`` (``split`` and the fingerprint of the target ``model`` that writes it), after
+    refusing a pool another target wrote (pools written before the fingerprint was recorded are taken as they are)."""
+    split["target_fingerprint"] = model_fingerprint(model)
+    if (recorded or {}).get("target_fingerprint", split["target_fingerprint"]) != split["target_fingerprint"]:
+        raise ValueError(
+            f"{folder / 'split.json'}: its response shards were written by another target (fingerprint "
+            f"{recorded['target_fingerprint']}) than {cfg.target.path!r} ({split['target_fingerprint']}); their "
+            f"features, vocabulary and checkpoints would train a draft for that model. Point work_dir elsewhere."
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "split.json").write_text(json.dumps(split) + "\n")
 
 
 def _pool_files(cfg: FeatureDraftRecipe) -> str:

@@ -343,8 +343,7 @@ def run(
     """
     if threads:
         torch.set_num_threads(threads)
-    temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
-    _check_options(temperatures, max_nodes, cost_model)
+    temperatures = _checked_options(temperatures, max_nodes, cost_model)
     rule = ConfidenceTree(**{"width": 4, "top_k": 4, "max_depth": 5, "max_nodes": 48, **(collect or {})})
     folder = Path(output_dir)
     specdec = SpecDecPP.from_pretrained(bundle, **({"dtype": dtype} if dtype else {}))
@@ -445,10 +444,12 @@ def _prompt_sets(specdec: SpecDecPP, prompts, check_prompts, options: PromptOpti
     return train_set, check_set
 
 
-def _check_options(temperatures: list[float], max_nodes: int, cost_model: str) -> None:
-    """ValueError (FileNotFoundError for ``cost_model``) naming a bad option of :func:`run` before any model loads:
-    each temperature finite and >= 0, one per mode (greedy, sampled: two sampled ones would share the mode's models
-    and results, the later overwriting the earlier), ``max_nodes`` >= 1, ``cost_model`` ``bundle`` or a file."""
+def _checked_options(temperatures: list[float] | None, max_nodes: int, cost_model: str) -> list[float]:
+    """:func:`run`'s temperatures (default [0, 1]), after a ValueError (FileNotFoundError for ``cost_model``) naming
+    a bad option, before any model loads: each temperature finite and >= 0, one per mode (greedy, sampled: two sampled
+    ones would share the mode's models and results, the later overwriting the earlier), ``max_nodes`` >= 1,
+    ``cost_model`` ``bundle`` or a file."""
+    temperatures = [0.0, 1.0] if temperatures is None else [float(t) for t in temperatures]
     for temperature in temperatures:
         SamplingConfig(temperature)
     modes = [tree_mode(t == 0) for t in temperatures]
@@ -463,6 +464,7 @@ def _check_options(temperatures: list[float], max_nodes: int, cost_model: str) -
         raise FileNotFoundError(
             f"cost_model={cost_model!r} is neither 'bundle' nor a file: pass a costs.json of `python -m eval costs`."
         )
+    return temperatures
 
 
 def _cost_model(specdec: SpecDecPP, cost_model: str) -> CostModel:

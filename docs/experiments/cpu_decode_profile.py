@@ -15,8 +15,9 @@ Four measurements, bf16 (the bundle's dtype), each printed and written to ``--ou
    timing every target and draft forward: model time vs the rest (sampling, verification, cache and mask
    bookkeeping, host reads, the acceptance head), per round. ``--round_runtimes eager,compiled`` adds chain rounds
    over a compiled target (and its copying chain, ``copies``): there the target's time is its
-   :class:`~accept_head.models.static_target.StaticTarget` passes' (``forward``, ``tree_forward``), the prompt's
-   eager prefill included, and the passes' widths are counted as fed and as padded.
+   :class:`~accept_head.models.static_target.StaticTarget` passes' (``forward``, ``tree_forward``) and the passes'
+   widths are counted as fed and as padded. In every runtime the target's time includes each prompt's first pass,
+   its prefill, which is also reported apart (``of_which_prefill``).
 
 Prompts: the three built-in prompts of ``python -m accept_head chat`` (they choose nothing).
 """
@@ -124,8 +125,9 @@ def autoregressive(target, prompts: list[list[int]], tokens: int, repeats: int, 
 
 @contextmanager
 def forward_clock(modules: dict[str, torch.nn.Module]):
-    """Sum the wall time of every forward of each module (outermost calls only)."""
-    spent = {name: 0.0 for name in modules}
+    """Sum the wall time of every forward of each module (outermost calls only); ``spent["target_calls"]`` lists the
+    target's calls' seconds in order."""
+    spent = {name: 0.0 for name in modules} | {"target_calls": []}
     handles = []
     for name, module in modules.items():
         began: list[float] = []
@@ -137,6 +139,8 @@ def forward_clock(modules: dict[str, torch.nn.Module]):
             start = began.pop()
             if not began:
                 spent[name] += time.perf_counter() - start
+                if name == "target":
+                    spent["target_calls"].append(time.perf_counter() - start)
 
         handles += [module.register_forward_pre_hook(pre), module.register_forward_hook(post)]
     try:
@@ -168,7 +172,7 @@ def method_clock(owner: object, name: str, spent: dict, key: str):
 @contextmanager
 def pass_clock(spent: dict, widths: list[int]):
     """Add the wall time of every :class:`StaticTarget` pass (``forward``, ``tree_forward``) to ``spent["target"]``
-    and record each pass's width (tokens fed) in ``widths``."""
+    and its seconds to ``spent["target_calls"]``, and record each pass's width (tokens fed) in ``widths``."""
     originals = {name: StaticTarget.__dict__[name] for name in ("forward", "tree_forward")}
 
     def clocked(original):
@@ -178,6 +182,7 @@ def pass_clock(spent: dict, widths: list[int]):
                 return original(self, ids, *args, **kwargs)
             finally:
                 spent["target"] += time.perf_counter() - began
+                spent["target_calls"].append(time.perf_counter() - began)
                 widths.append(ids.shape[1])
 
         return timed
@@ -224,16 +229,18 @@ def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int, runt
         modules = {"target": bundle.target, "draft": draft_module, "draft_head": rows}
         widths: list[int] = []
         decoding: list[int] = []  # the widths of the passes after each prompt's prefill
+        prefill = 0.0  # seconds of each prompt's first target pass
         with forward_clock(modules) as spent, ExitStack() as stack:
             if hasattr(draft_module, "extend"):
                 stack.enter_context(method_clock(draft_module, "extend", spent, "draft"))
             stack.enter_context(pass_clock(spent, widths))
             for ids in prompts:
-                start = len(widths)
+                start, calls = len(widths), len(spent["target_calls"])
                 began = time.perf_counter()
                 out = bundle.generate(ids, max_new_tokens=tokens, temperature=0, **options)
                 total += time.perf_counter() - began
                 decoding += widths[start + 1 :]
+                prefill += spent["target_calls"][calls]
                 rounds += len(out.stats.accepted)
                 generated += out.stats.generated
                 head += out.stats.head_time
@@ -247,6 +254,7 @@ def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int, runt
             "ms_per_round": {
                 "total": 1e3 * total / rounds,
                 "target_forwards": 1e3 * spent["target"] / rounds,
+                "of_which_prefill": 1e3 * prefill / rounds,
                 "draft_forwards": 1e3 * draft / rounds,
                 "of_which_draft_lm_head": 1e3 * spent["draft_head"] / rounds,
                 "everything_else": 1e3 * other / rounds,
@@ -262,7 +270,8 @@ def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int, runt
         ms = result[key]["ms_per_round"]
         print(
             f"{key}: {rounds:.0f} rounds, {generated / rounds:.2f} tokens/round, {generated / total:.1f} tok/s, "
-            f"{ms['total']:.1f} ms/round = target {ms['target_forwards']:.1f} + draft {ms['draft_forwards']:.1f} "
+            f"{ms['total']:.1f} ms/round = target {ms['target_forwards']:.1f} (prefill {ms['of_which_prefill']:.1f}) + "
+            f"draft {ms['draft_forwards']:.1f} "
             f"+ other {ms['everything_else']:.1f} ({100 * other / total:.1f}% other)",
             flush=True,
         )
