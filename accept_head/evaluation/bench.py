@@ -42,6 +42,7 @@ from ..models.pairs import ModelSpec
 from ..trees.labels import TreeModels
 from .common import (
     compare,
+    draft_held_out,
     fmt,
     interval_cell,
     output_folder,
@@ -323,6 +324,9 @@ class BenchSetup:
     """τ tuned on ``confidence_dataset`` (None without one, or when ``confidence_tau`` is given)."""
     folder: Path
     """Where bench.json and bench.png go."""
+    in_draft_held_out: list[str] = field(default_factory=list)
+    """Ids of the test prompts the draft's own recipe held out and chose its checkpoint on
+    (:func:`~.common.draft_held_out`): recorded in bench.json, warned about."""
 
 
 BENCH_ARGS = """
@@ -489,6 +493,7 @@ def load_bench(plan: BenchPlan) -> BenchSetup:
     test_set = plan.prompt_options.encode("test", plan.prompts, pair.tokenizer, plan.seed)
     val_set = plan.prompt_options.encode("validation", plan.validation_prompts, pair.tokenizer, plan.seed)
     check_disjoint(test_set, val_set)
+    in_draft_held_out = draft_held_out(pair, test_set, plan.prompt_options)
     cost, cost_source = resolve_cost_model(plan.cost_model, pair, plan.seed, plan.target_runtime)
     dataset_tau = None
     if plan.confidence_tau is None and plan.confidence_dataset is not None:
@@ -498,7 +503,17 @@ def load_bench(plan: BenchPlan) -> BenchSetup:
         plan.chain_context_row = int(getattr(pair.bundle, "context_row", 0) or 0)
     trees += with_bundle_tree_settings(plan.draft_tree_grid, pair.bundle)
     return BenchSetup(
-        pair, test_set, val_set, cost, cost_source, trees, trees_skipped, runner_options, dataset_tau, folder
+        pair,
+        test_set,
+        val_set,
+        cost,
+        cost_source,
+        trees,
+        trees_skipped,
+        runner_options,
+        dataset_tau,
+        folder,
+        in_draft_held_out,
     )
 
 
@@ -885,6 +900,7 @@ def write_bench(plan: BenchPlan, setup: BenchSetup, results: dict) -> dict:
         "machine": machine_info(),
         "pair": setup.pair.describe(),
         "prompts": test_set.describe(),
+        "test_prompts_in_draft_held_out": setup.in_draft_held_out,
         "validation_prompts": setup.val_set.describe(),
         "settings": {
             "max_new_tokens": plan.max_new_tokens,

@@ -18,6 +18,7 @@ from typing import TypeVar
 import torch
 
 from ..core.costs import CostModel
+from ..core.prompts import PromptOptions, PromptSet, PromptSource, chat_prompt_ids, load_prompts
 from ..engine.measure import measure_costs
 from ..engine.pair_loading import Pair, PairOptions, load_pair
 from ..engine.runner import MethodSummary
@@ -194,3 +195,36 @@ def load_target(options: PairOptions) -> Pair:
     spec.device = options.device or spec.device
     spec.dtype = options.dtype or spec.dtype
     return Pair(load_model(spec), None, load_tokenizer(spec), target_spec=spec)
+
+
+def draft_held_out(pair: Pair, prompt_set: PromptSet, options: PromptOptions) -> list[str]:
+    """The ids of the prompts of ``prompt_set`` (prompts a result is reported on) that the draft's own recipe held
+    out, with a warning naming them: a feature draft records its recipe's ``eval_prompts`` (``config.json``'s
+    ``extra.recipe``), on which the recipe's runs were compared and a checkpoint chosen, so a result on them is a
+    validation figure, not a test one. Drafts that record none give []; held-out sources that cannot be read from
+    here are skipped with a warning."""
+    recipe = (getattr(getattr(pair.draft, "config", None), "extra", None) or {}).get("recipe") or {}
+    if not recipe.get("eval_prompts"):
+        return []
+    try:
+        held = load_prompts(
+            [PromptSource(**s) for s in recipe["eval_prompts"]],
+            seed=recipe.get("seed", 0),
+            split_seed=recipe.get("split_seed", 0) or 0,
+        )
+    except (FileNotFoundError, ValueError) as err:
+        warnings.warn(f"the draft's held-out prompts could not be read ({err}); not checked against the test prompts.")
+        return []
+    mode, system = options.prompt_mode, options.system_prompt
+    held_ids = {tuple(chat_prompt_ids(pair.tokenizer, p.text, mode, system)) for p in held}
+    shared = [p.id for p in prompt_set.prompts if tuple(p.ids) in held_ids]
+    if shared:
+        warnings.warn(
+            f"{len(shared)} of the {len(prompt_set.prompts)} prompts of {prompt_set.name!r} (e.g. {shared[:3]}) are "
+            "among the prompts the draft's recipe held out and chose its checkpoint on (its config.json, "
+            "extra.recipe.eval_prompts): results on them are not test results. Choose prompts outside them, e.g. "
+            "past the recipe's per-source limit of each `eval` split (configs/eval/bench-clean.yaml does so for the "
+            "embedded pair).",
+            stacklevel=2,
+        )
+    return shared

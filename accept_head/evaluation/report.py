@@ -40,7 +40,7 @@ from ..models.pairs import ModelSpec
 from ..trees.labels import TreeModels
 from .bench import add_comparison_drafts, with_bundle_tree_settings
 from .calibration import CALIBRATION_HEADER, calibration_rows, calibration_views, reliability_panels
-from .common import output_folder, ratio, ratios, ratios_to, resolve_cost_model, with_args_doc
+from .common import draft_held_out, output_folder, ratio, ratios, ratios_to, resolve_cost_model, with_args_doc
 from .plots import costs_plot, pareto_plot
 from .report_page import TRAINING_FREE, render_markdown
 from .sweep import run_sweep, sweep_table, temperature_key
@@ -462,6 +462,7 @@ def report_prompt_sets(plan: ReportPlan, pair: Pair) -> tuple[PromptOptions, dic
     val_set = prompt_options.encode("validation", val_sources, **(encode | {"limit": plan.validation_limit}))
     for prompt_set in sets.values():
         check_disjoint(prompt_set, val_set)
+        draft_held_out(pair, prompt_set, prompt_options)  # warns when the draft's recipe chose on them
     return prompt_options, sets, val_set
 
 
