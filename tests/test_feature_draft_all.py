@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 from pathlib import Path
 from time import monotonic
 from unittest import mock
@@ -23,23 +22,17 @@ import pytest
 import torch
 import yaml
 from tiny_models import make_llama, make_tokenizer
-from train_helpers import write_prompts
+from train_helpers import run_cli, write_prompts
 
 from accept_head import FixedK, autoregressive_generate, load_model, speculative_generate
 from accept_head.core.prompts import split_of
 from accept_head.training import feature_draft as feature_draft_module
 from accept_head.training import feature_draft_recipe as stages
 from accept_head.training import own_responses
-from train import feature_draft as recipe
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
 SOURCES = ("alpha", "beta", "gamma")
-
-
-def run_cli(*argv: str) -> None:
-    with mock.patch.object(sys, "argv", ["python -m train.feature_draft", *argv]):
-        recipe.main()
 
 
 def tiny_recipe(root: Path, work: str, **overrides) -> Path:

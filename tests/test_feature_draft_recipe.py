@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 from unittest import mock
 
@@ -27,13 +26,13 @@ import torch
 import yaml
 from safetensors.torch import load_file, save_file
 from tiny_models import make_llama, make_tokenizer
+from train_helpers import run_cli
 
 from accept_head import FixedK, autoregressive_generate, load_model, speculative_generate
 from accept_head.models.feature_draft import FeatureDraft
 from accept_head.models.features import lm_head_input
 from accept_head.models.pairs import ModelSpec
 from accept_head.training import feature_draft_recipe as stages
-from train import feature_draft as recipe
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore::DeprecationWarning")
 
@@ -51,11 +50,6 @@ SETTINGS = {
     "eval_steps": 3,
     "timing_rounds": 1,
 }
-
-
-def run_cli(*argv: str) -> None:
-    with mock.patch.object(sys, "argv", ["python -m train.feature_draft", *argv]):
-        recipe.main()
 
 
 def write_config(path: Path, cfg: dict) -> Path:
@@ -204,6 +198,11 @@ def test_text_stage_cuts_files_into_prompted_chunks_that_features_read_but_vocab
     assert sorted(s[0].tolist() for s in stored) == sorted(list(prompt) + ids[a : a + 70] for a in (0, 70))
     recipe_cfg = stages.FeatureDraftRecipe(**{**cfg, "target": ModelSpec(**cfg["target"])})
     assert all("text" not in p.name for p in stages._shards(recipe_cfg, "train"))
+
+    run_cli("text", "--config", str(write_config(tmp_path / "text.yaml", cfg)))  # finished: kept as it is
+    changed = dict(cfg, text_chunk=80)  # shards cut otherwise: refused, not reused as if they were the new ones
+    with pytest.raises(ValueError, match="text_chunk"):
+        run_cli("text", "--config", str(write_config(tmp_path / "text.yaml", changed)))
 
 
 def test_text_stage_writes_written_answers_of_training_prompts_only(run, tmp_path) -> None:

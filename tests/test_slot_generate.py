@@ -14,22 +14,19 @@ from __future__ import annotations
 
 import itertools
 import json
-import sys
 from pathlib import Path
-from unittest import mock
 
 import pytest
 import torch
 import yaml
 from stats_helpers import ALPHA, exact_joint, goodness_of_fit
 from tiny_models import make_llama, make_tokenizer, small_vocab_llama
-from train_helpers import write_prompts
+from train_helpers import run_cli, write_prompts
 
 from accept_head.models import slot_generate as slots_module
 from accept_head.models.slot_generate import sample_rows, slot_generate
 from accept_head.training import feature_draft_recipe as stages
 from accept_head.training import own_responses
-from train import feature_draft as recipe
 
 EOS = 3
 LENGTHS = (3, 9, 5, 12, 4, 7, 2, 10, 6, 5, 8)
@@ -274,11 +271,6 @@ def test_bad_settings_are_refused_naming_the_value(target, prompts) -> None:
         slot_generate(target, prompts, [True] * len(prompts), temperature=1.0, slots=0, **settings)
     with pytest.raises(ValueError, match="one `greedy` flag per prompt"):
         slot_generate(target, prompts, [True], temperature=1.0, **settings)
-
-
-def run_cli(*argv: str) -> None:
-    with mock.patch.object(sys, "argv", ["python -m train.feature_draft", *argv]):
-        recipe.main()
 
 
 def responses_config(root: Path, work: str, **overrides) -> Path:

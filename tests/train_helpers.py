@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import yaml
 from tiny_models import WORDS, make_llama, make_pair, make_tokenizer
@@ -121,3 +123,17 @@ def train_config(setup: TinySetup, run_dir: Path, *, stages: bool = True, **sect
 def write_config(config: dict[str, Any], path: Path) -> Path:
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     return path
+
+
+def run_cli(*argv: str) -> None:
+    """``python -m train.feature_draft`` with ``argv``; a user error it printed as one line is raised again, as the
+    ValueError or FileNotFoundError it was, for the test to match."""
+    from train import feature_draft
+
+    with mock.patch.object(sys, "argv", ["python -m train.feature_draft", *argv]):
+        try:
+            feature_draft.main()
+        except SystemExit as exit_:
+            if isinstance(exit_.__cause__, (ValueError, FileNotFoundError)):
+                raise exit_.__cause__ from None
+            raise

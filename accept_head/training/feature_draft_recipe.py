@@ -516,8 +516,10 @@ def text(cfg: FeatureDraftRecipe) -> dict:
     what was written."""
     out = expand(cfg.work_dir) / "text"
     done = out / "meta.json"
-    if done.exists() or not (cfg.text_sources or cfg.written_responses):
-        return json.loads(done.read_text()) if done.exists() else {"shards": 0, "tokens": 0}
+    if done.exists():
+        return _finished_text(cfg, done)
+    if not (cfg.text_sources or cfg.written_responses):
+        return {"shards": 0, "tokens": 0}
     for partial in _text_shards(cfg):  # a killed run's shards: written again, in the same order
         partial.unlink()
     stdlib = sysconfig.get_paths()["stdlib"]
@@ -566,6 +568,7 @@ def text(cfg: FeatureDraftRecipe) -> dict:
         per_source.append({"patterns": source.patterns, "tokens": written, "candidate_files": len(files)})
     answers = _written_answers(cfg, tokenizer, out) if cfg.written_responses else []
     meta = {"shards": shards, "tokens": sum(s["tokens"] for s in per_source), "sources": per_source}
+    meta["settings"] = _text_settings(cfg)
     if answers:
         meta |= {"written_shards": len(_text_shards(cfg)) - shards, "written": answers}
         meta["tokens"] += sum(s["tokens"] for s in answers)
@@ -575,6 +578,35 @@ def text(cfg: FeatureDraftRecipe) -> dict:
         f"{len(answers)} written-answer sources",
         flush=True,
     )
+    return meta
+
+
+def _text_settings(cfg: FeatureDraftRecipe) -> dict:
+    """What fixes the ``text`` stage's shards (recorded in its ``meta.json``)."""
+    return json.loads(
+        json.dumps(
+            {
+                "text_sources": [dataclasses.asdict(s) for s in cfg.text_sources],
+                "written_responses": [s.to_dict() for s in cfg.written_responses],
+                "eval_prompts": [s.to_dict() for s in cfg.eval_prompts],
+                **{key: getattr(cfg, key) for key in ("text_chunk", "seed", "split_seed", "max_prompt_tokens")},
+            }
+        )
+    )
+
+
+def _finished_text(cfg: FeatureDraftRecipe, done: Path) -> dict:
+    """A finished ``text`` stage's meta, after refusing shards written under other settings (which ``features`` would
+    teacher-force as they are); a meta of an earlier version, without settings, is taken as it is."""
+    meta = json.loads(done.read_text())
+    recorded, now = meta.get("settings"), _text_settings(cfg)
+    if recorded is not None and recorded != now:
+        differ = sorted(key for key in now if recorded.get(key) != now[key])
+        raise ValueError(
+            f"{done.parent} holds text shards written with another {', '.join(differ)} than this config's: delete "
+            f"{done.parent} and the text shards' features ({expand(cfg.work_dir) / 'features'}/*text*, "
+            "*written*) to write them again, or point work_dir elsewhere."
+        )
     return meta
 
 
