@@ -20,9 +20,10 @@ def test_fit_refuses_a_checkpoint_of_a_run_from_another_start(tmp_path, monkeypa
     run_cli("all", "--config", str(config))
     shutil.copytree(tmp_path / "work" / "draft", tmp_path / "first")
     cfg = yaml.safe_load(config.read_text())["cfg"]
-    cfg["max_steps"] = 6
+    cfg["max_steps"], cfg["lr"] = 6, cfg.get("lr", 1e-3) / 2
     config.write_text(yaml.safe_dump({"cfg": cfg}))
-    run_cli("fit", "--config", str(config))  # the same start: resumes to the longer schedule
+    with pytest.warns(UserWarning, match="lr=.* is not applied"):  # the checkpoint's optimizer keeps its own rate
+        run_cli("fit", "--config", str(config))  # the same start: resumes to the longer schedule
     assert json.loads((tmp_path / "work" / "draft" / "config.json").read_text())["extra"]["steps"] == 6
 
     cfg |= {"init_draft": str(tmp_path / "first"), "output_dir": str(tmp_path / "next"), "max_steps": 4}

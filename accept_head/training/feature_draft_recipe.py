@@ -768,6 +768,7 @@ def _check_checkpoint_origin(cfg: FeatureDraftRecipe, work: Path) -> None:
     that started elsewhere: resuming it would export that run's weights, trained on, while this config names another
     starting point (its ``init_draft`` silently unused), or fail to load it into a draft of another shape."""
     shape = {"kept_vocab": cfg.kept_vocab, "train_lm_head": cfg.train_lm_head}
+    schedule = {"lr": cfg.lr}
     origin = {"init_draft": None, "weights": None}
     if cfg.init_draft is not None:
         origin = {
@@ -778,7 +779,7 @@ def _check_checkpoint_origin(cfg: FeatureDraftRecipe, work: Path) -> None:
     path = work / "fit_origin.json"  # beside, not in, checkpoints/: that holds last.ckpt alone
     if not (folder / "last.ckpt").exists():
         work.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(origin | shape) + "\n")
+        path.write_text(json.dumps(origin | shape | {"schedule": schedule}) + "\n")
         return
     if not path.exists():  # a checkpoint of an earlier version: where it started is unknown
         if cfg.init_draft is not None:
@@ -789,6 +790,13 @@ def _check_checkpoint_origin(cfg: FeatureDraftRecipe, work: Path) -> None:
             )
         return
     recorded = json.loads(path.read_text())
+    if recorded.get("schedule", schedule) != schedule:
+        warnings.warn(
+            f"{folder / 'last.ckpt'} is resumed with the learning rate its optimizer saved "
+            f"(lr={recorded['schedule']['lr']}); this config's lr={cfg.lr} is not applied. Point work_dir elsewhere "
+            "(with init_draft) to train on at another rate.",
+            stacklevel=2,
+        )
     reshaped = {key: recorded[key] for key, value in shape.items() if recorded.get(key, value) != value}
     if reshaped:
         raise ValueError(
