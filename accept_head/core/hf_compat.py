@@ -65,6 +65,13 @@ def crop_cache(cache, length: int) -> None:
     cache.crop(length - current)
 
 
+def has_sliding_layers(cache) -> bool:
+    """Whether any layer of ``cache`` is a sliding-window layer (``is_sliding``): transformers builds one for every
+    layer its config marks sliding — ``config.layer_types``, or, without them, every layer when
+    ``config.sliding_window`` is set (Mistral, Mixtral, Phi-3, Starcoder2)."""
+    return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
+
+
 def keep_cache_positions(cache, keep: int, extra: Sequence[int]) -> None:
     """Keep the first ``keep`` positions of a ``DynamicCache`` followed by the positions ``extra``; drop the rest.
 

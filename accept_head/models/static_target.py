@@ -20,7 +20,11 @@ inductor's. The compiled graphs check before every call that no weight changed i
 
 Rolling back a rejected speculation is :meth:`StaticTarget.crop`: only the kept length moves (``StaticCache`` writes
 each pass at its running length, which ``crop`` moves back). Targets with sliding-window layers are refused (their
-static layers roll a window instead of keeping positions).
+static layers roll a window instead of keeping positions), whether ``config.layer_types`` names them or
+``config.sliding_window`` alone makes them (Mistral, Phi-3: transformers' ``StaticCache`` then builds sliding layers
+too). So are targets whose logits are not the LM head over the decoder's output (a scale or soft-capping after the
+head: Cohere, Granite, Gemma-2/3), since a pass here applies the head itself, and models whose attention does not run
+over a ``StaticCache`` at all (Falcon with ALiBi): their first pass fails, and the error says so.
 
 A token tree (a chain with rows copied from the text beside it, :mod:`~accept_head.trees.chain_copies`) runs through
 :meth:`StaticTarget.tree_forward`: the same padded, optionally compiled pass with an additive 4D mask over the whole
@@ -35,7 +39,8 @@ import bisect
 import torch
 from transformers import DynamicCache, StaticCache
 
-from ..core.hf_compat import cache_kwargs, move_positions, moved_positions
+from ..core.hf_compat import cache_kwargs, has_sliding_layers, move_positions, moved_positions
+from .features import logits_from_decoder
 from .row_linear import backend
 
 WIDTHS = (1, 2, 4, 8, 16)
@@ -109,24 +114,41 @@ class StaticTarget:
                 f"{type(model).__name__} exposes no separate decoder and LM head (get_decoder(), "
                 "get_output_embeddings()): decode it with target_runtime='eager'."
             )
+        sliding = (
+            f"{type(model).__name__} has sliding-window layers, which a StaticTarget does not roll back: decode it "
+            "with target_runtime='eager'."
+        )
         if "sliding_attention" in (getattr(model.config, "layer_types", None) or []):
-            raise ValueError(
-                f"{type(model).__name__} has sliding-window layers, which a StaticTarget does not roll back: decode it "
-                "with target_runtime='eager'."
-            )
+            raise ValueError(sliding)
         if max_length < 1:
             raise ValueError(f"max_length={max_length} must be >= 1 (the prompt plus the new tokens).")
+        if not logits_from_decoder(model):
+            raise ValueError(
+                f"{type(model).__name__}'s logits are not its LM head applied to its decoder's output (a scale or "
+                "soft-capping after the head, e.g. Cohere's logit_scale or Gemma-2's final_logit_softcapping), and a "
+                "StaticTarget applies the head itself: decode it with target_runtime='eager'."
+            )
         self.model, self.decoder, self.head = model, decoder, model.get_output_embeddings()
         self.compiled = compile
         self.capacity = capacity(max_length)
         parameter = next(model.parameters())
         self.slots = self.capacity + WIDTHS[-1]  # room for the padding of a pass that ends at the capacity
         self.cache = StaticCache(config=model.config, max_cache_len=self.slots)
+        if has_sliding_layers(self.cache):  # sliding_window without layer_types (Mistral, Phi-3, Starcoder2)
+            raise ValueError(sliding)
         self._cache_kwargs = cache_kwargs(decoder, self.cache)
-        with torch.no_grad():  # allocate the buffers at the shapes the model's attention writes (not the config's)
-            one = torch.zeros(1, 1, dtype=torch.long, device=parameter.device)
-            _decoder_pass(decoder, self._cache_kwargs, one, torch.zeros(1, dtype=torch.long, device=parameter.device))
-        self.cache.crop(-1)
+        # Allocate the buffers at the shapes the model's attention writes (not the config's), with a pass of two
+        # tokens: a model whose attention cannot run over a StaticCache fails here, not in the middle of a decode.
+        two = torch.zeros(1, 2, dtype=torch.long, device=parameter.device)
+        try:
+            with torch.no_grad():
+                _decoder_pass(decoder, self._cache_kwargs, two, torch.arange(2, device=parameter.device))
+        except (RuntimeError, IndexError) as error:
+            raise ValueError(
+                f"{type(model).__name__} cannot run over a preallocated StaticCache ({type(error).__name__}: "
+                f"{error}): decode it with target_runtime='eager'."
+            ) from error
+        self.cache.crop(-2)
         self.length = 0
         self._compiled = compiled_logits_pass() if compile else None
         self._compiled_tree = compiled_logits_pass(tree=True) if compile else None
