@@ -5,7 +5,8 @@ cannot — never a silent change of the output.
 * Gemma, Qwen3, Phi and GPT-2 targets decode their own greedy text over the static cache (float32).
 * A sliding window set by ``config.sliding_window`` alone (Mistral, Phi-3: no ``config.layer_types``) is refused as
   ``layer_types`` sliding layers are: transformers' ``StaticCache`` builds sliding layers for it, which the decoders'
-  roll-back cannot crop (before: a wrong greedy text, or an IndexError).
+  roll-back cannot crop (before: a wrong greedy text, or an IndexError). A window at least as long as the cache never
+  slides, and such a target still decodes its own greedy text over the static cache (Phi-3-mini's 2047).
 * Logits that are not the LM head over the decoder's output (Cohere's ``logit_scale``, Gemma-2's soft-capping with
   full-attention layers) are refused: the static pass applies the head itself, so at T > 0 it sampled another
   distribution (greedy output hid it, the transforms being monotone).
@@ -93,11 +94,18 @@ def phi3(seed: int = 0) -> torch.nn.Module:
     return build(hf.Phi3Config, hf.Phi3ForCausalLM, seed, sliding_window=4, **LLAMA_LIKE)
 
 
+def test_a_window_as_long_as_the_cache_is_kept() -> None:
+    target = build(hf.Phi3Config, hf.Phi3ForCausalLM, sliding_window=2047, **LLAMA_LIKE)
+    prompt = [5, 9, 10, 11, 40, 41, 12, 13, 14, 15, 16]
+    got = speculative_generate(target, noisy(target), prompt, FixedK(4), 20, temperature=0, target_runtime="static")
+    assert got.sequences[0].tolist() == greedy_reference(target, prompt, 20)
+
+
 @pytest.mark.parametrize("make", [mistral, phi3], ids=["mistral", "phi3"])
 def test_a_sliding_window_without_layer_types_is_refused(make) -> None:
     target = make()
     assert getattr(target.config, "layer_types", None) is None and target.config.sliding_window == 4
-    with pytest.raises(ValueError, match="has sliding-window layers, which a StaticTarget does not roll back"):
+    with pytest.raises(ValueError, match="has sliding-window layers.*which a StaticTarget does not roll back"):
         speculative_generate(target, noisy(target), [7], FixedK(4), 20, temperature=0, target_runtime="static")
     with pytest.raises(ValueError, match="target_runtime='eager'"):
         autoregressive_generate(target, [7], 4, temperature=0, target_runtime="static")

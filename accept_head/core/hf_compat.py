@@ -65,11 +65,16 @@ def crop_cache(cache, length: int) -> None:
     cache.crop(length - current)
 
 
-def has_sliding_layers(cache) -> bool:
-    """Whether any layer of ``cache`` is a sliding-window layer (``is_sliding``): transformers builds one for every
-    layer its config marks sliding — ``config.layer_types``, or, without them, every layer when
-    ``config.sliding_window`` is set (Mistral, Mixtral, Phi-3, Starcoder2)."""
-    return any(getattr(layer, "is_sliding", False) for layer in getattr(cache, "layers", ()))
+def has_uncroppable_sliding_layers(cache) -> bool:
+    """Whether a layer of ``cache`` is a sliding-window layer (``is_sliding``) that ``crop`` cannot roll back
+    (``is_croppable`` False: its window is shorter than the cache, so it rolls instead of keeping positions).
+    transformers builds one for every layer its config marks sliding — ``config.layer_types``, or, without them,
+    every layer when ``config.sliding_window`` is set (Mistral, Mixtral, Phi-3, Starcoder2). A version without
+    ``is_croppable`` counts every sliding layer."""
+    return any(
+        getattr(layer, "is_sliding", False) and not getattr(layer, "is_croppable", False)
+        for layer in getattr(cache, "layers", ())
+    )
 
 
 def keep_cache_positions(cache, keep: int, extra: Sequence[int]) -> None:

@@ -22,9 +22,11 @@ Rolling back a rejected speculation is :meth:`StaticTarget.crop`: only the kept 
 each pass at its running length, which ``crop`` moves back). Targets with sliding-window layers are refused (their
 static layers roll a window instead of keeping positions), whether ``config.layer_types`` names them or
 ``config.sliding_window`` alone makes them (Mistral, Phi-3: transformers' ``StaticCache`` then builds sliding layers
-too). So are targets whose logits are not the LM head over the decoder's output (a scale or soft-capping after the
-head: Cohere, Granite, Gemma-2/3), since a pass here applies the head itself, and models whose attention does not run
-over a ``StaticCache`` at all (Falcon with ALiBi): their first pass fails, and the error says so.
+too; those are kept when the window is at least the cache's length, since such a layer never slides: Phi-3-mini's
+2047 for requests of up to 1,792 positions). So are targets whose logits are not the LM head over the decoder's
+output (a scale or soft-capping after the head: Cohere, Granite, Gemma-2/3), since a pass here applies the head
+itself, and models whose attention does not run over a ``StaticCache`` at all (Falcon with ALiBi): their first pass
+fails, and the error says so.
 
 A token tree (a chain with rows copied from the text beside it, :mod:`~accept_head.trees.chain_copies`) runs through
 :meth:`StaticTarget.tree_forward`: the same padded, optionally compiled pass with an additive 4D mask over the whole
@@ -39,7 +41,7 @@ import bisect
 import torch
 from transformers import DynamicCache, StaticCache
 
-from ..core.hf_compat import cache_kwargs, has_sliding_layers, move_positions, moved_positions
+from ..core.hf_compat import cache_kwargs, has_uncroppable_sliding_layers, move_positions, moved_positions
 from .features import logits_from_decoder
 from .row_linear import backend
 
@@ -134,8 +136,12 @@ class StaticTarget:
         parameter = next(model.parameters())
         self.slots = self.capacity + WIDTHS[-1]  # room for the padding of a pass that ends at the capacity
         self.cache = StaticCache(config=model.config, max_cache_len=self.slots)
-        if has_sliding_layers(self.cache):  # sliding_window without layer_types (Mistral, Phi-3, Starcoder2)
-            raise ValueError(sliding)
+        if has_uncroppable_sliding_layers(self.cache):  # sliding_window without layer_types (Mistral, Phi-3, ...)
+            raise ValueError(  # (a window as long as the cache never slides: it keeps positions, and is kept)
+                f"{type(model).__name__} has sliding-window layers (sliding_window={model.config.sliding_window}) "
+                f"shorter than this StaticTarget's {self.slots} positions, which a StaticTarget does not roll back: "
+                "decode it with target_runtime='eager'."
+            )
         self._cache_kwargs = cache_kwargs(decoder, self.cache)
         # Allocate the buffers at the shapes the model's attention writes (not the config's), with a pass of two
         # tokens: a model whose attention cannot run over a StaticCache fails here, not in the middle of a decode.
