@@ -340,12 +340,20 @@ def test_copy_aware_chains_without_copies_are_refused(tiny) -> None:
     assert Runner(tiny["pair"], NEW_TOKENS, 0.0).decoder(MethodSpec("fixed_k", {"k": 3, "copy_k": 1, "context_row": 4}))
 
 
-def test_bench_refuses_a_bad_grid_entry_before_loading_any_model(tmp_path, capsys) -> None:
+@pytest.mark.parametrize(
+    ("grid", "message"),
+    [
+        ([{"k": 5, "w": 4}, {"k": 0, "w": 4}], "ngrammys[1]: k=0 must be an integer >= 1"),
+        # a tree decoder's stop is a RowStop object handed over from code, never a config value
+        ([{"k": 2, "stop": 0.5}], "ngrammys[0]: ngrammys parameter stop=0.5 must be a RowStop object"),
+    ],
+)
+def test_bench_refuses_a_bad_grid_entry_before_loading_any_model(tmp_path, capsys, grid, message) -> None:
     config = {
         "bundle": str(tmp_path / "no-such-bundle"),
         "prompts": [{"path": "humaneval"}],
         "validation_prompts": [{"path": "humaneval"}],
-        "ngrammys": [{"k": 5, "w": 4}, {"k": 0, "w": 4}],
+        "ngrammys": grid,
         "output_dir": str(tmp_path / "bench"),
     }
     path = tmp_path / "bench.yaml"
@@ -353,4 +361,4 @@ def test_bench_refuses_a_bad_grid_entry_before_loading_any_model(tmp_path, capsy
     with pytest.raises(SystemExit) as exit_info:
         main(["bench", "--config", str(path)])
     assert exit_info.value.code == 2
-    assert "ngrammys[1]: k=0 must be an integer >= 1" in capsys.readouterr().err
+    assert message in capsys.readouterr().err

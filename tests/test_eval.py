@@ -1020,3 +1020,30 @@ def test_the_command_list_reads_without_rst_markup(capsys) -> None:
         main(["--help"])
     out = capsys.readouterr().out
     assert "accept_head.evaluation" in out and ":mod:" not in out and "``" not in out and ":func:" not in out
+
+
+# ---- the offline calibration view scores held-out rows only ---------------------------------------------------
+# The prompts in the bundle's split.json `train` list (what `python -m train fit` wrote) are left out, as `eval
+# predictors` leaves them out; a dataset of training prompts alone is refused by name.
+
+
+def offline_n(bundle: Path, labels: str, out: Path) -> int:
+    main(["calibration", "--bundle", str(bundle), "--dataset", labels, "--output_dir", str(out)])
+    return json.loads((out / "calibration.json").read_text())["views"]["offline"]["raw"]["metrics"]["n"]
+
+
+def test_the_offline_view_leaves_out_the_prompts_the_head_trained_on(tiny, tmp_path) -> None:
+    every = offline_n(tiny["bundle"], tiny["labels"], tmp_path / "all")
+    bundle = Path(shutil.copytree(tiny["bundle"], tiny["root"] / "bundle-trained-on-3"))  # beside its models
+    (bundle / "split.json").write_text(json.dumps({"train": ["tiny:0", "tiny:1", "tiny:2"], "val": ["tiny:3"]}))
+    held_out = offline_n(bundle, tiny["labels"], tmp_path / "held-out")
+    assert 0 < held_out < every  # only tiny:3's drafted positions are scored
+
+
+def test_a_dataset_of_training_prompts_alone_is_refused(tiny, tmp_path, capsys) -> None:
+    bundle = Path(shutil.copytree(tiny["bundle"], tiny["root"] / "bundle-trained-on-4"))
+    (bundle / "split.json").write_text(json.dumps({"train": [f"tiny:{i}" for i in range(4)], "val": []}))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["calibration", "--bundle", str(bundle), "--dataset", tiny["labels"], "--output_dir", str(tmp_path / "o")])
+    assert exit_info.value.code == 2
+    assert "is one the bundle's head trained on" in capsys.readouterr().err
