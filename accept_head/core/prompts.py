@@ -335,6 +335,6 @@ def check_disjoint(a: PromptSet, b: PromptSet) -> None:
     shared = {tuple(p.ids) for p in a.prompts} & {tuple(p.ids) for p in b.prompts}
     if shared:
         raise ValueError(
-            f"The prompt sets {a.name!r} and {b.name!r} share {len(shared)} prompt(s); use different hash splits "
-            "(e.g. split: head for validation and split: eval for testing) or different files."
+            f"The prompt sets {a.name!r} and {b.name!r} overlap: they share {len(shared)} prompt(s); use different "
+            "hash splits (e.g. split: head for validation and split: eval for testing) or different files."
         )

@@ -45,7 +45,7 @@ from ..acceptance.calibration import Calibration, fit_isotonic
 from ..acceptance.head import AcceptanceHead
 from ..acceptance.metrics import expected_calibration_error
 from ..core.costs import CostModel
-from ..core.prompts import PromptOptions, PromptSource
+from ..core.prompts import PromptOptions, PromptSource, check_disjoint
 from ..core.records import machine_info, write_json
 from ..core.sampling import SamplingConfig
 from ..core.seeds import seeded_generator
@@ -433,14 +433,7 @@ def _prompt_sets(specdec: SpecDecPP, prompts, check_prompts, options: PromptOpti
     """The encoded training and check prompt sets; ValueError when they share a prompt."""
     train_set = options.encode("tree-train", prompts, specdec.tokenizer, seed)
     check_set = options.encode("tree-check", check_prompts, specdec.tokenizer, seed)
-    # By tokens, not ids: the same file under another `name` gives the same prompts other ids.
-    check_ids = {tuple(p.ids) for p in check_set.prompts}
-    overlap = [p.id for p in train_set.prompts if tuple(p.ids) in check_ids]
-    if overlap:
-        raise ValueError(
-            f"training and check prompts overlap ({len(overlap)} shared, e.g. {sorted(overlap)[:3]}): use disjoint "
-            "offsets or hash splits of the same source."
-        )
+    check_disjoint(train_set, check_set)  # by tokens: the same file under another `name` gives other ids
     return train_set, check_set
 
 
