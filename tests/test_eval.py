@@ -915,9 +915,11 @@ def test_report_shows_a_copying_bundle_beside_its_plain_chain(tiny, tmp_path) ->
         ],
         "temperatures": [0.0],
         "max_new_tokens": 10,
+        "out_of_distribution": [],  # none: the page reports the in-distribution set alone
     }
     main(["report", "--config", write_config(tmp_path / "report.yaml", config)])
     stored = json.loads((tmp_path / "results" / "results.json").read_text())
+    assert list(stored["results"]) == list(stored["prompt_sets"]) == ["in-distribution"]
     searched = stored["validation"]["greedy"]["methods"]
     for copies in (False, True):
         grid = [m for m in searched if m["kind"] == "fixed_k" and bool(m["params"].get("context_row")) == copies]

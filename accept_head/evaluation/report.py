@@ -337,7 +337,7 @@ REPORT_ARGS = """
         prompt_options: How prompts are encoded.
         in_distribution: In-distribution prompt sources (held-out ``split: eval`` of the head's sources); default: the
             sources recorded in the bundle's provenance, moved to the eval split.
-        out_of_distribution: Out-of-distribution prompt sources; default ``[{path: humaneval}]``.
+        out_of_distribution: Out-of-distribution prompt sources; default ``[{path: humaneval}]``; ``[]`` for none.
         prompts: An extra prompt file (JSON/JSONL/CSV/parquet, or text with one prompt per line), reported as its
             own out-of-distribution set.
         prompts_field: The column holding the prompt in ``prompts``.
@@ -449,12 +449,11 @@ def report_prompt_sets(plan: ReportPlan, pair: Pair) -> tuple[PromptOptions, dic
     if prompt_options.split_seed is None:  # the one the head's data was split with (as head_sources reads it)
         meta = pair.bundle.provenance.get("data_meta") or {}
         prompt_options = replace(prompt_options, split_seed=int(meta.get("split_seed") or 0))
-    ood_sources = plan.out_of_distribution if plan.out_of_distribution else [PromptSource(path="humaneval")]
+    ood_sources = [PromptSource(path="humaneval")] if plan.out_of_distribution is None else plan.out_of_distribution
     encode = dict(tokenizer=pair.tokenizer, seed=plan.seed, limit=plan.limit)
-    sets: dict[str, PromptSet] = {
-        "in-distribution": prompt_options.encode("in-distribution", id_sources, **encode),
-        "out-of-distribution": prompt_options.encode("out-of-distribution", ood_sources, **encode),
-    }
+    sets: dict[str, PromptSet] = {"in-distribution": prompt_options.encode("in-distribution", id_sources, **encode)}
+    if ood_sources:  # [] asks for none (e.g. when every out-of-distribution prompt chose the draft)
+        sets["out-of-distribution"] = prompt_options.encode("out-of-distribution", ood_sources, **encode)
     if plan.prompts is not None:
         name = Path(plan.prompts).stem
         sets[name] = prompt_options.encode(name, [PromptSource(path=plan.prompts, field=plan.prompts_field)], **encode)
