@@ -166,6 +166,29 @@ def test_long_rows_copy_further_after_a_long_repeat() -> None:
                     assert low <= out.stats.fed[0] <= high, (repeat, long_row, out.stats.fed)
 
 
+@pytest.mark.parametrize("runtime", ["eager", "static"])
+def test_padding_only_copies_fill_the_width_the_pass_pads_to(runtime: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``padding_only``: right copies still decode the target's greedy text, but no pass grows past the width a
+    static target pads the root and the chain to (2 drafted → 4, 3 → 4: no room, 5 → 8); without it they do."""
+    target, draft = make_llama(seed=0, num_layers=2), make_llama(seed=11, num_layers=1)
+    prompt = PROMPTS[0]
+    reference = autoregressive_generate(target, prompt, NEW, temperature=0).sequences
+    row = FutureRow(reference[0].tolist(), 0, target.config.vocab_size)
+    monkeypatch.setattr(chain_copies, "ContextRow", lambda length, row=row: row)
+    for k, width in ((2, 4), (3, 4), (5, 8)):
+        fed = {}
+        for padding_only in (False, True):
+            out = chain_copies.chain_copy_generate(
+                target, draft, prompt, FixedK(k), NEW, 4, temperature=0, target_runtime=runtime,
+                padding_only=padding_only,
+            )  # fmt: skip
+            assert torch.equal(out.sequences, reference), (k, padding_only)
+            fed[padding_only] = out.stats.fed[:-1]  # the last round drafts fewer: the budget's end
+        assert max(fed[True]) == width < max(fed[False]), (k, fed)
+    with pytest.raises(ValueError, match="padding_only=1 must be True or False"):
+        chain_copies.CopyingChain(FixedK(2), 4, padding_only=1)
+
+
 @pytest.fixture(scope="module")
 def copy_pair():
     target, draft, _ = small_vocab_pair()
@@ -216,8 +239,12 @@ def test_a_bundle_decodes_chains_with_copies_on_request(tmp_path) -> None:
         list(range(20, 40)) + [20, 21, 22, 23, 24], max_new_tokens=12, temperature=0, context_row=4
     )
     assert torch.equal(longer.sequences, shorter.sequences) and longer.stats.fed[0] >= shorter.stats.fed[0] + 4
-    with pytest.raises(ValueError, match="long_row=16 lengthens the copies beside a chain"):
+    with pytest.raises(ValueError, match="long_row=16 shapes the copies beside a chain"):
         bundle.generate(prompt, max_new_tokens=4, context_row=0, long_row=16)
+    padded = bundle.generate(prompt, max_new_tokens=20, temperature=0, context_row=4, padding_only=True)
+    assert torch.equal(padded.sequences, reference) and max(padded.stats.fed) <= max(copied.stats.fed)
+    with pytest.raises(ValueError, match="padding_only=True shapes the copies beside a chain"):
+        bundle.generate(prompt, max_new_tokens=4, tree=True, context_row=4, padding_only=True)
     hf = bundle.target.generate(  # the same long copies through transformers' generate
         longer.sequences[:, :25], custom_generate=bundle.custom_generate, max_new_tokens=12, do_sample=False,
         context_row=4, long_row=16, return_dict_in_generate=True,

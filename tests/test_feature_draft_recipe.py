@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import shutil
 from pathlib import Path
@@ -327,10 +328,11 @@ def test_fit_resumes_from_the_last_checkpoint(run, tmp_path, monkeypatch) -> Non
 
 
 def test_a_resumed_fit_trains_on_the_batches_an_uninterrupted_fit_would(run, tmp_path, monkeypatch) -> None:
-    """Killed inside its second pass over the data and resumed, ``fit`` sees batch for batch what one uninterrupted
-    fit sees: the resumed stream skips what the checkpoint's steps consumed and keeps each pass's own order (it
-    fails if a resume replays the first pass, or reshuffles the current one with another seed); another ``data_seed``
-    reads the pool in another order; the draft goes to an ``output_dir`` written with ``~``."""
+    """Killed inside its second pass over the data and resumed, ``fit`` sees batch for batch (and noise for noise)
+    what one uninterrupted fit sees: the resumed stream skips what the checkpoint's steps consumed and keeps each
+    pass's own order (it fails if a resume replays the first pass, or reshuffles the current one with another seed,
+    or restarts the noise); another ``data_seed`` reads the pool in another order; the draft goes to an
+    ``output_dir`` written with ``~``."""
     from accept_head.training.feature_draft import FeatureDraftModule, read_feature_shards, token_batches
 
     train = read_feature_shards(sorted((run["root"] / "work" / "features").glob("train-*.safetensors")))
@@ -342,7 +344,8 @@ def test_a_resumed_fit_trains_on_the_batches_an_uninterrupted_fit_would(run, tmp
     original = FeatureDraftModule.training_step
 
     def recording(self, batch, batch_idx):
-        seen.append((self.global_step, tuple(batch["tokens"].shape), int(batch["tokens"].sum())))
+        noise = hashlib.sha1(self.generator.get_state().numpy().tobytes()).hexdigest()  # the noise it will draw
+        seen.append((self.global_step, tuple(batch["tokens"].shape), int(batch["tokens"].sum()), noise))
         return original(self, batch, batch_idx)
 
     monkeypatch.setattr(FeatureDraftModule, "training_step", recording)

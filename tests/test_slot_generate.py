@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -387,7 +388,7 @@ def response_shards(root: Path, work: str, **overrides) -> dict[str, Path]:
     return {p.name: p for p in sorted((root / work / "responses" / "shards").glob("*.pt"))}
 
 
-def test_first_train_shard_writes_the_later_shards_with_the_same_rows_and_draws(tmp_path, monkeypatch) -> None:
+def test_first_train_shard_writes_the_later_shards_with_the_same_rows_and_draws(tmp_path, monkeypatch, capsys) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     every, later = response_shards(tmp_path, "all"), response_shards(tmp_path, "later", first_train_shard=2)
     assert sorted(later) == sorted(n for n in every if n.startswith("eval-") or n >= "train-00002.pt")
@@ -396,6 +397,11 @@ def test_first_train_shard_writes_the_later_shards_with_the_same_rows_and_draws(
         a, b = torch.load(path, weights_only=True), torch.load(every[name], weights_only=True)
         assert a["prompt_id"] == b["prompt_id"] and torch.equal(a["sample"], b["sample"])
         assert all(torch.equal(x, y) for x, y in zip(a["response_ids"], b["response_ids"]))
+    for work, first in (("all", 0), ("later", 2)):  # progress counts the rows this run plans: all written
+        capsys.readouterr()
+        run_cli("progress", "--config", str(responses_config(tmp_path, work, first_train_shard=first)))
+        written, planned = re.search(r"train: \d+ shards, (\d+)/(\d+) rows", capsys.readouterr().out).groups()
+        assert written == planned
     with pytest.raises(ValueError, match="first_train_shard=-1"):
         run_cli("responses", "--config", str(responses_config(tmp_path, "bad", first_train_shard=-1)))
 

@@ -47,6 +47,13 @@ from .row_linear import backend
 
 WIDTHS = (1, 2, 4, 8, 16)
 """Pass widths a static target pads to (each compiled on first use when compiled)."""
+
+
+def padded_width(width: int) -> int:
+    """The width a pass of ``width`` tokens runs at: the smallest of :data:`WIDTHS` that holds it, else ``width``."""
+    return WIDTHS[bisect.bisect_left(WIDTHS, width)] if width <= WIDTHS[-1] else width
+
+
 LENGTH_STEP = 256
 """Cache lengths are multiples of this, so requests of similar length share compiled graphs. Every pass attends over
 the whole preallocated cache (masked past the kept length): on the EPYC a one-token pass spent 7 ms of its 32 ms in
@@ -172,7 +179,7 @@ class StaticTarget:
                 f"a pass of {width} tokens after {self.length} kept positions exceeds this StaticTarget's "
                 f"{self.capacity} positions: build it with a larger max_length."
             )
-        padded = WIDTHS[bisect.bisect_left(WIDTHS, width)] if width <= WIDTHS[-1] else width
+        padded = padded_width(width)
         if padded > width:
             ids = torch.cat([ids, ids[:, -1:].expand(1, padded - width)], dim=1)
         positions = torch.arange(self.length, self.length + padded, device=ids.device)
@@ -200,7 +207,7 @@ class StaticTarget:
                 f"a tree of {width} tokens after {start} kept positions exceeds this StaticTarget's "
                 f"{self.capacity} positions: build it with a larger max_length."
             )
-        padded = WIDTHS[bisect.bisect_left(WIDTHS, width)] if width <= WIDTHS[-1] else width
+        padded = padded_width(width)
         if start + padded > self.slots:
             padded = width  # the last positions of the cache: run unpadded (eagerly)
         device = ids.device

@@ -355,24 +355,27 @@ class SpecDecPP:
         context_row: int | None = None,
         policy: StopPolicy | None = None,
         long_row: int = 0,
+        padding_only: bool = False,
     ) -> StopPolicy | TreeRule | CopyingChain:
         """What :meth:`generate` and :meth:`custom_generate` decode with in a mode: the tree rule (``tree``, its copies
         the tree settings' unless ``context_row`` says otherwise), else the mode's stop policy (or ``policy``'s
         chains), wrapped as a :class:`~accept_head.trees.chain_copies.CopyingChain` when ``context_row`` (None:
-        :attr:`context_row`) > 0, with its ``long_row`` (:class:`~accept_head.trees.chain_copies.CopyingChain`)."""
+        :attr:`context_row`) > 0, with its ``long_row`` and ``padding_only``
+        (:class:`~accept_head.trees.chain_copies.CopyingChain`)."""
         _check_tree(tree)
         copies = self.context_row if context_row is None else check_context_row(context_row)
-        if long_row and (tree or not copies):
-            raise ValueError(
-                f"long_row={long_row!r} lengthens the copies beside a chain: pass tree=False and a context_row > 0."
-            )
+        for name, value in (("long_row", long_row), ("padding_only", padding_only)):
+            if value and (tree or not copies):
+                raise ValueError(
+                    f"{name}={value!r} shapes the copies beside a chain: pass tree=False and a context_row > 0."
+                )
         if tree:
             rule = self.tree_rule(threshold, greedy)
             if context_row is not None:
                 rule.context_row = copies
             return rule
         policy = self.policy(threshold, greedy) if policy is None else policy
-        return CopyingChain(policy, copies, long_row) if copies else policy
+        return CopyingChain(policy, copies, long_row, padding_only) if copies else policy
 
     def encode(self, prompt: str | Sequence[dict] | Sequence[int] | torch.Tensor) -> list[int]:
         """Token ids for a string (chat template applied when the tokenizer has one), chat messages (each a dict with
@@ -410,6 +413,7 @@ class SpecDecPP:
         target_runtime: str = "eager",
         context_row: int | None = None,
         long_row: int = 0,
+        padding_only: bool = False,
     ) -> SpecDecOutput:
         """Generate a continuation of ``prompt`` (a string, chat messages, or token ids).
 
@@ -428,7 +432,8 @@ class SpecDecPP:
         ``target_runtime`` (a static or compiled target runs their tree passes over its preallocated cache).
         ``long_row`` (chains with copies, opt-in): copy that many tokens after a recurring suffix of five or more
         (:class:`~accept_head.trees.chain_copies.CopyingChain`; 16 sped HumanEval 1.10–1.15× eager, other text ~1.0×,
-        and compiled decoding 0.96×).
+        and compiled decoding 0.96×). ``padding_only`` (chains with copies, opt-in): copy only into the positions a
+        static or compiled target pads its pass to anyway (:class:`~accept_head.trees.chain_copies.CopyingChain`).
         """
         _check_tree(tree)
         if tree and target_runtime != "eager":
@@ -441,9 +446,12 @@ class SpecDecPP:
         eos = self.eos_token_ids
         temperature = self.temperature if temperature is None else temperature
         SamplingConfig(temperature, top_k, top_p)  # the sampling options checked before any rule is built
-        rule = self.decoding_rule(tree, threshold, temperature == 0, context_row, long_row=long_row)
+        rule = self.decoding_rule(
+            tree, threshold, temperature == 0, context_row, long_row=long_row, padding_only=padding_only
+        )
         if isinstance(rule, CopyingChain):
             options = {"context_row": rule.context_row, "target_runtime": target_runtime, "long_row": rule.long_row}
+            options["padding_only"] = rule.padding_only
             decode, rule = chain_copy_generate, rule.policy
         elif tree:
             decode, options = tree_generate, {}

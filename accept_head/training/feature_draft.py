@@ -409,6 +409,15 @@ class FeatureDraftModule(LightningModule):
             per_step.append(values)
         return total, per_step
 
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        """Keep the training noise's generator, so a resumed fit draws the noise an uninterrupted one would."""
+        checkpoint["noise_generator"] = self.generator.get_state()
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        """Restore the training noise's generator (checkpoints from before it was saved start it from ``seed``)."""
+        if "noise_generator" in checkpoint:
+            self.generator.set_state(checkpoint["noise_generator"])
+
     def on_train_batch_start(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
         """Log ``train/positions_per_s``: the previous step's loss positions over the wall time from its start to
         this one's (data, forward, backward, optimizer; the step after a validation is not timed)."""

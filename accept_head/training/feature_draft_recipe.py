@@ -416,13 +416,16 @@ def responses_to_dataset(cfg: FeatureDraftRecipe, output_dir: str | None = None,
 
 def progress(cfg: FeatureDraftRecipe) -> dict:
     """How far the ``responses`` stage has come: per kind, the shards on disk, their rows, prompt and response tokens
-    and positions (prompt + response), against the shards the plan holds. Prints it; reads only the shards."""
+    and positions (prompt + response), against the rows the plan holds — less, for training, the shards before
+    ``first_train_shard``, which this run leaves unwritten. Prints it; reads only the shards."""
     folder = _generations(cfg)
     present = shard_positions(folder / "shards")
     split = json.loads((folder / "split.json").read_text()) if (folder / "split.json").exists() else {}
     for kind, counts in present.items():
         planned = len(split.get(kind, [])) * (1 if kind == "eval" else split.get("samples_per_prompt", 1))
         planned += len(split.get(kind, [])) if split.get("greedy_responses") else 0
+        if kind == "train":  # every shard before the last is a full batch (response_rows)
+            planned -= min(planned, cfg.first_train_shard * split.get("generate_batch_size", cfg.generate_batch_size))
         print(
             f"{kind:>5}: {counts['shards']} shards, {counts['rows']}/{planned} rows, {counts['positions']} positions "
             f"({counts['prompt']} prompt + {counts['response']} response tokens)"

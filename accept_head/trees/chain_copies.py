@@ -28,7 +28,7 @@ from ..chain.decoding import GenerationResult, _check_int, _check_pair, draft_ro
 from ..chain.policies import RoundState, StopPolicy
 from ..core.sampling import SamplingConfig
 from ..models.drafters import Drafter, as_drafter
-from ..models.static_target import WIDTHS
+from ..models.static_target import WIDTHS, padded_width
 from .attention import check_masked_attention
 from .context import LONG_MATCH, ContextRow
 from .decoding import add_copied_rows, decode_rounds
@@ -46,11 +46,17 @@ class CopyingChain:
     :data:`~accept_head.trees.context.LONG_MATCH` tokens long — text repeating a long stretch, as code does. On 40
     held-out prompts 16 took the default bundle's greedy rounds from 3.06 to 3.20 tokens and decoded HumanEval
     1.10–1.15× as fast, all four sources 1.01–1.03×, over the eager target; over the compiled one, whose passes pad to
-    16 tokens, 0.96× (``docs/experiments/copy_length.py``; findings §8)."""
+    16 tokens, 0.96× (``docs/experiments/copy_length.py``; findings §8).
+
+    ``padding_only`` (opt-in): copy only into the positions a static or compiled target computes anyway — its passes
+    run at the smallest of :data:`~accept_head.models.static_target.WIDTHS` that holds the root and the chain — so the
+    copies never widen a pass into a larger width (nor past 16 tokens). Over an eager target it caps the copies the
+    same way."""
 
     policy: StopPolicy
     context_row: int = 4
     long_row: int = 0
+    padding_only: bool = False
 
     def __post_init__(self) -> None:
         check_context_row(self.context_row)
@@ -59,6 +65,8 @@ class CopyingChain:
                 f"long_row={self.long_row!r} must be an integer >= 0 (tokens copied after a long repeat; 0: off, "
                 "e.g. 16)."
             )
+        if not isinstance(self.padding_only, bool):
+            raise ValueError(f"padding_only={self.padding_only!r} must be True or False.")
 
     def copied_rows(self) -> ContextRow | None:
         """The :class:`~accept_head.trees.context.ContextRow` of one sequence (None without copies)."""
@@ -78,7 +86,8 @@ class CopyingChain:
 
     def describe(self) -> str:
         long = f", long_row={self.long_row}" if self.long_row else ""
-        return f"{self.policy.describe()} + copies (context_row={self.context_row}{long})"
+        padding = ", padding_only" if self.padding_only else ""
+        return f"{self.policy.describe()} + copies (context_row={self.context_row}{long}{padding})"
 
 
 class ChainRounds:
@@ -95,7 +104,7 @@ class ChainRounds:
     ) -> None:
         self.drafter, self.policy, self.sampling = drafter, chain.policy, sampling
         self.stats, self.generator = stats, generator
-        self.copy = chain.copied_rows()
+        self.copy, self.padding_only = chain.copied_rows(), chain.padding_only
         self.state = RoundState()
         self.policy.reset()
 
@@ -114,7 +123,10 @@ class ChainRounds:
         nodes = list(range(self.state.n))
         if self.copy is not None and depth > 0:
             # A static target holds the budget and 16 positions more (decode_rounds): long copies stay within them.
-            nodes = add_copied_rows(tree, nodes, self.copy, tokens, depth, room=depth + WIDTHS[-1])
+            room = depth + WIDTHS[-1]
+            if self.padding_only:  # the pass feeds the root and the nodes: fill its padded width, no more
+                room = min(room, padded_width(1 + len(nodes)) - 1)
+            nodes = add_copied_rows(tree, nodes, self.copy, tokens, depth, room=room)
         return tree, nodes
 
     def commit(self, tree: DraftTree, accepted: list[int], new: list[int], hidden: torch.Tensor | None) -> None:
@@ -137,9 +149,11 @@ def chain_copy_generate(
     generator: torch.Generator | None = None,
     target_runtime: str = "eager",
     long_row: int = 0,
+    padding_only: bool = False,
 ) -> GenerationResult:
     """Lossless speculative decoding with ``policy``'s chains plus up to ``context_row`` tokens copied from the text
-    at the root and as many below the chain (see the module docstring; ``long_row``: :class:`CopyingChain`'s).
+    at the root and as many below the chain (see the module docstring; ``long_row``, ``padding_only``:
+    :class:`CopyingChain`'s).
 
     Takes :func:`~accept_head.chain.decoding.speculative_generate`'s arguments (the target eager: it must take a
     custom 4D attention mask, :func:`~accept_head.trees.attention.check_masked_attention`). Returns the sequences
@@ -152,7 +166,8 @@ def chain_copy_generate(
     :func:`~accept_head.chain.decoding.speculative_generate`.
     """
     _check_int("max_new_tokens", max_new_tokens, low=0)
-    sampling, chain = SamplingConfig(temperature, top_k, top_p), CopyingChain(policy, context_row, long_row)
+    sampling = SamplingConfig(temperature, top_k, top_p)
+    chain = CopyingChain(policy, context_row, long_row, padding_only)
     rounds = ChainRounds(chain.drafter(draft, target, sampling), chain, sampling, TreeDecodeStats(), generator)
     return decode_rounds(
         target, rounds, input_ids, max_new_tokens, sampling, eos_token_id, generator, target_runtime=target_runtime

@@ -5,7 +5,9 @@
 with the length of the recurring suffix it was found after (``docs/experiments/README.md``): this script decodes the
 held-out test prompts of a bench config with SpecDec++ (the bundle's policy and h*) and copies of each setting of
 ``--variants`` (``base:4`` = 4 tokens always; ``long:4:16:5`` = 4 tokens, 16 after a recurring suffix of 5 or more;
-``repeating:4:16:5`` = the same, but only while the previous round's root copy was accepted whole),
+``repeating:4:16:5`` = the same, but only while the previous round's root copy was accepted whole; ``padded:4`` = 4
+tokens, but only into the positions a static or compiled target pads its pass to anyway, ``CopyingChain``'s
+``padding_only``; ``plain`` = the chain alone, no copies, through the chain decoder),
 variants interleaved per prompt in alternating order, EOS ignored (as ``eval bench``), and prints per mode the
 tokens/s of each over all decodes, tokens a round, tokens fed a round, and its ratio to the first variant with a
 95% paired bootstrap interval over the prompts (each repeat a prompt of its own).
@@ -13,6 +15,8 @@ tokens/s of each over all decodes, tokens a round, tokens fed a round, and its r
     python docs/experiments/copy_length.py --output docs/experiments/copy-length-epyc.json
     python docs/experiments/copy_length.py --variants base:4,long:4:16:5 --temperatures 0 --per_source 2 \
         --target_runtime compiled --warm_all --repeats 2
+    python docs/experiments/copy_length.py --config configs/eval/bench-clean.yaml --variants plain,base:4,padded:4 \
+        --target_runtime compiled --warm_all --per_source 4
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ import numpy as np
 import torch
 import yaml
 
-from accept_head import SpecDecPP
+from accept_head import SpecDecPP, speculative_generate
 from accept_head.core.prompts import PromptOptions, PromptSource
 from accept_head.core.records import machine_info
 from accept_head.trees import chain_copies
@@ -66,23 +70,41 @@ class RepeatingRow(ContextRow):
 
 
 def copy_rows(spec: str):
-    """``base:<n>``, ``long:<n>:<long_length>:<long_match>`` or ``repeating:<n>:<long_length>:<long_match>`` (long
-    copies only while the previous root copy was accepted whole: :class:`RepeatingRow`) → (n, a factory of rows)."""
+    """``base:<n>``, ``padded:<n>``, ``long:<n>:<long_length>:<long_match>`` or
+    ``repeating:<n>:<long_length>:<long_match>`` (long copies only while the previous root copy was accepted whole:
+    :class:`RepeatingRow`) → (n, a factory of rows)."""
     kind, *numbers = spec.split(":")
     values = [int(n) for n in numbers]
-    if kind == "base" and len(values) == 1:
+    if kind in ("base", "padded") and len(values) == 1:
         return values[0], lambda length, **_: ContextRow(length)
     if kind == "long" and len(values) == 3:
         return values[0], lambda length, **_: ContextRow(length, long_length=values[1], long_match=values[2])
     if kind == "repeating" and len(values) == 3:
         return values[0], lambda length, **_: RepeatingRow(length, values[1], values[2])
-    raise ValueError(f"variant {spec!r}: expected base:<n>, long:<n>:<l>:<m> or repeating:<n>:<l>:<m>.")
+    raise ValueError(
+        f"variant {spec!r}: expected plain, base:<n>, padded:<n>, long:<n>:<l>:<m> or repeating:<n>:<l>:<m>."
+    )
 
 
 def decode(
     bundle: SpecDecPP, spec: str, ids: list[int], temperature: float, new_tokens: int, seed: int, runtime: str = "eager"
 ) -> dict:
     """One decode of the copying chain with ``spec``'s rows over the ``runtime`` target; its time and round counts."""
+    generator = torch.Generator().manual_seed(seed)
+    if spec == "plain":
+        start = time.perf_counter()
+        result = speculative_generate(
+            bundle.target, bundle.draft, ids, bundle.decoding_rule(False, None, temperature == 0, 0), new_tokens,
+            temperature=temperature, eos_token_id=None, generator=generator, target_runtime=runtime,
+        )  # fmt: skip
+        seconds, stats = time.perf_counter() - start, result.stats
+        fed = sum(stats.proposed) + stats.target_calls  # each pass: the last token and the candidates
+        return {
+            "tokens": result.sequences.shape[1] - len(ids),
+            "seconds": seconds,
+            "rounds": stats.target_calls,
+            "fed": fed,
+        }
     length, factory = copy_rows(spec)
     rule = bundle.decoding_rule(False, None, temperature == 0, length)
     original = chain_copies.ContextRow
@@ -98,8 +120,9 @@ def decode(
             context_row=length,
             temperature=temperature,
             eos_token_id=None,
-            generator=torch.Generator().manual_seed(seed),
+            generator=generator,
             target_runtime=runtime,
+            padding_only=spec.startswith("padded:"),
         )
         seconds = time.perf_counter() - start
     finally:

@@ -196,18 +196,15 @@ def pass_clock(spent: dict, widths: list[int]):
             setattr(StaticTarget, name, original)
 
 
-def padded_width(width: int) -> int:
-    """The width a :class:`StaticTarget` pass of ``width`` tokens runs at (its compiled widths)."""
-    return next((w for w in static_target.WIDTHS if w >= width), width)
-
-
 ROUND_MODES = {
     "chain": {"tree": False, "context_row": 0},
     "tree": {"tree": True},
     "chain_copies": {"tree": False, "context_row": 4},
+    "chain_copies_padding": {"tree": False, "context_row": 4, "padding_only": True},
 }
 """The decoding modes the round anatomy times: chain SpecDec++ alone, the head tree (the bundle's tree settings), chain
-SpecDec++ with four tokens copied from the text beside each chain."""
+SpecDec++ with four tokens copied from the text beside each chain, and with copies only where a static or compiled
+target's pass pads anyway (``padding_only``)."""
 
 
 def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int, runtime: str = "eager") -> dict:
@@ -265,7 +262,7 @@ def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int, runt
         if decoding:
             result[key]["pass_widths"] = {
                 "fed": dict(sorted(Counter(decoding).items())),
-                "padded": dict(sorted(Counter(padded_width(w) for w in decoding).items())),
+                "padded": dict(sorted(Counter(static_target.padded_width(w) for w in decoding).items())),
             }
         ms = result[key]["ms_per_round"]
         print(
