@@ -339,11 +339,32 @@ def test_unknown_head_config_keys_warn_and_a_file_is_not_a_bundle_folder(bundle_
         SpecDecPP.from_pretrained(bundle_dir / CONFIG_NAME)
 
 
+def test_machine_info_tells_cpus_of_one_name_apart(tmp_path) -> None:
+    """Zen 3 and Zen 4 hosts both print "AMD EPYC": the family/model numbers and bf16 flags of the first processor
+    tell them apart in every page that records the machine."""
+    from accept_head.core.records import cpu_identity, machine_info
+
+    cpuinfo = tmp_path / "cpuinfo"
+    first = "processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n"
+    first += "flags\t\t: avx2 avx512f avx512_bf16\n"
+    second = "processor\t: 1\ncpu family\t: 25\nmodel\t\t: 1\nmodel name\t: other\nflags\t\t: avx2 amx_bf16\n"
+    cpuinfo.write_text(first + "\n" + second)
+    want = {"cpu": "AMD EPYC", "cpu_family_model": "25/17", "cpu_bf16_flags": ["avx512_bf16"]}
+    assert cpu_identity(str(cpuinfo)) == want
+    cpuinfo.write_text(first.replace("17", "1").replace(" avx512f avx512_bf16", ""))
+    assert cpu_identity(str(cpuinfo))["cpu_family_model"] == "25/1"
+    assert cpu_identity(str(cpuinfo))["cpu_bf16_flags"] == []
+    assert cpu_identity(str(tmp_path / "missing")) == {}
+    info = machine_info()
+    assert isinstance(info["onednn_bf16"], bool) and "cpu_capability" in info
+
+
 def test_bf16_on_a_cpu_without_bf16_units_warns_and_names_the_fix(tmp_path, monkeypatch) -> None:
     make_llama(tmp_path / "model")
     cpuinfo = tmp_path / "cpuinfo"
     read_flags = loading.cpu_bf16_units.__wrapped__  # the uncached reader
     monkeypatch.setattr(loading, "cpu_bf16_units", lambda: read_flags(str(cpuinfo)))
+    monkeypatch.setattr(loading, "bf16_emulated", lambda: False)  # where float32 rows are on, nothing to warn about
 
     def emulation_warnings(dtype: str) -> list[str]:
         with warnings.catch_warnings(record=True) as caught:
@@ -353,7 +374,7 @@ def test_bf16_on_a_cpu_without_bf16_units_warns_and_names_the_fix(tmp_path, monk
 
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n")  # AVX-512 without BF16 (e.g. Skylake-X)
     (message,) = emulation_warnings("bfloat16")
-    assert "model" in message and "dtype='float32'" in message
+    assert "model" in message and "dtype='float32'" in message and "float32_rows=True" in message
     assert emulation_warnings("float32") == []
     cpuinfo.write_text("processor\t: 0\nflags\t\t: fpu avx512f avx512_bf16\n")
     assert emulation_warnings("bfloat16") == []

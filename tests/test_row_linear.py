@@ -5,7 +5,8 @@
 * The rewrite touches exactly the half-precision linears fed one row on the CPU, and a broken rewrite (the
   weight read transposed) is caught by the same comparison.
 * Linears fed more rows get oneDNN-packed weights: the same outputs as ``linear``; a graph refuses to run once a
-  packed weight changed in place.
+  packed weight changed in place. Where oneDNN cannot pack bf16 (an AVX2-only CPU) those tests run in float32, and a
+  weight oneDNN cannot pack keeps the plain GEMM.
 * A compiled :class:`StaticTarget` whose every linear is rewritten or packed (float32 admitted) decodes the eager
   greedy text.
 """
@@ -20,6 +21,24 @@ import accept_head.models.row_linear as row_linear
 import accept_head.models.static_target as static_target
 from accept_head import autoregressive_generate
 from accept_head.models.row_linear import backend, pack_linears, rewrite_linears, rowwise_linear
+
+PACKED = torch.bfloat16 if row_linear.packable(torch.bfloat16) else torch.float32
+"""The dtype the packing tests run in: bf16 where oneDNN packs it on this CPU, else float32."""
+
+
+@pytest.fixture
+def packed_dtype(monkeypatch: pytest.MonkeyPatch) -> torch.dtype:
+    """:data:`PACKED`, admitted to the rewritten dtypes."""
+    monkeypatch.setattr(row_linear, "DTYPES", tuple({*row_linear.DTYPES, PACKED}))
+    return PACKED
+
+
+def _assert_same_products(got: torch.Tensor, want: torch.Tensor) -> None:
+    """bf16: oneDNN's products with packed weights bit for bit; float32: PyTorch's GEMM is MKL's, equal to rounding."""
+    if got.dtype == torch.bfloat16:
+        assert torch.equal(got, want)
+    else:
+        torch.testing.assert_close(got, want)
 
 
 @pytest.mark.parametrize("shape", [(1, 16), (2, 16), (1, 1, 16), (1, 2, 16), (3, 16)])
@@ -83,9 +102,9 @@ def test_the_compiled_backend_computes_the_linears(monkeypatch: pytest.MonkeyPat
     torch._dynamo.reset()
 
 
-def test_linears_fed_more_rows_run_on_packed_weights(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_linears_fed_more_rows_run_on_packed_weights(monkeypatch: pytest.MonkeyPatch, packed_dtype) -> None:
     torch.manual_seed(0)
-    module, x = _Two().bfloat16(), torch.randn(1, 4, 16, dtype=torch.bfloat16)
+    module, x = _Two().to(packed_dtype), torch.randn(1, 4, 16, dtype=packed_dtype)
     counts = []
     pack = row_linear.pack_linears
     monkeypatch.setattr(row_linear, "pack_linears", lambda gm, inputs: counts.append(pack(gm, inputs)) or counts[-1])
@@ -104,8 +123,8 @@ def test_linears_fed_more_rows_run_on_packed_weights(monkeypatch: pytest.MonkeyP
     torch._dynamo.reset()
 
 
-def test_packed_linear_equals_linear() -> None:
-    module, x = _Two().bfloat16(), torch.randn(3, 16, dtype=torch.bfloat16)
+def test_packed_linear_equals_linear(packed_dtype) -> None:
+    module, x = _Two().to(packed_dtype), torch.randn(3, 16, dtype=packed_dtype)
 
     def capture(graph_module, example_inputs):
         assert len(pack_linears(graph_module, example_inputs)) == 2
@@ -113,8 +132,35 @@ def test_packed_linear_equals_linear() -> None:
 
     with torch.no_grad():
         got = torch.compile(module, backend=capture, dynamic=False)(x)  # the rewritten graph run eagerly
-        assert torch.equal(got, module(x))  # oneDNN's products with packed weights: bit for bit
+        _assert_same_products(got, module(x))
     torch._dynamo.reset()
+
+
+def test_weights_onednn_cannot_pack_keep_the_plain_gemm(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On a CPU without bf16 support in oneDNN (AVX2 only) packing a bf16 weight raises; the backend leaves those
+    linears to PyTorch's GEMM and still computes them."""
+    monkeypatch.setattr(row_linear, "packable", lambda dtype: False)
+    torch.manual_seed(0)
+    module, x = _Two().bfloat16(), torch.randn(1, 4, 16, dtype=torch.bfloat16)
+    counts = []
+    pack = row_linear.pack_linears
+    monkeypatch.setattr(row_linear, "pack_linears", lambda gm, inputs: counts.append(pack(gm, inputs)) or counts[-1])
+    with torch.no_grad():
+        torch.testing.assert_close(_compiled(module, x), module(x).float(), atol=0.05, rtol=0.02)
+    assert counts == [[]]
+    torch._dynamo.reset()
+
+
+def test_packable_says_what_onednn_packs() -> None:
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(8, 16, dtype=dtype)
+        if row_linear.packable(dtype):
+            packed = torch.ops.mkldnn._reorder_linear_weight(weight, 1)
+            x = torch.randn(2, 16, dtype=dtype)
+            _assert_same_products(row_linear.packed_linear(x, packed), torch.nn.functional.linear(x, weight))
+        else:
+            with pytest.raises(RuntimeError):
+                torch.ops.mkldnn._reorder_linear_weight(weight, 1)
 
 
 def test_a_compiled_target_with_every_linear_rewritten_decodes_the_eager_greedy_text(
@@ -136,16 +182,15 @@ def test_a_compiled_target_with_every_linear_rewritten_decodes_the_eager_greedy_
 
 
 def test_one_packed_copy_serves_every_graph_that_reads_a_weight() -> None:
-    weight = torch.randn(40, 16, dtype=torch.bfloat16)
+    weight = torch.randn(40, 16, dtype=PACKED)
     first = row_linear._packed_copy(weight)
     assert row_linear._packed_copy(weight) is first  # widths compiled later share it
-    x = torch.randn(5, 16, dtype=torch.bfloat16)
-    assert torch.equal(row_linear.packed_linear(x, first), torch.nn.functional.linear(x, weight))  # any row count
+    x = torch.randn(5, 16, dtype=PACKED)
+    _assert_same_products(row_linear.packed_linear(x, first), torch.nn.functional.linear(x, weight))  # any row count
     weight.mul_(2)  # changed in place: packed anew
     second = row_linear._packed_copy(weight)
-    assert second is not first and torch.equal(
-        row_linear.packed_linear(x, second), torch.nn.functional.linear(x, weight)
-    )
+    assert second is not first
+    _assert_same_products(row_linear.packed_linear(x, second), torch.nn.functional.linear(x, weight))
     key = id(weight)
     del weight
     assert key not in row_linear._PACKED  # dropped with its weight

@@ -17,20 +17,32 @@ import torch
 from . import __version__
 
 
-def machine_info() -> dict:
-    """Where the numbers were measured."""
-    cpu = platform.processor() or ""
+def cpu_identity(cpuinfo: str = "/proc/cpuinfo") -> dict:
+    """The first processor of ``cpuinfo``: its model name, family/model numbers (``"25/1"``: AMD Zen 3 "Milan";
+    ``"25/17"``: Zen 4 "Genoa" — both print "AMD EPYC" on some hosts) and which bf16 flags it has. Empty off Linux."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
+        lines = Path(cpuinfo).read_text().split("\n\n", 1)[0].splitlines()
     except OSError:
-        pass
+        return {}
+    fields = dict(line.split(":", 1) for line in lines if ":" in line)
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    flags = set(fields.get("flags", "").split())
+    return {
+        "cpu": fields.get("model name", ""),
+        "cpu_family_model": f"{fields.get('cpu family', '?')}/{fields.get('model', '?')}",
+        "cpu_bf16_flags": sorted(flags & {"avx512_bf16", "amx_bf16", "avx_ne_convert"}),
+    }
+
+
+def machine_info() -> dict:
+    """Where the numbers were measured: the CPU (:func:`cpu_identity`), whether oneDNN multiplies bf16 there (False on
+    AVX2-only CPUs, where bf16 products are emulated), the libraries."""
+    cpu = {"cpu": platform.processor() or ""} | cpu_identity()
     import transformers
 
     return {
-        "cpu": cpu,
+        **cpu,
+        "onednn_bf16": bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
         "cpu_count": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),

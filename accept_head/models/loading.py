@@ -30,6 +30,7 @@ from typing import Literal
 import torch
 
 from .feature_draft import FeatureDraft, is_feature_draft_folder, read_config
+from .float32_rows import bf16_emulated, use_float32_rows
 from .pairs import ModelSpec, file_sha256, load_hf_model, load_hf_tokenizer, resolve_gguf
 
 ModelKind = Literal["hf", "gguf", "feature_draft", "bundle"]
@@ -83,15 +84,26 @@ def load_model(spec: ModelSpec | str | dict) -> torch.nn.Module:
     A folder written by :meth:`~accept_head.models.feature_draft.FeatureDraft.save_pretrained` loads as that draft (not
     a
     standalone LM); :func:`~accept_head.speculative_generate` binds it to the target it is paired with. A bundle folder
-    is refused with a ValueError naming its loader."""
+    is refused with a ValueError naming its loader. A bf16 model on a CPU that emulates bf16 products runs its
+    several-row linears in float32 (``spec.float32_rows``)."""
     spec = ModelSpec.coerce(spec)
-    kind = model_kind(spec)
-    if spec.torch_dtype == torch.bfloat16 and str(spec.device).startswith("cpu") and cpu_bf16_units() is False:
+    model = _load(spec)
+    bf16_cpu = spec.torch_dtype == torch.bfloat16 and str(spec.device).startswith("cpu")
+    if bf16_cpu and (spec.float32_rows or (spec.float32_rows is None and bf16_emulated())):
+        use_float32_rows(model)
+    elif bf16_cpu and cpu_bf16_units() is False:
         warnings.warn(
             f"{spec.path} loads in bfloat16 on a CPU without bf16 matrix units (none of {list(BF16_CPU_FLAGS)} in "
-            "/proc/cpuinfo), where bf16 products are emulated; if decoding is slow, load it with dtype='float32'.",
+            "/proc/cpuinfo), where bf16 products are emulated and a pass costs more with every token it verifies; "
+            "time both dtypes here (python -m eval costs --dtype bfloat16, then --dtype float32) and load the faster "
+            "(dtype='float32' or float32_rows=True).",
             stacklevel=2,
         )
+    return model
+
+
+def _load(spec: ModelSpec) -> torch.nn.Module:
+    kind = model_kind(spec)
     if kind == "feature_draft":  # a draft that reads the target: bind it with draft.bind(target)
         return FeatureDraft.from_pretrained(
             spec.path, dtype=spec.torch_dtype, device=spec.device, quantize=spec.quantize

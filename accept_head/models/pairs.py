@@ -96,6 +96,11 @@ class ModelSpec:
     """``int8``: a feature draft decodes with weight-only int8 linear layers (about half the time of a drafting step
     on a CPU, q moved slightly; verification keeps decoding lossless); ``int4``: the same with its LM head in 4 bits
     (a cheaper step again, q moved more). Feature drafts only: a target quantized would be another target."""
+    float32_rows: bool | None = None
+    """A bf16 model on a CPU without bf16 matrix units (AVX2 only, where bf16 products are emulated): its linears fed
+    several rows (verification passes, prefill) run through float32 copies of their weights packed by oneDNN
+    (:mod:`accept_head.models.float32_rows`: twice the weights' memory, one-row passes unchanged). None: on exactly
+    there; True: on for a bf16 model on any x86 CPU; False: off."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Extra keyword arguments for ``from_pretrained``."""
 

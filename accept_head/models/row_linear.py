@@ -33,6 +33,17 @@ DTYPES = (torch.bfloat16, torch.float16)
 PyTorch's GEMM (a test may widen this to exercise the rewrite exactly)."""
 
 
+def packable(dtype: torch.dtype) -> bool:
+    """Whether oneDNN packs (and multiplies) weights of ``dtype`` on this CPU: bf16 needs AVX-512 (BW, VL, DQ) or
+    AVX-NE-CONVERT, fp16 likewise its own units; on an AVX2-only CPU (AMD Zen 3, say) neither, and those linears keep
+    PyTorch's GEMM over the plain weight."""
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return dtype == torch.float32
+
+
 _LINEARS = (torch._C._nn.linear, torch.nn.functional.linear)
 """What a captured graph calls for ``nn.Linear`` / ``F.linear``."""
 
@@ -76,7 +87,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 def pack_linears(graph_module: torch.fx.GraphModule, example_inputs) -> list[tuple[torch.Tensor, int]]:
     """Hand every remaining ``linear`` of a :data:`DTYPES` weight on the CPU a copy of its weight packed by oneDNN
-    (kept in the graph module; one copy per weight, shared by every graph that reads it): the same products as
+    where oneDNN handles that dtype on this CPU (:func:`packable`; kept in the graph module, one copy per weight,
+    shared by every graph that reads it): the same products as
     ``linear``'s GEMM, bit for bit, without re-laying out the weight every call. ``example_inputs``: the graph's real
     inputs, the weights among them. Returns each packed weight with its version counter (what :func:`backend` checks
     before every call)."""
@@ -87,6 +99,8 @@ def pack_linears(graph_module: torch.fx.GraphModule, example_inputs) -> list[tup
             continue
         x, weight = node.args[0].meta.get("example_value"), real.get(node.args[1])
         if x is None or weight is None or x.device.type != "cpu" or weight.dtype not in DTYPES or x.dim() < 2:
+            continue
+        if not packable(weight.dtype):
             continue
         name = f"_accept_head_packed_{len(packed)}"
         graph_module.register_buffer(name, _packed_copy(weight))
