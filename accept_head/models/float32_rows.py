@@ -2,7 +2,7 @@
 
 On an AVX2-only CPU (AMD Zen 3, for one) PyTorch multiplies bf16 matrices by emulation. Fed one row, a linear still
 reads its weight at memory speed; every further row costs a good part of that again: a pass of the 135M target fed
-16 tokens cost 6× a one-token pass, and a 128-token prefill 41× (docs/measurements.md, "A CPU without bf16 units").
+16 tokens cost 6× a one-token pass, and a 128-token prefill 42× (docs/measurements.md, "A CPU without bf16 units").
 oneDNN's float32 GEMM over a weight packed once costs little more for 16 rows than for 8, but streams twice the bytes.
 
 :func:`use_float32_rows` gives every bf16 ``nn.Linear`` of a model a float32 copy of its weight, packed once, and
