@@ -512,6 +512,11 @@ def test_costs_command_writes_json_and_plot(tiny, tmp_path) -> None:
     single = stored["cost_model"]["measured"]["single"]
     assert single["n"] == 3 and stored["cost_model"]["t_single"] == single["median"] > 0
     assert CostModel.from_dict(stored).t_target(0) == single["median"]
+    # A round's mean draft step against the one-token pass: the first step at t_draft, the rest at t_draft_next.
+    cost = CostModel.from_dict(stored)
+    for k in (1, 4):
+        mean_step = (cost.t_draft + (k - 1) * cost.t_step) / k
+        assert stored["round_draft_step_over_t_single"][str(k)] == pytest.approx(mean_step / single["median"])
 
 
 def test_costs_command_times_a_fresh_head_of_a_given_depth_without_a_bundle(tiny, tmp_path) -> None:

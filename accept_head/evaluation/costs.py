@@ -67,6 +67,9 @@ def costs(
         "t_draft_over_t_target": model.t_draft / model.t_target(1),
         "t_draft_next_over_t_target": model.t_step / model.t_target(1),
         "head_over_draft_step": model.measured["head"]["median"] / model.measured["draft"]["median"],
+        # a drafting step as decoding alternates them (a round's first after a target pass, the rest after a draft
+        # step), averaged over a round of K steps, against a one-token target pass: issue 37's c
+        "round_draft_step_over_t_single": {k: model.drafting(k) / k / model.t_target(0) for k in ks},
     }
     write_json(folder / "costs.json", payload)
     costs_plot(model, folder / "costs.png", title=f"costs on {payload['machine']['cpu'] or 'this machine'}")
@@ -91,5 +94,7 @@ def costs(
     )
     if head is not None:
         print(f"head: {100 * payload['head_over_draft_step']:.2f}% of a draft step")
+    mean_step = ", ".join(f"K={k} {c:.3f}" for k, c in payload["round_draft_step_over_t_single"].items())
+    print(f"a round's mean draft step over a one-token pass: {mean_step}")
     print(f"wrote {folder / 'costs.json'} and {folder / 'costs.png'}")
     return payload
