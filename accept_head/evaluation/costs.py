@@ -73,6 +73,14 @@ def costs(
     }
     write_json(folder / "costs.json", payload)
     costs_plot(model, folder / "costs.png", title=f"costs on {payload['machine']['cpu'] or 'this machine'}")
+    print_costs(model, payload, ks, head is not None)
+    print(f"wrote {folder / 'costs.json'} and {folder / 'costs.png'}")
+    return payload
+
+
+def print_costs(model: CostModel, payload: dict, ks: list[int], with_head: bool) -> None:
+    """Print what :func:`costs` measured: each pass's median, min and max, the fit, the head's share of a draft step
+    (with a head) and a round's mean draft step against a one-token pass."""
     measured = model.measured
 
     def row(name: str, seconds: dict, digits: int, fit: str = "–") -> list[str]:
@@ -92,9 +100,7 @@ def costs(
             f"{model.t_target(0) * 1e3:.2f} ms",
         )
     )
-    if head is not None:
+    if with_head:
         print(f"head: {100 * payload['head_over_draft_step']:.2f}% of a draft step")
     mean_step = ", ".join(f"K={k} {c:.3f}" for k, c in payload["round_draft_step_over_t_single"].items())
     print(f"a round's mean draft step over a one-token pass: {mean_step}")
-    print(f"wrote {folder / 'costs.json'} and {folder / 'costs.png'}")
-    return payload
