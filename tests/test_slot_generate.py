@@ -327,6 +327,13 @@ def test_the_responses_stage_with_slots_resumes_to_the_same_shards(tmp_path, mon
         run_cli("responses", "--config", str(responses_config(tmp_path, "resumed", slots=None)))
 
 
+def test_progress_on_a_machine_without_shards_says_so(tmp_path, capsys) -> None:
+    config = yaml.safe_load(responses_config(tmp_path, "empty").read_text())["cfg"]
+    assert stages.progress(stages.FeatureDraftRecipe(**config)) == {}
+    out = capsys.readouterr().out
+    assert "no response shards under" in out and str(tmp_path / "empty") in out and "0 positions" in out
+
+
 def test_the_responses_stage_writes_the_features_a_teacher_forced_stage_would(tmp_path, monkeypatch) -> None:
     """With ``slots`` each shard's features come with it, and ``features`` then has nothing to do; they equal that
     stage's teacher-forced pass over the same shards, less each row's last position."""

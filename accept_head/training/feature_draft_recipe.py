@@ -421,6 +421,11 @@ def progress(cfg: FeatureDraftRecipe) -> dict:
     folder = _generations(cfg)
     present = shard_positions(folder / "shards")
     split = json.loads((folder / "split.json").read_text()) if (folder / "split.json").exists() else {}
+    if not present:
+        print(
+            f"no response shards under {folder / 'shards'} yet (0 positions): `python -m train.feature_draft "
+            "responses --config ...` writes them there, on the machine that runs it."
+        )
     for kind, counts in present.items():
         planned = len(split.get(kind, [])) * (1 if kind == "eval" else split.get("samples_per_prompt", 1))
         planned += len(split.get(kind, [])) if split.get("greedy_responses") else 0
