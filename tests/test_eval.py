@@ -511,9 +511,9 @@ def test_costs_command_writes_json_and_plot(tiny, tmp_path) -> None:
     # The one-token pass is measured, not read off the line: it prices the autoregressive step.
     single = stored["cost_model"]["measured"]["single"]
     assert single["n"] == 3 and stored["cost_model"]["t_single"] == single["median"] > 0
-    assert CostModel.from_dict(stored).t_target(0) == single["median"]
-    # A round's mean draft step against the one-token pass: the first step at t_draft, the rest at t_draft_next.
     cost = CostModel.from_dict(stored)
+    assert cost.t_target(0) == single["median"]
+    # A round's mean draft step against the one-token pass: the first step at t_draft, the rest at t_draft_next.
     for k in (1, 4):
         mean_step = (cost.t_draft + (k - 1) * cost.t_step) / k
         assert stored["round_draft_step_over_t_single"][str(k)] == pytest.approx(mean_step / single["median"])
