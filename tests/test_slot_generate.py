@@ -3,7 +3,8 @@
 * greedy rows equal ``model.generate``'s greedy rows, through refills and the tail's compaction, and two controls
   that mix rows' caches (compaction that leaves the buffers behind; a mask that lets a refilled row see its slot's
   previous occupant) break that equality;
-* T=1 samples follow the target's exact distribution of the first two tokens (χ²), and a broken sampler fails;
+* T=1 samples follow the target's exact distribution of the first two tokens (χ²), and a broken sampler fails — also
+  through the two-level sampler of the compiled steps, whose draws are the inverse CDF at the uniform across blocks;
 * the same seed gives the same responses, another seed others;
 * the hidden states and log-normalisers kept while writing equal a teacher-forced pass over the same tokens and change
   no response; a model whose logits are not its LM head over its decoder is refused;
@@ -25,7 +26,7 @@ from tiny_models import make_llama, make_tokenizer, small_vocab_llama
 from train_helpers import run_cli, write_prompts
 
 from accept_head.models import slot_generate as slots_module
-from accept_head.models.slot_generate import sample_rows, slot_generate
+from accept_head.models.slot_generate import sample_rows, sample_rows_blocked, slot_generate
 from accept_head.training import feature_draft_recipe as stages
 from accept_head.training import own_responses
 
@@ -177,6 +178,63 @@ def test_sample_rows_takes_the_inverse_cdf_at_the_uniform() -> None:
     for u, token in cuts.items():
         assert int(sample_rows(logits, 1.0, torch.tensor([False]), torch.tensor([u]))) == token
     assert int(sample_rows(logits, 1.0, torch.tensor([True]), torch.tensor([0.05]))) == 3
+
+
+@pytest.mark.parametrize("block", [1, 2, 3, 8])
+def test_the_blocked_sampler_takes_the_inverse_cdf_at_the_uniform_across_blocks(block) -> None:
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]]))
+    cuts = {0.0: 0, 0.05: 0, 0.15: 1, 0.29: 1, 0.31: 2, 0.61: 3, 0.999: 3, 1 - 1e-9: 3}
+    for u, token in cuts.items():
+        drawn = sample_rows_blocked(logits, 1.0, torch.tensor([False]), torch.tensor([u]), block=block)
+        assert int(drawn) == token, (u, block)
+    hot = sample_rows_blocked(logits * 0.05, 0.05, torch.tensor([False]), torch.tensor([0.35]), block=block)
+    assert int(hot) == 2  # the temperature divides the logits back
+    assert int(sample_rows_blocked(logits, 1.0, torch.tensor([True]), torch.tensor([0.05]), block=block)) == 3
+
+
+def test_the_blocked_sampler_never_draws_a_token_of_zero_weight() -> None:
+    """Tokens at −inf (and a whole block of them) are never drawn, whatever the uniform, down to the last ulp."""
+    inf = float("-inf")
+    logits = torch.tensor([[inf, 0.0, inf, inf, inf, inf, -1.0, inf, inf]])
+    uniforms = torch.tensor([0.0, 0.3, 0.7310585, 0.7310586, 0.9, torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))])
+    drawn = sample_rows_blocked(logits.expand(6, -1), 1.0, torch.zeros(6, dtype=torch.bool), uniforms, block=2)
+    assert set(drawn.tolist()) == {1, 6}
+
+
+def test_the_blocked_samplers_draws_follow_the_exact_probabilities_and_a_broken_one_fails() -> None:
+    """30,000 draws over a vocabulary of 11 in blocks of 3 (the last one padded), at T = 1 and T = 0.7, against the
+    exact softmax (χ²); the control draws its uniforms squared."""
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.randn(1, 11, generator=gen) * 1.5
+    for temperature in (1.0, 0.7):
+        uniforms = torch.rand(30000, generator=gen)
+        rows, greedy = logits.expand(30000, -1), torch.zeros(30000, dtype=torch.bool)
+        exact = torch.softmax(logits[0].double() / temperature, -1)
+        counts = torch.bincount(sample_rows_blocked(rows, temperature, greedy, uniforms, block=3), minlength=11)
+        assert goodness_of_fit(counts, exact) > ALPHA
+        broken = torch.bincount(sample_rows_blocked(rows, temperature, greedy, uniforms**2, block=3), minlength=11)
+        assert goodness_of_fit(broken, exact) < ALPHA
+
+
+def test_compiled_steps_sample_through_the_blocked_sampler_from_the_targets_distribution(monkeypatch) -> None:
+    """``compile=True`` draws the full-width steps' tokens with the two-level sampler (here uncompiled stand-ins for
+    the compiled forward and sampler, blocks of 3 over a vocabulary of 8): the first two tokens of 3,000 rows follow
+    the target's exact joint (χ²)."""
+    import functools
+
+    used = []
+    monkeypatch.setattr(slots_module, "compiled_forward", lambda module: module)
+    blocked = functools.partial(sample_rows_blocked, block=3)
+    monkeypatch.setattr(slots_module, "compiled_sampler", lambda: used.append(1) or blocked)
+    model, prompt, rows = small_vocab_llama(seed=2), [1, 5, 2], 3000
+    out = slot_generate(
+        model, [prompt] * rows, [False] * rows, max_new_tokens=2, temperature=1.0, eos_token_ids=[],
+        pad_token_id=0, generator=torch.Generator().manual_seed(11), slots=64, compile=True,
+    )  # fmt: skip
+    counts = torch.zeros(8, 8)
+    for a, b in out:
+        counts[a, b] += 1
+    assert len(used) >= rows // 64 and goodness_of_fit(counts, exact_joint(model, prompt, 2)) > ALPHA
 
 
 def test_the_same_seed_gives_the_same_responses_and_another_seed_others(target, prompts) -> None:

@@ -22,8 +22,10 @@ stage's teacher-forced pass over the same tokens, without running the target ove
 
 Sampling is exact: row i's token at temperature T is the inverse CDF of softmax(logits_i / T) (float32) at one
 uniform u_i drawn per row and step from the caller's generator — the same distribution as ``torch.multinomial``,
-with one random number per row instead of one per vocabulary entry; greedy rows take the argmax. Given the same
-prompts, settings and seed, the same rows come out (the schedule of refills is itself a function of them).
+with one random number per row instead of one per vocabulary entry; greedy rows take the argmax. The compiled steps
+draw the same way in two levels (:func:`sample_rows_blocked`: the block of the vocabulary first, then the token inside
+it), so that no float32 copy of every row's logits is made. Given the same prompts, settings and seed, the same rows
+come out (the schedule of refills is itself a function of them).
 """
 
 from __future__ import annotations
@@ -162,6 +164,50 @@ def sample_rows(logits: torch.Tensor, temperature: float, greedy: torch.Tensor, 
         target = torch.minimum(uniform[sampled_rows, None] * total, torch.nextafter(total, torch.zeros_like(total)))
         out[sampled_rows] = torch.searchsorted(cdf, target, right=True).squeeze(-1)
     return out
+
+
+SAMPLE_BLOCK = 1024
+"""Vocabulary entries per block of :func:`sample_rows_blocked`."""
+
+
+def sample_rows_blocked(
+    logits: torch.Tensor, temperature: float, greedy: torch.Tensor, uniform: torch.Tensor, block: int = SAMPLE_BLOCK
+) -> torch.Tensor:
+    """:func:`sample_rows`' draw in two levels, for a compiled decode step (:func:`compiled_sampler`): the weights
+    exp((logit − max) / T) (float32) summed per block of ``block`` vocabulary entries, the block whose cumulative sum
+    first exceeds u · total, then the inverse CDF inside that block alone — token i with probability its share of
+    the total, as there. Compiled, the weights are never held for the whole vocabulary (the sums read the logits
+    once); greedy rows take the argmax. A token of zero weight is never drawn."""
+    rows, vocab = logits.shape
+    weights = logits.float()
+    if temperature != 1.0:
+        weights = weights / temperature
+    weights = weights - weights.amax(-1, keepdim=True)
+    blocks = -(-vocab // block)
+    padded = torch.nn.functional.pad(weights, (0, blocks * block - vocab), value=float("-inf"))
+    cdf = padded.view(rows, blocks, block).exp().sum(-1).cumsum(-1)  # (rows, blocks)
+    total = cdf[:, -1:]
+    target = torch.minimum(uniform[:, None] * total, torch.nextafter(total, torch.zeros_like(total)))
+    chosen = torch.searchsorted(cdf, target, right=True).clamp_(max=blocks - 1)  # (rows, 1): the block holding it
+    before = torch.where(chosen > 0, cdf.gather(1, (chosen - 1).clamp(min=0)), torch.zeros_like(target))
+    index = chosen * block + torch.arange(block, device=logits.device)
+    inside = padded.gather(1, index).exp().cumsum(-1)  # (rows, block): the chosen block's own cumulative weights
+    # What is left of the target inside the block (>= 0), below the block's recomputed sum (> 0) whatever the rounding.
+    rest = torch.minimum(target - before, torch.nextafter(inside[:, -1:], torch.zeros_like(target)))
+    drawn = index.gather(1, torch.searchsorted(inside, rest, right=True).clamp_(max=block - 1)).squeeze(-1)
+    return torch.where(greedy, argmax(logits), drawn)
+
+
+def compiled_sampler():
+    """``torch.compile(sample_rows_blocked)`` (inductor, static shapes), built once: the full-width decode steps of a
+    compiled :func:`slot_generate` sample through it."""
+    global _COMPILED_SAMPLER
+    if _COMPILED_SAMPLER is None:
+        _COMPILED_SAMPLER = torch.compile(sample_rows_blocked, dynamic=False)
+    return _COMPILED_SAMPLER
+
+
+_COMPILED_SAMPLER = None
 
 
 @dataclass
@@ -341,7 +387,8 @@ def _decode_step(forward, cache, live, greedy_rows, last, temperature, generator
     )
     greedy = torch.tensor([s is not None and bool(greedy_rows[s.row]) for s in live], device=device)
     uniform = torch.rand(cache.slots, generator=generator, device=device)
-    tokens = sample_rows(logits, temperature, greedy, uniform).cpu()
+    sampler = compiled_sampler() if use_fast else sample_rows
+    tokens = sampler(logits, temperature, greedy, uniform).cpu()
     for i, (slot, token) in enumerate(zip(live, tokens.tolist())):
         if slot is not None:
             slot.position += 1
