@@ -128,6 +128,32 @@ def test_greedy_rows_mixed_with_sampled_ones_keep_their_argmax(target, prompts) 
         assert 1 <= len(o) <= 10
 
 
+def test_rows_sharing_a_prompt_share_its_prefill_and_keep_generates_greedy_rows(target, prompts, monkeypatch) -> None:
+    """A prompt taken by several rows of one refill is prefilled once (the batch holds each prompt once) and its keys
+    and values copied to the other rows' slots; every row still decodes ``generate``'s greedy response. The control:
+    a copy that leaves the slots as they were (the twin attends over nothing it was fed) changes them."""
+    twice = [p for p in prompts for _ in range(2)] + [prompts[0]]
+    prefilled, copied = [], []
+    feed, copy = slots_module.SlotCache.feed, slots_module.SlotCache.copy_slots
+
+    def recorded_feed(self, rows, positions, span):
+        if positions.shape[1] > 1:  # a refill (every prompt here has two tokens or more; a decode step feeds one)
+            prefilled.append(len(rows))
+        return feed(self, rows, positions, span)
+
+    monkeypatch.setattr(slots_module.SlotCache, "feed", recorded_feed)
+    monkeypatch.setattr(
+        slots_module.SlotCache, "copy_slots", lambda self, *a: copied.append(len(a[0])) or copy(self, *a)
+    )
+    expected = [reference(target, p, 14) for p in twice]
+    assert greedy_run(target, twice, 8) == expected
+    assert sum(prefilled) + sum(copied) == len(twice) and sum(copied) >= len(prompts) - 2  # a pair may straddle refills
+    assert prefilled[0] == len(set(map(tuple, twice[:8])))  # the first refill's batch: its distinct prompts only
+    assert slots_module.first_of_each_prompt([[1, 2], [3], [1, 2], [3], [4]]) == [0, 1, 0, 1, 4]
+    monkeypatch.setattr(slots_module.SlotCache, "copy_slots", lambda self, *a: None)
+    assert greedy_run(target, twice, 8) != expected
+
+
 def test_compaction_that_keeps_the_wrong_buffers_mixes_rows(target, prompts, monkeypatch) -> None:
     """Control: were the tail's compaction to keep the first slots' keys and values instead of the live rows', rows
     would read each other's caches, and the greedy equality above catches it."""
@@ -196,7 +222,9 @@ def test_the_blocked_sampler_never_draws_a_token_of_zero_weight() -> None:
     """Tokens at −inf (and a whole block of them) are never drawn, whatever the uniform, down to the last ulp."""
     inf = float("-inf")
     logits = torch.tensor([[inf, 0.0, inf, inf, inf, inf, -1.0, inf, inf]])
-    uniforms = torch.tensor([0.0, 0.3, 0.7310585, 0.7310586, 0.9, torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))])
+    uniforms = torch.tensor(
+        [0.0, 0.3, 0.7310585, 0.7310586, 0.9, torch.nextafter(torch.tensor(1.0), torch.tensor(0.0))]
+    )
     drawn = sample_rows_blocked(logits.expand(6, -1), 1.0, torch.zeros(6, dtype=torch.bool), uniforms, block=2)
     assert set(drawn.tolist()) == {1, 6}
 
@@ -247,9 +275,14 @@ def test_the_same_seed_gives_the_same_responses_and_another_seed_others(target, 
     assert run(5) == run(5) and run(5) != run(6)
 
 
-def test_features_kept_while_writing_equal_a_teacher_forced_pass_and_change_no_response(target, prompts) -> None:
+@pytest.mark.parametrize("twins", [False, True])
+def test_features_kept_while_writing_equal_a_teacher_forced_pass_and_change_no_response(target, prompts, twins) -> None:
+    """(``twins``: every prompt twice in a row, as a recipe's sampled and greedy rows of one prompt come: the second
+    shares the first's prefill, and both keep the prompt's states.)"""
     from accept_head.models.features import final_hidden_states
 
+    if twins:
+        prompts = [p for p in prompts for _ in range(2)]
     greedy = [i % 3 == 0 for i in range(len(prompts))]
     settings = dict(max_new_tokens=10, temperature=1.0, eos_token_ids=[EOS], pad_token_id=0, slots=4)
     plain = slot_generate(target, prompts, greedy, generator=torch.Generator().manual_seed(4), **settings)

@@ -5,7 +5,8 @@ from a float32 copy of the whole batch's logits. Here every row lives in a *slot
 preallocated key/value buffer per layer, written in place at each row's own positions); a row that ends (EOS or
 ``max_new_tokens``) frees its slot, and free slots are refilled with the next prompts in one batched prefill, so the
 decode step keeps its batch full until the prompts run out (then the cache is compacted to the rows still alive).
-The model runs through its own ``forward`` (any Hugging Face causal LM whose attention takes a 4D mask and
+Rows of one prompt refilled together (a recipe's sampled and greedy rows) share its prefill: the prompt is fed once
+and its keys and values copied to the other slots. The model runs through its own ``forward`` (any Hugging Face causal LM whose attention takes a 4D mask and
 ``position_ids``, such as Llama, Qwen2, SmolLM2) with ``logits_to_keep=1``.
 
 Once the longest live row passes half the cache, a decode step attends over the whole buffer (masked past each row's
@@ -99,6 +100,13 @@ class SlotCache(Cache):
         :attr:`length`, a scratch position never attended); they attend over the first ``span`` positions."""
         self.fed_rows, self.fed_positions, self.span = rows, positions, span
         self.all_rows = len(rows) == self.slots and bool((rows == torch.arange(self.slots, device=rows.device)).all())
+
+    def copy_slots(self, sources: torch.Tensor, targets: torch.Tensor, width: int) -> None:
+        """Copy the keys and values of the first ``width`` positions of slots ``sources`` (n,) into slots ``targets``
+        (n,), in every layer: rows that share a prompt share its prefill."""
+        for layer in self.layers:
+            layer.keys[targets, :, :width] = layer.keys[sources, :, :width]
+            layer.values[targets, :, :width] = layer.values[sources, :, :width]
 
     def keep(self, slots: torch.Tensor) -> None:
         """Keep only ``slots`` (their order becomes the new slot order)."""
@@ -338,34 +346,55 @@ def slot_generate(
 
 
 def _refill(forward, cache, live, free, waiting, prompts, greedy_rows, last, temperature, generator) -> None:
-    """Prefill the next prompts into the ``free`` slots (left-padded into one batch) and sample their first tokens."""
+    """Prefill the next prompts into the ``free`` slots (left-padded into one batch) and sample their first tokens.
+    A prompt taken by several of these rows (a recipe's sampled and greedy rows of one prompt) is prefilled once and
+    its keys and values copied to the other slots: each row still draws its own first token from those logits."""
     model = forward.model
     device = next(model.parameters()).device
     chosen = free[: len(waiting)]
     rows = [waiting.pop() for _ in chosen]
-    width = max(len(prompts[r]) for r in rows)
-    ids = torch.full((len(rows), width), 0, dtype=torch.long)
-    positions = torch.full((len(rows), width), cache.length, dtype=torch.long)  # padding writes the scratch position
-    for i, r in enumerate(rows):
-        n = len(prompts[r])
-        ids[i, width - n :] = torch.as_tensor(prompts[r])
-        positions[i, width - n :] = torch.arange(n)
-    span = width
-    cache.feed(torch.tensor(chosen, device=device), positions.to(device), span)
+    first = first_of_each_prompt([prompts[r] for r in rows])  # first[i]: the row whose prefill row i shares
+    unique = sorted(set(first))
+    at = {i: j for j, i in enumerate(unique)}  # a prefilled row's place in the batch
+    width = max(len(prompts[rows[i]]) for i in unique)
+    ids = torch.full((len(unique), width), 0, dtype=torch.long)
+    positions = torch.full((len(unique), width), cache.length, dtype=torch.long)  # padding: the scratch position
+    for j, i in enumerate(unique):
+        n = len(prompts[rows[i]])
+        ids[j, width - n :] = torch.as_tensor(prompts[rows[i]])
+        positions[j, width - n :] = torch.arange(n)
+    cache.feed(torch.tensor([chosen[i] for i in unique], device=device), positions.to(device), width)
     logits, hidden, _ = forward(
         cache,
         input_ids=ids.to(device),
-        position_ids=positions.clamp(max=span - 1).to(device),
-        attention_mask=attention_bias(positions.to(device), span, model.dtype),
+        position_ids=positions.clamp(max=width - 1).to(device),
+        attention_mask=attention_bias(positions.to(device), width, model.dtype),
     )
+    shared = [i for i in range(len(rows)) if first[i] != i]
+    if shared:
+        cache.copy_slots(
+            torch.tensor([chosen[first[i]] for i in shared], device=device),
+            torch.tensor([chosen[i] for i in shared], device=device),
+            width,
+        )
+    source = torch.tensor([at[first[i]] for i in range(len(rows))], device=device)
     uniform = torch.rand(len(rows), generator=generator, device=device)
-    tokens = sample_rows(logits, temperature, greedy_rows[rows].to(device), uniform).cpu()
+    tokens = sample_rows(logits[source], temperature, greedy_rows[rows].to(device), uniform).cpu()
+    states: dict = {}  # per prefilled row: its prompt's final hidden states and log-normalisers
     for i, (slot, r, token) in enumerate(zip(chosen, rows, tokens.tolist())):
         live[slot] = _Slot(row=r, position=len(prompts[r]), tokens=[token])
         last[slot] = token
         if hidden is not None:  # the prompt's positions (the row's right end of the left-padded batch)
-            states = hidden[i, width - len(prompts[r]) :]
-            live[slot].hidden, live[slot].lse = [states], [_lse(states, model.get_output_embeddings())]
+            if first[i] not in states:
+                kept = hidden[at[first[i]], width - len(prompts[r]) :]
+                states[first[i]] = (kept, _lse(kept, model.get_output_embeddings()))
+            live[slot].hidden, live[slot].lse = [states[first[i]][0]], [states[first[i]][1]]
+
+
+def first_of_each_prompt(prompts: Sequence[Sequence[int]]) -> list[int]:
+    """For each of ``prompts``, the index of the first one equal to it (its own index when it is the first)."""
+    seen: dict[tuple, int] = {}
+    return [seen.setdefault(tuple(prompt), i) for i, prompt in enumerate(prompts)]
 
 
 def _decode_step(forward, cache, live, greedy_rows, last, temperature, generator, pad_token_id, use_fast) -> None:
