@@ -6,8 +6,9 @@ preallocated key/value buffer per layer, written in place at each row's own posi
 ``max_new_tokens``) frees its slot, and free slots are refilled with the next prompts in one batched prefill, so the
 decode step keeps its batch full until the prompts run out (then the cache is compacted to the rows still alive).
 Rows of one prompt refilled together (a recipe's sampled and greedy rows) share its prefill: the prompt is fed once
-and its keys and values copied to the other slots. The model runs through its own ``forward`` (any Hugging Face causal LM whose attention takes a 4D mask and
-``position_ids``, such as Llama, Qwen2, SmolLM2) with ``logits_to_keep=1``.
+and its keys and values copied to the other slots. The model runs through its own ``forward`` (any Hugging Face
+causal LM whose attention takes a 4D mask and ``position_ids``, such as Llama, Qwen2, SmolLM2) with
+``logits_to_keep=1``.
 
 Once the longest live row passes half the cache, a decode step attends over the whole buffer (masked past each row's
 position) instead of the first ``span`` positions: a slice of the buffer is not contiguous, and every attention matmul
