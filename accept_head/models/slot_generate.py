@@ -32,6 +32,7 @@ come out (the schedule of refills is itself a function of them).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -207,16 +208,11 @@ def sample_rows_blocked(
     return torch.where(greedy, argmax(logits), drawn)
 
 
+@functools.cache
 def compiled_sampler():
     """``torch.compile(sample_rows_blocked)`` (inductor, static shapes), built once: the full-width decode steps of a
     compiled :func:`slot_generate` sample through it."""
-    global _COMPILED_SAMPLER
-    if _COMPILED_SAMPLER is None:
-        _COMPILED_SAMPLER = torch.compile(sample_rows_blocked, dynamic=False)
-    return _COMPILED_SAMPLER
-
-
-_COMPILED_SAMPLER = None
+    return torch.compile(sample_rows_blocked, dynamic=False)
 
 
 @dataclass
