@@ -721,6 +721,28 @@ def test_cpu_fit_configs_keep_the_pools_data_and_train_on_own_responses(capsys, 
     assert third["data_seed"] not in (None, third["seed"])  # a new batch order, not the parent's replayed
 
 
+def test_each_fresh_pool_draws_new_samples_of_the_same_rows_in_its_own_folder(capsys, monkeypatch) -> None:
+    """The fresh-pool configs (read after the CPU recipe and the fresh-pool config) keep the plan's prompts and
+    held-out set, and each draws its training samples with a seed no other pool used, into a folder of its own; the
+    newest restarts from the committed draft in a batch order of its own."""
+    monkeypatch.chdir(REPO)
+    base = _fit_config(capsys, "cpu")
+    pools = {
+        name: _fit_config(capsys, "cpu", "cpu-fresh", *extra)
+        for name, extra in (("seed1", []), ("seed2", ["cpu-seed2"]), ("seed3", ["cpu-seed3"]), ("seed4", ["cpu-seed4"]))
+    }
+    for printed in pools.values():
+        for key in ("prompts", "eval_prompts", "kept_vocab", "split_seed", "target", "samples_per_prompt"):
+            assert printed[key] == base[key], key
+    seeds = [base.get("response_seed") or 0, *(p["response_seed"] for p in pools.values())]
+    assert len(set(seeds)) == len(seeds)
+    folders = [base["work_dir"], *(p["work_dir"] for p in pools.values())]
+    assert len(set(folders)) == len(folders)
+    newest = pools["seed4"]
+    assert newest["init_draft"] == "checkpoints/smollm2-135m-feature-draft" and newest["fit_sources"] == ["own"]
+    assert newest["data_seed"] not in {p["data_seed"] for name, p in pools.items() if name != "seed4"}
+
+
 def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypatch) -> None:
     """checkpoints/smollm2-135m-feature-draft: the CPU recipe's long schedule from the target's weights, two warm
     restarts on that pool, five runs on fresh samples (`response_seed` 1, each in a new batch order), then one on a
