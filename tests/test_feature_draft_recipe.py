@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -751,6 +752,7 @@ def test_the_committed_draft_records_the_recipe_that_trained_it(capsys, monkeypa
     monkeypatch.chdir(REPO)
     keys = "lr batch_tokens max_steps warmup_steps fit_sources kept_vocab unroll seed data_seed response_seed".split()
 
+    @functools.cache  # each config stack parses through the CLI once (about a second each)
     def settings(*names: str) -> dict:
         printed = _fit_config(capsys, *names)
         return {k: printed[k] for k in keys}

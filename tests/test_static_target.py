@@ -23,6 +23,7 @@ from tiny_models import distilled_feature_draft, draft_vocabulary, make_llama, p
 
 import accept_head.chain.decoding as decoding
 from accept_head import AcceptanceHead, FixedK, SpecDecPP, autoregressive_generate, speculative_generate
+from accept_head.core.hf_compat import cache_kwargs
 from accept_head.models.static_target import StaticTarget, target_cache
 
 PROMPTS = [[2, 10, 11, 12, 13, 14], [5]]
@@ -102,7 +103,7 @@ def test_a_tree_pass_over_the_static_cache_gives_the_dynamic_caches_logits_and_k
     allowed, depths = tree_mask(parents)
     logits, hidden = static.tree_forward(torch.tensor([tokens]), allowed, depths)
     dynamic = DynamicCache()
-    target(input_ids=torch.tensor([text[:5]]), past_key_values=dynamic, use_cache=True)
+    target(input_ids=torch.tensor([text[:5]]), **cache_kwargs(target, dynamic))
     torch.testing.assert_close(logits, tree_forward(target, dynamic, tokens, parents), atol=1e-5, rtol=1e-4)
     assert hidden.shape == (5, target.config.hidden_size)
     commit_nodes(static, 5, [3, 4])  # keep the root and the second branch: text[:8]
