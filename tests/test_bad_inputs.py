@@ -359,6 +359,21 @@ def test_machine_info_tells_cpus_of_one_name_apart(tmp_path) -> None:
     assert isinstance(info["onednn_bf16"], bool) and "cpu_capability" in info
 
 
+def test_a_measured_cost_model_names_the_cpu_its_capability_and_the_dtype(tmp_path) -> None:
+    """A bundle's cost model prices passes on one machine: its source line says which, and in which dtype."""
+    from accept_head.core.records import where_measured
+
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\nflags\t\t: avx2\n")
+    line = where_measured(torch.nn.Linear(2, 2).to(torch.bfloat16), str(cpuinfo))
+    capability = torch.backends.cpu.get_cpu_capability()
+    assert (
+        line
+        == f"measured on cpu: AMD EPYC (family/model 25/17), {capability}, {torch.get_num_threads()} threads, bfloat16"
+    )
+    assert where_measured(torch.nn.Linear(2, 2), str(tmp_path / "missing")).endswith(", float32")
+
+
 def test_bf16_on_a_cpu_without_bf16_units_warns_and_names_the_fix(tmp_path, monkeypatch) -> None:
     make_llama(tmp_path / "model")
     cpuinfo = tmp_path / "cpuinfo"

@@ -55,6 +55,23 @@ def machine_info() -> dict:
     }
 
 
+def where_measured(model: torch.nn.Module, cpuinfo: str = "/proc/cpuinfo") -> str:
+    """One line naming where timings of ``model`` are taken: a CUDA card by name, a CPU by its model, family/model
+    numbers and torch capability (:func:`cpu_identity`), with the threads and ``model``'s dtype — what a cost model
+    recorded in a bundle needs to say, since another machine prices draft and target passes differently."""
+    param = next(model.parameters())
+    dtype = str(param.dtype).removeprefix("torch.")
+    if param.device.type == "cuda":
+        return f"measured on {torch.cuda.get_device_name(param.device)}, {dtype}"
+    cpu = cpu_identity(cpuinfo)
+    name = cpu.get("cpu") or platform.processor() or "an unidentified CPU"
+    family = f" (family/model {cpu['cpu_family_model']})" if cpu else ""
+    return (
+        f"measured on {param.device.type}: {name}{family}, {torch.backends.cpu.get_cpu_capability()}, "
+        f"{torch.get_num_threads()} threads, {dtype}"
+    )
+
+
 def command_line() -> str:
     """The command that is running, as a user would type it (``python -m eval ...`` for this CLI)."""
     import shlex

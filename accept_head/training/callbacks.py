@@ -12,7 +12,6 @@ import contextlib
 import copy
 import csv
 import json
-import os
 import shutil
 import time
 import warnings
@@ -33,6 +32,7 @@ from ..acceptance.metrics import expected_calibration_error, reliability_bins
 from ..acceptance.plots import reliability_plot
 from ..core import __version__
 from ..core.costs import CostModel
+from ..core.records import where_measured
 from ..core.sampling import SamplingConfig
 from ..engine.measure import measure_costs
 from ..engine.sweep import FIXED_K, THRESHOLDS, check_fixed_k, check_thresholds, format_table, pareto_plot, run_sweep
@@ -238,7 +238,7 @@ class MeasureCosts(EndOfFitStage):
             cost = measure_costs(
                 target, pl_module.draft, pl_module.head, self.ks, self.context, self.repeats, self.warmup, self.seed
             )
-            report.cost_model_source = f"measured on {next(target.parameters()).device} ({os.cpu_count()} CPUs)"
+            report.cost_model_source = where_measured(target)
         else:
             cost = CostModel(
                 t_draft=self.t_draft,

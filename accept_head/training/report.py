@@ -23,7 +23,8 @@ class FitReport:
     """Validation prompt ids left out of calibration because the closing comparison reports on them."""
     cost_model: CostModel | None = None
     cost_model_source: str | None = None
-    """``measured on <device>`` or ``config``."""
+    """Where it was measured (:func:`~accept_head.core.records.where_measured`: the device, a CPU's model and
+    capability, the threads and the dtype) or ``config``."""
     sweep: SweepResult | None = None
     threshold: float | None = None
     """h*: the threshold the bundle decodes with."""

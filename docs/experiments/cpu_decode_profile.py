@@ -12,8 +12,11 @@ Four measurements, bf16 (the bundle's dtype), each printed and written to ``--ou
 3. **Autoregressive decoding** (the toolkit's ``autoregressive_generate``, greedy) with ``target_runtime`` eager,
    static and compiled, interleaved prompt by prompt, tokens/s.
 4. **Round anatomy**: chain SpecDec++ and the head tree (``bundle.generate(tree=True)``), greedy, with forward hooks
-   timing every target and draft forward: model time vs the rest (sampling, verification, cache and mask
-   bookkeeping, host reads, the acceptance head), per round. ``--round_runtimes eager,compiled`` adds chain rounds
+   timing every target and draft forward: model time vs the rest, per round, and the rest split by what the
+   decoders call (:data:`SPLIT`): drawing the candidates, verification, the target's cache and the tree masks, the
+   acceptance head and its inputs, and what is left (the round loop, the stop rule, the drafter's bookkeeping around
+   its forwards). On a CPU a host read (``int(t)``, ``t.tolist()``) waits for nothing: it is counted in the part
+   that makes it. ``--round_runtimes eager,compiled`` adds chain rounds
    over a compiled target (and its copying chain, ``copies``): there the target's time is its
    :class:`~accept_head.models.static_target.StaticTarget` passes' (``forward``, ``tree_forward``) and the passes'
    widths are counted as fed and as padded. In every runtime the target's time includes each prompt's first pass,
@@ -35,12 +38,15 @@ import torch
 from transformers import DynamicCache
 
 from accept_head import autoregressive_generate
+from accept_head.chain import decoding as chain_decoding
 from accept_head.core.hf_compat import cache_kwargs, crop_cache
 from accept_head.core.records import machine_info, write_json
 from accept_head.models import static_target
 from accept_head.models.static_target import StaticTarget
 from accept_head.specdecpp.bundle import SpecDecPP
 from accept_head.specdecpp.chat import DEFAULT_PROMPTS
+from accept_head.trees import decoding as tree_decoding
+from accept_head.trees import verify as tree_verify
 
 WIDTHS = (1, 2, 4, 8, 16)
 
@@ -196,6 +202,55 @@ def pass_clock(spent: dict, widths: list[int]):
             setattr(StaticTarget, name, original)
 
 
+SPLIT = {
+    "draft_sampling": [(chain_decoding, "draw"), (tree_decoding, "draft_probs")],
+    "verification": [(chain_decoding, "probabilities"), (chain_decoding, "verify"), (tree_decoding, "verify_tree")],
+    "cache_and_masks": [
+        (chain_decoding, "_crop"),
+        (tree_decoding, "tree_rows"),
+        (tree_decoding, "commit_nodes"),
+        (tree_verify, "tree_mask"),
+        (tree_verify, "layer_masks"),
+    ],
+}
+"""The parts of a round outside the models' forwards, each the functions the decoders call for it (module, name):
+the draft's sampling transform and draw, the target's probabilities and the accept/reject step, and the target cache's
+crop or kept positions with the tree's rows and attention masks."""
+
+
+@contextmanager
+def function_clock(spent: dict, split: dict = SPLIT):
+    """Add the wall time of every call of each function of ``split`` to ``spent[part]``, counting only the outermost
+    clocked call (``draw`` computes ``probabilities``: that is drawing, not verification)."""
+    depth = [0]
+    patched = []
+
+    def clocked(original, part):
+        def timed(*args, **kwargs):
+            depth[0] += 1
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                depth[0] -= 1
+                if depth[0] == 0:
+                    spent[part] += time.perf_counter() - began
+
+        return timed
+
+    for part, places in split.items():
+        spent[part] = 0.0
+        for module, name in places:
+            original = getattr(module, name)
+            patched.append((module, name, original))
+            setattr(module, name, clocked(original, part))
+    try:
+        yield spent
+    finally:
+        for module, name, original in patched:
+            setattr(module, name, original)
+
+
 ROUND_MODES = {
     "chain": {"tree": False, "context_row": 0},
     "tree": {"tree": True},
@@ -209,10 +264,11 @@ target's pass pads anyway (``padding_only``)."""
 
 def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int, runtime: str = "eager") -> dict:
     """Per decoding mode (:data:`ROUND_MODES`; over a static or compiled target only the chains): model time vs the
-    rest, per round (greedy). The draft's forward includes its LM head, which the drafters call outside the module's
-    ``forward`` (on the kept vocabulary), and a feature draft's drafting calls (``FeatureDraft.extend``: the lean
-    layer calls no module's ``forward``). Over a static or compiled target the target's time is its passes' (the
-    prompt's prefill included) and the passes' widths are recorded, fed and padded."""
+    rest, per round (greedy), the rest split as :data:`SPLIT` and :func:`function_clock` do. The draft's forward
+    includes its LM head, which the drafters call outside the module's ``forward`` (on the kept vocabulary), and a
+    feature draft's drafting calls (``FeatureDraft.extend``: the lean layer calls no module's ``forward``). Over a
+    static or compiled target the target's time is its passes' (the prompt's prefill included) and the passes' widths
+    are recorded, fed and padded."""
     draft_module = bundle.draft
     result = {}
     modes = ROUND_MODES if runtime == "eager" else {k: v for k, v in ROUND_MODES.items() if not v["tree"]}
@@ -231,6 +287,7 @@ def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int, runt
             if hasattr(draft_module, "extend"):
                 stack.enter_context(method_clock(draft_module, "extend", spent, "draft"))
             stack.enter_context(pass_clock(spent, widths))
+            stack.enter_context(function_clock(spent))
             for ids in prompts:
                 start, calls = len(widths), len(spent["target_calls"])
                 began = time.perf_counter()
@@ -256,6 +313,8 @@ def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int, runt
                 "of_which_draft_lm_head": 1e3 * spent["draft_head"] / rounds,
                 "everything_else": 1e3 * other / rounds,
                 "of_which_head_and_its_inputs": 1e3 * head / rounds,
+                **{f"of_which_{part}": 1e3 * spent[part] / rounds for part in SPLIT},
+                "of_which_the_rest": 1e3 * (other - head - sum(spent[part] for part in SPLIT)) / rounds,
             },
             "everything_else_share": other / total,
         }
@@ -269,7 +328,9 @@ def round_anatomy(bundle: SpecDecPP, prompts: list[list[int]], tokens: int, runt
             f"{key}: {rounds:.0f} rounds, {generated / rounds:.2f} tokens/round, {generated / total:.1f} tok/s, "
             f"{ms['total']:.1f} ms/round = target {ms['target_forwards']:.1f} (prefill {ms['of_which_prefill']:.1f}) + "
             f"draft {ms['draft_forwards']:.1f} "
-            f"+ other {ms['everything_else']:.1f} ({100 * other / total:.1f}% other)",
+            f"+ other {ms['everything_else']:.1f} ({100 * other / total:.1f}% other: "
+            + ", ".join(f"{part} {ms['of_which_' + part]:.2f}" for part in ("head_and_its_inputs", *SPLIT, "the_rest"))
+            + ")",
             flush=True,
         )
     return result
