@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 import yaml
 from train_helpers import REPO, train_config, write_config
 
@@ -81,6 +82,7 @@ def test_ablate_trains_one_head_per_variant_and_scores_them_alike(ablation) -> N
         assert (root / "out" / "variants" / f"{name}.json").is_file()
     assert (root / "out" / "ablate.png").stat().st_size > 0
     page = (root / "docs" / "ablations.md").read_text()
+    assert f"`cpu_capability` {torch.backends.cpu.get_cpu_capability()}," in page  # the page names its CPU
     assert (
         "| depth0-alg2 | D = 0, Alg. 2 |" in page and "![modeled throughput per variant](ablations/ablate.png)" in page
     )

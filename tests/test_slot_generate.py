@@ -8,7 +8,8 @@
 * the same seed gives the same responses, another seed others;
 * the hidden states and log-normalisers kept while writing equal a teacher-forced pass over the same tokens and change
   no response; a model whose logits are not its LM head over its decoder is refused;
-* the recipe's ``responses`` stage with ``slots`` stopped by its time budget resumes to the same shards.
+* the recipe's ``responses`` stage with ``slots`` stopped by its time budget, or killed halfway through saving a
+  shard, resumes to the same shards and features.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from accept_head.models import slot_generate as slots_module
 from accept_head.models.slot_generate import sample_rows, sample_rows_blocked, slot_generate
 from accept_head.training import feature_draft_recipe as stages
 from accept_head.training import own_responses
+from accept_head.training.draft_recipe import save_atomic
 
 EOS = 3
 LENGTHS = (3, 9, 5, 12, 4, 7, 2, 10, 6, 5, 8)
@@ -416,6 +418,58 @@ def test_the_responses_stage_with_slots_resumes_to_the_same_shards(tmp_path, mon
     assert present["train"]["positions"] == present["train"]["prompt"] + present["train"]["response"] > 0
     with pytest.raises(ValueError, match="split.json"):  # slots draw other samples than one batch per shard
         run_cli("responses", "--config", str(responses_config(tmp_path, "resumed", slots=None)))
+
+
+class Killed(BaseException):
+    """A kill: no ``except Exception`` on the way up catches it."""
+
+
+def killed_saving(name: str):
+    """``save_atomic`` killed halfway through saving the file ``name``: half its bytes written, then the kill."""
+
+    def killed(obj, path: Path, save=torch.save) -> None:
+        def half_then_killed(obj, tmp: str) -> None:
+            save(obj, tmp)
+            data = Path(tmp).read_bytes()
+            Path(tmp).write_bytes(data[: len(data) // 2])
+            raise Killed
+
+        save_atomic(obj, path, half_then_killed if path.name == name else save)
+
+    return killed
+
+
+def test_the_responses_stage_killed_mid_shard_resumes_to_the_same_shards(tmp_path, monkeypatch) -> None:
+    """Killed while saving a response shard whose features are already written, then while saving a features shard,
+    each time leaving half a file behind, the stage resumes to the response and features shards of a run never
+    killed, tensor for tensor; no half-written file is taken for a shard."""
+    from safetensors.torch import load_file
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    run_cli("responses", "--config", str(responses_config(tmp_path, "straight", max_prompts=6)))
+    config = str(responses_config(tmp_path, "killed", max_prompts=6))
+    shards, features = tmp_path / "killed" / "responses" / "shards", tmp_path / "killed" / "features"
+    for name, folder in (("train-00001.pt", shards), ("train-00002.safetensors", features)):
+        with monkeypatch.context() as mp:
+            mp.setattr(own_responses, "save_atomic", killed_saving(name))
+            with pytest.raises(Killed):
+                run_cli("responses", "--config", config)
+        stem = name.split(".")[0]
+        assert (folder / f"{name}.tmp").exists() and not (shards / f"{stem}.pt").exists()
+        assert (features / f"{stem}.safetensors").exists() == (folder == shards)  # features come before their shard
+    run_cli("responses", "--config", config)
+    straight = tmp_path / "straight"
+    for folder in (shards, features):  # every file, no temporary left
+        names = sorted(p.name for p in folder.iterdir())
+        assert names == sorted(p.name for p in (straight / folder.relative_to(tmp_path / "killed")).iterdir())
+        assert any(n.startswith("train-00002.") for n in names)
+    for path in shards.iterdir():
+        a, b = (torch.load(p, weights_only=True) for p in (path, straight / "responses" / "shards" / path.name))
+        assert a["prompt_id"] == b["prompt_id"] and torch.equal(a["sample"], b["sample"])
+        assert all(torch.equal(x, y) for x, y in zip(a["response_ids"], b["response_ids"], strict=True))
+    for path in features.iterdir():
+        a, b = load_file(path), load_file(straight / "features" / path.name)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_progress_on_a_machine_without_shards_says_so(tmp_path, capsys) -> None:

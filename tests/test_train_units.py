@@ -4,6 +4,7 @@ scalar head inputs read from rollout columns."""
 from __future__ import annotations
 
 import math
+import os
 import warnings
 from types import SimpleNamespace
 
@@ -358,6 +359,29 @@ def test_cosine_schedule_follows_the_steps_or_a_deadline_whichever_is_further() 
     assert got[5] == pytest.approx(0.5 * (1 + math.cos(math.pi * 0.5)))  # t = 50 s of 100
     assert got[10] == pytest.approx(0.0, abs=1e-12) and got[11] == pytest.approx(0.0, abs=1e-12)
     assert all(a >= b for a, b in zip(got[2:], got[3:]))
+
+
+def test_a_save_that_fails_midway_leaves_the_target_path_as_it_was(tmp_path) -> None:
+    """``save_atomic`` writes beside its target and renames: a save that fails halfway through its bytes leaves no
+    file at a new path and an earlier file untouched; the half-written bytes stay in ``<path>.tmp``."""
+    from accept_head.training.draft_recipe import save_atomic
+
+    def half_then_fails(obj, name: str) -> None:
+        torch.save(obj, name)
+        os.truncate(name, os.path.getsize(name) // 2)
+        raise OSError("No space left on device")
+
+    new, old = tmp_path / "new.pt", tmp_path / "old.pt"
+    save_atomic({"x": torch.arange(3)}, old)
+    before = old.read_bytes()
+    for path in (new, old):
+        with pytest.raises(OSError, match="No space left"):
+            save_atomic({"x": torch.arange(1000)}, path, half_then_fails)
+    assert not new.exists() and old.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["new.pt.tmp", "old.pt", "old.pt.tmp"]
+    save_atomic({"x": torch.arange(1000)}, old)  # the next save replaces the stray temporary and the file whole
+    assert torch.equal(torch.load(old, weights_only=True)["x"], torch.arange(1000))
+    assert not (tmp_path / "old.pt.tmp").exists()
 
 
 @pytest.mark.parametrize("inputs", [["logq", "entropy", "depth"], ["hidden", "logq"]])
