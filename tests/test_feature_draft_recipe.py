@@ -21,6 +21,7 @@ import hashlib
 import json
 import shutil
 from pathlib import Path
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -467,6 +468,18 @@ def test_fit_continues_an_exported_draft_named_by_init_draft(run, tmp_path) -> N
 # ---- evaluate and model_card ---------------------------------------------------------------------------------------
 
 
+def test_training_speed_is_the_median_of_the_logged_steps_a_resumed_run_replacing_its_own(tmp_path) -> None:
+    """The card's training speed: ``train/positions_per_s`` of every logged step across the fit's runs (a resume logs
+    to the next ``version_N`` and its rows replace the earlier run's at the same step), their median."""
+    for version, rows in {0: [(9, 100.0), (19, 300.0)], 1: [(19, 500.0), (29, 700.0)], 2: []}.items():
+        folder = tmp_path / "logs" / f"version_{version}"
+        folder.mkdir(parents=True)
+        lines = ["step,train/positions_per_s,val/accept_1", *[f"{step},{speed},0.5" for step, speed in rows]]
+        (folder / "metrics.csv").write_text("\n".join([*lines, "39,,0.6"]) + "\n")  # a validation row: no speed
+    assert stages.training_speed(SimpleNamespace(work_dir=str(tmp_path))) == {"median": 500.0, "steps": 3}
+    assert stages.training_speed(SimpleNamespace(work_dir=str(tmp_path / "none"))) is None
+
+
 def test_eval_json_and_model_card(run) -> None:
     out = run["root"] / "out"
     ev = json.loads((out / "eval.json").read_text())
@@ -492,6 +505,12 @@ def test_eval_json_and_model_card(run) -> None:
     training = sum(len(tokens) for tokens, _ in generation_sequences(run["root"], "train"))
     assert f"({training:,} training positions, teacher-forced at " in card
     assert "## Lineage" not in card  # one run from the target's weights
+    # The loss positions a second the fit logged (every 10 steps: a run this short may log none), as the card says.
+    speed = stages.training_speed(SimpleNamespace(work_dir=run["cfg"]["work_dir"]))
+    if speed is None:
+        assert "Training speed" not in card
+    else:
+        assert f"Training speed on cpu: a median {speed['median']:,.0f} loss positions/s over {speed['steps']}" in card
     # A recipe read from two configs (a base and a longer schedule): the card names both, in the order read.
     run_cli("model_card", "--config", str(run["config"]), "--recipe_config", '["base.yaml", "long.yaml"]')
     card = (out / "README.md").read_text()

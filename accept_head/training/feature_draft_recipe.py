@@ -1188,11 +1188,10 @@ def ablate(
     return out
 
 
-def learning_curve(cfg: FeatureDraftRecipe) -> list[dict]:
-    """Validation rows of the Lightning CSV logs (step, val/accept_k, val/agree_k, ...), one per validation, by step.
-
-    Each ``fit`` run (a resume included) logs to its own ``logs/version_N``; the runs are read in order and a later
-    run's row replaces an earlier one at the same step."""
+def _logged_rows(cfg: FeatureDraftRecipe, column: str) -> list[dict]:
+    """The rows of the Lightning CSV logs that hold ``column``, one per step. Each ``fit`` run (a resume included)
+    logs to its own ``logs/version_N``; the runs are read in order and a later run's row replaces an earlier one at
+    the same step."""
     logs = expand(cfg.work_dir) / "logs"
     versions = [p for p in logs.glob("version_*") if p.name.removeprefix("version_").isdigit()]
     by_step: dict[float, dict] = {}
@@ -1202,10 +1201,22 @@ def learning_curve(cfg: FeatureDraftRecipe) -> list[dict]:
             continue
         with path.open() as f:
             for r in csv.DictReader(f):
-                if r.get("val/accept_1"):
+                if r.get(column):
                     row = {k: float(v) for k, v in r.items() if v not in ("", None)}
                     by_step[row["step"]] = row
     return [by_step[step] for step in sorted(by_step)]
+
+
+def learning_curve(cfg: FeatureDraftRecipe) -> list[dict]:
+    """Validation rows of the Lightning CSV logs (step, val/accept_k, val/agree_k, ...), one per validation, by step."""
+    return _logged_rows(cfg, "val/accept_1")
+
+
+def training_speed(cfg: FeatureDraftRecipe) -> dict | None:
+    """The median of ``train/positions_per_s`` (loss positions a second, each logged step's) over the logged steps,
+    and how many there were; None when the logs hold none."""
+    speeds = [r["train/positions_per_s"] for r in _logged_rows(cfg, "train/positions_per_s")]
+    return {"median": statistics.median(speeds), "steps": len(speeds)} if speeds else None
 
 
 def model_card(
@@ -1237,7 +1248,7 @@ def model_card(
         _stages_section(runs),
         _measured(ev, configs),
         _lineage_section(config),
-        _learning_curve_section(curve),
+        _learning_curve_section(curve, training_speed(cfg), config["extra"].get("recipe", {}).get("accelerator")),
         _ablation_section(folder),
         section("Limits", _limits(config, runs)),
         section("License", "Derived from SmolLM2-135M-Instruct (Apache-2.0) outputs and weights; same license."),
@@ -1538,14 +1549,22 @@ def _per_kind(ev: dict) -> list[str]:
     ]
 
 
-def _learning_curve_section(curve: list[dict]) -> str:
-    """The learning curve's plot and table: kept-vocabulary acceptance of steps 1–3 per validation."""
+def _learning_curve_section(curve: list[dict], speed: dict | None = None, accelerator: str | None = None) -> str:
+    """The learning curve's plot and table: kept-vocabulary acceptance of steps 1–3 per validation; and the training
+    speed (:func:`training_speed`) when the logs hold it."""
     accept = [[f"{r.get(f'val/accept_{k}', float('nan')):.3f}" for k in (1, 2, 3)] for r in curve]
     rows = [[str(int(r["step"])), *cells] for r, cells in zip(curve, accept)]
+    on = f" on {accelerator}" if accelerator else ""
+    speed_lines = []
+    if speed:
+        speed_lines.append(
+            f"Training speed{on}: a median {speed['median']:,.0f} loss positions/s over {speed['steps']} logged steps."
+        )
     return section(
         "Learning curve (validation on 16 batches of one held-out shard, kept-vocabulary acceptance, decoding context)",
         "![learning curve](learning_curve.png)",
         plain_table(["optimizer step", "step 1", "step 2", "step 3"], rows),
+        *speed_lines,
     )
 
 
