@@ -725,6 +725,7 @@ def test_cpu_fit_configs_keep_the_pools_data_and_train_on_own_responses(capsys, 
     tails = ([], ["cpu-continue"], ["cpu-long"], ["cpu-long-continue"], ["cpu-long-continue-2"])
     printed = [_fit_config(capsys, "cpu", *tail) for tail in tails]
     base, cont, long, long_cont, third = printed
+    assert base["fit_sources"] == ["own"]  # written answers tied on top of own responses: not in the default
     for other in (cont, long, long_cont, third):
         for key in ("prompts", "eval_prompts", "written_responses", "kept_vocab", "split_seed", "target"):
             assert other[key] == base[key], key
