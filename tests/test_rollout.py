@@ -522,8 +522,8 @@ def test_train_fit_on_feature_draft_rollout_labels(feature_setup: TinySetup, tmp
 def test_train_fit_on_rollout_labels_with_scalar_inputs(tiny: TinySetup, tmp_path) -> None:
     """A head reading every input, as a correction of logit(q), trains on rollout labels end to end: it standardises
     the scalar inputs by the training candidates' statistics, the end-of-fit stages decode with it (cost model,
-    sweep), and the exported bundle records its inputs, decodes chains, refuses trees and is scored by `eval
-    label_modes` on the stored inputs — refusing a dataset without one of them."""
+    sweep), and the exported bundle records its inputs, decodes chains and trees (the target's greedy text) and is
+    scored by `eval label_modes` on the stored inputs — refusing a dataset without one of them."""
     from accept_head import SpecDecPP
     from accept_head.acceptance.metrics import acceptance_metrics
     from accept_head.evaluation import label_modes
