@@ -4,6 +4,9 @@ draft-tree rows of ``eval bench``, on tiny random models.
 * ``price_trees`` picks, for each scorer, the subtree a brute-force search over every ancestor-closed subtree picks,
   and scores it with the true values; with the labels as scores (the oracle) nothing beats it.
 * The soft-label AUC equals the AUC of the expanded binary sample; BCE equals torch's.
+* The node scorers (the node's q, EAGLE-2's path probability, AdaEDL's entropy bound, the hidden-only head) and the
+  Brier score equal an independent recomputation on hand-made rounds; the hidden-only head reads the hidden state
+  alone, is seeded, and stays out of the all-node metrics.
 * ``TreeModels`` round-trip through safetensors; missing models and folders give clear errors.
 * The C2T classifier reads the node's own log draft probability besides C2T's three features (its label is
   conditional on the parent), and classifiers saved with the three features alone still load and score alike.
@@ -23,6 +26,7 @@ import itertools
 import json
 import math
 import shutil
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -117,6 +121,66 @@ def test_soft_auc_and_bce_match_their_definitions() -> None:
     assert tree_recipe.soft_auc([1.0, 1.0], [0.2, 0.3]) is None  # one class only
     expected = torch.nn.functional.binary_cross_entropy(torch.tensor(scores), torch.tensor(labels))
     assert tree_recipe.bce(labels, scores) == pytest.approx(float(expected), rel=1e-5)
+
+
+def scored_rounds() -> list[LabelledRound]:
+    """Two hand-made rounds with all four C2T features per node (the log joint summed along the path), hidden states
+    (width 4) of some nodes, and one entropy (7 nats) whose AdaEDL bound is negative."""
+    g = torch.Generator().manual_seed(0)
+    rounds = []
+    for parents, probs, entropies, labels, fed in (
+        ([-1, -1, 0, 0, 2], [0.7, 0.2, 0.6, 0.3, 0.5], [0.5, 2.0, 1.0, 7.0, 0.1], [1.0, 0.0, 0.8, 0.1, 0.6], (0, 2)),
+        ([-1, 0, 1, 1], [0.9, 0.4, 0.05, 0.5], [0.2, 3.0, 6.0, 1.5], [1.0, 0.3, 0.0, 0.7], (0, 1)),
+    ):
+        features = []
+        for n, parent in enumerate(parents):
+            log_joint = math.log(probs[n]) + (0.0 if parent < 0 else features[parent][0])
+            depth = 1.0 if parent < 0 else features[parent][2] + 1
+            features.append([log_joint, entropies[n], depth, math.log(probs[n])])
+        hidden = {n: torch.randn(4, generator=g) for n in fed}
+        rounds.append(LabelledRound(parents, probs, features, dict(enumerate(labels)), hidden, forwards=3))
+    return rounds
+
+
+def test_node_scorers_and_the_brier_score_equal_an_independent_recomputation() -> None:
+    rounds = scored_rounds()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        chain = AcceptanceHead(4, depth=1).eval()
+    models = TreeModels({"greedy": C2TClassifier.fit([f for r in rounds for f in r.features], [0.5] * 9, 5)})
+    models.heads["greedy"] = chain
+    bundle = SimpleNamespace(head=chain, calibration_for=lambda greedy: None)
+    hidden_only = tree_recipe.fit_hidden_head(4, 2, rounds, epochs=3, lr=1e-2, batch_size=2, seed=3)
+    again = tree_recipe.fit_hidden_head(4, 2, rounds, epochs=3, lr=1e-2, batch_size=2, seed=3)
+    assert hidden_only.inputs == ("hidden",) and hidden_only.depth == 2 and not hidden_only.scalar_inputs
+    assert all(torch.equal(a, b) for a, b in zip(hidden_only.state_dict().values(), again.state_dict().values()))
+    table = tree_recipe.scorers(bundle, models, True, None, hidden_only)
+    assert "draft probability (EAGLE-2)" not in table  # the node's own q is not EAGLE-2's score: its path's is
+    bound = "entropy bound (AdaEDL, γ=0.2)"
+    assert tree_recipe.ENTROPY_BOUND == bound
+    for r in rounds:
+        for n in r.labelled():
+            path, node = 1.0, n
+            while node >= 0:
+                path, node = path * r.probs[node], r.parents[node]
+            with torch.no_grad():
+                head = float(torch.sigmoid(hidden_only(r.hidden[n]))) if n in r.hidden else r.probs[n]
+            expected = {"draft probability q": r.probs[n], "path probability (EAGLE-2)": path}
+            expected |= {bound: 1 - math.sqrt(0.2 * r.features[n][1]), tree_recipe.HIDDEN_ONLY: head}
+            for name, value in expected.items():
+                assert table[name](r)[n] == pytest.approx(value, rel=1e-5), (name, n)
+    assert table[bound](rounds[0])[3] < 0  # H = 7 > 1/γ: counted as 0 below
+    for name in ("draft probability q", "path probability (EAGLE-2)", bound, tree_recipe.HIDDEN_ONLY):
+        labels = [r.labels[n] for r in rounds for n in r.labelled()]
+        scores = [min(max(table[name](r)[n], 0.0), 1.0) for r in rounds for n in r.labelled()]
+        metrics = tree_recipe.node_metrics(rounds, table[name], fed_only=False)
+        brier = torch.nn.functional.mse_loss(torch.tensor(scores), torch.tensor(labels))
+        assert metrics["nodes"] == 9 and metrics["brier"] == pytest.approx(float(brier), rel=1e-6)
+        assert metrics["auc"] == pytest.approx(tree_recipe.soft_auc(labels, scores))
+    checked = tree_recipe._check_results(rounds, rounds, table, COST, 10, (tree_recipe.HIDDEN_ONLY,))
+    assert checked["fed_nodes"][tree_recipe.HIDDEN_ONLY]["nodes"] == 4  # fed nodes 0, 2 and 0, 1
+    assert tree_recipe.HIDDEN_ONLY not in checked["all_nodes"] and bound in checked["all_nodes"]
+    assert checked["all_nodes"]["chain head"]["nodes"] == 9  # not named fed-only: counts q off the fed nodes
 
 
 def test_tree_models_round_trip_and_say_what_is_missing(tmp_path) -> None:

@@ -6,13 +6,17 @@ For each decoding mode (greedy, T = 1) of a bundle's pair:
    many nodes) and keep every round whole (:class:`~accept_head.trees.labels.LabelledRound`): the label of each node
    whose parent the target scored, P(node accepted | parent accepted) under the tree verification rule. The same on
    separate check prompts. Rounds are cached per prompt set (``rounds-<set>.pt``), so a rerun resumes.
-2. **Fit.** A C2T classifier on the training nodes (:class:`~accept_head.trees.labels.C2TClassifier`), and a *tree
+2. **Fit.** A C2T classifier on the training nodes (:class:`~accept_head.trees.labels.C2TClassifier`), a *tree
    head*: the bundle's acceptance head fine-tuned with BCE on the training nodes it scores (:func:`head_nodes`: the
    fed ones for a head that reads the hidden state, every labelled node for one that reads only the draft's numbers)
-   — the second head of "one head for chains and trees, or one each".
-3. **Check** (prompts that trained nothing): per scorer — the draft's probability (EAGLE-2), the bundle's chain head
-   (with its calibration for the mode), the tree head, C2T and the labels themselves (the oracle) — the BCE and AUC on
-   the labelled fed nodes (and on all labelled nodes, heads included when they read only scalars), and the trees
+   — the second head of "one head for chains and trees, or one each" — and a *hidden-only head*, the SpecDec++
+   paper's (the hidden state alone, the bundle head's depth), trained from scratch with the same settings on the fed
+   training nodes (:func:`fit_hidden_head`).
+3. **Check** (prompts that trained nothing): per scorer — the node's own draft probability q, EAGLE-2's path score
+   (the joint draft probability of the node's path), AdaEDL's entropy bound 1 − sqrt(γ H) (γ = 0.2, ``EntropyStop``'s
+   default), the bundle's chain head (with its calibration for the mode), the tree head, the hidden-only head, C2T
+   and the labels themselves (the oracle) — the BCE, ECE, Brier score and AUC on the labelled fed nodes (and on all
+   labelled nodes for the scorers that score every node), and the trees
    each would verify: in every check round, the subtree of the labelled nodes
    with the best expected tokens per second under the cost model when values are the scorer's path products
    (:func:`~accept_head.trees.growth.best_subtree`), scored with the *true* values. The oracle's is the ceiling of
@@ -44,6 +48,7 @@ from sklearn.metrics import roc_auc_score
 from ..acceptance.calibration import Calibration, fit_isotonic
 from ..acceptance.head import AcceptanceHead
 from ..acceptance.metrics import expected_calibration_error
+from ..chain.baselines import entropy_lower_bound
 from ..core.costs import CostModel
 from ..core.prompts import PromptOptions, PromptSource, check_disjoint
 from ..core.records import machine_info, write_json
@@ -143,6 +148,17 @@ def fit_tree_head(
     return tuned.eval()
 
 
+def fit_hidden_head(
+    hidden_size: int, depth: int, rounds: list[LabelledRound], epochs: int, lr: float, batch_size: int, seed: int
+) -> AcceptanceHead:
+    """The SpecDec++ paper's head (the hidden state alone, ``depth`` blocks), initialised from ``seed`` and trained
+    by :func:`fit_tree_head` on the fed, labelled nodes of ``rounds``."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        head = AcceptanceHead(hidden_size, depth)
+    return fit_tree_head(head, rounds, epochs, lr, batch_size, seed)
+
+
 def head_nodes(head: AcceptanceHead, r: LabelledRound) -> list[int]:
     """The labelled nodes of ``r`` that ``head`` scores in a :class:`~accept_head.trees.growth.HeadTree`: the fed
     ones when it reads the hidden state, every one when it reads only scalar inputs."""
@@ -185,6 +201,11 @@ def bce(labels: list[float], scores: list[float]) -> float:
     return -sum(terms) / max(len(terms), 1)
 
 
+def brier(labels: list[float], scores: list[float]) -> float:
+    """The Brier score with soft labels: mean (score − label)²."""
+    return sum((p - y) ** 2 for y, p in zip(labels, scores)) / max(len(labels), 1)
+
+
 def head_scorer(head: AcceptanceHead, calibrated=None):
     """function(round) → {labelled node: score} of ``head`` (through ``calibrated`` when given) on the nodes a
     :class:`~accept_head.trees.growth.HeadTree` scores with it (:func:`head_nodes`); any other node counts its draft
@@ -203,11 +224,27 @@ def head_scorer(head: AcceptanceHead, calibrated=None):
     return score
 
 
-def scorers(bundle: SpecDecPP, models: TreeModels, greedy: bool, tree_calibration: Calibration | None = None) -> dict:
+HIDDEN_ONLY = "hidden-only head"
+"""The scorer name of the SpecDec++ paper's head (:func:`fit_hidden_head`): it scores fed nodes only."""
+ENTROPY_GAMMA = 0.2
+"""γ of AdaEDL's entropy bound among the scorers: :class:`~accept_head.chain.baselines.EntropyStop`'s default."""
+ENTROPY_BOUND = f"entropy bound (AdaEDL, γ={ENTROPY_GAMMA:g})"
+
+
+def scorers(
+    bundle: SpecDecPP,
+    models: TreeModels,
+    greedy: bool,
+    tree_calibration: Calibration | None = None,
+    hidden_head: AcceptanceHead | None = None,
+) -> dict:
     """Scorer name → function(round) → {labelled node: score}. Head scorers score the nodes a
     :class:`~accept_head.trees.growth.HeadTree` would (:func:`head_nodes`) and count any other node's draft
-    probability, as it does. ``chain head`` maps the head through the chain calibration of the mode;
-    ``chain head, tree calibration`` (when given one) through ``tree_calibration``."""
+    probability, as it does. ``draft probability q`` is the node's own q; ``path probability (EAGLE-2)`` the joint
+    q of its path (EAGLE-2's score); :data:`ENTROPY_BOUND` 1 − sqrt(γ H) of the distribution it was drawn from
+    (γ = :data:`ENTROPY_GAMMA`; negative for H > 1/γ, counted as 0 by :func:`node_metrics`). ``chain head`` maps
+    the head through the chain calibration of the mode; ``chain head, tree calibration`` (when given one) through
+    ``tree_calibration``; :data:`HIDDEN_ONLY` (when given ``hidden_head``) is raw."""
     calibration = bundle.calibration_for(greedy)
 
     def c2t(r: LabelledRound) -> dict[int, float]:
@@ -220,10 +257,13 @@ def scorers(bundle: SpecDecPP, models: TreeModels, greedy: bool, tree_calibratio
 
     return {
         "oracle (true labels)": lambda r: {n: r.labels[n] for n in r.labelled()},
-        "draft probability (EAGLE-2)": lambda r: {n: r.probs[n] for n in r.labelled()},
+        "draft probability q": lambda r: {n: r.probs[n] for n in r.labelled()},
+        "path probability (EAGLE-2)": lambda r: {n: math.exp(r.features[n][0]) for n in r.labelled()},
+        ENTROPY_BOUND: lambda r: {n: entropy_lower_bound(r.features[n][1], ENTROPY_GAMMA) for n in r.labelled()},
         "chain head": head_scorer(bundle.head, calibration),
         **({"chain head, tree calibration": head_scorer(bundle.head, tree_calibration)} if tree_calibration else {}),
         "tree head": head_scorer(models.head(greedy), None),
+        **({HIDDEN_ONLY: head_scorer(hidden_head, None)} if hidden_head is not None else {}),
         "C2T": c2t,
     }
 
@@ -278,8 +318,8 @@ def top_children(r: LabelledRound) -> set[int]:
 
 
 def node_metrics(rounds: list[LabelledRound], score, fed_only: bool, top_only: bool = False) -> dict:
-    """BCE, soft AUC, mean score and mean label of ``score`` over the labelled nodes of ``rounds`` (only the fed ones
-    with ``fed_only``; only each parent's top child with ``top_only``)."""
+    """BCE, ECE, Brier score, soft AUC, mean score and mean label of ``score`` (clipped to [0, 1]) over the labelled
+    nodes of ``rounds`` (only the fed ones with ``fed_only``; only each parent's top child with ``top_only``)."""
     labels, scores = [], []
     for r in rounds:
         s = score(r)
@@ -292,6 +332,7 @@ def node_metrics(rounds: list[LabelledRound], score, fed_only: bool, top_only: b
         "nodes": len(labels),
         "bce": bce(labels, scores),
         "ece": expected_calibration_error(torch.tensor(scores), torch.tensor(labels)) if labels else None,
+        "brier": brier(labels, scores),
         "auc": soft_auc(labels, scores),
         "mean_score": sum(scores) / max(len(scores), 1),
         "mean_label": sum(labels) / max(len(labels), 1),
@@ -360,9 +401,12 @@ def run(
         models.c2t[mode] = C2TClassifier.fit([f for f, _ in labelled], [y for _, y in labelled], c2t_steps, seed)
         models.heads[mode] = fit_tree_head(specdec.head, train, head_epochs, head_lr, head_batch_size, seed)
         calibrations[mode] = fit_tree_calibration(specdec.head, train)
-        # 3. Check every scorer on the check rounds: its BCE, ECE and AUC, and the trees it would verify.
-        table = scorers(specdec, models, greedy, calibrations[mode])
-        checked = _check_results(train, check, table, cost, max_nodes, specdec.head.reads_hidden)
+        head = specdec.head
+        hidden_head = fit_hidden_head(head.hidden_size, head.depth, train, head_epochs, head_lr, head_batch_size, seed)
+        # 3. Check every scorer on the check rounds: its BCE, ECE, Brier and AUC, and the trees it would verify.
+        table = scorers(specdec, models, greedy, calibrations[mode], hidden_head)
+        fed_only = tuple(name for name in table if name == HIDDEN_ONLY or ("head" in name and head.reads_hidden))
+        checked = _check_results(train, check, table, cost, max_nodes, fed_only)
         results[mode] = {"temperature": temperature, **checked, "seconds": time.perf_counter() - start}
         print(_summary(mode, results[mode]), flush=True)
     # 4. Write the models, the calibrations (into the bundle too when asked) and trees.json.
@@ -371,13 +415,19 @@ def run(
         _export_calibrations(bundle, calibrations, results, prompt_sets)
     settings = {"max_new_tokens": max_new_tokens, "max_nodes": max_nodes, "head_epochs": head_epochs}
     settings |= {"head_lr": head_lr, "c2t_steps": c2t_steps, "seed": seed, "dtype": dtype}
-    payload = {"command": "train.trees", "machine": machine_info(), "bundle": str(bundle)}
-    payload |= {"collection_tree": rule.describe(), "prompts": prompt_sets[0].describe()}
-    payload |= {"check_prompts": prompt_sets[1].describe(), "settings": settings}
-    payload |= {"cost_model": {"source": cost_model, **cost.to_dict()}, "results": results}
+    payload = _payload(bundle, rule, prompt_sets, settings, {"source": cost_model, **cost.to_dict()}, results)
     write_json(folder / "trees.json", payload)
     print(f"wrote {folder / 'trees.json'} and the models under {folder}/<mode>/")
     return payload
+
+
+def _payload(bundle: str, rule: ConfidenceTree, prompt_sets, settings: dict, cost: dict, results: dict) -> dict:
+    """What ``trees.json`` records: the machine, the bundle, the collection tree, both prompt sets, the settings,
+    the cost model and each mode's results."""
+    payload = {"command": "train.trees", "machine": machine_info(), "bundle": str(bundle)}
+    payload |= {"collection_tree": rule.describe(), "prompts": prompt_sets[0].describe()}
+    payload |= {"check_prompts": prompt_sets[1].describe(), "settings": settings}
+    return payload | {"cost_model": cost, "results": results}
 
 
 def _write_models(folder: Path, models: TreeModels, calibrations: dict[str, Calibration]) -> None:
@@ -473,11 +523,11 @@ def _check_results(
     table: dict,
     cost: CostModel,
     max_nodes: int,
-    heads_read_hidden: bool = True,
+    fed_only: tuple[str, ...] = (),
 ) -> dict:
     """The counts of ``train`` and ``check`` rounds and, per scorer of ``table``, its metrics on the check rounds'
-    nodes and the trees it would verify (the ``results`` of trees.json, less temperature and seconds). Head scorers
-    join the ``all_nodes`` metrics when ``heads_read_hidden`` is False (a scalar-only head scores every node)."""
+    nodes and the trees it would verify (the ``results`` of trees.json, less temperature and seconds). The scorers
+    named in ``fed_only`` (heads that read the hidden state) stay out of the ``all_nodes`` metrics."""
     return {
         "rounds": {"train": len(train), "check": len(check)},
         "labelled_nodes": {"train": sum(len(r.labelled()) for r in train), "check": sum(len(r.labels) for r in check)},
@@ -490,7 +540,7 @@ def _check_results(
         "all_nodes": {
             name: node_metrics(check, score, fed_only=False)
             for name, score in table.items()
-            if "head" not in name or not heads_read_hidden  # else they fall back to q off the fed nodes
+            if name not in fed_only  # they fall back to q off the fed nodes
         },
         "priced_trees": {name: price_trees(check, score, cost, max_nodes) for name, score in table.items()},
     }
@@ -502,7 +552,8 @@ def _summary(mode: str, result: dict) -> str:
         fed = result["fed_nodes"][name]
         auc = "–" if fed["auc"] is None else f"{fed['auc']:.3f}"
         lines.append(
-            f"  {name:28s} fed BCE {fed['bce']:.3f} AUC {auc}  tree: {priced['expected_tokens_per_round']:.2f} "
-            f"tokens/round, {priced['mean_tree_size']:.1f} nodes, {priced['expected_tokens_per_second']:.2f} tok/s"
+            f"  {name:28s} fed BCE {fed['bce']:.3f} Brier {fed['brier']:.3f} AUC {auc}  "
+            f"tree: {priced['expected_tokens_per_round']:.2f} tokens/round, {priced['mean_tree_size']:.1f} nodes, "
+            f"{priced['expected_tokens_per_second']:.2f} tok/s"
         )
     return "\n".join(lines)
