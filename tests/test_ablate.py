@@ -141,6 +141,25 @@ def test_shipped_input_ablation_config_removes_one_input_at_a_time(capsys) -> No
         assert name not in inputs.split("=", 1)[1].strip("[]").split(",")
 
 
+def test_the_committed_heads_ablation_removes_each_of_its_inputs_and_adds_the_hidden_state(capsys) -> None:
+    """configs/eval/ablate-inputs-committed.yaml follows the committed recipe: a `no-<input>` variant for every input
+    the committed head reads (read from its train config), each without that input, and the hidden-state variants."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["ablate", "--config", str(REPO / "configs" / "eval" / "ablate-inputs-committed.yaml"), "--print_config"])
+    assert exit_info.value.code == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    recipe = yaml.safe_load((REPO / printed["train_config"]).read_text())["model"]["inputs"]
+    variants = {v["name"]: v["args"] for v in printed["variants"]}
+
+    def inputs(name: str) -> list[str]:
+        flag = next(a for a in variants[name] if a.startswith("--model.inputs="))
+        return flag.split("=", 1)[1].strip("[]").split(",")
+
+    for name in recipe:
+        assert sorted(inputs(f"no-{name}")) == sorted(set(recipe) - {name})
+    assert inputs("hidden-only") == ["hidden"] and sorted(inputs("plus-hidden")) == sorted([*recipe, "hidden"])
+
+
 def test_ablate_counts_labelled_positions_of_token_and_rollout_rows() -> None:
     """Token-level rows count their response, rollout rows their candidates (a rollout run once failed here)."""
     import torch
