@@ -499,3 +499,26 @@ def test_a_head_that_reads_no_spread_costs_the_decoder_no_pass_over_the_vocabula
         for k, score in enumerate(state.accept_probs):
             path += state.draft_logps[k]
             assert score == pytest.approx(head.accept_prob_one(None, [state.draft_logps[k], k + 1.0, path]), abs=1e-12)
+
+
+def test_greedy_verification_from_the_argmax_equals_speculative_sampling_over_one_hot_distributions() -> None:
+    """The chain's greedy rounds verify from the target's argmax alone (``verify_argmax``): the same accepted count
+    and next token as ``verify`` over the one-hot p and q greedy decoding defines — ties (the first maximum wins)
+    and rounds accepted whole, rejected at once or without candidates included."""
+    from accept_head.chain.decoding import verify, verify_argmax
+    from accept_head.core.sampling import SamplingConfig, probabilities
+
+    g = torch.Generator().manual_seed(0)
+    greedy = SamplingConfig(0.0)
+    outcomes = set()
+    for trial in range(300):
+        k, vocab = trial % 5, 7
+        logits = torch.randint(0, 4, (k + 1, vocab), generator=g).to(torch.bfloat16)  # small ints: many ties
+        picks = logits.float().argmax(-1).tolist()
+        keep = int(torch.randint(0, k + 1, (1,), generator=g))  # candidates equal the argmax up to here, then not
+        candidates = [picks[i] if i < keep else (picks[i] + 1) % vocab for i in range(k)]
+        q = torch.nn.functional.one_hot(torch.tensor(candidates, dtype=torch.long), vocab).float()
+        want = verify(probabilities(logits, greedy), q, torch.tensor(candidates, dtype=torch.long), g)
+        assert verify_argmax(logits, candidates) == want
+        outcomes.add((want[0] == k, want[0] == 0))
+    assert outcomes == {(True, True), (True, False), (False, True), (False, False)}

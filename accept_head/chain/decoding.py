@@ -291,6 +291,16 @@ def verify(
     return k, sample_one(p[k], generator)
 
 
+def verify_argmax(logits: torch.Tensor, candidates: Sequence[int]) -> tuple[int, int]:
+    """Greedy verification of one round from the target's logits (K+1, V) alone: candidates are accepted while each
+    equals the target's argmax after its prefix (the first maximum on ties, as :func:`probabilities` takes it), and
+    the next token is the argmax after the last accepted one. The same (m, next token) as :func:`verify` over the
+    greedy one-hot p and q, without building K + 1 distributions over the vocabulary."""
+    picks = argmax(logits).tolist()
+    m = next((i for i, (y, pick) in enumerate(zip(candidates, picks)) if y != pick), len(candidates))
+    return m, picks[m]
+
+
 @contextmanager
 def _timed(
     stats: DecodeStats, field_name: str, device: torch.device | Iterable[torch.device] | None = None
@@ -471,9 +481,12 @@ def speculative_generate(
             with _timed(stats, "target_time", device):
                 verify_ids = torch.tensor([[tokens[-1], *candidates]], device=device)
                 logits, hidden = _target_pass(target, verify_ids, cache, drafter.needs_target_features)
-                p = probabilities(logits, sampling)
-                q = torch.stack(q_rows) if q_rows else p[:0]
-                m, next_token = verify(p, q, verify_ids[0, 1:], generator)
+                if sampling.greedy:
+                    m, next_token = verify_argmax(logits, candidates)
+                else:
+                    p = probabilities(logits, sampling)
+                    q = torch.stack(q_rows) if q_rows else p[:0]
+                    m, next_token = verify(p, q, verify_ids[0, 1:], generator)
             policy.update(state, m)
             # 3. Commit: accepted candidates and the target's token (up to an EOS), then crop both sides to them.
             new = _until_eos(candidates[:m] + [next_token], eos)

@@ -204,7 +204,12 @@ def pass_clock(spent: dict, widths: list[int]):
 
 SPLIT = {
     "draft_sampling": [(chain_decoding, "draw"), (tree_decoding, "draft_probs")],
-    "verification": [(chain_decoding, "probabilities"), (chain_decoding, "verify"), (tree_decoding, "verify_tree")],
+    "verification": [
+        (chain_decoding, "probabilities"),
+        (chain_decoding, "verify"),
+        (chain_decoding, "verify_argmax"),
+        (tree_decoding, "verify_tree"),
+    ],
     "cache_and_masks": [
         (chain_decoding, "_crop"),
         (tree_decoding, "tree_rows"),
