@@ -34,6 +34,7 @@ from tiny_models import (
 import accept_head.chain.decoding as decoding
 from accept_head import AcceptanceHead, FixedK, HeadThreshold, autoregressive_generate, load_model, speculative_generate
 from accept_head.chain.decoding import verify as correct_verify
+from accept_head.chain.decoding import verify_argmax as correct_verify_argmax
 from accept_head.core.sampling import sample
 from accept_head.models.drafters import ModelDrafter
 from accept_head.models.feature_draft import FeatureDraft, FeatureDrafter, Int8Linear, model_fingerprint
@@ -178,22 +179,23 @@ def test_greedy_speculative_equals_autoregressive(greedy_settings, setting, k) -
         assert full_rounds > 0
 
 
-def bonus_from_the_last_candidates_position(p, q, candidates, generator):
-    """A verifier broken only on the accept path: when every candidate is accepted, the bonus token is drawn from
-    p_{K-1} (the distribution the last candidate was checked against) instead of p_K."""
-    m, token = correct_verify(p, q, candidates, generator)
-    k = candidates.shape[0]
+def argmax_bonus_from_the_last_candidates_position(logits, candidates):
+    """The greedy verifier broken the same way: after a fully accepted round the bonus token is the target's argmax
+    at the last candidate's row instead of the row after it."""
+    m, token = correct_verify_argmax(logits, candidates)
+    k = len(candidates)
     if m == k > 0:
-        token = int(sample(p[k - 1 : k], generator)[0])
+        token = int(logits[k - 1].float().argmax())
     return m, token
 
 
 @pytest.mark.parametrize("setting", ["feature", "feature-exact"])
 def test_greedy_check_catches_a_broken_accept_path(greedy_settings, monkeypatch, setting) -> None:
     """The greedy equality check fails with a verifier that is wrong only after a fully accepted round — which a
-    draft that never gets its candidates accepted cannot reveal."""
+    draft that never gets its candidates accepted cannot reveal. Greedy chain rounds verify from the argmax
+    (``verify_argmax``): that is the verifier broken here."""
     target, make_draft, _ = greedy_settings[setting]
-    monkeypatch.setattr(decoding, "verify", bonus_from_the_last_candidates_position)
+    monkeypatch.setattr(decoding, "verify_argmax", argmax_bonus_from_the_last_candidates_position)
     mismatches = 0
     for prompt in GREEDY_PROMPTS:
         expected = autoregressive_generate(target, prompt, GREEDY_NEW, temperature=0).sequences
